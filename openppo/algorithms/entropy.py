@@ -1,0 +1,138 @@
+"""Token log-probs and entropy from logits, without a full-vocabulary fp32 copy of the batch.
+
+Logits are [B, T, V] with V ~ 150k: in bf16 a 4 x 8192-token micro-batch is already 10 GB, and the obvious
+`logits.float().log_softmax(-1)` adds a 20 GB fp32 copy, plus another for autograd to keep for backward. Here both
+quantities are custom autograd functions that walk the positions in chunks of `chunk_size` tokens:
+  * forward upcasts one chunk at a time (chunk_size x V in fp32) and keeps only the [B, T] result;
+  * backward recomputes the chunk's softmax from the saved logits (which exist anyway) and writes the gradient,
+    in the logits' dtype, straight into the one gradient tensor autograd needs.
+So the extra memory is one chunk, forward and backward, whatever B and T are. Slices such as `logits[:, :-1]` are
+fine: chunks are views, nothing is flattened or copied.
+
+Results are fp32 for fp32/bf16/fp16 logits and fp64 for fp64 logits. `temperature` divides the logits as the
+rollout engine did when sampling (so log-probs match the sampling distribution).
+"""
+
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+from torch.autograd.function import once_differentiable
+
+from openppo.errors import UserError
+
+DEFAULT_CHUNK_SIZE = 1024
+
+
+def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _chunks(batch: int, length: int, chunk_size: int) -> Iterator[tuple[slice, slice]]:
+    """(rows, positions) index pairs covering [batch, length] with about chunk_size positions each."""
+    if length >= chunk_size:
+        for b in range(batch):
+            for t in range(0, length, chunk_size):
+                yield slice(b, b + 1), slice(t, min(t + chunk_size, length))
+    elif length > 0:
+        rows = max(1, chunk_size // length)
+        for b in range(0, batch, rows):
+            yield slice(b, min(b + rows, batch)), slice(0, length)
+
+
+class _LogProbs(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int):
+        dtype = _compute_dtype(logits.dtype)
+        out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
+        for rows, cols in _chunks(logits.shape[0], logits.shape[1], chunk_size):
+            z = logits[rows, cols].to(dtype) / temperature
+            picked = z.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1)
+            out[rows, cols] = picked - torch.logsumexp(z, dim=-1)
+        ctx.save_for_backward(logits, labels)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, labels = ctx.saved_tensors
+        dtype = _compute_dtype(logits.dtype)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for rows, cols in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
+            z = logits[rows, cols].to(dtype) / ctx.temperature
+            g = grad_out[rows, cols].to(dtype).unsqueeze(-1)
+            # d log p(y) / d z = onehot(y) - softmax(z); the chain rule through z = logits / T adds 1 / T.
+            gz = torch.softmax(z, dim=-1).mul_(-g)
+            gz.scatter_add_(-1, labels[rows, cols].unsqueeze(-1), g)
+            grad[rows, cols] = gz.div_(ctx.temperature)
+        return grad, None, None, None
+
+
+class _Entropy(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, temperature: float, chunk_size: int):
+        dtype = _compute_dtype(logits.dtype)
+        out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
+        for rows, cols in _chunks(logits.shape[0], logits.shape[1], chunk_size):
+            p = torch.softmax(logits[rows, cols].to(dtype) / temperature, dim=-1)
+            # xlogy(0, 0) = 0: a logit of -inf (a banned token) has p = 0 and adds nothing, instead of 0 * -inf = NaN.
+            out[rows, cols] = -torch.special.xlogy(p, p).sum(dim=-1)
+        ctx.save_for_backward(logits, out)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, entropy = ctx.saved_tensors
+        dtype = _compute_dtype(logits.dtype)
+        grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        for rows, cols in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
+            p = torch.softmax(logits[rows, cols].to(dtype) / ctx.temperature, dim=-1)
+            # dH/dz_j = -p_j (log p_j + H); again 1 / T for z = logits / T.
+            h = entropy[rows, cols].unsqueeze(-1)
+            g = grad_out[rows, cols].to(dtype).unsqueeze(-1)
+            gz = torch.special.xlogy(p, p).add_(p * h).mul_(-g / ctx.temperature)
+            grad[rows, cols] = gz
+        return grad, None, None
+
+
+def _as_3d(logits: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
+    if temperature <= 0:
+        raise UserError(f"--temperature: must be > 0, got {temperature}")
+    if chunk_size < 1:
+        raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
+    if logits.dim() == 2:
+        return logits.unsqueeze(0)
+    if logits.dim() != 3:
+        raise ValueError(f"logits must be [B, T, V] or [N, V], got {tuple(logits.shape)}")
+    return logits
+
+
+def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
+                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """log softmax(logits / temperature)[label], chunked (see the module docstring).
+
+    Shapes: logits [B, T, V] (or [N, V]), labels [B, T] (or [N]) int64 in [0, V) -> [B, T] (or [N]); no reduction.
+    Align them yourself (logits at position t predict the token at t + 1). Gradient flows to `logits`.
+    """
+    logits3 = _as_3d(logits, temperature, chunk_size)
+    labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
+    if labels3.shape != logits3.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
+    out = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size)
+    return out.squeeze(0) if logits.dim() == 2 else out
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, *,
+                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+    """Entropy H = -sum_v p_v log p_v of softmax(logits / temperature) per position, chunked.
+
+    Shapes: logits [B, T, V] (or [N, V]) -> [B, T] (or [N]); no reduction (mask and reduce with `aggregate_loss`
+    for the entropy bonus, `--entropy_loss_coef`). Gradient flows to `logits`.
+    """
+    logits3 = _as_3d(logits, temperature, chunk_size)
+    out = _Entropy.apply(logits3, float(temperature), chunk_size)
+    return out.squeeze(0) if logits.dim() == 2 else out

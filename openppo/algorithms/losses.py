@@ -1,0 +1,169 @@
+"""Per-token policy and value losses of PPO and its relatives (GSPO, DAPO clip-higher, dual clip, IS correction).
+
+Both losses return the *unreduced* per-token loss [B, T] (0 where masked) and a dict of detached scalar metrics;
+`aggregate_loss` reduces the loss. Targets (old log-probs, rollout log-probs, advantages, old values, returns) are
+detached here, so only the current policy's log-probs and the current values receive gradients.
+
+Log ratios are clamped to [-20, 20] before exp (exp(20) ~ 4.9e8): a token the policy has moved far from would
+otherwise give inf, and inf * 0 = NaN poisons the whole step. A clamped token gets no gradient, which loses nothing:
+its ratio is far outside any clip range.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openppo.algorithms.estimators import POLICY_LOSS_TYPES
+from openppo.algorithms.masking import bool_mask, check_choice, check_same_shape, masked_mean
+from openppo.errors import UserError
+
+IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
+LOG_RATIO_CLAMP = 20.0
+
+
+def _zero(x: torch.Tensor) -> torch.Tensor:
+    return torch.zeros((), dtype=x.dtype, device=x.device)
+
+
+def gspo_sequence_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
+                            mask: torch.Tensor) -> torch.Tensor:
+    """log s_i = mean over kept tokens of (log pi - log pi_old), i.e. s_i = geometric mean of the token ratios.
+
+    GSPO, Zheng et al. 2025, arXiv:2507.18071. Shapes: [B, T] -> [B]; gradient flows to `log_probs`; clamped to
+    [-20, 20]; 0 for an all-masked row.
+    """
+    return masked_mean(log_probs - old_log_probs.detach(), mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+
+
+def importance_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
+                       correction: str, threshold: tuple[float, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Weights that correct for the rollout engine (vLLM) sampling from a slightly different policy than the trainer.
+
+    rho_t = pi_old(t) / pi_rollout(t) = exp(old - rollout), per token, detached; [low, high] = `threshold`.
+        tis           w_t = clip(rho_t, low, high)                 truncated IS (Yao et al. 2025, "Your efficient
+                                                                    RL framework secretly brings you off-policy RL
+                                                                    training", blog post)
+        icepop        w_t = rho_t * 1[low <= rho_t <= high]         tokens outside the band are dropped (IcePop)
+        seq-mask-tis  w_t = clip(rho_t, low, high) * 1[low <= rho_seq <= high], rho_seq = exp(mean_t log rho_t):
+                      whole responses whose geometric-mean ratio leaves the band are dropped, the rest are truncated IS.
+    Shapes: [B, T] -> (weights [B, T], 0 where masked; metrics). Metrics: is_ratio_mean (mean applied weight),
+    vllm_kl (k1 estimate of KL(pi_rollout || pi_old), sampled from the rollout), is_masked_ratio (tokens dropped).
+    """
+    check_choice("--vllm_is_correction_type", correction, IS_CORRECTION_TYPES)
+    low, high = threshold
+    if not 0 <= low < high:
+        raise UserError(f"--vllm_is_truncated_threshold: need 0 <= low < high, got {low} {high}")
+    keep = bool_mask(mask)
+    log_rho = (old_log_probs.detach() - rollout_log_probs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    log_rho = torch.where(keep, log_rho, _zero(log_rho))
+    rho = log_rho.exp()
+    if correction == "tis":
+        weights = rho.clamp(low, high)
+        dropped = torch.zeros_like(keep)
+    elif correction == "icepop":
+        dropped = (rho < low) | (rho > high)
+        weights = torch.where(dropped, _zero(rho), rho)
+    else:
+        rho_seq = masked_mean(log_rho, mask, dim=-1).exp().unsqueeze(-1)
+        dropped = ((rho_seq < low) | (rho_seq > high)).expand_as(rho)
+        weights = torch.where(dropped, _zero(rho), rho.clamp(low, high))
+    weights = torch.where(keep, weights, _zero(weights))
+    metrics = {
+        "is_ratio_mean": masked_mean(weights, mask),
+        "vllm_kl": masked_mean(-log_rho, mask),
+        "is_masked_ratio": masked_mean((dropped & keep).to(rho.dtype), mask),
+    }
+    return weights, metrics
+
+
+def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, *, eps_clip_low: float = 0.2, eps_clip_high: float = 0.2,
+                dual_clip: float | None = None, loss_type: str = "ppo",
+                rollout_log_probs: torch.Tensor | None = None, is_correction: str | None = None,
+                is_threshold: tuple[float, float] = (0.5, 5.0)) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped surrogate loss of PPO (Schulman et al. 2017, arXiv:1707.06347) and GSPO, per token.
+
+        r_t   = pi(t) / pi_old(t)                         ppo
+              = s_i = exp(mean_t log(pi / pi_old))        gspo (arXiv:2507.18071), the same for every token of i
+        l_t   = -min(r_t A_t, clip(r_t, 1 - eps_clip_low, 1 + eps_clip_high) A_t)
+                (asymmetric `--eps_clip_low_high`, DAPO clip-higher, arXiv:2503.14476)
+        dual clip (`--dual_clip` c > 1, Ye et al. 2020, arXiv:1912.09729), only where A_t < 0:
+              l_t = min(l_t, -c A_t)   bounds the loss when r_t is far above 1 on a bad action
+        IS correction (`--vllm_is_correction_type`, needs `rollout_log_probs`): l_t <- w_t l_t,
+              w from `importance_weights`, for both loss types.
+
+    Shapes: log_probs, old_log_probs, advantages, mask (and rollout_log_probs) [B, T] -> (loss [B, T], no
+    reduction, 0 where masked; metrics). Gradient flows to `log_probs` only. For GSPO, writing the sequence ratio
+    on every token and aggregating with equal weight per token of a sequence (all modes of `aggregate_loss` do)
+    gives the paper's gradient s_i A_i * mean_t grad log pi(t).
+    Metrics (detached, means over kept tokens of this micro-batch): clip_ratio (tokens where the clipped branch
+    is the active one), approx_kl (k3 estimate of KL(pi_old || pi)), dual_clip_ratio if dual clip is on, and
+    the `importance_weights` metrics if IS correction is on.
+    """
+    check_choice("--policy_loss_type", loss_type, POLICY_LOSS_TYPES)
+    check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, mask=mask,
+                     rollout_log_probs=rollout_log_probs)
+    if not (0 <= eps_clip_low < 1 and eps_clip_high >= 0):
+        raise UserError(f"--eps_clip_low_high: need 0 <= low < 1 and high >= 0, got {eps_clip_low} {eps_clip_high}")
+    if dual_clip is not None and dual_clip <= 1:
+        raise UserError(f"--dual_clip: must be > 1 (e.g. 3), got {dual_clip}")
+    keep = bool_mask(mask)
+    old_log_probs = old_log_probs.detach()
+    advantages = torch.where(keep, advantages.detach(), _zero(advantages))
+
+    if loss_type == "ppo":
+        token_log_ratio = torch.where(keep, log_probs - old_log_probs, _zero(log_probs))
+        log_ratio = token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+    else:
+        log_ratio = gspo_sequence_log_ratio(log_probs, old_log_probs, mask).unsqueeze(-1).expand_as(log_probs)
+    ratio = log_ratio.exp()
+    surrogate = ratio * advantages
+    clipped_surrogate = ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages
+    loss = -torch.minimum(surrogate, clipped_surrogate)
+    metrics = {"clip_ratio": masked_mean((clipped_surrogate < surrogate).to(ratio.dtype), mask).detach()}
+    if dual_clip is not None:
+        dual_bound = -dual_clip * advantages
+        dual_active = (advantages < 0) & (loss > dual_bound)
+        loss = torch.where(dual_active, dual_bound, loss)
+        metrics["dual_clip_ratio"] = masked_mean(dual_active.to(ratio.dtype), mask)
+    if is_correction is not None:
+        if rollout_log_probs is None:
+            raise ValueError("policy_loss: IS correction needs rollout_log_probs (the rollout engine's log-probs)")
+        weights, is_metrics = importance_weights(old_log_probs, rollout_log_probs, mask, is_correction, is_threshold)
+        loss = loss * weights
+        metrics.update(is_metrics)
+    loss = torch.where(keep, loss, _zero(loss))
+    # k3 of KL(pi_old || pi) sampled from pi_old, with x = log(pi / pi_old): r - 1 - log r = expm1(x) - x.
+    # Never negative and lower variance than the mean log ratio; per token, whatever the loss type.
+    x = torch.where(keep, log_probs.detach() - old_log_probs, _zero(log_probs)).clamp(-LOG_RATIO_CLAMP,
+                                                                                       LOG_RATIO_CLAMP)
+    metrics["approx_kl"] = masked_mean(torch.expm1(x) - x, mask)
+    return loss, metrics
+
+
+def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
+               value_clip: float | None = 0.5) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """Clipped value loss (PPO2 baselines; `--value_clip`, default 0.5), per token.
+
+        V_clip = V_old + clip(V - V_old, -value_clip, value_clip)
+        l_t    = 0.5 * max((V - R)^2, (V_clip - R)^2)         (0.5 * (V - R)^2 when value_clip is None)
+
+    Shapes: values, old_values, returns, mask [B, T] -> (loss [B, T], no reduction, 0 where masked; metrics).
+    Gradient flows to `values` only. Metric: value_clip_ratio (tokens where the clipped term is the larger).
+    """
+    check_same_shape(values=values, old_values=old_values, returns=returns, mask=mask)
+    keep = bool_mask(mask)
+    returns = returns.detach()
+    unclipped = (values - returns).square()
+    metrics: dict[str, torch.Tensor] = {}
+    if value_clip is None:
+        loss = 0.5 * unclipped
+    else:
+        if value_clip <= 0:
+            raise UserError(f"--value_clip: must be > 0, got {value_clip}")
+        old_values = old_values.detach()
+        clipped = (old_values + (values - old_values).clamp(-value_clip, value_clip) - returns).square()
+        loss = 0.5 * torch.maximum(unclipped, clipped)
+        metrics["value_clip_ratio"] = masked_mean((clipped > unclipped).to(values.dtype), mask).detach()
+    loss = torch.where(keep, loss, _zero(loss))
+    return loss, metrics

@@ -1,0 +1,37 @@
+"""Write a built-in task's data set as JSONL: `python -m openppo.cli.make_task arithmetic --out data.jsonl`."""
+
+from __future__ import annotations
+
+import sys
+from dataclasses import dataclass
+
+from openppo.cli.runner import run_cli
+from openppo.config.schema import opt
+from openppo.errors import require
+from openppo.tasks import arithmetic
+
+
+@dataclass
+class MakeTaskConfig:
+    task: str = opt("arithmetic", "which built-in task", choices=("arithmetic",))
+    out: str = opt(None, "output .jsonl path (columns: input, output, label)", metavar="PATH")
+    num_samples: int = opt(512, "rows to generate")
+    seed: int = opt(0, "generator seed")
+    max_operand: int = opt(9, "operands are drawn from 0..max_operand")
+    ops: str = opt("+", "operators to draw from, e.g. '+-*'")
+
+
+def make(cfg: MakeTaskConfig) -> None:
+    require(bool(cfg.out), "--out is required: the .jsonl file to write")
+    require(cfg.num_samples > 0, f"--num_samples must be positive, got {cfg.num_samples}")
+    require(set(cfg.ops) <= set("+-*") and cfg.ops != "", f"--ops: use characters from '+-*', got {cfg.ops!r}")
+    rows = arithmetic.make_rows(cfg.num_samples, seed=cfg.seed, max_operand=cfg.max_operand, ops=cfg.ops)
+    print(arithmetic.write_jsonl(rows, cfg.out))
+
+
+def main(argv=None) -> int:
+    return run_cli(make, MakeTaskConfig, "openppo.cli.make_task", __doc__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+"""How every CLI runs: parse the typed config, run, turn user errors into one line and exit code 2."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import Callable, Sequence, TypeVar
+
+from openppo.config.schema import parse_config
+from openppo.errors import UserError
+from openppo.utils.logging_setup import setup_logging
+
+C = TypeVar("C")
+
+
+def run_cli(main: Callable[[C], None], config_cls: type[C], prog: str, description: str,
+            argv: Sequence[str] | None = None) -> int:
+    setup_logging()
+    cfg = parse_config(config_cls, argv, prog, description)
+    try:
+        main(cfg)
+    except UserError as err:
+        # Every rank fails the same way; one line from rank 0 is enough.
+        if os.environ.get("RANK", "0") == "0":
+            sys.stderr.write(f"error: {err}\n")
+        return 2
+    return 0

@@ -1,0 +1,53 @@
+"""DPO / IPO / cDPO on preference pairs: `deepspeed --module openppo.cli.train_dpo ...`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from openppo.cli.runner import run_cli
+from openppo.cli.train_rm import build_preference_data, preference_keys
+from openppo.datasets import collate_pairs
+from openppo.errors import require
+from openppo.models.actor import Actor
+from openppo.models.loading import load_tokenizer, resolve_model_path
+from openppo.trainers import setup
+from openppo.trainers.configs import DPOConfig
+from openppo.trainers.dpo import DPOTrainer
+from openppo.trainers.loop import SupervisedTrainer
+
+
+def train(cfg: DPOConfig) -> None:
+    setup.validate_common(cfg)
+    ref_path = cfg.dpo.ref_pretrain or cfg.model.pretrain
+    resolve_model_path(ref_path, "--ref_pretrain")
+    require(cfg.dpo.beta > 0, f"--beta must be positive, got {cfg.dpo.beta}")
+    require(0.0 <= cfg.dpo.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5), got {cfg.dpo.label_smoothing}")
+    raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
+    tokenizer = load_tokenizer(cfg.model.pretrain)
+    train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)
+    strategy = setup.make_strategy(cfg)
+    with strategy.zero3_init(for_training=False, offload=cfg.dpo.ref_offload):
+        ref = Actor.from_pretrained(ref_path, dtype=strategy.torch_dtype, flag="--ref_pretrain",
+                                    attn_implementation=cfg.model.attn_implementation)
+    ref_engine = strategy.prepare_eval(ref, offload=cfg.dpo.ref_offload)
+    with strategy.zero3_init():
+        actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **setup.lora_kwargs(cfg))
+    steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
+    engine = strategy.prepare_train(actor, **setup.optimizer_kwargs(cfg, steps))
+    tracker = setup.make_tracker(cfg, strategy, "train_dpo")
+    collate = functools.partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
+    try:
+        DPOTrainer(ref_engine=ref_engine, beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing,
+                   ipo=cfg.dpo.ipo, nll_loss_coef=cfg.dpo.nll_loss_coef,
+                   **setup.train_kwargs(cfg, strategy, engine, tokenizer, train_ds, eval_ds, collate, tracker)).fit()
+    finally:
+        tracker.close()
+
+
+def main(argv=None) -> int:
+    return run_cli(train, DPOConfig, "openppo.cli.train_dpo", __doc__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

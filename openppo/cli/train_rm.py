@@ -1,0 +1,57 @@
+"""Reward-model training on preference pairs: `deepspeed --module openppo.cli.train_rm ...`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from openppo.cli.runner import run_cli
+from openppo.datasets import PreferenceDataset, collate_pairs
+from openppo.models.loading import load_tokenizer
+from openppo.models.scalar import ScalarModel
+from openppo.trainers import setup
+from openppo.trainers.configs import RMConfig
+from openppo.trainers.loop import SupervisedTrainer
+from openppo.trainers.rm import RewardModelTrainer
+
+
+def build_preference_data(cfg, tokenizer, raw_train, raw_eval):
+    make = functools.partial(PreferenceDataset, tokenizer=tokenizer, max_len=cfg.data.max_len,
+                             prompt_key=cfg.data.prompt_key, chosen_key=cfg.data.chosen_key,
+                             rejected_key=cfg.data.rejected_key, apply_chat_template=cfg.data.apply_chat_template,
+                             input_template=cfg.data.input_template)
+    return make(raw_train), (make(raw_eval) if raw_eval is not None else None)
+
+
+def preference_keys(cfg) -> dict:
+    return {"--prompt_key": cfg.data.prompt_key, "--chosen_key": cfg.data.chosen_key,
+            "--rejected_key": cfg.data.rejected_key}
+
+
+def train(cfg: RMConfig) -> None:
+    setup.validate_common(cfg)
+    raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
+    tokenizer = load_tokenizer(cfg.model.pretrain)
+    train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)
+    strategy = setup.make_strategy(cfg)
+    with strategy.zero3_init():
+        model = ScalarModel.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, flag="--pretrain",
+                                            **setup.lora_kwargs(cfg))
+    steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
+    engine = strategy.prepare_train(model, **setup.optimizer_kwargs(cfg, steps))
+    tracker = setup.make_tracker(cfg, strategy, "train_rm")
+    collate = functools.partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
+    try:
+        RewardModelTrainer(loss=cfg.rm.loss, margin=cfg.rm.margin,
+                           **setup.train_kwargs(cfg, strategy, engine, tokenizer, train_ds, eval_ds, collate,
+                                                tracker)).fit()
+    finally:
+        tracker.close()
+
+
+def main(argv=None) -> int:
+    return run_cli(train, RMConfig, "openppo.cli.train_rm", __doc__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

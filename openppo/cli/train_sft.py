@@ -1,0 +1,50 @@
+"""Supervised fine-tuning: `deepspeed --module openppo.cli.train_sft ...` or `torchrun -m openppo.cli.train_sft`."""
+
+from __future__ import annotations
+
+import functools
+import sys
+
+from openppo.cli.runner import run_cli
+from openppo.datasets import SFTDataset, collate_packed, collate_padded
+from openppo.errors import require
+from openppo.models.actor import Actor
+from openppo.models.loading import load_tokenizer
+from openppo.trainers import setup
+from openppo.trainers.configs import SFTConfig
+from openppo.trainers.loop import SupervisedTrainer
+from openppo.trainers.sft import SFTTrainer
+
+
+def train(cfg: SFTConfig) -> None:
+    setup.validate_common(cfg)
+    require(not cfg.data.multiturn or cfg.data.apply_chat_template,
+            "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)")
+    keys = {"--input_key": cfg.data.input_key, "--output_key": None if cfg.data.multiturn else cfg.data.output_key}
+    raw_train, raw_eval = setup.load_raw_data(cfg.data, keys, cfg.optim.seed)
+    tokenizer = load_tokenizer(cfg.model.pretrain)
+    make = functools.partial(SFTDataset, tokenizer=tokenizer, max_len=cfg.data.max_len, input_key=cfg.data.input_key,
+                             output_key=cfg.data.output_key, apply_chat_template=cfg.data.apply_chat_template,
+                             input_template=cfg.data.input_template, multiturn=cfg.data.multiturn)
+    train_ds = make(raw_train)
+    eval_ds = make(raw_eval) if raw_eval is not None else None
+    strategy = setup.make_strategy(cfg)
+    collate = collate_packed if cfg.data.packing_samples else functools.partial(
+        collate_padded, pad_token_id=tokenizer.pad_token_id)
+    with strategy.zero3_init():
+        actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **setup.lora_kwargs(cfg))
+    steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
+    engine = strategy.prepare_train(actor, **setup.optimizer_kwargs(cfg, steps))
+    tracker = setup.make_tracker(cfg, strategy, "train_sft")
+    try:
+        SFTTrainer(**setup.train_kwargs(cfg, strategy, engine, tokenizer, train_ds, eval_ds, collate, tracker)).fit()
+    finally:
+        tracker.close()
+
+
+def main(argv=None) -> int:
+    return run_cli(train, SFTConfig, "openppo.cli.train_sft", __doc__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

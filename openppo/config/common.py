@@ -1,0 +1,74 @@
+"""Config components shared by the training CLIs: model, optimiser, checkpointing, logging.
+
+Field names are the flat OpenRLHF flag names; each help line is what `--help` prints.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openppo.config.schema import opt
+
+LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
+
+
+@dataclass
+class ModelConfig:
+    """Model to train and how to build it."""
+
+    pretrain: str = opt(None, "local HF model folder (or hub id where a hub is reachable) to start from",
+                        metavar="PATH")
+    attn_implementation: str = opt("sdpa", "attention kernel passed to transformers",
+                                   choices=("sdpa", "eager", "flash_attention_2", "flex_attention"))
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    lora_rank: int = opt(0, "LoRA rank; 0 trains all weights")
+    lora_alpha: int = opt(16, "LoRA alpha (scaling = alpha / rank)")
+    lora_dropout: float = opt(0.0, "LoRA dropout")
+    target_modules: list[str] = opt(None, "module names LoRA adapts; default: all linear layers",
+                                    metavar="NAME")
+
+
+@dataclass
+class OptimConfig:
+    """Batch arithmetic, optimiser and learning-rate schedule."""
+
+    train_batch_size: int = opt(128, "global samples per optimizer step (all ranks, all micro-batches)")
+    micro_train_batch_size: int = opt(8, "samples per forward/backward on one rank")
+    max_epochs: int = opt(1, "passes over the training set")
+    max_steps: int = opt(-1, "stop after this many optimizer steps; -1 = run all epochs")
+    learning_rate: float = opt(5e-6, "peak learning rate")
+    lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after warm-up", choices=LR_SCHEDULERS)
+    lr_warmup_ratio: float = opt(0.03, "share of the optimizer steps spent warming the LR up from 0")
+    min_lr_ratio: float = opt(0.1, "floor of cosine_with_min_lr as a share of the peak LR")
+    adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam beta1 beta2")
+    l2: float = opt(0.0, "weight decay (not applied to biases and norms)")
+    max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
+    seed: int = opt(42, "random seed for data order, init and dropout")
+
+
+@dataclass
+class CheckpointConfig:
+    """Where the trained model and the resumable checkpoints go."""
+
+    save_path: str = opt("./ckpt", "final HF model folder; metrics.jsonl and run_info.json are written here too",
+                         metavar="DIR")
+    ckpt_path: str = opt(None, "DeepSpeed checkpoints (resumable); default: <save_path>/checkpoints",
+                         metavar="DIR")
+    save_steps: int = opt(-1, "save a checkpoint every N optimizer steps; -1 = only at the end")
+    load_checkpoint: bool = opt(False, "resume from the latest checkpoint in --ckpt_path if there is one")
+    max_ckpt_num: int = opt(3, "keep at most this many checkpoints (oldest deleted first)")
+    save_hf_ckpt: bool = opt(False, "also write an HF model folder next to each checkpoint")
+    disable_ds_ckpt: bool = opt(False, "do not write DeepSpeed checkpoints (no resume possible)")
+
+
+@dataclass
+class LoggingConfig:
+    """Metrics and experiment tracking."""
+
+    logging_steps: int = opt(1, "log metrics every N optimizer steps")
+    eval_steps: int = opt(-1, "evaluate every N optimizer steps; -1 = at the end of each epoch")
+    use_wandb: str = opt(None, "log to Weights & Biases: an API key, or 'offline' (no network needed); "
+                               "bare flag = online if logged in, else offline", const="auto", metavar="KEY")
+    wandb_project: str = opt("openppo", "W&B project")
+    wandb_run_name: str = opt(None, "W&B run name; default: <cli>_<time>")
+    use_tensorboard: str = opt(None, "write TensorBoard event files to this folder", metavar="DIR")

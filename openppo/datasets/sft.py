@@ -1,0 +1,125 @@
+"""SFT samples: prompt + response tokens with a loss mask on the response, and their padded or packed batches.
+
+`loss_mask[t] = 1` marks token t as a target (a response token). The trainer scores token t from the logits at
+t-1, so it shifts the mask by one (`loss_mask[:, 1:]`); the dataset does not.
+
+Single turn: the prompt comes from `input_key`, the response from `output_key` (see templates.py for the
+rendering and the EOS at the end). Multi-turn: `input_key` holds a whole conversation and every assistant turn
+is a target (see conversation.py). Samples are tokenized once, up front; a sample whose prompt alone fills
+`max_len` is dropped (it has nothing left to learn), the others are cut to `max_len` tokens.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+import datasets
+import torch
+from torch.utils.data import Dataset
+from tqdm import tqdm
+
+from openppo.datasets.conversation import Segments, conversation_segments
+from openppo.datasets.loading import require_columns
+from openppo.datasets.templates import (as_messages, render_prompt, render_response,
+                                        validate_template_options)
+from openppo.datasets.tokens import as_tensors, bos_ids, encode_segments, num_context_tokens
+from openppo.errors import UserError, require
+
+logger = logging.getLogger(__name__)
+
+PROGRESS_MIN_SAMPLES = 1000  # show a progress bar only when tokenizing takes noticeable time
+
+
+class SFTDataset(Dataset):
+    """Pre-tokenized SFT samples; item = {"input_ids": LongTensor[L], "loss_mask": LongTensor[L]}."""
+
+    def __init__(self, ds: datasets.Dataset, tokenizer, *, max_len: int, input_key: str, output_key: str | None,
+                 apply_chat_template: bool, input_template: str | None, multiturn: bool = False):
+        require(max_len > 0, f"--max_len must be positive, got {max_len}")
+        require(not multiturn or apply_chat_template,
+                "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)")
+        require(multiturn or output_key is not None, "--output_key is required unless --multiturn is set")
+        validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
+        keys = {"--input_key": input_key, "--output_key": None if multiturn else output_key}
+        require_columns(ds, keys, "the SFT data")
+        self.tokenizer = tokenizer
+        self.input_key, self.output_key, self.multiturn = input_key, output_key, multiturn
+        self.apply_chat_template, self.input_template = apply_chat_template, input_template
+        prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
+
+        self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []
+        too_long = no_target = 0
+        rows = ds.select_columns([k for k in keys.values() if k is not None])
+        for row in tqdm(rows, desc="tokenizing SFT data", disable=len(rows) <= PROGRESS_MIN_SAMPLES):
+            ids, mask = encode_segments(tokenizer, self._segments(row), prefix)
+            num_prompt = num_context_tokens(mask)
+            if num_prompt == len(mask):
+                no_target += 1
+            elif num_prompt >= max_len:
+                too_long += 1
+            else:
+                self.samples.append(as_tensors(ids[:max_len], mask[:max_len]))
+        if no_target:
+            logger.warning("SFT data: dropped %d of %d conversations in %s without an assistant turn after a prompt",
+                           no_target, len(rows), input_key)
+        if too_long:
+            logger.warning("SFT data: dropped %d of %d samples whose prompt alone has >= %d tokens (--max_len)",
+                           too_long, len(rows), max_len)
+        if not self.samples:
+            if no_target == len(rows):
+                raise UserError(f"--input_key: no conversation in column '{input_key}' has an assistant turn "
+                                f"after a prompt; pass the column holding the conversations")
+            raise UserError(f"--max_len {max_len}: every sample's prompt alone has >= {max_len} tokens; "
+                            f"raise --max_len or shorten the prompts")
+
+    def _segments(self, row: dict[str, Any]) -> Segments:
+        value = row[self.input_key]
+        if self.multiturn:
+            return conversation_segments(as_messages(value, "--input_key"), self.tokenizer)
+        options = dict(apply_chat_template=self.apply_chat_template, input_template=self.input_template)
+        prompt = render_prompt(value, self.tokenizer, **options)
+        response = render_response(value, row[self.output_key], self.tokenizer, **options)
+        return [(prompt, False), (response, True)]
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+        ids, mask = self.samples[index]
+        return {"input_ids": ids.long(), "loss_mask": mask.long()}
+
+
+def collate_padded(items: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
+    """Right-padded batch: input_ids, attention_mask, loss_mask, each [B, T] with T the longest item."""
+    width = max(len(item["input_ids"]) for item in items)
+    input_ids = torch.full((len(items), width), pad_token_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(items), width), dtype=torch.long)
+    loss_mask = torch.zeros((len(items), width), dtype=torch.long)
+    for row, item in enumerate(items):
+        n = len(item["input_ids"])
+        input_ids[row, :n] = item["input_ids"]
+        attention_mask[row, :n] = 1
+        loss_mask[row, :n] = item["loss_mask"]
+    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+
+
+def collate_packed(items: list[dict[str, torch.Tensor]]) -> dict[str, Any]:
+    """All items in one row without padding: input_ids, position_ids, loss_mask [1, N]; seq_lens list[int].
+
+    Position ids restart at 0 for each sequence, which is how the model keeps sequences from attending to one
+    another when called with `attention_mask=None`. The first token of every sequence gets loss_mask 0: in the
+    shifted loss it would be predicted from the previous sequence's last token.
+    """
+    seq_lens = [len(item["input_ids"]) for item in items]
+    loss_masks = []
+    for item in items:
+        mask = item["loss_mask"].clone()
+        mask[0] = 0
+        loss_masks.append(mask)
+    return {
+        "input_ids": torch.cat([item["input_ids"] for item in items]).unsqueeze(0),
+        "position_ids": torch.cat([torch.arange(n, dtype=torch.long) for n in seq_lens]).unsqueeze(0),
+        "loss_mask": torch.cat(loss_masks).unsqueeze(0),
+        "seq_lens": seq_lens,
+    }

@@ -1,0 +1,109 @@
+"""Turning a record's prompt and response into the exact text the model sees.
+
+A prompt value is a string or a list of chat messages `[{"role": ..., "content": ...}]`.
+
+* With `--apply_chat_template` a string becomes one user message; the prompt text is the chat template's
+  rendering with the generation prompt (what a serving engine would send), and a response text is what the
+  template adds after it for the assistant message. `--input_template` is then ignored (the dataset logs it).
+* Without it, `--input_template` (a format string with one `{}`) wraps the string, or the string is used as is.
+
+Every response text ends with the tokenizer's EOS token, so SFT teaches the model to stop and the reward model
+can read its score at that token. Chat templates put a newline after the end-of-turn token as a separator
+before the next turn; it is cut off, since it is not part of what the model generates.
+"""
+
+from __future__ import annotations
+
+import logging
+from typing import Any
+
+from jinja2 import TemplateError
+
+from openppo.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+Messages = list[dict[str, Any]]
+
+
+def validate_template_options(tokenizer, *, apply_chat_template: bool, input_template: str | None) -> None:
+    """Check the template flags once per dataset: fail on a bad combination, log an ignored option."""
+    if input_template is not None and "{}" not in input_template:
+        raise UserError(f"--input_template must contain '{{}}' where the prompt goes, got {input_template!r}")
+    if apply_chat_template:
+        if not getattr(tokenizer, "chat_template", None):
+            raise UserError("--apply_chat_template: the tokenizer of --pretrain has no chat template; "
+                            "drop --apply_chat_template (and pass --input_template if needed)")
+        if input_template is not None:
+            logger.warning("--input_template is ignored because --apply_chat_template is set")
+    if tokenizer.eos_token is None:
+        raise UserError("--pretrain: the tokenizer defines no eos_token; set eos_token in its tokenizer_config.json")
+
+
+def as_messages(value: Any, key_flag: str) -> Messages:
+    """`value` as a list of chat messages, or UserError naming the column's flag."""
+    if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
+        raise UserError(f"{key_flag}: expected a string or a list of {{'role', 'content'}} messages, "
+                        f"got {type(value).__name__}; fix the data or pass another {key_flag}")
+    # Arrow gives every message the union of the keys seen in the column, filling the missing ones with None;
+    # drop those so templates that test `'tool_calls' in message` see the original message.
+    return [{k: v for k, v in m.items() if v is not None} for m in value]
+
+
+def chat_text(tokenizer, messages: Messages, *, generation_prompt: bool, key_flag: str) -> str:
+    """The chat template's rendering of `messages`; a template error becomes a UserError naming the column."""
+    try:
+        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+    except TemplateError as err:
+        raise UserError(f"{key_flag}: the chat template rejected a conversation ({err}); fix the data") from err
+
+
+def render_prompt(value: str | Messages, tokenizer, *, apply_chat_template: bool, input_template: str | None,
+                  key_flag: str = "--input_key") -> str:
+    """The prompt text: chat-template rendering with the generation prompt, or the (templated) string."""
+    if apply_chat_template:
+        return chat_text(tokenizer, _user_or_messages(value, key_flag), generation_prompt=True, key_flag=key_flag)
+    if not isinstance(value, str):
+        as_messages(value, key_flag)  # a non-message value gets the type error rather than the flag hint
+        raise UserError(f"{key_flag} holds chat messages; pass --apply_chat_template to render them")
+    if input_template is None:
+        return value
+    if "{}" not in input_template:
+        raise UserError(f"--input_template must contain '{{}}' where the prompt goes, got {input_template!r}")
+    return input_template.replace("{}", value, 1)
+
+
+def render_response(prompt: str | Messages, response: str | Messages, tokenizer, *, apply_chat_template: bool,
+                    input_template: str | None, prompt_flag: str = "--input_key",
+                    response_flag: str = "--output_key") -> str:
+    """The text that follows `render_prompt(prompt)` for this response, ending with the EOS token.
+
+    `response` is the assistant's text, or (with the chat template) a list of messages that follow the prompt.
+    """
+    if not apply_chat_template:
+        if not isinstance(response, str):
+            raise UserError(f"{response_flag} holds chat messages; pass --apply_chat_template to render them")
+        return end_with_eos(response, tokenizer)
+    prompt_msgs = _user_or_messages(prompt, prompt_flag)
+    if isinstance(response, str):
+        reply = [{"role": "assistant", "content": response}]
+    else:
+        reply = as_messages(response, response_flag)
+    prompt_text = chat_text(tokenizer, prompt_msgs, generation_prompt=True, key_flag=prompt_flag)
+    full_text = chat_text(tokenizer, prompt_msgs + reply, generation_prompt=False, key_flag=response_flag)
+    if full_text.startswith(prompt_text):
+        return end_with_eos(full_text[len(prompt_text):].rstrip(), tokenizer)
+    # A template that renders the prompt differently once a reply follows it: the prompt rendering with the
+    # generation prompt is what the model is given at inference, so keep it and append the bare reply.
+    logger.debug("chat template: prompt rendering is not a prefix of the full rendering; using the bare reply")
+    return end_with_eos("".join(str(m.get("content") or "") for m in reply), tokenizer)
+
+
+def _user_or_messages(value: str | Messages, key_flag: str) -> Messages:
+    """A string becomes one user message; a message list is checked and kept."""
+    return [{"role": "user", "content": value}] if isinstance(value, str) else as_messages(value, key_flag)
+
+
+def end_with_eos(text: str, tokenizer) -> str:
+    """`text` ending with the EOS token (appended unless the template already put it there)."""
+    return text if text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token

@@ -1,0 +1,69 @@
+"""The actor: a causal LM that scores given tokens (per-token log-probs at a temperature, optional entropy).
+
+Used for the policy in RL, for SFT and for DPO (policy and reference). Padded batches pass an attention mask;
+packed batches (several sequences in one row) pass `position_ids` restarting at 0 and no attention mask.
+`use_cache=False` always: with transformers 5 a packed row is silently mis-attended when the cache is on.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from openppo.algorithms import entropy_from_logits, log_probs_from_logits
+from openppo.models.loading import apply_lora, enable_gradient_checkpointing, resolve_model_path
+from openppo.models.positions import position_ids_from_mask
+
+
+@dataclass
+class ActorOutput:
+    log_probs: torch.Tensor  # [B, T-1]: log p(token t+1 | tokens <= t)
+    entropy: torch.Tensor | None  # [B, T-1] or None
+    logits: torch.Tensor | None  # [B, T, V] only when asked for
+
+
+class Actor(nn.Module):
+    """Wraps an HF causal LM (optionally with LoRA adapters)."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype, flag: str = "--pretrain",
+                        attn_implementation: str = "sdpa", lora_rank: int = 0, lora_alpha: int = 16,
+                        lora_dropout: float = 0.0, target_modules: list[str] | None = None,
+                        gradient_checkpointing: bool = False) -> "Actor":
+        from transformers import AutoModelForCausalLM
+
+        path = resolve_model_path(path, flag)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
+                                                     trust_remote_code=True)
+        model.config.use_cache = False
+        if lora_rank > 0:
+            model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
+                               target_modules=target_modules, task_type="CAUSAL_LM")
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        return cls(model)
+
+    @property
+    def config(self):
+        return self.model.config
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, temperature: float = 1.0,
+                return_entropy: bool = False, return_logits: bool = False) -> ActorOutput:
+        if position_ids is None:
+            assert attention_mask is not None, "padded batches need an attention mask"
+            position_ids = position_ids_from_mask(attention_mask)
+        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False)
+        logits = out.logits[:, :-1]
+        if temperature != 1.0:
+            logits = logits / temperature
+        log_probs = log_probs_from_logits(logits, input_ids[:, 1:])
+        entropy = entropy_from_logits(logits) if return_entropy else None
+        return ActorOutput(log_probs=log_probs, entropy=entropy, logits=out.logits if return_logits else None)

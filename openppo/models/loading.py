@@ -1,0 +1,66 @@
+"""Loading HF models and tokenizers from user-given paths, with errors that name the flag."""
+
+from __future__ import annotations
+
+import logging
+import os
+import re
+from pathlib import Path
+
+import torch
+
+from openppo.errors import UserError
+
+logger = logging.getLogger(__name__)
+
+_HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def resolve_model_path(path: str | None, flag: str) -> str:
+    """Check that `path` is a model folder (or a hub id where a hub is reachable) and return it."""
+    if not path:
+        raise UserError(f"{flag} is required: pass a local HF model folder "
+                        f"(e.g. python -m openppo.cli.models smollm2 --out models/smollm2)")
+    p = Path(path).expanduser()
+    if p.is_dir():
+        if not (p / "config.json").is_file():
+            raise UserError(f"{flag}: {path} has no config.json; pass a folder saved by save_pretrained")
+        return str(p)
+    offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
+    if _HUB_ID.match(path) and not path.startswith((".", "/", "~")) and not offline:
+        return path
+    raise UserError(f"{flag}: model folder {path} not found; pass a local HF model folder "
+                    f"(python -m openppo.cli.models smollm2|tiny --out DIR makes one)")
+
+
+def load_tokenizer(path: str, padding_side: str = "right"):
+    """The model's tokenizer with a pad token (the EOS token stands in when it has none)."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    tokenizer.padding_side = padding_side
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def torch_dtype(name: str) -> torch.dtype:
+    return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
+
+
+def apply_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: list[str] | None, task_type: str):
+    """Wrap `model` with PEFT LoRA adapters; only the adapters (and a score head) stay trainable."""
+    from peft import LoraConfig, get_peft_model
+
+    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
+                        target_modules=target_modules or "all-linear", task_type=task_type, bias="none")
+    model = get_peft_model(model, config)
+    # peft keeps the adapters in the base dtype; fp32 adapters train more stably and are cast at sync/merge.
+    return model
+
+
+def enable_gradient_checkpointing(model) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    if hasattr(model, "enable_input_require_grads"):
+        # Needed with LoRA: frozen embeddings would otherwise cut the graph before the first checkpoint.
+        model.enable_input_require_grads()

@@ -1,0 +1,90 @@
+"""A transformer with a scalar head: the critic (a value per token) and the reward model (score at the last token).
+
+Built on transformers' `AutoModelForSequenceClassification` with `num_labels=1`, so the saved folder is an
+ordinary HF checkpoint (`*ForSequenceClassification`, head named `score`) that any HF tool can load. The head is
+applied to every position ourselves rather than through the HF forward, which pools at the last non-pad token by
+looking for pad ids and cannot handle packed rows.
+
+Normalisation statistics live in the config as `value_mean` / `value_std` (0 / 1 until a reward-model run
+measures them), so they travel with the folder.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from openppo.models.loading import apply_lora, enable_gradient_checkpointing, resolve_model_path
+from openppo.models.positions import position_ids_from_mask
+
+
+def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Index of the last real token of each right-padded row: [B, T] -> [B]."""
+    positions = torch.arange(attention_mask.size(1), device=attention_mask.device)
+    return (attention_mask.long() * positions).argmax(dim=-1)
+
+
+class ScalarModel(nn.Module):
+    """Backbone + linear head giving one scalar per token."""
+
+    def __init__(self, model: nn.Module):
+        super().__init__()
+        self.model = model
+
+    @classmethod
+    def from_pretrained(cls, path: str, *, dtype: torch.dtype, flag: str, attn_implementation: str = "sdpa",
+                        lora_rank: int = 0, lora_alpha: int = 16, lora_dropout: float = 0.0,
+                        target_modules: list[str] | None = None,
+                        gradient_checkpointing: bool = False) -> "ScalarModel":
+        from transformers import AutoConfig, AutoModelForSequenceClassification
+
+        path = resolve_model_path(path, flag)
+        config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+        config.num_labels = 1
+        config.use_cache = False
+        if getattr(config, "pad_token_id", None) is None:
+            # HF's classification forward needs one; ours never uses it.
+            config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
+        model = AutoModelForSequenceClassification.from_pretrained(
+            path, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True)
+        if lora_rank > 0:
+            model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
+                               target_modules=target_modules, task_type="SEQ_CLS")
+        if gradient_checkpointing:
+            enable_gradient_checkpointing(model)
+        return cls(model)
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers model (under any PEFT wrapper)."""
+        model = self.model
+        return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+    @property
+    def config(self):
+        return self.hf_model.config
+
+    def normalization(self) -> tuple[float, float]:
+        return float(getattr(self.config, "value_mean", 0.0)), float(getattr(self.config, "value_std", 1.0))
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_ids: torch.Tensor | None = None, *, normalize: bool = False) -> torch.Tensor:
+        """Per-token scalars [B, T] (fp32)."""
+        if position_ids is None:
+            assert attention_mask is not None, "padded batches need an attention mask"
+            position_ids = position_ids_from_mask(attention_mask)
+        hf = self.hf_model
+        backbone = getattr(hf, hf.base_model_prefix)
+        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+        values = hf.score(hidden).squeeze(-1).float()
+        if normalize:
+            mean, std = self.normalization()
+            values = (values - mean) / std
+        return values
+
+    def score_last(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
+                   normalize: bool = False) -> torch.Tensor:
+        """Reward-model score of each right-padded sequence, read at its last real token: [B]."""
+        values = self.forward(input_ids, attention_mask, normalize=normalize)
+        return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)

@@ -1,0 +1,76 @@
+"""DeepSpeed strategy config and the DeepSpeed JSON it produces."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openppo.config.schema import opt
+
+PARAM_DTYPES = ("bf16", "fp16", "fp32")
+
+
+@dataclass
+class DeepSpeedConfig:
+    """DeepSpeed ZeRO, precision and distributed settings."""
+
+    zero_stage: int = opt(2, "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
+                             "2 = + gradients, 3 = + parameters", choices=(0, 1, 2, 3))
+    param_dtype: str = opt("bf16", "training precision (bf16/fp16 keep fp32 master weights); "
+                                   "fp16 needs a GPU", choices=PARAM_DTYPES)
+    adam_offload: bool = opt(False, "keep optimizer states on CPU (ZeRO-Offload) to save device memory")
+    overlap_comm: bool = opt(False, "overlap gradient reduction with backward (more memory, faster)")
+    zpg: int = opt(1, "ZeRO++ hierarchical partition size (ZeRO-3 only); 1 = off")
+    dist_timeout: int = opt(600, "seconds any collective may wait before the run fails instead of hanging")
+
+
+def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, world_size: int,
+                    max_norm: float, on_gpu: bool) -> dict:
+    """The DeepSpeed JSON for a trained model. Batch sizes must already be validated to divide."""
+    zero: dict = {
+        "stage": cfg.zero_stage,
+        "overlap_comm": cfg.overlap_comm,
+        "contiguous_gradients": True,
+        "reduce_bucket_size": 5e8,
+        # Lets HF export gather full ZeRO-3 weights on rank 0.
+        "stage3_gather_16bit_weights_on_model_save": True,
+    }
+    if cfg.zero_stage == 3:
+        zero["stage3_param_persistence_threshold"] = 1e4
+        zero["stage3_prefetch_bucket_size"] = 5e7
+        if cfg.zpg > 1:
+            zero["zero_hpz_partition_size"] = cfg.zpg
+    if cfg.adam_offload:
+        zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    config = {
+        "train_batch_size": train_batch_size,
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "gradient_accumulation_steps": train_batch_size // (micro_batch_size * world_size),
+        "gradient_clipping": max_norm if max_norm > 0 else 0.0,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.param_dtype == "bf16"},
+        "fp16": {"enabled": cfg.param_dtype == "fp16", "initial_scale_power": 16},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+        # On CPU the client optimizer is torch's AdamW (no JIT build); DeepSpeed must not insist on its CPUAdam.
+        "zero_force_ds_cpu_optimizer": on_gpu,
+        "zero_allow_untested_optimizer": True,
+    }
+    return config
+
+
+def eval_ds_config(cfg: DeepSpeedConfig, *, micro_batch_size: int, world_size: int, offload: bool,
+                   on_gpu: bool) -> dict:
+    """The DeepSpeed JSON for a frozen model (reference, reward): ZeRO-3 shards it only when asked to."""
+    stage = cfg.zero_stage if cfg.zero_stage == 3 else 0
+    zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 1e4}
+    if offload:
+        zero["offload_param"] = {"device": "cpu", "pin_memory": on_gpu}
+    return {
+        "train_micro_batch_size_per_gpu": micro_batch_size,
+        "train_batch_size": micro_batch_size * world_size,
+        "zero_optimization": zero,
+        "bf16": {"enabled": cfg.param_dtype == "bf16"},
+        "fp16": {"enabled": cfg.param_dtype == "fp16"},
+        "steps_per_print": 10**9,
+        "wall_clock_breakdown": False,
+    }

@@ -1,0 +1,222 @@
+"""The DeepSpeed training strategy: builds engines, steps them, saves and restores them.
+
+One object per process. The trainers only talk to this interface (`prepare_train`, `prepare_eval`,
+`zero3_init`, `all_reduce_mean`, `save_checkpoint`, `load_checkpoint`, `save_hf`), so another backend could
+stand behind the same calls.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import random
+from pathlib import Path
+from typing import Any, Iterator
+
+import numpy as np
+import torch
+from torch import nn
+
+from openppo.errors import UserError
+from openppo.strategy import checkpoint as ckpt
+from openppo.strategy.config import DeepSpeedConfig, eval_ds_config, train_ds_config
+from openppo.strategy.distributed import init_distributed
+
+logger = logging.getLogger(__name__)
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+
+
+def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
+    """Weight decay on matrices only: biases and norm weights (1-D) are exempt."""
+    decay, no_decay = [], []
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        ndim = len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 params are flattened shards
+        (decay if ndim >= 2 and "norm" not in name else no_decay).append(p)
+    groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    # ZeRO drops empty groups (LoRA has no 1-D trainable params); the LR scheduler must see the same groups.
+    return [g for g in groups if g["params"]]
+
+
+class DeepSpeedStrategy:
+    """Distributed set-up and DeepSpeed engines for one process (one rank)."""
+
+    def __init__(self, cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, max_norm: float,
+                 seed: int):
+        self.cfg = cfg
+        self.train_batch_size = train_batch_size
+        self.micro_batch_size = micro_batch_size
+        self.max_norm = max_norm
+        self.seed = seed
+        self.on_gpu = torch.cuda.is_available()
+        self.rank = 0
+        self.world_size = 1
+        self._hf_ds_config: Any = None
+
+    # ----------------------------------------------------------------------------------------------- set-up
+    def setup_distributed(self) -> None:
+        validate_precision(self.cfg.param_dtype, self.on_gpu)
+        self.rank, self.world_size = init_distributed(self.cfg.dist_timeout)
+        validate_batch_sizes(self.train_batch_size, self.micro_batch_size, self.world_size)
+        set_seed(self.seed)
+
+    @property
+    def is_rank0(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def device(self) -> torch.device:
+        return torch.device("cuda", torch.cuda.current_device()) if self.on_gpu else torch.device("cpu")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[self.cfg.param_dtype]
+
+    @property
+    def grad_accum_steps(self) -> int:
+        return self.train_batch_size // (self.micro_batch_size * self.world_size)
+
+    def train_config(self) -> dict:
+        return train_ds_config(self.cfg, train_batch_size=self.train_batch_size,
+                               micro_batch_size=self.micro_batch_size, world_size=self.world_size,
+                               max_norm=self.max_norm, on_gpu=self.on_gpu)
+
+    @contextlib.contextmanager
+    def zero3_init(self, for_training: bool = True, offload: bool = False) -> Iterator[None]:
+        """Context for `from_pretrained` so ZeRO-3 partitions weights while loading instead of after."""
+        if self.cfg.zero_stage != 3:
+            yield
+            return
+        from transformers.integrations import HfDeepSpeedConfig
+
+        config = self.train_config() if for_training else eval_ds_config(
+            self.cfg, micro_batch_size=self.micro_batch_size, world_size=self.world_size, offload=offload,
+            on_gpu=self.on_gpu)
+        # transformers keeps only a weak reference to this object: hold it while loading.
+        holder = HfDeepSpeedConfig(config)
+        try:
+            yield
+        finally:
+            del holder
+
+    # ----------------------------------------------------------------------------------------------- engines
+    def _optimizer(self, model: nn.Module, lr: float, betas: tuple[float, float], weight_decay: float):
+        groups = _param_groups(model, weight_decay)
+        if self.on_gpu:
+            from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
+
+            cls = DeepSpeedCPUAdam if self.cfg.adam_offload else FusedAdam
+            return cls(groups, lr=lr, betas=betas)
+        # On CPU torch's AdamW is as fast as DeepSpeed's CPU Adam for these sizes and needs no JIT build.
+        return torch.optim.AdamW(groups, lr=lr, betas=betas)
+
+    def prepare_train(self, model: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
+                      scheduler: str, warmup_ratio: float, min_lr_ratio: float, num_training_steps: int):
+        """Wrap a trainable model in a DeepSpeed engine with AdamW and an LR schedule."""
+        import deepspeed
+        from transformers import get_scheduler
+
+        optimizer = self._optimizer(model, lr, betas, weight_decay)
+        kwargs = {"min_lr_rate": min_lr_ratio} if scheduler == "cosine_with_min_lr" else {}
+        lr_scheduler = get_scheduler(scheduler, optimizer, num_warmup_steps=int(warmup_ratio * num_training_steps),
+                                     num_training_steps=max(1, num_training_steps),
+                                     scheduler_specific_kwargs=kwargs)
+        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
+                                          config=self.train_config(), dist_init_required=False)
+        return engine
+
+    def prepare_eval(self, model: nn.Module, offload: bool = False):
+        """Wrap a frozen model (reference, reward) for inference; ZeRO-3 shards it when zero_stage is 3."""
+        import deepspeed
+
+        config = eval_ds_config(self.cfg, micro_batch_size=self.micro_batch_size, world_size=self.world_size,
+                                offload=offload, on_gpu=self.on_gpu)
+        model.requires_grad_(False)
+        engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
+        engine.eval()
+        return engine
+
+    # ----------------------------------------------------------------------------------------------- comms
+    def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
+        """Average scalar metrics over ranks (one collective for all of them)."""
+        if self.world_size == 1 or not values:
+            return dict(values)
+        keys = sorted(values)
+        t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return {k: v / self.world_size for k, v in zip(keys, t.tolist())}
+
+    def all_reduce_sum(self, value: float) -> float:
+        if self.world_size == 1:
+            return float(value)
+        t = torch.tensor([float(value)], dtype=torch.float64, device=self.device)
+        torch.distributed.all_reduce(t)
+        return float(t.item())
+
+    def barrier(self) -> None:
+        if self.world_size > 1:
+            torch.distributed.barrier()
+
+    # ----------------------------------------------------------------------------------------------- checkpoints
+    def save_checkpoint(self, engine, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
+        """Save a resumable DeepSpeed checkpoint (collective: every rank calls it) and rotate old ones."""
+        tag = ckpt.tag_for_step(step)
+        if self.is_rank0:
+            ckpt.write_json_atomic(Path(ckpt_dir) / tag / "client_state.json", client_state)
+        self.barrier()
+        engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+        self.barrier()
+        if self.is_rank0:
+            removed = ckpt.rotate(ckpt_dir, max_num)
+            if removed:
+                logger.info("removed old checkpoints %s", ", ".join(removed))
+
+    def load_checkpoint(self, engine, ckpt_dir: str, load_optimizer: bool = True) -> dict | None:
+        """Restore the latest checkpoint in `ckpt_dir`; None when there is none yet (a fresh start)."""
+        if ckpt.latest_tag(ckpt_dir) is None:
+            return None
+        path, client_state = engine.load_checkpoint(ckpt_dir, load_optimizer_states=load_optimizer,
+                                                    load_lr_scheduler_states=load_optimizer)
+        if path is None:
+            raise UserError(f"--load_checkpoint: could not load the checkpoint in {ckpt_dir}; delete that folder "
+                            f"to start fresh or point --ckpt_path at a valid one")
+        return client_state
+
+    def gathered_state_dict(self, engine_or_model) -> dict[str, torch.Tensor] | None:
+        """Full (unsharded) state dict on rank 0, None elsewhere. Collective under ZeRO-3."""
+        module = getattr(engine_or_model, "module", engine_or_model)
+        if self.cfg.zero_stage == 3 and hasattr(engine_or_model, "_zero3_consolidated_16bit_state_dict"):
+            state = engine_or_model._zero3_consolidated_16bit_state_dict()
+        else:
+            state = {k: v.detach().cpu() for k, v in module.state_dict().items()} if self.is_rank0 else None
+        return state if self.is_rank0 else None
+
+    def save_hf(self, engine_or_model, tokenizer, out_dir: str | Path,
+                extra_config: dict[str, Any] | None = None) -> None:
+        """Export an HF folder (adapter only for LoRA models) from rank 0; all ranks must call it."""
+        from openppo.models.saving import save_hf_folder
+
+        state = self.gathered_state_dict(engine_or_model)
+        if self.is_rank0:
+            save_hf_folder(getattr(engine_or_model, "module", engine_or_model), state, tokenizer, out_dir,
+                           extra_config)
+        self.barrier()
+
+
+def validate_precision(param_dtype: str, on_gpu: bool) -> None:
+    if param_dtype == "fp16" and not on_gpu:
+        raise UserError("--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype bf16 or fp32")
+
+
+def validate_batch_sizes(train_batch_size: int, micro_batch_size: int, world_size: int) -> None:
+    if micro_batch_size <= 0 or train_batch_size <= 0:
+        raise UserError("--train_batch_size and --micro_train_batch_size must be positive")
+    if train_batch_size % (micro_batch_size * world_size) != 0:
+        raise UserError(f"--train_batch_size {train_batch_size} is not a multiple of --micro_train_batch_size "
+                        f"{micro_batch_size} x {world_size} ranks; pick a --train_batch_size that is")

@@ -1,0 +1,95 @@
+"""Top-level configs of the supervised CLIs: each composes the shared components plus its own options."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from openppo.config.common import CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig
+from openppo.config.schema import opt
+from openppo.strategy.config import DeepSpeedConfig
+from openppo.trainers.preference_losses import RM_LOSSES
+
+
+@dataclass
+class DataConfig:
+    """Training data: files, mixing, templates and lengths."""
+
+    dataset: str = opt(None, "comma list of local .json/.jsonl/.parquet/.csv files or save_to_disk folders",
+                       metavar="PATHS")
+    dataset_probs: str = opt(None, "comma list of sampling probabilities, one per --dataset source")
+    eval_dataset: str = opt(None, "evaluation data, same formats as --dataset", metavar="PATHS")
+    max_samples: int = opt(100_000_000, "use at most this many training samples (after mixing)")
+    max_len: int = opt(2048, "maximum tokens per sample (prompt + response); longer ones are truncated")
+    input_key: str = opt("input", "column holding the prompt (a string or a list of chat messages)")
+    input_template: str = opt(None, "Python format string with one {} for the prompt, e.g. 'User: {}\\nAssistant: '")
+    apply_chat_template: bool = opt(False, "render prompts with the tokenizer's chat template")
+
+
+@dataclass
+class SFTDataConfig(DataConfig):
+    """Training data: files, mixing, templates and lengths."""
+
+    output_key: str = opt("output", "column holding the response to learn")
+    multiturn: bool = opt(False, "--input_key holds whole conversations; learn every assistant turn")
+    packing_samples: bool = opt(False, "pack several samples into one row (no padding, no cross-attention)")
+
+
+@dataclass
+class PreferenceDataConfig(DataConfig):
+    """Preference data: prompt, chosen and rejected columns."""
+
+    prompt_key: str = opt(None, "column holding the prompt; None when chosen/rejected are whole conversations")
+    chosen_key: str = opt("chosen", "column holding the preferred response")
+    rejected_key: str = opt("rejected", "column holding the dispreferred response")
+
+
+@dataclass
+class SFTConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: SFTDataConfig = field(default_factory=SFTDataConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ds: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass
+class RMOptions:
+    """Reward-model loss."""
+
+    loss: str = opt("sigmoid", "pairwise loss", choices=RM_LOSSES)
+    margin: float = opt(0.0, "required score gap between chosen and rejected (sigmoid loss)")
+
+
+@dataclass
+class RMConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    rm: RMOptions = field(default_factory=RMOptions)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ds: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+@dataclass
+class DPOOptions:
+    """DPO objective and its reference model."""
+
+    ref_pretrain: str = opt(None, "reference model folder; default: --pretrain", metavar="PATH")
+    beta: float = opt(0.1, "DPO temperature beta (strength of the KL tie to the reference)")
+    ipo: bool = opt(False, "use the IPO loss instead of DPO")
+    label_smoothing: float = opt(0.0, "cDPO: assumed share of flipped preference labels, in [0, 0.5)")
+    nll_loss_coef: float = opt(0.0, "weight of an NLL term on the chosen responses (0 = off)")
+    ref_offload: bool = opt(False, "offload the reference model's weights to CPU (ZeRO-3 param offload)")
+
+
+@dataclass
+class DPOConfig:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
+    dpo: DPOOptions = field(default_factory=DPOOptions)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    ds: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

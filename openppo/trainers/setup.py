@@ -1,0 +1,96 @@
+"""Building blocks the supervised CLIs share: up-front validation, strategy, data, tracker, run info.
+
+Validation runs before the process group starts and before anything is written, so a bad flag costs seconds
+and leaves the save path untouched.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any
+
+import torch
+
+from openppo.config.schema import to_dict
+from openppo.datasets import load_blended_dataset, require_columns
+from openppo.errors import UserError, require
+from openppo.models.loading import resolve_model_path
+from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
+from openppo.trainers.configs import DataConfig
+from openppo.utils.run_info import log_run_info, run_info
+from openppo.utils.tracking import MetricsTracker
+
+
+def launcher_world_size() -> int:
+    """World size the launcher announced (torchrun / deepspeed set WORLD_SIZE); 1 for a plain run."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def validate_common(cfg: Any) -> None:
+    """Checks every supervised CLI shares; raise UserError naming the flag."""
+    resolve_model_path(cfg.model.pretrain, "--pretrain")
+    validate_precision(cfg.ds.param_dtype, torch.cuda.is_available())
+    validate_batch_sizes(cfg.optim.train_batch_size, cfg.optim.micro_train_batch_size, launcher_world_size())
+    require(cfg.data.max_len > 0, f"--max_len must be positive, got {cfg.data.max_len}")
+    require(cfg.optim.max_epochs > 0, f"--max_epochs must be positive, got {cfg.optim.max_epochs}")
+    require(cfg.optim.learning_rate > 0, f"--learning_rate must be positive, got {cfg.optim.learning_rate}")
+    require(cfg.logging.logging_steps > 0, f"--logging_steps must be positive, got {cfg.logging.logging_steps}")
+    require(0.0 <= cfg.optim.lr_warmup_ratio < 1.0,
+            f"--lr_warmup_ratio must be in [0, 1), got {cfg.optim.lr_warmup_ratio}")
+    require(cfg.model.lora_rank >= 0, f"--lora_rank must be >= 0, got {cfg.model.lora_rank}")
+    if cfg.ckpt.load_checkpoint and cfg.ckpt.disable_ds_ckpt:
+        raise UserError("--load_checkpoint needs DeepSpeed checkpoints; drop --disable_ds_ckpt")
+
+
+def load_raw_data(data: DataConfig, keys: dict[str, str | None], seed: int):
+    """(train, eval or None) datasets.Dataset objects, with the columns named by `keys` checked."""
+    require(bool(data.dataset), "--dataset is required: pass a local .jsonl/.json/.parquet/.csv file or folder")
+    train = load_blended_dataset(data.dataset, data.dataset_probs, flag="--dataset", probs_flag="--dataset_probs",
+                                 seed=seed, max_samples=data.max_samples)
+    require_columns(train, keys, data.dataset)
+    evaluation = None
+    if data.eval_dataset:
+        evaluation = load_blended_dataset(data.eval_dataset, None, flag="--eval_dataset", seed=seed)
+        require_columns(evaluation, keys, data.eval_dataset)
+    return train, evaluation
+
+
+def make_strategy(cfg: Any) -> DeepSpeedStrategy:
+    strategy = DeepSpeedStrategy(cfg.ds, train_batch_size=cfg.optim.train_batch_size,
+                                 micro_batch_size=cfg.optim.micro_train_batch_size, max_norm=cfg.optim.max_norm,
+                                 seed=cfg.optim.seed)
+    strategy.setup_distributed()
+    return strategy
+
+
+def make_tracker(cfg: Any, strategy: DeepSpeedStrategy, cli: str) -> MetricsTracker:
+    """Metrics sinks on rank 0, after logging the run info there."""
+    config = to_dict(cfg)
+    if strategy.is_rank0:
+        log_run_info(run_info(config, cli), cfg.ckpt.save_path)
+    run_name = cfg.logging.wandb_run_name or f"{cli}_{time.strftime('%m%dT%H%M%S')}"
+    return MetricsTracker(save_dir=cfg.ckpt.save_path, tensorboard_dir=cfg.logging.use_tensorboard,
+                          wandb=cfg.logging.use_wandb, wandb_project=cfg.logging.wandb_project, run_name=run_name,
+                          config=config, enabled=strategy.is_rank0)
+
+
+def train_kwargs(cfg: Any, strategy: DeepSpeedStrategy, engine, tokenizer, train_ds, eval_ds, collate_fn,
+                 tracker: MetricsTracker) -> dict[str, Any]:
+    """Keyword arguments of `SupervisedTrainer.__init__` drawn from a CLI config."""
+    return dict(strategy=strategy, engine=engine, tokenizer=tokenizer, train_dataset=train_ds,
+                eval_dataset=eval_ds, collate_fn=collate_fn, optim=cfg.optim, ckpt=cfg.ckpt,
+                logging_cfg=cfg.logging, tracker=tracker)
+
+
+def optimizer_kwargs(cfg: Any, num_training_steps: int) -> dict[str, Any]:
+    o = cfg.optim
+    return dict(lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.l2, scheduler=o.lr_scheduler,
+                warmup_ratio=o.lr_warmup_ratio, min_lr_ratio=o.min_lr_ratio, num_training_steps=num_training_steps)
+
+
+def lora_kwargs(cfg: Any) -> dict[str, Any]:
+    m = cfg.model
+    return dict(attn_implementation=m.attn_implementation, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
+                lora_dropout=m.lora_dropout, target_modules=m.target_modules,
+                gradient_checkpointing=m.gradient_checkpointing)

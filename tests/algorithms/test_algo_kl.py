@@ -1,0 +1,96 @@
+"""KL estimators and controllers against hand-computed values."""
+
+import math
+
+import pytest
+import torch
+
+from openppo.algorithms import (AdaptiveKLController, FixedKLController, build_kl_controller, compute_approx_kl,
+                                kl_loss, sequence_kl)
+from openppo.errors import UserError
+
+DTYPES = [torch.float32, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_estimators_hand_values(dtype):
+    # x = log p - log p_ref = [0.5, -1.0, 0.0]
+    log_probs = torch.tensor([[-1.0, -2.0, -0.3]], dtype=dtype)
+    ref = torch.tensor([[-1.5, -1.0, -0.3]], dtype=dtype)
+    k1 = compute_approx_kl(log_probs, ref, "k1")
+    k2 = compute_approx_kl(log_probs, ref, "k2")
+    k3 = compute_approx_kl(log_probs, ref, "k3")
+    assert k1.dtype == dtype
+    torch.testing.assert_close(k1, torch.tensor([[0.5, -1.0, 0.0]], dtype=dtype))
+    # k2 = x^2 / 2 = [0.125, 0.5, 0]
+    torch.testing.assert_close(k2, torch.tensor([[0.125, 0.5, 0.0]], dtype=dtype))
+    # k3 = exp(-x) - 1 + x: exp(-0.5) - 0.5 = 0.6065307 - 0.5 = 0.1065307; exp(1) - 2 = 0.7182818; 0
+    torch.testing.assert_close(k3, torch.tensor([[math.exp(-0.5) - 0.5, math.e - 2.0, 0.0]], dtype=dtype))
+
+
+def test_k3_nonnegative_and_zero_when_equal():
+    torch.manual_seed(0)
+    log_probs = torch.randn(8, 16, dtype=torch.float64) * 3
+    ref = torch.randn(8, 16, dtype=torch.float64) * 3
+    assert (compute_approx_kl(log_probs, ref, "k3") >= 0).all()
+    assert (compute_approx_kl(log_probs, log_probs.clone(), "k3") == 0).all()
+
+
+def test_clamps_and_mask():
+    # x = 100: k1 clamps to 10. x = -100: k3 would be exp(100); the log ratio is clamped to -20 first, then the
+    # result to 10. Masked position holds -inf: result there is 0, not NaN.
+    log_probs = torch.tensor([[0.0, -100.0, float("-inf")]])
+    ref = torch.tensor([[-100.0, 0.0, 0.0]])
+    mask = torch.tensor([[1, 1, 0]])
+    assert compute_approx_kl(log_probs, ref, "k1", mask=mask).tolist() == [[10.0, -10.0, 0.0]]
+    assert compute_approx_kl(log_probs, ref, "k3", mask=mask).tolist() == [[10.0, 10.0, 0.0]]
+    unclamped = compute_approx_kl(log_probs[:, :2], ref[:, :2], "k3", clamp=None)
+    # x = -100 -> clamp -20: exp(20) - 1 - 20
+    torch.testing.assert_close(unclamped[0, 1], torch.tensor(math.exp(20) - 21.0))
+
+
+def test_unknown_estimator_names_flag():
+    with pytest.raises(UserError, match=r"--kl_estimator: unknown value 'k4'; choose one of k1, k2, k3"):
+        compute_approx_kl(torch.zeros(1, 1), torch.zeros(1, 1), "k4")
+
+
+def test_kl_loss_and_sequence_kl():
+    log_probs = torch.tensor([[-1.0, -2.0, -5.0]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[True, True, False]])
+    loss = kl_loss(log_probs, ref, mask, "k2")
+    loss.sum().backward()
+    # d(x^2/2)/d log_probs = x = [0.5, -1.0], 0 where masked; the reference gets no gradient
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[0.5, -1.0, 0.0]]))
+    assert ref.grad is None
+    # k1 summed over kept tokens: 0.5 - 1.0 = -0.5
+    kl = compute_approx_kl(log_probs, ref, "k1", mask=mask)
+    assert sequence_kl(kl, mask).tolist() == [-0.5]
+    assert not sequence_kl(kl, mask).requires_grad
+
+
+def test_fixed_controller():
+    ctl = build_kl_controller(0.01)
+    assert isinstance(ctl, FixedKLController)
+    ctl.update(100.0, 512)
+    assert ctl.value == 0.01
+    with pytest.raises(UserError, match="--init_kl_coef"):
+        FixedKLController(-0.1)
+
+
+def test_adaptive_controller_hand_values():
+    ctl = build_kl_controller(0.1, kl_target=6.0, kl_horizon=10000)
+    assert isinstance(ctl, AdaptiveKLController)
+    # KL 9 vs target 6: error = 9/6 - 1 = 0.5 -> clipped to 0.2; beta = 0.1 * (1 + 0.2 * 1000 / 10000) = 0.102
+    ctl.update(9.0, 1000)
+    assert ctl.value == pytest.approx(0.102)
+    # KL 5.4: error = 0.9 - 1 = -0.1; beta = 0.102 * (1 - 0.1 * 500 / 10000) = 0.102 * 0.995 = 0.10149
+    ctl.update(5.4, 500)
+    assert ctl.value == pytest.approx(0.10149)
+    restored = AdaptiveKLController(0.5, 6.0)
+    restored.load_state_dict(ctl.state_dict())
+    assert restored.value == ctl.value
+    with pytest.raises(UserError, match="--kl_target"):
+        AdaptiveKLController(0.1, 0.0)
+    with pytest.raises(UserError, match="--kl_horizon"):
+        AdaptiveKLController(0.1, 1.0, 0)

@@ -1,0 +1,67 @@
+"""Running the real CLIs in subprocesses (torchrun, 2 ranks) and reading what they wrote."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+
+
+def cli_env() -> dict[str, str]:
+    env = dict(os.environ)
+    # One thread per rank: 2 ranks on 2 cores; more threads oversubscribe and run several times slower.
+    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+                "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+    env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+    return env
+
+
+def run_cli(module: str, args: list[str], *, nproc: int = 2, timeout: int = 600,
+            check: bool = True) -> subprocess.CompletedProcess:
+    """`torchrun --nproc_per_node N -m openppo.cli.<module> args` (plain python for N = 1)."""
+    if nproc > 1:
+        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
+               "-m", f"openppo.cli.{module}", *args]
+    else:
+        cmd = [sys.executable, "-m", f"openppo.cli.{module}", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
+    if check and proc.returncode != 0:
+        raise AssertionError(f"{module} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\n"
+                             f"STDERR:\n{proc.stderr[-6000:]}")
+    return proc
+
+
+def read_metrics(save_path: Path) -> list[dict]:
+    lines = (Path(save_path) / "metrics.jsonl").read_text().splitlines()
+    return [json.loads(line) for line in lines if line.strip()]
+
+
+def series(records: list[dict], key: str) -> list[tuple[int, float]]:
+    return [(r["step"], r[key]) for r in records if key in r]
+
+
+def write_jsonl(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def checkpoint_copy(save_path: Path, step: int, dest: Path) -> Path:
+    """A checkpoint folder holding only `global_step<step>` of a finished run, as if it had stopped there."""
+    import shutil
+
+    tag = f"global_step{step}"
+    shutil.copytree(Path(save_path) / "checkpoints" / tag, dest / tag)
+    (dest / "latest").write_text(tag)
+    return dest
+
+
+def assert_resumed_like_unbroken(full_run: Path, resumed_run: Path, key: str, first_step: int, last_step: int):
+    full = dict(series(read_metrics(full_run), key))
+    again = dict(series(read_metrics(resumed_run), key))
+    assert min(again) == first_step and max(again) == last_step, sorted(again)
+    for step in range(first_step, last_step + 1):
+        assert abs(again[step] - full[step]) <= 1e-4 * max(1.0, abs(full[step])), (step, again[step], full[step])
