@@ -9,7 +9,7 @@ NPROC=${NPROC:-2}
 MODEL=${MODEL:-.cache/models/smollm2}
 
 $PY -m openppo.cli.models smollm2 --out "$MODEL"
-$PY -m openppo.cli.make_task arithmetic --out "$OUT/arithmetic.jsonl" --num_samples 128 --ops "+-" --seed 0
+$PY -m openppo.cli.make_task --task arithmetic --out "$OUT/arithmetic.jsonl" --num_samples 256 --ops "+-" --seed 0
 
 OMP_NUM_THREADS=$((2 / NPROC > 0 ? 2 / NPROC : 1)) $PY -m torch.distributed.run --standalone --nproc_per_node "$NPROC" \
    -m openppo.cli.train_sft \

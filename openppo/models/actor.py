@@ -7,7 +7,7 @@ packed batches (several sequences in one row) pass `position_ids` restarting at 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 from torch import nn
@@ -17,8 +17,9 @@ from openppo.models.loading import apply_lora, enable_gradient_checkpointing, re
 from openppo.models.positions import position_ids_from_mask
 
 
-@dataclass
-class ActorOutput:
+class ActorOutput(NamedTuple):
+    """A NamedTuple, not a dataclass: ZeRO-3 hooks only see tensors inside tuples, lists and dicts."""
+
     log_probs: torch.Tensor  # [B, T-1]: log p(token t+1 | tokens <= t)
     entropy: torch.Tensor | None  # [B, T-1] or None
     logits: torch.Tensor | None  # [B, T, V] only when asked for

@@ -11,6 +11,10 @@ import torch
 
 logger = logging.getLogger(__name__)
 
+if not torch.cuda.is_available():
+    # Tell DeepSpeed up front instead of letting it probe and warn in every process.
+    os.environ.setdefault("DS_ACCELERATOR", "cpu")
+
 
 def free_port() -> int:
     """An unused TCP port on localhost (racy by nature; fine for single-host launches and tests)."""
