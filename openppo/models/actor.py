@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from openppo.algorithms import entropy_from_logits, log_probs_from_logits
-from openppo.models.loading import apply_lora, enable_gradient_checkpointing, resolve_model_path
+from openppo.models.loading import finish_model, resolve_model_path
 from openppo.models.positions import position_ids_from_mask
 
 
@@ -43,12 +43,9 @@ class Actor(nn.Module):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                      trust_remote_code=True)
         model.config.use_cache = False
-        if lora_rank > 0:
-            model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
-                               target_modules=target_modules, task_type="CAUSAL_LM")
-        if gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        return cls(model)
+        return cls(finish_model(model, task_type="CAUSAL_LM", lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                lora_dropout=lora_dropout, target_modules=target_modules,
+                                gradient_checkpointing=gradient_checkpointing))
 
     @property
     def config(self):

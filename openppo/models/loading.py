@@ -59,6 +59,17 @@ def apply_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: 
     return model
 
 
+def finish_model(model, *, task_type: str, lora_rank: int, lora_alpha: int, lora_dropout: float,
+                 target_modules: list[str] | None, gradient_checkpointing: bool):
+    """Optional LoRA adapters and activation checkpointing, in that order (checkpointing must see the adapters)."""
+    if lora_rank > 0:
+        model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
+                           target_modules=target_modules, task_type=task_type)
+    if gradient_checkpointing:
+        enable_gradient_checkpointing(model)
+    return model
+
+
 def enable_gradient_checkpointing(model) -> None:
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     if hasattr(model, "enable_input_require_grads"):

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openppo.models.loading import apply_lora, enable_gradient_checkpointing, resolve_model_path
+from openppo.models.loading import finish_model, resolve_model_path
 from openppo.models.positions import position_ids_from_mask
 
 
@@ -47,12 +47,9 @@ class ScalarModel(nn.Module):
             config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True)
-        if lora_rank > 0:
-            model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
-                               target_modules=target_modules, task_type="SEQ_CLS")
-        if gradient_checkpointing:
-            enable_gradient_checkpointing(model)
-        return cls(model)
+        return cls(finish_model(model, task_type="SEQ_CLS", lora_rank=lora_rank, lora_alpha=lora_alpha,
+                                lora_dropout=lora_dropout, target_modules=target_modules,
+                                gradient_checkpointing=gradient_checkpointing))
 
     @property
     def hf_model(self) -> nn.Module:

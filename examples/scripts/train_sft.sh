@@ -1,0 +1,16 @@
+#!/usr/bin/env bash
+# SFT recipe (8 GPUs, one node). On a CPU box use torchrun --nproc_per_node 2 and --param_dtype bf16.
+set -euo pipefail
+MODEL=${MODEL:-Qwen/Qwen2.5-1.5B-Instruct}
+DATA=${DATA:-data/sft.jsonl}
+SAVE=${SAVE:-runs/sft}
+
+deepspeed --num_gpus 8 --module openppo.cli.train_sft \
+   --pretrain "$MODEL" \
+   --dataset "$DATA" --input_key input --output_key output --apply_chat_template \
+   --max_len 4096 --packing_samples \
+   --train_batch_size 256 --micro_train_batch_size 4 --max_epochs 2 \
+   --learning_rate 5e-6 --lr_warmup_ratio 0.03 --lr_scheduler cosine_with_min_lr \
+   --zero_stage 2 --param_dtype bf16 --attn_implementation flash_attention_2 --gradient_checkpointing \
+   --save_path "$SAVE" --save_steps 200 --max_ckpt_num 3 \
+   --logging_steps 1 --use_tensorboard "$SAVE/tb"

@@ -1,0 +1,194 @@
+"""Config of `train_ppo_ray`: every flag of the OpenRLHF recipes, grouped by component.
+
+Defaults follow OpenRLHF where its users rely on them, except where a default there is a known trap (noted on the
+field). The resources group counts GPUs per node; on a machine without GPUs the same numbers count worker
+processes (said once at start).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from openppo.algorithms import (ADVANTAGE_ESTIMATORS, IS_CORRECTION_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES,
+                                POLICY_LOSS_TYPES)
+from openppo.config.common import LR_SCHEDULERS, CheckpointConfig, LoggingConfig
+from openppo.config.schema import opt
+from openppo.strategy.config import DeepSpeedConfig
+
+
+@dataclass
+class PPOModelConfig:
+    """Models: actor, critic, reward, and how they are built."""
+
+    pretrain: str = opt(None, "actor (policy) model folder; also the tokenizer and the reference model",
+                        metavar="PATH")
+    critic_pretrain: str = opt(None, "critic start point (gae only); default: --reward_pretrain, else --pretrain "
+                                     "(value head then starts random)", metavar="PATH")
+    reward_pretrain: str = opt(None, "reward model folder (a scalar-head model, e.g. from train_rm)", metavar="PATH")
+    remote_rm_url: str = opt(None, "reward source instead of a reward model: comma list of HTTP endpoints "
+                                   "(python -m openppo.cli.serve_rm) or a .py file exporting reward_func")
+    attn_implementation: str = opt("sdpa", "attention kernel for the DeepSpeed models",
+                                   choices=("sdpa", "eager", "flash_attention_2", "flex_attention"))
+    gradient_checkpointing: bool = opt(False, "recompute activations in backward (actor and critic)")
+    lora_rank: int = opt(0, "LoRA rank for actor and critic; 0 trains all weights")
+    lora_alpha: int = opt(16, "LoRA alpha")
+    lora_dropout: float = opt(0.0, "LoRA dropout")
+    target_modules: list[str] = opt(None, "modules LoRA adapts; default: all linear layers", metavar="NAME")
+    ref_reward_offload: bool = opt(False, "offload reference and reward model weights to CPU (ZeRO-3 param offload)")
+
+
+@dataclass
+class ResourceConfig:
+    """Devices per model group and colocation (on CPU-only machines: worker processes)."""
+
+    actor_num_nodes: int = opt(1, "nodes for the actor")
+    actor_num_gpus_per_node: int = opt(1, "actor ranks per node (OpenRLHF defaults to 8)")
+    critic_num_nodes: int = opt(1, "nodes for the critic")
+    critic_num_gpus_per_node: int = opt(1, "critic ranks per node")
+    ref_num_nodes: int = opt(1, "nodes for the reference model")
+    ref_num_gpus_per_node: int = opt(1, "reference ranks per node")
+    reward_num_nodes: int = opt(1, "nodes for the reward model")
+    reward_num_gpus_per_node: int = opt(1, "reward-model ranks per node")
+    colocate_actor_ref: bool = opt(False, "actor and reference share devices")
+    colocate_critic_reward: bool = opt(False, "critic and reward model share devices")
+    colocate_all_models: bool = opt(False, "hybrid engine: every model and the vLLM engines share the actor's devices")
+
+
+@dataclass
+class VLLMConfig:
+    """Rollout engines (vLLM) and the trainer -> engine weight sync."""
+
+    vllm_num_engines: int = opt(1, "vLLM engines generating rollouts")
+    vllm_tensor_parallel_size: int = opt(1, "tensor-parallel size of each engine (GPU only)")
+    vllm_gpu_memory_utilization: float = opt(0.9, "share of device memory for each engine; on CPU the share of "
+                                                  "free RAM given to the KV cache")
+    vllm_kv_cache_bytes: int = opt(None, "explicit KV cache size in bytes (CPU); overrides the share above")
+    vllm_sync_backend: str = opt("nccl", "collective for weight sync; gloo is used on CPU",
+                                 choices=("nccl", "gloo"))
+    vllm_sync_bucket_mb: int = opt(256, "weights per sync message (MiB): many tensors travel in one bucket")
+    enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)")
+    enable_prefix_caching: bool = opt(False, "reuse prompt KV across the n samples of a prompt; reset on every sync")
+    vllm_enable_sleep: bool = opt(False, "engines release memory while the trainer runs (needs "
+                                         "--colocate_all_models; a no-op on CPU)")
+    enable_vllm_is_correction: bool = opt(False, "correct for vLLM / trainer log-prob mismatch with importance "
+                                                 "weights")
+    vllm_is_truncated_threshold: tuple[float, float] = opt((0.5, 5.0), "low high bounds of the IS ratio")
+    vllm_is_correction_type: str = opt("tis", "IS correction", choices=IS_CORRECTION_TYPES)
+
+
+@dataclass
+class PPODeepSpeedConfig(DeepSpeedConfig):
+    """DeepSpeed ZeRO, precision and memory options of the trained models."""
+
+    adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam beta1 beta2")
+    l2: float = opt(0.0, "weight decay")
+    deepspeed_enable_sleep: bool = opt(False, "offload optimizer and gradient states while the engines generate")
+    deepcompile: bool = opt(False, "compile the training engine with DeepSpeed's deepcompile (GPU)")
+    ds_tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size for training (GPU, bf16)")
+
+
+@dataclass
+class PromptDataConfig:
+    """Prompts, labels, templates and lengths."""
+
+    prompt_data: str = opt(None, "comma list of local prompt files / save_to_disk folders", metavar="PATHS")
+    prompt_data_probs: str = opt(None, "sampling probabilities, one per --prompt_data source")
+    input_key: str = opt("input", "column holding the prompt (string or chat messages)")
+    label_key: str = opt(None, "column passed to the reward function as the label (e.g. the answer)")
+    input_template: str = opt(None, "format string with one {} for the prompt")
+    apply_chat_template: bool = opt(False, "render prompts with the tokenizer's chat template")
+    max_samples: int = opt(100_000_000, "use at most this many prompts")
+    prompt_max_len: int = opt(1024, "longer prompts are dropped (counted in the log)")
+    generate_max_len: int = opt(1024, "maximum new tokens per response")
+    eval_dataset: str = opt(None, "prompts for evaluation (pass@1 and pass@k with the reward source)",
+                            metavar="PATHS")
+    eval_n_samples_per_prompt: int = opt(4, "samples per eval prompt (k of pass@k)")
+    eval_temperature: float = opt(0.6, "sampling temperature at eval")
+
+
+@dataclass
+class RolloutConfig:
+    """Generation, batching and throughput options."""
+
+    rollout_batch_size: int = opt(8, "prompts per RL step (each sampled --n_samples_per_prompt times)")
+    n_samples_per_prompt: int = opt(1, "responses per prompt (the group size of group estimators)")
+    micro_rollout_batch_size: int = opt(8, "samples per forward when scoring rollouts (log-probs, values)")
+    temperature: float = opt(1.0, "sampling temperature (the trainer scores at the same temperature)")
+    top_p: float = opt(1.0, "nucleus sampling")
+    dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: drop groups whose mean score is outside the range "
+                                         "and refill with new prompts")
+    dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "keep a group when lo < mean score < hi")
+    packing_samples: bool = opt(False, "pack sequences into rows without padding")
+    use_dynamic_batch: bool = opt(False, "fill micro-batches by a token budget instead of a sample count")
+    train_max_tokens_per_gpu: int = opt(16384, "token budget of a training micro-batch (--use_dynamic_batch)")
+    rollout_max_tokens_per_gpu: int = opt(None, "token budget of a forward-only micro-batch; default: 2x the "
+                                                "training budget")
+    ring_attn_size: int = opt(1, "sequence-parallel ranks per sequence (ring attention)")
+    ring_head_stride: int = opt(1, "attention heads per ring step")
+    async_train: bool = opt(False, "generate the next batch while training on this one")
+    async_queue_size: int = opt(1, "batches generated ahead (bound on policy staleness) with --async_train")
+
+
+@dataclass
+class PPOTrainConfig:
+    """Optimisation of actor and critic."""
+
+    train_batch_size: int = opt(8, "samples per optimizer step (all ranks)")
+    micro_train_batch_size: int = opt(4, "samples per forward/backward on one rank")
+    max_epochs: int = opt(1, "passes over each rollout batch")
+    num_episodes: int = opt(1, "passes over the prompt set")
+    max_steps: int = opt(-1, "stop after this many RL steps; -1 = run all episodes")
+    actor_learning_rate: float = opt(1e-6, "actor peak learning rate")
+    critic_learning_rate: float = opt(9e-6, "critic peak learning rate")
+    lr_warmup_ratio: float = opt(0.03, "share of optimizer steps spent warming up the LR")
+    lr_scheduler: str = opt("cosine_with_min_lr", "LR schedule after warm-up", choices=LR_SCHEDULERS)
+    min_lr_ratio: float = opt(0.1, "floor of cosine_with_min_lr as a share of the peak")
+    max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
+    freezing_actor_steps: int = opt(-1, "train only the critic for the first N steps (critic warm-up)")
+    seed: int = opt(42, "random seed")
+
+
+@dataclass
+class AlgoConfig:
+    """Advantage estimator, losses, KL and reward shaping (formulas: docs/algorithms.md)."""
+
+    advantage_estimator: str = opt("gae", "gae = PPO with a critic; group_norm = GRPO; dr_grpo; rloo; "
+                                          "reinforce; reinforce_baseline = REINFORCE++-baseline",
+                                   choices=ADVANTAGE_ESTIMATORS)
+    init_kl_coef: float = opt(0.01, "KL coefficient beta; 0 = no reference model")
+    kl_target: float = opt(None, "adaptive KL controller target (None = fixed coefficient)")
+    kl_horizon: int = opt(10000, "adaptive KL controller horizon (samples)")
+    use_kl_loss: bool = opt(False, "KL as a loss term (GRPO style) instead of a per-token reward penalty")
+    kl_estimator: str = opt("k1", "KL estimator: k1 for the reward penalty, k2/k3 for the loss",
+                            choices=KL_ESTIMATORS)
+    eps_clip: float = opt(0.2, "PPO clip range")
+    eps_clip_low_high: tuple[float, float] = opt(None, "asymmetric clip (DAPO clip-higher), e.g. 0.2 0.28")
+    dual_clip: float = opt(None, "dual-clip constant c > 1 for negative advantages")
+    value_clip: float = opt(0.5, "critic value clip range")
+    gamma: float = opt(1.0, "discount")
+    lambd: float = opt(1.0, "GAE lambda (OpenRLHF default 1; PPO papers use 0.95)")
+    entropy_loss_coef: float = opt(None, "entropy bonus weight; None = off, 0 = log only")
+    normalize_reward: bool = opt(False, "normalise rewards with the mean/std stored in the reward model")
+    reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "clip rewards to this range (before the group "
+                                                              "baseline, see docs/algorithms.md)")
+    policy_loss_type: str = opt("ppo", "token-level PPO ratio or GSPO sequence ratio", choices=POLICY_LOSS_TYPES)
+    loss_agg_mode: str = opt(None, "loss aggregation; default per estimator (docs/algorithms.md)",
+                             choices=LOSS_AGG_MODES)
+    no_advantage_std_norm: bool = opt(False, "global advantage normalisation only centres (no division by std)")
+    overlong_buffer_len: int = opt(None, "DAPO overlong penalty buffer (tokens before --generate_max_len)")
+    overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the end of the buffer")
+    stop_properly_penalty_coef: float = opt(None, "truncated responses: reward x coef (0..1) or := coef (< 0)")
+
+
+@dataclass
+class PPOConfig:
+    model: PPOModelConfig = field(default_factory=PPOModelConfig)
+    resources: ResourceConfig = field(default_factory=ResourceConfig)
+    vllm: VLLMConfig = field(default_factory=VLLMConfig)
+    ds: PPODeepSpeedConfig = field(default_factory=PPODeepSpeedConfig)
+    data: PromptDataConfig = field(default_factory=PromptDataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    train: PPOTrainConfig = field(default_factory=PPOTrainConfig)
+    algo: AlgoConfig = field(default_factory=AlgoConfig)
+    ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -1,0 +1,177 @@
+"""The four model roles of the RL step, as they live inside one DeepSpeed rank.
+
+A role owns its DeepSpeed engine and answers the controller's calls on this rank's share of the batch:
+- `PolicyRole`: the trained actor; old log-probs, PPO update, checkpoints, HF export.
+- `CriticRole`: the trained value model (gae only); values, value update.
+- `ReferenceRole`: frozen actor copy; reference log-probs for the KL term.
+- `RewardRole`: frozen reward model; one score per sequence.
+They know nothing of Ray: a worker process (Ray actor or plain rank) constructs them after the process group is
+up, and the controller calls them with CPU tensors.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import torch
+
+from openppo.models.actor import Actor
+from openppo.models.scalar import ScalarModel, last_token_index
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
+from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+
+def make_strategy(cfg: PPOConfig, *, trained: bool) -> DeepSpeedStrategy:
+    """A strategy whose batch arithmetic is the training one (frozen models only use the micro size)."""
+    t = cfg.train
+    if trained:
+        return DeepSpeedStrategy(cfg.ds, train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
+                                 max_norm=t.max_norm, seed=t.seed)
+    # Frozen models never step an optimizer; DeepSpeed still wants batch sizes that divide over the ranks.
+    micro = cfg.rollout.micro_rollout_batch_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return DeepSpeedStrategy(cfg.ds, train_batch_size=micro * world, micro_batch_size=micro, max_norm=t.max_norm,
+                             seed=t.seed)
+
+
+def _chunks(data: dict[str, torch.Tensor], size: int):
+    total = next(iter(data.values())).size(0)
+    for i in range(0, total, size):
+        yield {k: v[i: i + size] for k, v in data.items()}
+
+
+def _lora_kwargs(cfg: PPOConfig) -> dict:
+    m = cfg.model
+    return dict(attn_implementation=m.attn_implementation, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
+                lora_dropout=m.lora_dropout, target_modules=m.target_modules,
+                gradient_checkpointing=m.gradient_checkpointing)
+
+
+def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
+    t = cfg.train
+    return dict(lr=lr, betas=cfg.ds.adam_betas, weight_decay=cfg.ds.l2, scheduler=t.lr_scheduler,
+                warmup_ratio=t.lr_warmup_ratio, min_lr_ratio=t.min_lr_ratio, num_training_steps=num_training_steps)
+
+
+class _TrainedRole:
+    """Shared checkpoint / export plumbing of the actor and critic."""
+
+    strategy: DeepSpeedStrategy
+    engine: object
+
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
+        self.strategy.save_checkpoint(self.engine, ckpt_dir, step, client_state, max_num)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
+        return self.strategy.load_checkpoint(self.engine, ckpt_dir)
+
+    def save_hf(self, tokenizer, out_dir: str | Path, extra_config: dict | None = None) -> None:
+        self.strategy.save_hf(self.engine, tokenizer, out_dir, extra_config)
+
+
+class PolicyRole(_TrainedRole):
+    def __init__(self, cfg: PPOConfig, num_training_steps: int):
+        self.cfg = cfg
+        self.strategy = make_strategy(cfg, trained=True)
+        self.strategy.setup_distributed()
+        with self.strategy.zero3_init():
+            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype, **_lora_kwargs(cfg))
+        self.engine = self.strategy.prepare_train(
+            model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
+
+    @torch.no_grad()
+    def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
+        self.engine.eval()
+        out = []
+        for chunk in _chunks(data, self.cfg.rollout.micro_rollout_batch_size):
+            res = self.engine(chunk["sequences"].to(self.strategy.device),
+                              chunk["attention_mask"].to(self.strategy.device),
+                              temperature=self.cfg.rollout.temperature)
+            out.append(res.log_probs.float().cpu())
+        return torch.cat(out)
+
+    def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
+        cfg = self.cfg
+        is_correction = cfg.vllm.vllm_is_correction_type if cfg.vllm.enable_vllm_is_correction else None
+        loss_fn = actor_loss(self.engine, cfg.algo, kl_coef=kl_coef, temperature=cfg.rollout.temperature,
+                             generate_max_len=cfg.data.generate_max_len, is_correction=is_correction,
+                             is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold))
+        metrics = fit_experience(self.engine, data, loss_fn, micro=cfg.train.micro_train_batch_size,
+                                 grad_accum=self.strategy.grad_accum_steps, epochs=cfg.train.max_epochs,
+                                 world_size=self.strategy.world_size, seed=cfg.train.seed + 1000 * global_step,
+                                 device=self.strategy.device)
+        metrics["policy/lr"] = self.engine.get_lr()[0]
+        return self.strategy.all_reduce_mean(metrics)
+
+
+class CriticRole(_TrainedRole):
+    def __init__(self, cfg: PPOConfig, num_training_steps: int):
+        self.cfg = cfg
+        self.strategy = make_strategy(cfg, trained=True)
+        self.strategy.setup_distributed()
+        path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
+        with self.strategy.zero3_init():
+            model = ScalarModel.from_pretrained(path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain",
+                                                **_lora_kwargs(cfg))
+        self.engine = self.strategy.prepare_train(
+            model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
+
+    @torch.no_grad()
+    def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
+        self.engine.eval()
+        out = []
+        for chunk in _chunks(data, self.cfg.rollout.micro_rollout_batch_size):
+            values = self.engine(chunk["sequences"].to(self.strategy.device),
+                                 chunk["attention_mask"].to(self.strategy.device))
+            out.append(values[:, :-1].float().cpu())
+        return torch.cat(out)
+
+    def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
+        cfg = self.cfg
+        metrics = fit_experience(self.engine, data, critic_loss(self.engine, cfg.algo),
+                                 micro=cfg.train.micro_train_batch_size, grad_accum=self.strategy.grad_accum_steps,
+                                 epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
+                                 seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device)
+        return self.strategy.all_reduce_mean(metrics)
+
+
+class ReferenceRole:
+    def __init__(self, cfg: PPOConfig):
+        self.cfg = cfg
+        self.strategy = make_strategy(cfg, trained=False)
+        self.strategy.setup_distributed()
+        offload = cfg.model.ref_reward_offload
+        with self.strategy.zero3_init(for_training=False, offload=offload):
+            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype,
+                                          attn_implementation=cfg.model.attn_implementation)
+        self.engine = self.strategy.prepare_eval(model, offload=offload)
+
+    log_probs = PolicyRole.log_probs
+
+
+class RewardRole:
+    def __init__(self, cfg: PPOConfig):
+        self.cfg = cfg
+        self.strategy = make_strategy(cfg, trained=False)
+        self.strategy.setup_distributed()
+        offload = cfg.model.ref_reward_offload
+        with self.strategy.zero3_init(for_training=False, offload=offload):
+            model = ScalarModel.from_pretrained(cfg.model.reward_pretrain, dtype=self.strategy.torch_dtype,
+                                                flag="--reward_pretrain",
+                                                attn_implementation=cfg.model.attn_implementation)
+        self.normalization = model.normalization()
+        self.engine = self.strategy.prepare_eval(model, offload=offload)
+
+    @torch.no_grad()
+    def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
+        out = []
+        for chunk in _chunks(data, self.cfg.rollout.micro_rollout_batch_size):
+            attn = chunk["attention_mask"].to(self.strategy.device)
+            values = self.engine(chunk["sequences"].to(self.strategy.device), attn)
+            out.append(values.gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1).float().cpu())
+        return torch.cat(out)

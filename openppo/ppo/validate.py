@@ -1,0 +1,158 @@
+"""Up-front checks of a PPOConfig: contradictions name both flags, no-ops on this hardware are said once.
+
+`validate(cfg, on_gpu)` raises `UserError` for anything that cannot work and returns the notices (one line each)
+for options that are accepted but cannot take effect here. It never rewrites the config.
+"""
+
+from __future__ import annotations
+
+from openppo.algorithms import GROUP_ESTIMATORS
+from openppo.errors import UserError, require
+from openppo.models.loading import resolve_model_path
+from openppo.ppo.config import PPOConfig
+
+NOT_YET = {  # flag -> predicate on the config: throughput features that land with the throughput work
+    "--use_dynamic_batch": lambda c: c.rollout.use_dynamic_batch,
+    "--ring_attn_size": lambda c: c.rollout.ring_attn_size > 1,
+    "--async_train": lambda c: c.rollout.async_train,
+    "--deepcompile": lambda c: c.ds.deepcompile,
+    "--ds_tensor_parallel_size": lambda c: c.ds.ds_tensor_parallel_size > 1,
+}
+
+
+def actor_world_size(cfg: PPOConfig) -> int:
+    return cfg.resources.actor_num_nodes * cfg.resources.actor_num_gpus_per_node
+
+
+def _positive(value, flag: str) -> None:
+    require(value is not None and value > 0, f"{flag} must be positive, got {value}")
+
+
+def _models(cfg: PPOConfig) -> None:
+    m, algo = cfg.model, cfg.algo
+    resolve_model_path(m.pretrain, "--pretrain")
+    if m.reward_pretrain and m.remote_rm_url:
+        raise UserError("--reward_pretrain and --remote_rm_url both given: pick one reward source")
+    if not m.reward_pretrain and not m.remote_rm_url:
+        raise UserError("a reward source is required: --reward_pretrain DIR, or --remote_rm_url URL[,URL] / FILE.py")
+    if m.reward_pretrain:
+        resolve_model_path(m.reward_pretrain, "--reward_pretrain")
+    if m.critic_pretrain:
+        if algo.advantage_estimator != "gae":
+            raise UserError(f"--critic_pretrain is only used by --advantage_estimator gae, not "
+                            f"{algo.advantage_estimator}: drop one of them")
+        resolve_model_path(m.critic_pretrain, "--critic_pretrain")
+    require(m.lora_rank >= 0, f"--lora_rank must be >= 0, got {m.lora_rank}")
+
+
+def _algorithm(cfg: PPOConfig) -> None:
+    algo, r = cfg.algo, cfg.rollout
+    if algo.advantage_estimator in GROUP_ESTIMATORS and r.n_samples_per_prompt < 2:
+        raise UserError(f"--advantage_estimator {algo.advantage_estimator} needs a group: set "
+                        f"--n_samples_per_prompt >= 2 (got {r.n_samples_per_prompt})")
+    if r.dynamic_filtering and r.n_samples_per_prompt < 2:
+        raise UserError("--dynamic_filtering needs --n_samples_per_prompt >= 2 (it filters groups)")
+    if algo.use_kl_loss and algo.init_kl_coef <= 0:
+        raise UserError("--use_kl_loss with --init_kl_coef 0 adds nothing: set --init_kl_coef > 0 or drop "
+                        "--use_kl_loss")
+    require(algo.init_kl_coef >= 0, f"--init_kl_coef must be >= 0, got {algo.init_kl_coef}")
+    if algo.kl_target is not None:
+        _positive(algo.kl_target, "--kl_target")
+        require(algo.init_kl_coef > 0, "--kl_target adapts the KL coefficient: set --init_kl_coef > 0")
+    _positive(algo.eps_clip, "--eps_clip")
+    if algo.eps_clip_low_high is not None:
+        low, high = algo.eps_clip_low_high
+        require(low > 0 and high > 0, f"--eps_clip_low_high must be two positive numbers, got {low} {high}")
+    require(algo.dual_clip is None or algo.dual_clip > 1, f"--dual_clip must be > 1, got {algo.dual_clip}")
+    require(0 < algo.gamma <= 1, f"--gamma must be in (0, 1], got {algo.gamma}")
+    require(0 <= algo.lambd <= 1, f"--lambd must be in [0, 1], got {algo.lambd}")
+    if algo.advantage_estimator in GROUP_ESTIMATORS and algo.gamma != 1.0:
+        raise UserError(f"--gamma {algo.gamma} with --advantage_estimator {algo.advantage_estimator}: group "
+                        f"estimators score whole responses; use --gamma 1")
+    low, high = algo.reward_clip_range
+    require(low < high, f"--reward_clip_range needs low < high, got {low} {high}")
+    require(algo.entropy_loss_coef is None or algo.entropy_loss_coef >= 0,
+            f"--entropy_loss_coef must be >= 0, got {algo.entropy_loss_coef}")
+    if algo.overlong_buffer_len is not None:
+        require(0 < algo.overlong_buffer_len < cfg.data.generate_max_len,
+                f"--overlong_buffer_len must be in (0, --generate_max_len={cfg.data.generate_max_len})")
+    lo, hi = r.dynamic_filtering_reward_range
+    require(lo < hi, f"--dynamic_filtering_reward_range needs low < high, got {lo} {hi}")
+
+
+def _batches(cfg: PPOConfig) -> None:
+    r, t, d = cfg.rollout, cfg.train, cfg.data
+    for value, flag in ((r.rollout_batch_size, "--rollout_batch_size"), (r.n_samples_per_prompt,
+                        "--n_samples_per_prompt"), (r.micro_rollout_batch_size, "--micro_rollout_batch_size"),
+                        (t.train_batch_size, "--train_batch_size"), (t.micro_train_batch_size,
+                        "--micro_train_batch_size"), (t.max_epochs, "--max_epochs"), (t.num_episodes,
+                        "--num_episodes"), (d.prompt_max_len, "--prompt_max_len"),
+                        (d.generate_max_len, "--generate_max_len"), (r.temperature, "--temperature"),
+                        (cfg.vllm.vllm_num_engines, "--vllm_num_engines")):
+        _positive(value, flag)
+    require(0 < r.top_p <= 1, f"--top_p must be in (0, 1], got {r.top_p}")
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    if samples % t.train_batch_size:
+        raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "
+                        f"multiple of --train_batch_size {t.train_batch_size}")
+    world = actor_world_size(cfg)
+    if t.train_batch_size % (t.micro_train_batch_size * world):
+        raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
+                        f"{t.micro_train_batch_size} x {world} actor ranks")
+    require(0.0 <= t.lr_warmup_ratio < 1.0, f"--lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
+    _positive(t.actor_learning_rate, "--actor_learning_rate")
+    _positive(t.critic_learning_rate, "--critic_learning_rate")
+    _positive(cfg.logging.logging_steps, "--logging_steps")
+
+
+def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
+    res, v, ds = cfg.resources, cfg.vllm, cfg.ds
+    for flag in ("actor", "critic", "ref", "reward"):
+        _positive(getattr(res, f"{flag}_num_nodes"), f"--{flag}_num_nodes")
+        _positive(getattr(res, f"{flag}_num_gpus_per_node"), f"--{flag}_num_gpus_per_node")
+    _positive(v.vllm_tensor_parallel_size, "--vllm_tensor_parallel_size")
+    require(0 < v.vllm_gpu_memory_utilization <= 1,
+            f"--vllm_gpu_memory_utilization must be in (0, 1], got {v.vllm_gpu_memory_utilization}")
+    if res.colocate_all_models:
+        engines = v.vllm_num_engines * v.vllm_tensor_parallel_size
+        if engines != actor_world_size(cfg):
+            raise UserError(f"--colocate_all_models needs --vllm_num_engines x --vllm_tensor_parallel_size "
+                            f"({engines}) == actor ranks ({actor_world_size(cfg)})")
+    if res.colocate_actor_ref and (res.ref_num_nodes, res.ref_num_gpus_per_node) != (
+            res.actor_num_nodes, res.actor_num_gpus_per_node):
+        raise UserError("--colocate_actor_ref needs --ref_num_nodes/--ref_num_gpus_per_node equal to the actor's")
+    if res.colocate_critic_reward and (res.critic_num_nodes, res.critic_num_gpus_per_node) != (
+            res.reward_num_nodes, res.reward_num_gpus_per_node):
+        raise UserError("--colocate_critic_reward needs --critic_num_* equal to --reward_num_*")
+    if v.vllm_enable_sleep and not res.colocate_all_models:
+        raise UserError("--vllm_enable_sleep frees engine memory for colocated training: add "
+                        "--colocate_all_models or drop --vllm_enable_sleep")
+    if ds.deepspeed_enable_sleep and ds.adam_offload:
+        raise UserError("--deepspeed_enable_sleep and --adam_offload both move optimizer states to CPU: pick one")
+    if cfg.rollout.async_train and v.vllm_enable_sleep:
+        raise UserError("--async_train generates while training, so engines cannot sleep: drop --vllm_enable_sleep")
+    if ds.param_dtype == "fp16" and not on_gpu:
+        raise UserError("--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype bf16 or fp32")
+    if not on_gpu:
+        if v.vllm_tensor_parallel_size > 1:
+            raise UserError("--vllm_tensor_parallel_size > 1 needs GPUs; use --vllm_num_engines for more engines")
+        notices.append("no GPU: *_num_gpus_per_node count worker processes; weight sync uses gloo")
+        if v.vllm_enable_sleep:
+            notices.append("--vllm_enable_sleep is a no-op on CPU (vLLM cannot sleep there)")
+        if v.vllm_sync_backend == "nccl":
+            notices.append("--vllm_sync_backend nccl needs GPUs: gloo is used instead")
+
+
+def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
+    """Raise UserError on anything that cannot run; return one-line notices about no-ops on this machine."""
+    for flag, enabled in NOT_YET.items():
+        if enabled(cfg):
+            raise UserError(f"{flag} is not yet supported by openppo; drop it (tracked with the throughput work)")
+    require(bool(cfg.data.prompt_data), "--prompt_data is required: a local .jsonl/.json/.parquet/.csv file or "
+                                         "folder of prompts")
+    notices: list[str] = []
+    _models(cfg)
+    _algorithm(cfg)
+    _batches(cfg)
+    _resources(cfg, on_gpu, notices)
+    return notices

@@ -1,0 +1,35 @@
+"""The supervised CLIs under every launcher and ZeRO stage not covered elsewhere (1 process, deepspeed)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+
+from tests.cli.data import sft_rows
+from tests.cli.helpers import REPO, cli_env, read_metrics, run_cli, series, write_jsonl
+from tests.model_cache import tiny_model_dir
+
+pytestmark = pytest.mark.slow
+
+
+def _args(tmp_path, stage: str):
+    data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(8))
+    return ["--pretrain", str(tiny_model_dir()), "--dataset", str(data), "--apply_chat_template", "--max_len", "48",
+            "--train_batch_size", "4", "--micro_train_batch_size", "2", "--max_steps", "2", "--zero_stage", stage,
+            "--param_dtype", "bf16", "--save_path", str(tmp_path / "out")]
+
+
+def test_single_process_zero0(tmp_path):
+    run_cli("train_sft", _args(tmp_path, "0"), nproc=1)
+    assert len(series(read_metrics(tmp_path / "out"), "loss/sft")) == 2
+    assert (tmp_path / "out" / "model.safetensors").is_file()
+
+
+def test_deepspeed_launcher_zero1(tmp_path):
+    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29731",
+           "--module", "openppo.cli.train_sft", *_args(tmp_path, "1")]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=REPO)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert len(series(read_metrics(tmp_path / "out"), "loss/sft")) == 2

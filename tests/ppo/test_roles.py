@@ -1,0 +1,60 @@
+"""The RL model roles on real DeepSpeed (1 rank, ZeRO-3): reference equals the untrained policy, training moves
+the policy, the critic and reward model give per-token values and per-sequence scores."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openppo.config.schema import parse_config
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.experience import Sample, collate_samples
+from openppo.ppo.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole
+from tests.model_cache import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def cfg():
+    model = str(tiny_model_dir())
+    return parse_config(PPOConfig, ["--pretrain", model, "--reward_pretrain", model, "--prompt_data", "x",
+                                    "--zero_stage", "3", "--param_dtype", "fp32", "--rollout_batch_size", "4",
+                                    "--train_batch_size", "4", "--micro_train_batch_size", "2",
+                                    "--micro_rollout_batch_size", "3", "--actor_learning_rate", "1e-3",
+                                    "--lr_warmup_ratio", "0", "--temperature", "0.7"], "t")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    torch.manual_seed(0)
+    samples = [Sample(prompt_ids=torch.randint(10, 900, (p,)).tolist(), response_ids=torch.randint(10, 900, (r,)).tolist(),
+                      rollout_log_probs=[0.0] * r, finish_reason="stop", group=0) for p, r in [(3, 4), (5, 2), (2, 6), (4, 3)]]
+    return collate_samples(samples, pad_token_id=0)
+
+
+def test_roles(cfg, batch):
+    data = {k: batch[k] for k in ("sequences", "attention_mask")}
+    policy = PolicyRole(cfg, num_training_steps=4)
+    reference = ReferenceRole(cfg)
+    old = policy.log_probs(data)
+    assert old.shape == batch["action_mask"].shape
+    assert torch.allclose(old, reference.log_probs(data), atol=1e-6)
+    # The temperature is applied: scoring at 0.7 differs from 1.0.
+    cfg.rollout.temperature = 1.0
+    assert not torch.allclose(old, policy.log_probs(data), atol=1e-4)
+    cfg.rollout.temperature = 0.7
+    train = {**batch, "old_log_probs": old, "advantages": torch.ones_like(old) * batch["action_mask"]}
+    metrics = policy.train(train, kl_coef=0.0, global_step=1)
+    assert {"loss/policy", "policy/clip_ratio", "policy/approx_kl"} <= set(metrics)
+    new = policy.log_probs(data)
+    mask = batch["action_mask"].bool()
+    assert (new[mask] - old[mask]).mean() > 0  # positive advantages raise the log-probs of the taken tokens
+
+    critic = CriticRole(cfg, num_training_steps=4)
+    values = critic.values(data)
+    assert values.shape == batch["action_mask"].shape
+    scores = RewardRole(cfg).scores(data)
+    assert scores.shape == (4,)
+    # the reward role reads the critic-identical head at each row's last real token
+    last = batch["attention_mask"].sum(-1) - 1
+    full = torch.cat([values, critic.engine(batch["sequences"], batch["attention_mask"])[:, -1:].detach()], dim=1)
+    assert torch.allclose(scores, full[torch.arange(4), last], atol=1e-5)

@@ -1,0 +1,76 @@
+"""PPO config validation: every contradiction names both flags; no-ops on CPU are notices, not errors."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+
+from openppo.config.schema import parse_config
+from openppo.errors import UserError
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.validate import validate
+from tests.model_cache import tiny_model_dir
+
+
+@pytest.fixture(scope="module")
+def base():
+    model = str(tiny_model_dir())
+    return ["--pretrain", model, "--prompt_data", "prompts.jsonl", "--remote_rm_url", "reward.py",
+            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
+            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--actor_num_gpus_per_node", "2",
+            "--vllm_num_engines", "1", "--init_kl_coef", "0"]
+
+
+def _cfg(base, extra):
+    return parse_config(PPOConfig, base + extra, "t")
+
+
+BAD = [
+    # (extra flags, flags the message must name)
+    (["--pretrain", "/nonexistent"], ["--pretrain"]),
+    (["--reward_pretrain", "{model}"], ["--reward_pretrain", "--remote_rm_url"]),
+    (["--critic_pretrain", "{model}"], ["--critic_pretrain", "--advantage_estimator"]),
+    (["--n_samples_per_prompt", "1", "--train_batch_size", "4"], ["--advantage_estimator", "--n_samples_per_prompt"]),
+    (["--use_kl_loss"], ["--use_kl_loss", "--init_kl_coef"]),
+    (["--vllm_enable_sleep"], ["--vllm_enable_sleep", "--colocate_all_models"]),
+    (["--deepspeed_enable_sleep", "--adam_offload"], ["--deepspeed_enable_sleep", "--adam_offload"]),
+    (["--colocate_all_models", "--vllm_num_engines", "1"], ["--colocate_all_models", "--vllm_num_engines"]),
+    (["--vllm_tensor_parallel_size", "2"], ["--vllm_tensor_parallel_size"]),
+    (["--param_dtype", "fp16"], ["--param_dtype"]),
+    (["--train_batch_size", "6"], ["--train_batch_size"]),
+    (["--micro_train_batch_size", "3"], ["--micro_train_batch_size"]),
+    (["--dual_clip", "0.5"], ["--dual_clip"]),
+    (["--gamma", "0.99"], ["--gamma", "--advantage_estimator"]),
+    (["--generate_max_len", "-1"], ["--generate_max_len"]),
+    (["--overlong_buffer_len", "5000"], ["--overlong_buffer_len", "--generate_max_len"]),
+    (["--reward_clip_range", "1", "-1"], ["--reward_clip_range"]),
+    (["--top_p", "0"], ["--top_p"]),
+    (["--kl_target", "0.1"], ["--kl_target", "--init_kl_coef"]),
+    (["--async_train"], ["--async_train"]),
+    (["--ring_attn_size", "2"], ["--ring_attn_size"]),
+    (["--colocate_actor_ref", "--ref_num_gpus_per_node", "1"], ["--colocate_actor_ref", "--ref_num_gpus_per_node"]),
+]
+
+
+@pytest.mark.parametrize("extra,flags", BAD, ids=[" ".join(e[:2]) for e, _ in BAD])
+def test_bad_config_names_flags(base, extra, flags):
+    extra = [e.replace("{model}", base[1]) for e in extra]
+    with pytest.raises(UserError) as err:
+        validate(_cfg(base, extra), on_gpu=False)
+    message = str(err.value)
+    assert "\n" not in message
+    for flag in flags:
+        assert re.search(re.escape(flag) + r"\b", message), (flag, message)
+
+
+def test_valid_config_gives_cpu_notices(base):
+    notices = validate(_cfg(base, []), on_gpu=False)
+    assert any("worker processes" in n for n in notices)
+    assert any("gloo" in n for n in notices)
+
+
+def test_sleep_on_cpu_is_a_notice(base):
+    extra = ["--colocate_all_models", "--vllm_num_engines", "2", "--vllm_enable_sleep"]
+    notices = validate(_cfg(base, extra), on_gpu=False)
+    assert any("--vllm_enable_sleep is a no-op on CPU" in n for n in notices)
