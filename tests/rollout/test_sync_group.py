@@ -1,0 +1,85 @@
+"""The standalone gloo sync group: broadcast, bounded waits, no global registration (ranks as threads, fast)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+
+from openppo.errors import UserError
+from openppo.rollout.sync_group import create_sync_group, free_port
+
+
+def _run_ranks(world_size: int, fn, timeout_s: float = 30.0) -> list:
+    """Run fn(rank, port) in one thread per rank; return the results, re-raising the first error."""
+    port = free_port("127.0.0.1")
+    results: list = [None] * world_size
+    errors: list = []
+
+    def target(rank: int) -> None:
+        try:
+            results[rank] = fn(rank, port)
+        except BaseException as exc:  # noqa: BLE001 -- handed to the test thread
+            errors.append(exc)
+
+    threads = [threading.Thread(target=target, args=(r,), daemon=True) for r in range(world_size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout_s)
+    assert not any(t.is_alive() for t in threads), "a rank hung"
+    if errors:
+        raise errors[0]
+    return results
+
+
+def test_broadcast_reaches_every_rank_without_touching_the_default_group():
+    payloads = [torch.arange(10, dtype=torch.float32), torch.randn(4, 3).to(torch.bfloat16),
+                torch.randint(0, 255, (1000,), dtype=torch.uint8)]
+
+    def rank_fn(rank: int, port: int):
+        group = create_sync_group("gloo", "127.0.0.1", port, rank, 3, timeout_s=20)
+        got = []
+        for p in payloads:
+            buf = p.clone() if rank == 0 else torch.zeros_like(p)
+            group.broadcast(buf, src=0)
+            got.append(buf)
+        group.barrier()
+        group.destroy()
+        return got
+
+    for got in _run_ranks(3, rank_fn):
+        assert all(torch.equal(a, b) for a, b in zip(got, payloads))
+    assert not dist.is_initialized()
+
+
+def test_waits_are_bounded_by_the_timeout():
+    t0 = time.monotonic()
+    with pytest.raises(Exception):  # DistStoreError / RuntimeError depending on the step: must not hang
+        create_sync_group("gloo", "127.0.0.1", free_port("127.0.0.1"), 0, 2, timeout_s=2)
+    assert time.monotonic() - t0 < 15
+
+    def rank_fn(rank: int, port: int):
+        group = create_sync_group("gloo", "127.0.0.1", port, rank, 2, timeout_s=2)
+        if rank == 0:  # rank 1 never posts its side of the broadcast
+            t = time.monotonic()
+            with pytest.raises(Exception):
+                group.broadcast(torch.zeros(4), src=0)
+            return time.monotonic() - t
+        time.sleep(4)
+        return None
+
+    waited, _ = _run_ranks(2, rank_fn)
+    print(f"broadcast gave up after {waited:.1f} s")
+    assert waited < 3.5
+
+
+def test_bad_backend_and_nccl_without_cuda_are_user_errors():
+    with pytest.raises(UserError, match="gloo"):
+        create_sync_group("mpi", "127.0.0.1", 1, 0, 1, timeout_s=1)
+    if not torch.cuda.is_available():
+        with pytest.raises(UserError, match="CUDA"):
+            create_sync_group("nccl", "127.0.0.1", 1, 0, 1, timeout_s=1)
