@@ -14,6 +14,7 @@ from openppo.config.schema import to_dict
 from openppo.models.loading import load_tokenizer
 from openppo.ppo import launch
 from openppo.ppo.config import PPOConfig
+from openppo.ppo.summary import summary_table
 from openppo.ppo.trainer import PPOTrainer
 from openppo.ppo.validate import validate
 from openppo.rewards import build_reward_source
@@ -40,9 +41,13 @@ def train(cfg: PPOConfig) -> None:
         launch.start_ray()
         groups = launch.build_groups(cfg, len(prompts), reward_source)
         trainer = PPOTrainer(cfg, groups, tokenizer, prompts, tracker)
-        trainer.fit()
+        history = trainer.fit()
         groups.policy.run("save_hf", cfg.ckpt.save_path, cfg.model.pretrain)
-        logger.info("saved the trained actor to %s", cfg.ckpt.save_path)
+        logger.info("run summary\n%s", summary_table(history))
+        where = f"trained actor and metrics.jsonl: {cfg.ckpt.save_path}"
+        if cfg.logging.use_tensorboard:
+            where += f"; TensorBoard: {cfg.logging.use_tensorboard}"
+        logger.info(where)
     finally:
         tracker.close()
         launch.shutdown(groups)

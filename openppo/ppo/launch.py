@@ -47,6 +47,16 @@ def kv_cache_bytes(cfg: PPOConfig) -> int | None:
     return int(v.vllm_gpu_memory_utilization * available / v.vllm_num_engines)
 
 
+def cpu_threads_per_process(cfg: PPOConfig) -> int:
+    """Threads for each worker and engine. Stages run one after another in a synchronous step, so only the ranks
+    of one group compete for the cores at a time; on GPU machines the CPU threads matter little."""
+    if "OMP_NUM_THREADS" in os.environ:
+        return int(os.environ["OMP_NUM_THREADS"])
+    if torch.cuda.is_available():
+        return 4
+    return max(1, (os.cpu_count() or 1) // actor_world_size(cfg))
+
+
 def start_ray() -> None:
     import ray
 
@@ -72,8 +82,7 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
 
     res, timeout = cfg.resources, float(cfg.ds.dist_timeout)
     steps = num_training_steps(cfg, num_prompts)
-    threads = "1" if not torch.cuda.is_available() else os.environ.get("OMP_NUM_THREADS", "4")
-    env = {"OMP_NUM_THREADS": threads}
+    env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg))}
     gpu = 1.0 if torch.cuda.is_available() else 0.0
 
     def group(worker, nodes, per_node, name):
@@ -107,7 +116,7 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
     if reward is not None:
         normalization = results[id(reward)][0]
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
-    policy.run("connect_engines", engines, backend, timeout)
+    policy.run("connect_engines", engines, backend, cfg.vllm.vllm_tensor_parallel_size, timeout)
     return Groups(policy=policy, engines=engines, critic=critic, reference=reference, reward=reward,
                   reward_source=reward_source, reward_normalization=normalization)
 

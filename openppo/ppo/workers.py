@@ -25,12 +25,13 @@ class PolicyWorker(BaseWorker):
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         return self.role.train(data, kl_coef, global_step)
 
-    def connect_engines(self, engines: list[Any], backend: str, timeout_s: float) -> None:
+    def connect_engines(self, engines: list[Any], backend: str, tensor_parallel_size: int, timeout_s: float) -> None:
         """Rank 0 joins the weight-sync group with every engine worker; other ranks have nothing to do."""
         if self.role.strategy.rank == 0:
             from openppo.rollout.sender import connect_engines
 
-            self.sync_group = connect_engines(engines, backend=backend, timeout_s=timeout_s)
+            self.sync_group = connect_engines(engines, backend=backend, tensor_parallel_size=tensor_parallel_size,
+                                              timeout_s=timeout_s)
 
     def sync_weights(self, engines: list[Any], bucket_bytes: int, engine_dtype: str,
                      timeout_s: float) -> dict[str, float] | None:

@@ -72,3 +72,13 @@ def test_gae_uses_values():
     # advantages = returns - values = [0.5, 0.75], then whitened over the batch (gae's default): mean 0.625
     adv = out["advantages"][0]
     assert adv[1] > adv[0] and float(adv.mean()) == pytest.approx(0.0, abs=1e-6)
+
+
+def test_summary_table():
+    from openppo.ppo.summary import summary_table
+
+    history = [{"rollout/reward": r, "response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}
+               for i, r in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])]
+    table = summary_table(history, window=2)
+    assert "first 2 steps: 0.100" in table and "last 2 steps:  0.900" in table
+    assert "generate" in table and "75%" in table and "10.0 -> 5.0" in table

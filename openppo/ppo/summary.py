@@ -1,0 +1,27 @@
+"""The end-of-run summary: how the reward moved and where the time went."""
+
+from __future__ import annotations
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def summary_table(history: list[dict[str, float]], window: int = 5) -> str:
+    """A plain-text table: reward over the first vs last `window` steps, then each stage's mean seconds and share."""
+    if not history:
+        return "no steps were run"
+    rewards = [h["rollout/reward"] for h in history]
+    lines = [f"steps: {len(history)}",
+             f"reward, mean of first {min(window, len(rewards))} steps: {_mean(rewards[:window]):.3f}",
+             f"reward, mean of last {min(window, len(rewards))} steps:  {_mean(rewards[-window:]):.3f}",
+             f"response length, first -> last step: {history[0]['response_length']:.1f} -> "
+             f"{history[-1]['response_length']:.1f}",
+             "", f"{'stage':<22}{'s/step':>10}{'share':>9}"]
+    stages = sorted({k for h in history for k in h if k.startswith("timing/")})
+    means = {k: _mean([h.get(k, 0.0) for h in history]) for k in stages}
+    total = sum(means.values()) or 1.0
+    for key in sorted(stages, key=lambda k: -means[k]):
+        lines.append(f"{key.split('/', 1)[1]:<22}{means[key]:>10.2f}{means[key] / total:>8.0%}")
+    lines.append(f"{'total':<22}{total:>10.2f}")
+    return "\n".join(lines)
