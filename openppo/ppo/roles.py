@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
@@ -36,10 +37,18 @@ def make_strategy(cfg: PPOConfig, *, trained: bool) -> DeepSpeedStrategy:
                              seed=t.seed)
 
 
-def _chunks(data: dict[str, torch.Tensor], size: int):
-    total = next(iter(data.values())).size(0)
+@torch.no_grad()
+def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], size: int,
+                      fn: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
+    """`fn(engine, sequences, attention_mask)` over micro-batches of `size` rows, concatenated as fp32 on CPU."""
+    engine.eval()
+    out = []
+    total = data["sequences"].size(0)
     for i in range(0, total, size):
-        yield {k: v[i: i + size] for k, v in data.items()}
+        seqs = data["sequences"][i: i + size].to(strategy.device)
+        attn = data["attention_mask"][i: i + size].to(strategy.device)
+        out.append(fn(engine, seqs, attn).float().cpu())
+    return torch.cat(out)
 
 
 def _lora_kwargs(cfg: PPOConfig) -> dict:
@@ -81,17 +90,11 @@ class PolicyRole(_TrainedRole):
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
 
-    @torch.no_grad()
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
-        self.engine.eval()
-        out = []
-        for chunk in _chunks(data, self.cfg.rollout.micro_rollout_batch_size):
-            res = self.engine(chunk["sequences"].to(self.strategy.device),
-                              chunk["attention_mask"].to(self.strategy.device),
-                              temperature=self.cfg.rollout.temperature)
-            out.append(res.log_probs.float().cpu())
-        return torch.cat(out)
+        temperature = self.cfg.rollout.temperature
+        return forward_in_chunks(self.engine, self.strategy, data, self.cfg.rollout.micro_rollout_batch_size,
+                                 lambda e, s, a: e(s, a, temperature=temperature).log_probs)
 
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -119,16 +122,10 @@ class CriticRole(_TrainedRole):
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
 
-    @torch.no_grad()
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
-        self.engine.eval()
-        out = []
-        for chunk in _chunks(data, self.cfg.rollout.micro_rollout_batch_size):
-            values = self.engine(chunk["sequences"].to(self.strategy.device),
-                                 chunk["attention_mask"].to(self.strategy.device))
-            out.append(values[:, :-1].float().cpu())
-        return torch.cat(out)
+        return forward_in_chunks(self.engine, self.strategy, data, self.cfg.rollout.micro_rollout_batch_size,
+                                 lambda e, s, a: e(s, a)[:, :-1])
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -166,12 +163,7 @@ class RewardRole:
         self.normalization = model.normalization()
         self.engine = self.strategy.prepare_eval(model, offload=offload)
 
-    @torch.no_grad()
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
-        out = []
-        for chunk in _chunks(data, self.cfg.rollout.micro_rollout_batch_size):
-            attn = chunk["attention_mask"].to(self.strategy.device)
-            values = self.engine(chunk["sequences"].to(self.strategy.device), attn)
-            out.append(values.gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1).float().cpu())
-        return torch.cat(out)
+        return forward_in_chunks(self.engine, self.strategy, data, self.cfg.rollout.micro_rollout_batch_size,
+                                 lambda e, s, a: e(s, a).gather(1, last_token_index(a).unsqueeze(1)).squeeze(1))

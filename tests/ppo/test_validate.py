@@ -70,7 +70,9 @@ def test_valid_config_gives_cpu_notices(base):
     assert any("gloo" in n for n in notices)
 
 
-def test_sleep_on_cpu_is_a_notice(base):
-    extra = ["--colocate_all_models", "--vllm_num_engines", "2", "--vllm_enable_sleep"]
-    notices = validate(_cfg(base, extra), on_gpu=False)
-    assert any("--vllm_enable_sleep is a no-op on CPU" in n for n in notices)
+@pytest.mark.parametrize("flag", ["--colocate_all_models", "--packing_samples", "--dynamic_filtering",
+                                  "--load_checkpoint", "--deepspeed_enable_sleep"])
+def test_not_yet_supported_flags_fail_clearly(base, flag):
+    extra = [flag] + (["--vllm_num_engines", "2"] if flag == "--colocate_all_models" else [])
+    with pytest.raises(UserError, match=re.escape(flag) + " is not yet supported"):
+        validate(_cfg(base, extra), on_gpu=False)
