@@ -136,32 +136,33 @@ class CriticRole(_TrainedRole):
         return self.strategy.all_reduce_mean(metrics)
 
 
-class ReferenceRole:
-    def __init__(self, cfg: PPOConfig):
+class _FrozenRole:
+    """A model that only runs forward passes (reference, reward): ZeRO-3 sharded and optionally offloaded."""
+
+    def __init__(self, cfg: PPOConfig, build: Callable[[torch.dtype], Any]):
         self.cfg = cfg
         self.strategy = make_strategy(cfg, trained=False)
         self.strategy.setup_distributed()
         offload = cfg.model.ref_reward_offload
         with self.strategy.zero3_init(for_training=False, offload=offload):
-            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype,
-                                          attn_implementation=cfg.model.attn_implementation)
-        self.engine = self.strategy.prepare_eval(model, offload=offload)
+            self.model = build(self.strategy.torch_dtype)
+        self.engine = self.strategy.prepare_eval(self.model, offload=offload)
+
+
+class ReferenceRole(_FrozenRole):
+    def __init__(self, cfg: PPOConfig):
+        super().__init__(cfg, lambda dtype: Actor.from_pretrained(
+            cfg.model.pretrain, dtype=dtype, attn_implementation=cfg.model.attn_implementation))
 
     log_probs = PolicyRole.log_probs
 
 
-class RewardRole:
+class RewardRole(_FrozenRole):
     def __init__(self, cfg: PPOConfig):
-        self.cfg = cfg
-        self.strategy = make_strategy(cfg, trained=False)
-        self.strategy.setup_distributed()
-        offload = cfg.model.ref_reward_offload
-        with self.strategy.zero3_init(for_training=False, offload=offload):
-            model = ScalarModel.from_pretrained(cfg.model.reward_pretrain, dtype=self.strategy.torch_dtype,
-                                                flag="--reward_pretrain",
-                                                attn_implementation=cfg.model.attn_implementation)
-        self.normalization = model.normalization()
-        self.engine = self.strategy.prepare_eval(model, offload=offload)
+        super().__init__(cfg, lambda dtype: ScalarModel.from_pretrained(
+            cfg.model.reward_pretrain, dtype=dtype, flag="--reward_pretrain",
+            attn_implementation=cfg.model.attn_implementation))
+        self.normalization = self.model.normalization()
 
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
