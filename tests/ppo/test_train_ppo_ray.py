@@ -36,3 +36,46 @@ def test_grpo_with_py_reward(tmp_path):
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
     assert (save / "model.safetensors").is_file()
     assert json.loads((save / "run_info.json").read_text())["config"]["algo"]["advantage_estimator"] == "group_norm"
+
+
+def _common(prompts, save):
+    return ["--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--input_key", "input",
+            "--label_key", "label", "--apply_chat_template", "--rollout_batch_size", "4", "--train_batch_size", "8",
+            "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--actor_num_gpus_per_node", "2",
+            "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(256 * 2**20), "--generate_max_len", "16",
+            "--prompt_max_len", "64", "--zero_stage", "3", "--param_dtype", "fp32", "--max_steps", "2",
+            "--actor_learning_rate", "1e-4", "--save_path", str(save)]
+
+
+def test_ppo_with_critic_reward_model_and_reference(tmp_path):
+    """gae: critic + reward-model groups + reference (KL penalty in the reward), 1 rank each."""
+    prompts = write_jsonl(make_rows(16, seed=2), tmp_path / "prompts.jsonl")
+    save = tmp_path / "out"
+    run_cli("train_ppo_ray", _common(prompts, save) + [
+        "--reward_pretrain", str(tiny_model_dir()), "--advantage_estimator", "gae", "--n_samples_per_prompt", "2",
+        "--init_kl_coef", "0.01", "--critic_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "1",
+        "--reward_num_gpus_per_node", "1", "--critic_learning_rate", "1e-4", "--normalize_reward"],
+        nproc=1, timeout=600)
+    records = read_metrics(save)
+    assert len(records) == 2
+    for key in STEP_METRICS + ["value_loss", "timing/values", "timing/ref_logprob", "timing/critic_train"]:
+        assert all(key in r for r in records), key
+    assert all(r["value_loss"] == r["value_loss"] for r in records)  # not NaN: the critic trained
+    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
+    assert records[1]["kl"] != 0.0  # after one update the policy has moved away from the reference
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in records)
+
+
+def test_reinforce_baseline_with_http_reward(tmp_path, request):
+    """REINFORCE++-baseline scored by a running serve_rm (a reward .py served over HTTP on localhost)."""
+    from tests.rewards.conftest import start_servers
+
+    server, = start_servers(request, ["--reward_func", str(REPO / "examples/reward_funcs/arithmetic.py"),
+                                      "--port", "0"])
+    prompts = write_jsonl(make_rows(16, seed=3), tmp_path / "prompts.jsonl")
+    save = tmp_path / "out"
+    run_cli("train_ppo_ray", _common(prompts, save) + [
+        "--remote_rm_url", server.url, "--advantage_estimator", "reinforce_baseline", "--n_samples_per_prompt", "2",
+        "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3"], nproc=1, timeout=600)
+    records = read_metrics(save)
+    assert len(records) == 2 and all("reward" in r and "loss/kl" in r for r in records)
