@@ -32,7 +32,7 @@ def train(cfg: DPOConfig) -> None:
                                     attn_implementation=cfg.model.attn_implementation)
     ref_engine = strategy.prepare_eval(ref, offload=cfg.dpo.ref_offload)
     with strategy.zero3_init():
-        actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **setup.lora_kwargs(cfg))
+        actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **cfg.model.build_kwargs())
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(actor, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_dpo")

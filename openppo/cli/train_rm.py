@@ -36,7 +36,7 @@ def train(cfg: RMConfig) -> None:
     strategy = setup.make_strategy(cfg)
     with strategy.zero3_init():
         model = ScalarModel.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, flag="--pretrain",
-                                            **setup.lora_kwargs(cfg))
+                                            **cfg.model.build_kwargs())
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(model, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_rm")

@@ -32,7 +32,7 @@ def train(cfg: SFTConfig) -> None:
     collate = collate_packed if cfg.data.packing_samples else functools.partial(
         collate_padded, pad_token_id=tokenizer.pad_token_id)
     with strategy.zero3_init():
-        actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **setup.lora_kwargs(cfg))
+        actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **cfg.model.build_kwargs())
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(actor, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_sft")

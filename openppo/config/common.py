@@ -13,11 +13,9 @@ LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant
 
 
 @dataclass
-class ModelConfig:
-    """Model to train and how to build it."""
+class ModelBuildConfig:
+    """How a trained model is built: attention kernel, activation checkpointing, LoRA."""
 
-    pretrain: str = opt(None, "local HF model folder (or hub id where a hub is reachable) to start from",
-                        metavar="PATH")
     attn_implementation: str = opt("sdpa", "attention kernel passed to transformers",
                                    choices=("sdpa", "eager", "flash_attention_2", "flex_attention"))
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
@@ -26,6 +24,20 @@ class ModelConfig:
     lora_dropout: float = opt(0.0, "LoRA dropout")
     target_modules: list[str] = opt(None, "module names LoRA adapts; default: all linear layers",
                                     metavar="NAME")
+
+    def build_kwargs(self) -> dict:
+        """Keyword arguments of `Actor.from_pretrained` / `ScalarModel.from_pretrained`."""
+        return dict(attn_implementation=self.attn_implementation, lora_rank=self.lora_rank,
+                    lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, target_modules=self.target_modules,
+                    gradient_checkpointing=self.gradient_checkpointing)
+
+
+@dataclass
+class ModelConfig(ModelBuildConfig):
+    """Model to train and how to build it."""
+
+    pretrain: str = opt(None, "local HF model folder (or hub id where a hub is reachable) to start from",
+                        metavar="PATH")
 
 
 @dataclass

@@ -11,14 +11,14 @@ from dataclasses import dataclass, field
 
 from openppo.algorithms import (ADVANTAGE_ESTIMATORS, IS_CORRECTION_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES,
                                 POLICY_LOSS_TYPES)
-from openppo.config.common import LR_SCHEDULERS, CheckpointConfig, LoggingConfig
+from openppo.config.common import LR_SCHEDULERS, CheckpointConfig, LoggingConfig, ModelBuildConfig
 from openppo.config.schema import opt
 from openppo.strategy.config import DeepSpeedConfig
 
 
 @dataclass
-class PPOModelConfig:
-    """Models: actor, critic, reward, and how they are built."""
+class PPOModelConfig(ModelBuildConfig):
+    """Models: actor, critic, reward, and how they are built (build options apply to actor and critic)."""
 
     pretrain: str = opt(None, "actor (policy) model folder; also the tokenizer and the reference model",
                         metavar="PATH")
@@ -27,13 +27,6 @@ class PPOModelConfig:
     reward_pretrain: str = opt(None, "reward model folder (a scalar-head model, e.g. from train_rm)", metavar="PATH")
     remote_rm_url: str = opt(None, "reward source instead of a reward model: comma list of HTTP endpoints "
                                    "(python -m openppo.cli.serve_rm) or a .py file exporting reward_func")
-    attn_implementation: str = opt("sdpa", "attention kernel for the DeepSpeed models",
-                                   choices=("sdpa", "eager", "flash_attention_2", "flex_attention"))
-    gradient_checkpointing: bool = opt(False, "recompute activations in backward (actor and critic)")
-    lora_rank: int = opt(0, "LoRA rank for actor and critic; 0 trains all weights")
-    lora_alpha: int = opt(16, "LoRA alpha")
-    lora_dropout: float = opt(0.0, "LoRA dropout")
-    target_modules: list[str] = opt(None, "modules LoRA adapts; default: all linear layers", metavar="NAME")
     ref_reward_offload: bool = opt(False, "offload reference and reward model weights to CPU (ZeRO-3 param offload)")
 
 

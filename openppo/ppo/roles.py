@@ -51,13 +51,6 @@ def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch
     return torch.cat(out)
 
 
-def _lora_kwargs(cfg: PPOConfig) -> dict:
-    m = cfg.model
-    return dict(attn_implementation=m.attn_implementation, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
-                lora_dropout=m.lora_dropout, target_modules=m.target_modules,
-                gradient_checkpointing=m.gradient_checkpointing)
-
-
 def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
     t = cfg.train
     return dict(lr=lr, betas=cfg.ds.adam_betas, weight_decay=cfg.ds.l2, scheduler=t.lr_scheduler,
@@ -86,7 +79,7 @@ class PolicyRole(_TrainedRole):
         self.strategy = make_strategy(cfg, trained=True)
         self.strategy.setup_distributed()
         with self.strategy.zero3_init():
-            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype, **_lora_kwargs(cfg))
+            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype, **cfg.model.build_kwargs())
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
 
@@ -118,7 +111,7 @@ class CriticRole(_TrainedRole):
         path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
         with self.strategy.zero3_init():
             model = ScalarModel.from_pretrained(path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain",
-                                                **_lora_kwargs(cfg))
+                                                **cfg.model.build_kwargs())
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
 

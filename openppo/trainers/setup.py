@@ -87,10 +87,3 @@ def optimizer_kwargs(cfg: Any, num_training_steps: int) -> dict[str, Any]:
     o = cfg.optim
     return dict(lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.l2, scheduler=o.lr_scheduler,
                 warmup_ratio=o.lr_warmup_ratio, min_lr_ratio=o.min_lr_ratio, num_training_steps=num_training_steps)
-
-
-def lora_kwargs(cfg: Any) -> dict[str, Any]:
-    m = cfg.model
-    return dict(attn_implementation=m.attn_implementation, lora_rank=m.lora_rank, lora_alpha=m.lora_alpha,
-                lora_dropout=m.lora_dropout, target_modules=m.target_modules,
-                gradient_checkpointing=m.gradient_checkpointing)
