@@ -30,3 +30,36 @@ def smollm2_dir() -> Path:
     from openppo.models.zoo import materialize_smollm2
 
     return materialize_smollm2(cache_dir() / "smollm2")
+
+
+def favoured_word_model_dir(word: str = " hello", scale: float = 6.0) -> Path:
+    """The default tiny model edited so that it already says `word` (one token) in about 14 % of positions.
+
+    A random tiny model spreads its probability over the 151k-token vocabulary (any given token ~7e-6), so a
+    "say the target word" reward never fires and there is nothing to learn from. Setting the token's (tied)
+    embedding to `scale` x the unit mean of the final hidden states gives it a large logit in most contexts:
+    a policy with a learnable start, for tests where the reward must rise. Cached like the other test models.
+    """
+    from openppo.models.zoo import _cached_build
+
+    base = tiny_model_dir()
+    out = cache_dir() / f"tiny-qwen2-favour{word.strip()}-{scale:g}"
+
+    def make(tmp: Path) -> dict:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(base)
+        ids = tok.encode(word, add_special_tokens=False)
+        assert len(ids) == 1, f"{word!r} is {len(ids)} tokens; pick a one-token word"
+        model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
+        contexts = torch.randint(0, len(tok) - 1000, (64, 20), generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            hidden = model.model(contexts).last_hidden_state.reshape(-1, model.config.hidden_size)
+            direction = hidden.mean(0)
+            model.get_input_embeddings().weight[ids[0]] = scale * direction / direction.norm()
+        model.save_pretrained(tmp)
+        tok.save_pretrained(tmp)
+        return {"token_id": ids[0]}
+
+    return _cached_build(out, {"kind": "favoured-word", "base": str(base), "word": word, "scale": scale}, make)

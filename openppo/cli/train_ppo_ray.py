@@ -29,7 +29,9 @@ def train(cfg: PPOConfig) -> None:
         logger.info("note: %s", notice)
     tokenizer = load_tokenizer(cfg.model.pretrain)
     prompts = launch.load_prompts(cfg, tokenizer)
+    eval_prompts = launch.load_prompts(cfg, tokenizer, eval=True) if cfg.data.eval_dataset else None
     reward_source = build_reward_source(cfg.model.remote_rm_url)
+    agent_rollout = launch.agent_rollout(cfg, tokenizer) if cfg.rollout.agent_func_path else None
     config = to_dict(cfg)
     log_run_info(run_info(config, "train_ppo_ray"), cfg.ckpt.save_path)
     tracker = MetricsTracker(save_dir=cfg.ckpt.save_path, tensorboard_dir=cfg.logging.use_tensorboard,
@@ -40,11 +42,12 @@ def train(cfg: PPOConfig) -> None:
     try:
         launch.start_ray()
         groups = launch.build_groups(cfg, len(prompts), reward_source)
-        trainer = PPOTrainer(cfg, groups, tokenizer, prompts, tracker)
+        trainer = PPOTrainer(cfg, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts,
+                             agent_rollout=agent_rollout)
         history = trainer.fit()
         groups.policy.run("save_hf", cfg.ckpt.save_path, cfg.model.pretrain)
         logger.info("run summary\n%s", summary_table(history))
-        where = f"trained actor and metrics.jsonl: {cfg.ckpt.save_path}"
+        where = f"trained actor, metrics.jsonl and rollouts.jsonl: {cfg.ckpt.save_path}"
         if cfg.logging.use_tensorboard:
             where += f"; TensorBoard: {cfg.logging.use_tensorboard}"
         logger.info(where)

@@ -53,7 +53,9 @@ class Actor(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, temperature: float = 1.0,
-                return_entropy: bool = False, return_logits: bool = False) -> ActorOutput:
+                return_entropy: bool | str = False, return_logits: bool = False) -> ActorOutput:
+        """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
+        (logging only: no graph is kept through the full-vocabulary softmax)."""
         if position_ids is None:
             assert attention_mask is not None, "padded batches need an attention mask"
             position_ids = position_ids_from_mask(attention_mask)
@@ -63,5 +65,10 @@ class Actor(nn.Module):
         if temperature != 1.0:
             logits = logits / temperature
         log_probs = log_probs_from_logits(logits, input_ids[:, 1:])
-        entropy = entropy_from_logits(logits) if return_entropy else None
+        entropy = None
+        if return_entropy == "log":
+            with torch.no_grad():
+                entropy = entropy_from_logits(logits.detach())
+        elif return_entropy:
+            entropy = entropy_from_logits(logits)
         return ActorOutput(log_probs=log_probs, entropy=entropy, logits=out.logits if return_logits else None)

@@ -120,6 +120,10 @@ class RolloutConfig:
     ring_head_stride: int = opt(1, "attention heads per ring step")
     async_train: bool = opt(False, "generate the next batch while training on this one")
     async_queue_size: int = opt(1, "batches generated ahead (bound on policy staleness) with --async_train")
+    agent_func_path: str = opt(None, "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv); its "
+                                     "environment gives the reward, feedback tokens are masked out of the loss",
+                               metavar="FILE")
+    agent_max_turns: int = opt(4, "most model turns per agent episode")
 
 
 @dataclass
@@ -160,7 +164,7 @@ class AlgoConfig:
     value_clip: float = opt(0.5, "critic value clip range")
     gamma: float = opt(1.0, "discount")
     lambd: float = opt(1.0, "GAE lambda (OpenRLHF default 1; PPO papers use 0.95)")
-    entropy_loss_coef: float = opt(None, "entropy bonus weight; None = off, 0 = log only")
+    entropy_loss_coef: float = opt(None, "entropy bonus weight (the entropy is logged either way)")
     normalize_reward: bool = opt(False, "normalise rewards with the mean/std stored in the reward model")
     reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "clip rewards to this range (before the group "
                                                               "baseline, see docs/algorithms.md)")

@@ -71,12 +71,13 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
     """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss."""
     low, high = algo.eps_clip_low_high or (algo.eps_clip, algo.eps_clip)
     mode = algo.loss_agg_mode or default_loss_agg_mode(algo.advantage_estimator, algo.policy_loss_type)
-    want_entropy = algo.entropy_loss_coef is not None
+    # The entropy is always logged; it carries a gradient only when it is a loss term.
+    entropy_in_loss = bool(algo.entropy_loss_coef)
 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
         out = engine(batch["sequences"], batch["attention_mask"], temperature=temperature,
-                     return_entropy=want_entropy)
+                     return_entropy=True if entropy_in_loss else "log")
 
         def agg(per_token):
             return aggregate_loss(per_token, mask, mode, num_tokens_global=normalizers[0],
@@ -93,10 +94,10 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
             kl_term = agg(kl_loss(out.log_probs, batch["ref_log_probs"], mask, algo.kl_estimator))
             loss = loss + kl_coef * kl_term
             metrics["loss/kl"] = kl_term.item()
-        if want_entropy:
-            entropy = agg(out.entropy)
-            loss = loss - algo.entropy_loss_coef * entropy
-            metrics["policy/entropy"] = entropy.item()
+        if entropy_in_loss:
+            loss = loss - algo.entropy_loss_coef * agg(out.entropy)
+        # a plain mean of this micro-batch (averaged over micro-batches and ranks), not a step-loss contribution
+        metrics["policy/entropy"] = masked_mean(out.entropy.detach(), mask).item()
         return loss, metrics
 
     return loss_fn

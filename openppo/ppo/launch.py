@@ -10,20 +10,46 @@ import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.trainer import Groups, needs_critic_group, needs_reference
-from openppo.ppo.validate import actor_world_size
+from openppo.ppo.colocation import colocation_pools
+from openppo.ppo.trainer import Groups
+from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
 
 logger = logging.getLogger(__name__)
 
 
-def load_prompts(cfg: PPOConfig, tokenizer) -> PromptDataset:
+def load_prompts(cfg: PPOConfig, tokenizer, *, eval: bool = False) -> PromptDataset:
+    """The training prompts, or with `eval=True` the whole `--eval_dataset` (same keys and templates)."""
     d = cfg.data
-    raw = load_blended_dataset(d.prompt_data, d.prompt_data_probs, flag="--prompt_data",
-                               probs_flag="--prompt_data_probs", seed=cfg.train.seed, max_samples=d.max_samples)
-    require_columns(raw, {"--input_key": d.input_key, "--label_key": d.label_key}, d.prompt_data)
+    if eval:
+        raw = load_blended_dataset(d.eval_dataset, None, flag="--eval_dataset", probs_flag="--eval_dataset",
+                                   seed=cfg.train.seed, max_samples=None)
+    else:
+        raw = load_blended_dataset(d.prompt_data, d.prompt_data_probs, flag="--prompt_data",
+                                   probs_flag="--prompt_data_probs", seed=cfg.train.seed, max_samples=d.max_samples)
+    require_columns(raw, {"--input_key": d.input_key, "--label_key": d.label_key},
+                    d.eval_dataset if eval else d.prompt_data)
     return PromptDataset(raw, tokenizer, input_key=d.input_key, label_key=d.label_key,
                          apply_chat_template=d.apply_chat_template, input_template=d.input_template,
                          max_prompt_len=d.prompt_max_len)
+
+
+def agent_rollout(cfg: PPOConfig, tokenizer):
+    """`(generate, items, n) -> samples` running the `--agent_func_path` environment's episodes.
+
+    Each model turn may use up to --generate_max_len new tokens; prompt, every turn and the environment's feedback
+    together stay within --prompt_max_len + --generate_max_len (the engines' context length).
+    """
+    from openppo.agents import load_agent_env, run_agent_episodes
+
+    env_cls = load_agent_env(cfg.rollout.agent_func_path)
+    d = cfg.data
+
+    def rollout(generate, items, n):
+        return run_agent_episodes(generate, tokenizer, items, n_samples_per_prompt=n, env_cls=env_cls,
+                                  max_turns=cfg.rollout.agent_max_turns, max_new_tokens=d.generate_max_len,
+                                  max_total_len=d.prompt_max_len + d.generate_max_len)
+
+    return rollout
 
 
 def num_training_steps(cfg: PPOConfig, num_prompts: int) -> int:
@@ -63,10 +89,14 @@ def start_ray() -> None:
     if ray.is_initialized():
         return
     os.environ.setdefault("RAY_AUTH_MODE", "disabled")
-    # address="local": always start our own cluster; never attach to another job's on this machine.
+    runtime_env = {"env_vars": {"TOKENIZERS_PARALLELISM": "false", "RAY_AUTH_MODE": "disabled"}}
+    if os.environ.get("RAY_ADDRESS"):
+        # `ray job submit` (or an explicit RAY_ADDRESS): join that cluster, whose nodes hold the devices.
+        ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env=runtime_env)
+        return
+    # Otherwise always start our own one-node cluster; never attach to another job's on this machine.
     kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False, "log_to_driver": True,
-                              "runtime_env": {"env_vars": {"TOKENIZERS_PARALLELISM": "false",
-                                                           "RAY_AUTH_MODE": "disabled"}}}
+                              "runtime_env": runtime_env}
     if not torch.cuda.is_available():
         # CPU: resources are logical slots for placement, not cores; threads are budgeted per worker.
         kwargs["num_cpus"] = max(16, os.cpu_count() or 1)
@@ -75,7 +105,9 @@ def start_ray() -> None:
 
 def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
     import ray
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from openppo.distributed.placement import make_placement_group
     from openppo.distributed.worker_group import WorkerGroup
     from openppo.ppo.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
     from openppo.rollout import VLLMEngine
@@ -84,37 +116,52 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
     steps = num_training_steps(cfg, num_prompts)
     env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg))}
     gpu = 1.0 if torch.cuda.is_available() else 0.0
+    present = {"actor", "engines"} | ({"reference"} if needs_reference(cfg) else set()) | \
+        ({"critic"} if needs_critic_group(cfg) else set()) | ({"reward"} if reward_source is None and not
+                                                                cfg.rollout.agent_func_path else set())
+    shared = {}  # role -> (placement group, share of each bundle)
+    for pool in colocation_pools(cfg, present):
+        pg = make_placement_group(pool.bundles, cpus_per_bundle=1.0, gpus_per_bundle=gpu, timeout_s=timeout,
+                                  name=f"{pool.name}-pg")
+        shared.update({role: (pg, pool.fraction) for role in pool.members})
+        logger.info("colocated (%s): %s", pool.name, pool.describe())
 
-    def group(worker, nodes, per_node, name):
-        return WorkerGroup(worker, nodes * per_node, num_cpus_per_worker=1, num_gpus_per_worker=gpu, env=env,
-                           name=name, timeout_s=timeout)
+    def group(worker, nodes, per_node, role):
+        pg, share = shared.get(role, (None, 1.0))
+        return WorkerGroup(worker, nodes * per_node, placement_group=pg, num_cpus_per_worker=share,
+                           num_gpus_per_worker=gpu * share, env=env, name=role, timeout_s=timeout)
 
     policy = group(PolicyWorker, res.actor_num_nodes, res.actor_num_gpus_per_node, "actor")
     pending = [(policy, policy.run_async("init_role", cfg, steps))]
     reference = critic = reward = None
-    if needs_reference(cfg):
+    if "reference" in present:
         reference = group(ReferenceWorker, res.ref_num_nodes, res.ref_num_gpus_per_node, "reference")
         pending.append((reference, reference.run_async("init_role", cfg)))
-    if needs_critic_group(cfg):
+    if "critic" in present:
         critic = group(CriticWorker, res.critic_num_nodes, res.critic_num_gpus_per_node, "critic")
         pending.append((critic, critic.run_async("init_role", cfg, steps)))
-    normalization = None
-    if reward_source is None:
+    if "reward" in present:
         reward = group(RewardWorker, res.reward_num_nodes, res.reward_num_gpus_per_node, "reward")
         pending.append((reward, reward.run_async("init_role", cfg)))
-    engine_cls = ray.remote(num_cpus=1, num_gpus=gpu * cfg.vllm.vllm_tensor_parallel_size)(VLLMEngine)
     engine_dtype = "float32" if cfg.ds.param_dtype == "fp32" else "bfloat16"
-    engines = [engine_cls.options(runtime_env={"env_vars": env}).remote(
-        cfg.model.pretrain, dtype=engine_dtype, seed=cfg.train.seed + i,
-        max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len, enforce_eager=cfg.vllm.enforce_eager or
-        not torch.cuda.is_available(), enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-        gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes(cfg),
-        tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size)
-        for i in range(cfg.vllm.vllm_num_engines)]
+    engines = []
+    for i in range(cfg.vllm.vllm_num_engines):
+        options: dict[str, Any] = {"runtime_env": {"env_vars": env}, "num_cpus": 1,
+                                   "num_gpus": gpu * cfg.vllm.vllm_tensor_parallel_size}
+        if "engines" in shared:  # hybrid engine: engine i on the device of actor rank i
+            pg, share = shared["engines"]
+            options.update(num_cpus=share, num_gpus=gpu * share, scheduling_strategy=PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True))
+        engines.append(ray.remote(VLLMEngine).options(**options).remote(
+            cfg.model.pretrain, dtype=engine_dtype, seed=cfg.train.seed + i,
+            max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
+            enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
+            enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+            gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes(cfg),
+            tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size, enable_sleep=cfg.vllm.vllm_enable_sleep))
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
     results = {id(g): g.get(refs) for g, refs in pending}
-    if reward is not None:
-        normalization = results[id(reward)][0]
+    normalization = results[id(reward)][0] if reward is not None else None
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     policy.run("connect_engines", engines, backend, cfg.vllm.vllm_tensor_parallel_size, timeout)
     return Groups(policy=policy, engines=engines, critic=critic, reference=reference, reward=reward,

@@ -21,6 +21,7 @@ from openppo.models.actor import Actor
 from openppo.models.scalar import ScalarModel, last_token_index
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
+from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
 
@@ -71,6 +72,20 @@ class _TrainedRole:
 
     def save_hf(self, tokenizer, out_dir: str | Path, extra_config: dict | None = None) -> None:
         self.strategy.save_hf(self.engine, tokenizer, out_dir, extra_config)
+
+    def offload_states(self) -> bool:
+        """Move optimizer, gradient and parameter states off the device (--deepspeed_enable_sleep); False where
+        DeepSpeed cannot (see `state_offload_supported`)."""
+        if not state_offload_supported(self.strategy.cfg.zero_stage, torch.cuda.is_available()):
+            return False
+        self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        return True
+
+    def reload_states(self) -> bool:
+        if not state_offload_supported(self.strategy.cfg.zero_stage, torch.cuda.is_available()):
+            return False
+        self.engine.reload_states()
+        return True
 
 
 class PolicyRole(_TrainedRole):

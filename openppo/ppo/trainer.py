@@ -1,27 +1,37 @@
 """The single controller of RL training: one PPO step, top to bottom.
 
-    generate (vLLM engines) -> score (reward source or reward model) -> old/ref log-probs, values (DeepSpeed
-    groups) -> advantages (openppo.algorithms) -> critic and actor updates -> weight sync to the engines
+    collect (vLLM engines generate, the reward source scores; with dynamic filtering, refill dropped groups)
+    -> old/ref log-probs, values (DeepSpeed groups) -> advantages (openppo.algorithms) -> critic and actor
+    updates -> weight sync to the engines
 
-The controller holds no model: it owns the prompt order, the KL controller and the metrics, and calls the worker
-groups on shards of the batch (rank i gets the i-th contiguous shard; groups are whole, so shards stay aligned).
+The controller holds no model: it owns the prompt order (`PromptStream`), the KL controller, checkpoints of its
+own state and the metrics, and calls the worker groups on shards of the batch (rank i gets the i-th contiguous
+shard; groups are whole, so shards stay aligned). Memory swapping for colocated runs (engines asleep while the
+trainer works, trainer states offloaded while the engines generate) is in `MemorySwap`.
 """
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass
-from typing import Any
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
+from tqdm import tqdm
 
-from openppo.algorithms import build_kl_controller, masked_mean, needs_critic
+from openppo.algorithms import build_kl_controller, masked_mean
 from openppo.ppo.config import PPOConfig
+from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
+from openppo.ppo.groups_filter import expand_to_samples, keep_groups
+from openppo.ppo.prompt_stream import PromptStream
 from openppo.utils.tracking import MetricsTracker
 
 logger = logging.getLogger(__name__)
+_PROGRESS_KEYS = ("reward", "kl", "policy_loss", "response_length", "rollout/logprob_diff")
 
 
 @dataclass
@@ -36,6 +46,9 @@ class Groups:
     reward_source: Any = None  # a RewardSource when scoring is not done by a reward model
     reward_normalization: tuple[float, float] | None = None
 
+    def trained(self) -> list[Any]:
+        return [g for g in (self.policy, self.critic) if g is not None]
+
 
 def _shards(data: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
     size = next(iter(data.values())).size(0)
@@ -44,45 +57,126 @@ def _shards(data: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tenso
     return [{k: v[i * step:(i + 1) * step] for k, v in data.items()} for i in range(n)]
 
 
+class MemorySwap:
+    """Who holds the device memory when everything is colocated.
+
+    Engines sleep (`--vllm_enable_sleep`) while the trainer runs and wake for the weight sync (weights first, so the
+    KV cache is only re-allocated once the trainer has offloaded its states); the trainer's optimizer, gradient and
+    parameter states are offloaded (`--deepspeed_enable_sleep`) while the engines generate. Each switch is timed.
+    """
+
+    def __init__(self, cfg: PPOConfig, groups: Groups, timing: Callable[[str, Callable], Any]):
+        self.engines_sleep = cfg.vllm.vllm_enable_sleep
+        self.trainer_sleep = cfg.ds.deepspeed_enable_sleep
+        self.groups = groups
+        self.timeout = float(cfg.ds.dist_timeout)
+        self.timed = timing
+
+    def _engines(self, method: str, *args) -> None:
+        import ray
+
+        ray.get([getattr(e, method).remote(*args) for e in self.groups.engines], timeout=self.timeout)
+
+    def to_trainer(self) -> None:
+        """After generation: engines release their memory, the trainer takes its states back."""
+        if self.engines_sleep:
+            self.timed("swap", lambda: self._engines("sleep"))
+        if self.trainer_sleep:
+            self.timed("swap", lambda: [g.run("reload_states") for g in self.groups.trained()])
+
+    def engine_weights(self) -> None:
+        """Before the weight sync: engine weights back in memory (the trainer still holds its own)."""
+        if self.engines_sleep:
+            self.timed("swap", lambda: self._engines("wake_up", ["weights"]))
+
+    def start(self) -> None:
+        """Before the first generation: the engines are awake; the trainer's states go out of their way."""
+        if self.trainer_sleep:
+            for g in self.groups.trained():
+                g.run("offload_states")
+
+    def to_engines(self) -> None:
+        """After the sync: the trainer offloads, then the engines re-allocate their KV cache."""
+        if self.trainer_sleep:
+            self.timed("swap", lambda: [g.run("offload_states") for g in self.groups.trained()])
+        if self.engines_sleep:
+            self.timed("swap", lambda: self._engines("wake_up", ["kv_cache"]))
+
+
 class PPOTrainer:
-    def __init__(self, cfg: PPOConfig, groups: Groups, tokenizer, prompts, tracker: MetricsTracker):
+    def __init__(self, cfg: PPOConfig, groups: Groups, tokenizer, prompts, tracker: MetricsTracker,
+                 eval_prompts=None, agent_rollout: Callable | None = None):
         self.cfg = cfg
         self.groups = groups
         self.tokenizer = tokenizer
-        self.prompts = prompts  # PromptDataset: items with prompt, prompt_ids, label, index
+        self.prompts = prompts  # PromptDataset: items with prompt, prompt_ids, label, index, datasource
+        self.eval_prompts = eval_prompts
+        self.agent_rollout = agent_rollout  # agent episodes instead of single-turn generation (openppo.agents)
         self.tracker = tracker
         self.kl_ctl = build_kl_controller(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
+        self.stream = PromptStream(len(prompts), rollout_batch_size=cfg.rollout.rollout_batch_size,
+                                   num_episodes=cfg.train.num_episodes, seed=cfg.train.seed)
+        self.steps_per_episode = self.stream.per_episode // cfg.rollout.rollout_batch_size
+        self.total_steps = self.steps_per_episode * cfg.train.num_episodes
+        if cfg.train.max_steps > 0:
+            self.total_steps = min(self.total_steps, cfg.train.max_steps)
         self.global_step = 0
         self.engine_dtype = "float32" if cfg.ds.param_dtype == "fp32" else "bfloat16"
+        self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
+        self._timing: dict[str, float] = {}
+        self._taken: list[int] = []  # dataset indices of the prompts drawn for the current step
+        self.swap = MemorySwap(cfg, groups, self._timed)
+        Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
+        self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
 
-    # ------------------------------------------------------------------------------------------------ stages
-    def generate(self, items: list[dict]) -> list[Sample]:
-        """Prompts split evenly over the engines (one request per engine); n samples per prompt, in order."""
+    def _timed(self, name: str, fn: Callable, *args, **kwargs):
+        start = time.perf_counter()
+        out = fn(*args, **kwargs)
+        key = f"timing/{name}"
+        self._timing[key] = self._timing.get(key, 0.0) + time.perf_counter() - start
+        return out
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    def _engine_generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float,
+                         max_new_tokens: int | list[int]) -> list[list[dict]]:
+        """Prompts spread round-robin over the engines (one request per engine); results in prompt order."""
         import ray
 
-        r, engines = self.cfg.rollout, self.groups.engines
-        chunks = [items[i::len(engines)] for i in range(len(engines))]
-        refs = [engine.generate.remote([it["prompt_ids"] for it in chunk], n=r.n_samples_per_prompt,
-                                       max_new_tokens=self.cfg.data.generate_max_len, temperature=r.temperature,
-                                       top_p=r.top_p)
-                for engine, chunk in zip(engines, chunks) if chunk]
-        outputs = ray.get(refs, timeout=self.cfg.ds.dist_timeout)
-        by_index = {}
-        for chunk, out in zip([c for c in chunks if c], outputs):
-            for item, completions in zip(chunk, out):
-                by_index[item["index"]] = (item, completions)
-        samples = []
-        for item in items:  # back to prompt order: groups of n consecutive samples
-            item, completions = by_index[item["index"]]
-            for c in completions:
-                samples.append(Sample(prompt_ids=list(item["prompt_ids"]), response_ids=c["token_ids"],
-                                      rollout_log_probs=c["logprobs"], finish_reason=c["finish_reason"],
-                                      group=item["index"], label=item["label"], prompt_text=item["prompt"],
-                                      policy_version=self.global_step))
-        return samples
+        engines, r = self.groups.engines, self.cfg.rollout
+        per_prompt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
+        refs, slots = [], []
+        for e, engine in enumerate(engines):
+            idx = list(range(e, len(prompt_ids), len(engines)))
+            # vLLM takes one max_tokens per request batch; split by budget so each prompt keeps its own.
+            for budget in sorted({per_prompt[i] for i in idx}):
+                chunk = [i for i in idx if per_prompt[i] == budget]
+                refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
+                                                   temperature=temperature, top_p=r.top_p))
+                slots.append(chunk)
+        outputs: list[list[dict]] = [[] for _ in prompt_ids]
+        for chunk, out in zip(slots, ray.get(refs, timeout=self.cfg.ds.dist_timeout)):
+            for i, completions in zip(chunk, out):
+                outputs[i] = completions
+        return outputs
 
-    def score(self, samples: list[Sample], batch: dict[str, torch.Tensor]) -> tuple[torch.Tensor, dict]:
-        """Raw rewards [B] from the reward source (on text) or the reward model (on tokens)."""
+    def generate(self, items: list[dict], *, n: int, temperature: float) -> list[Sample]:
+        """n samples per prompt, grouped: the n samples of a prompt are consecutive, prompts in order."""
+        if self.agent_rollout is not None:
+            return self.agent_rollout(lambda ids, budgets: [c[0] for c in self._engine_generate(
+                ids, n=1, temperature=temperature, max_new_tokens=budgets)], items, n)
+        outputs = self._engine_generate([it["prompt_ids"] for it in items], n=n, temperature=temperature,
+                                        max_new_tokens=self.cfg.data.generate_max_len)
+        return [Sample(prompt_ids=list(item["prompt_ids"]), response_ids=c["token_ids"],
+                       rollout_log_probs=c["logprobs"], finish_reason=c["finish_reason"], group=item["index"],
+                       label=item["label"], prompt_text=item["prompt"], policy_version=self.global_step)
+                for item, completions in zip(items, outputs) for c in completions]
+
+    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
+        """Raw rewards [B]: the agent's episode rewards, the reward source (on text) or the reward model."""
+        if self.agent_rollout is not None:
+            keys = sorted({k for s in samples for k in s.extra})
+            extra = {k: sum(s.extra.get(k, 0.0) for s in samples) / len(samples) for k in keys}
+            return torch.tensor([s.reward for s in samples], dtype=torch.float32), extra
         if self.groups.reward_source is not None:
             responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
             prompts = [s.prompt_text for s in samples]
@@ -90,39 +184,86 @@ class PPOTrainer:
                                                      [s.label for s in samples])
             extra = {f"reward/{k}": sum(v) / len(v) for k, v in result.extra_logs.items() if v}
             return torch.tensor(result.rewards, dtype=torch.float32), extra
+        batch = collate_samples(samples, self.tokenizer.pad_token_id)
         data = {k: batch[k] for k in ("sequences", "attention_mask")}
         scores = self.groups.reward.run_sharded("scores", _shards(data, self.groups.reward.num_workers))
         return torch.cat(scores), {}
 
+    def collect(self) -> tuple[list[Sample], torch.Tensor, dict[str, float]] | None:
+        """One rollout batch of `--rollout_batch_size` groups, or None when the prompts ran out first.
+
+        With `--dynamic_filtering`, groups outside the reward range are dropped and only the missing number of new
+        prompts is generated in the next round, until the batch is full.
+        """
+        r = self.cfg.rollout
+        n = r.n_samples_per_prompt
+        samples: list[Sample] = []
+        scores: list[torch.Tensor] = []
+        logs: dict[str, float] = {}
+        generated: list[torch.Tensor] = []
+        rounds = 0
+        self._taken = []
+        while len(samples) < r.rollout_batch_size * n:
+            indices = self.stream.take(r.rollout_batch_size - len(samples) // n)
+            if not indices:
+                return None
+            self._taken += [self.prompts[j]["index"] for j in indices]
+            rounds += 1
+            items = [self.prompts[j] for j in indices]
+            new = self._timed("generate", self.generate, items, n=n, temperature=r.temperature)
+            new_scores, logs = self._timed("reward", self.score, new)
+            generated.append(new_scores)
+            if r.dynamic_filtering:
+                keep = expand_to_samples(keep_groups(new_scores, n, tuple(r.dynamic_filtering_reward_range)), n)
+                new, new_scores = [new[i] for i in keep], new_scores[keep]
+            samples += new
+            scores.append(new_scores)
+        if r.dynamic_filtering:
+            all_scores = torch.cat(generated)
+            logs.update({"rollout/generate_rounds": rounds,
+                         "rollout/filtered_ratio": 1.0 - len(samples) / all_scores.numel(),
+                         "rollout/reward_before_filter": all_scores.mean().item()})
+        return samples, torch.cat(scores), logs
+
+    def _log_rollout(self, samples: list[Sample], scores: torch.Tensor) -> None:
+        """rollouts.jsonl: per step the prompts trained on, all prompts drawn (dynamic filtering draws more) and one
+        decoded example."""
+        first = samples[0]
+        example = {"prompt": first.prompt_text,
+                   "response": self.tokenizer.decode(first.response_ids, skip_special_tokens=True),
+                   "reward": float(scores[0])}
+        groups = list(dict.fromkeys(s.group for s in samples))
+        self._rollout_log.write(json.dumps({"step": self.global_step, "prompts": groups, "taken": self._taken,
+                                            "example": example}) + "\n")
+
+    # ------------------------------------------------------------------------------------------------ one step
     def forward(self, group, method: str, data: dict[str, torch.Tensor]) -> torch.Tensor:
         return torch.cat(group.run_sharded(method, _shards(data, group.num_workers)))
 
-    # ------------------------------------------------------------------------------------------------ one step
-    def step(self, items: list[dict]) -> dict[str, float]:
+    def sync_weights(self) -> dict[str, float]:
+        cfg = self.cfg
+        return self.groups.policy.run("sync_weights", self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
+                                      self.engine_dtype, float(cfg.ds.dist_timeout))[0]
+
+    def step(self) -> dict[str, float] | None:
+        """One RL step on the next rollout batch; None when the prompts ran out before the batch was full."""
         cfg, g = self.cfg, self.groups
-        timing: dict[str, float] = {}
-
-        def timed(name, fn, *args):
-            start = time.perf_counter()
-            out = fn(*args)
-            timing[f"timing/{name}"] = time.perf_counter() - start
-            return out
-
-        samples = timed("generate", self.generate, items)
+        self._timing = {}
+        collected = self.collect()
+        if collected is None:
+            return None
+        samples, scores, reward_logs = collected
+        self.swap.to_trainer()
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
-        scores, reward_logs = timed("reward", self.score, samples, batch)
         model_in = {k: batch[k] for k in ("sequences", "attention_mask")}
-        old_log_probs = timed("old_logprob", self.forward, g.policy, "log_probs", model_in)
-        ref_log_probs = timed("ref_logprob", self.forward, g.reference, "log_probs", model_in) \
+        old_log_probs = self._timed("old_logprob", self.forward, g.policy, "log_probs", model_in)
+        ref_log_probs = self._timed("ref_logprob", self.forward, g.reference, "log_probs", model_in) \
             if g.reference is not None else None
-        values = timed("values", self.forward, g.critic, "values", model_in) if g.critic is not None else None
-        start = time.perf_counter()
-        adv = compute_advantages_for_batch(batch, scores, algo=cfg.algo, n_samples_per_prompt=cfg.rollout.
-                                           n_samples_per_prompt, generate_max_len=cfg.data.generate_max_len,
-                                           kl_coef=self.kl_ctl.value, log_probs=old_log_probs,
-                                           ref_log_probs=ref_log_probs, values=values,
-                                           reward_mean_std=g.reward_normalization)
-        timing["timing/advantages"] = time.perf_counter() - start
+        values = self._timed("values", self.forward, g.critic, "values", model_in) if g.critic is not None else None
+        adv = self._timed("advantages", lambda: compute_advantages_for_batch(
+            batch, scores, algo=cfg.algo, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+            generate_max_len=cfg.data.generate_max_len, kl_coef=self.kl_ctl.value, log_probs=old_log_probs,
+            ref_log_probs=ref_log_probs, values=values, reward_mean_std=g.reward_normalization))
         mask = batch["action_mask"]
         train_data = {"sequences": batch["sequences"], "attention_mask": batch["attention_mask"],
                       "action_mask": mask, "old_log_probs": old_log_probs, "advantages": adv["advantages"],
@@ -130,20 +271,23 @@ class PPOTrainer:
         if ref_log_probs is not None and cfg.algo.use_kl_loss:
             train_data["ref_log_probs"] = ref_log_probs
         self.global_step += 1
+        self._log_rollout(samples, scores)
         metrics: dict[str, float] = {}
         if g.critic is not None:
             critic_data = {**{k: train_data[k] for k in ("sequences", "attention_mask", "action_mask")},
                            "old_values": values, "returns": adv["returns"]}
-            metrics.update(timed("critic_train", lambda: g.critic.run_sharded(
+            metrics.update(self._timed("critic_train", lambda: g.critic.run_sharded(
                 "train", _shards(critic_data, g.critic.num_workers), global_step=self.global_step)[0]))
         if self.global_step > cfg.train.freezing_actor_steps:
-            metrics.update(timed("actor_train", lambda: g.policy.run_sharded(
+            metrics.update(self._timed("actor_train", lambda: g.policy.run_sharded(
                 "train", _shards(train_data, g.policy.num_workers), kl_coef=self.kl_ctl.value,
                 global_step=self.global_step)[0]))
-            sync = timed("weight_sync", lambda: g.policy.run(
-                "sync_weights", g.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20, self.engine_dtype,
-                float(cfg.ds.dist_timeout))[0])
+            self.swap.engine_weights()
+            sync = self._timed("weight_sync", self.sync_weights)
             metrics["perf/weight_sync_mb"] = sync["num_bytes"] / 2**20
+        else:
+            self.swap.engine_weights()
+        self.swap.to_engines()
         kl = masked_mean(adv["kl"], mask).item()
         self.kl_ctl.update(kl, len(samples))
         response_len = batch["response_length"].float()
@@ -157,34 +301,93 @@ class PPOTrainer:
             "value_loss": metrics.get("loss/value", float("nan")),
             "clip_ratio": metrics.get("policy/clip_ratio", float("nan")),
             "entropy": metrics.get("policy/entropy", float("nan")),
-            **reward_logs, **timing})
+            "train/episode": self.stream.episode, **reward_logs, **self._timing})
         return metrics
+
+    # ------------------------------------------------------------------------------------------------ eval
+    def evaluate(self) -> dict[str, float]:
+        """pass@1 / pass@k on the whole eval set with the current weights (engines must be awake)."""
+        d = self.cfg.data
+        items = list(self.eval_prompts)
+        start = time.perf_counter()
+        samples = self.generate(items, n=d.eval_n_samples_per_prompt, temperature=d.eval_temperature)
+        scores, _ = self.score(samples)
+        metrics = eval_metrics(scores.view(len(items), d.eval_n_samples_per_prompt),
+                               [it.get("datasource", "default") for it in items],
+                               torch.tensor([len(s.response_ids) for s in samples]))
+        metrics["timing/eval"] = time.perf_counter() - start
+        return metrics
+
+    def _eval_due(self, episode_end: bool) -> bool:
+        every = self.cfg.logging.eval_steps
+        if self.eval_prompts is None:
+            return False
+        return self.global_step % every == 0 if every > 0 else (every == -1 and episode_end)
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+    def save_checkpoint(self) -> None:
+        c = self.cfg.ckpt
+        if c.disable_ds_ckpt:
+            return
+        state = {"global_step": self.global_step, "prompt_stream": self.stream.state_dict(),
+                 "kl_controller": self.kl_ctl.state_dict(), "trainer": "ppo"}
+        start = time.perf_counter()
+        for name, group in (("actor", self.groups.policy), ("critic", self.groups.critic)):
+            if group is not None:
+                group.run("save_checkpoint", str(self.ckpt_dir / name), self.global_step, state, c.max_ckpt_num)
+        logger.info("checkpoint of step %d saved to %s in %.1f s", self.global_step, self.ckpt_dir,
+                    time.perf_counter() - start)
+
+    def resume(self) -> bool:
+        """Restore actor, critic and controller state from the latest checkpoint and re-sync the engines."""
+        states = self.groups.policy.run("load_checkpoint", str(self.ckpt_dir / "actor"))
+        if states[0] is None:
+            logger.info("--load_checkpoint: no checkpoint in %s yet; starting fresh", self.ckpt_dir)
+            return False
+        state = states[0]
+        if self.groups.critic is not None:
+            critic_state = self.groups.critic.run("load_checkpoint", str(self.ckpt_dir / "critic"))[0]
+            if critic_state is None or critic_state["global_step"] != state["global_step"]:
+                from openppo.errors import UserError
+
+                raise UserError(f"--load_checkpoint: {self.ckpt_dir}/critic has no checkpoint of step "
+                                f"{state['global_step']} (the actor's); delete {self.ckpt_dir} to start fresh")
+        self.global_step = int(state["global_step"])
+        self.stream.load_state_dict(state["prompt_stream"])
+        self.kl_ctl.load_state_dict(state["kl_controller"])
+        self.sync_weights()
+        logger.info("resumed from %s at step %d (prompt %d of %d); engines re-synced", self.ckpt_dir,
+                    self.global_step, self.stream.cursor, self.stream.total)
+        return True
 
     # ------------------------------------------------------------------------------------------------ loop
     def fit(self) -> list[dict[str, float]]:
         cfg = self.cfg
+        if cfg.ckpt.load_checkpoint:
+            self.resume()
+        self.swap.start()
         history = []
-        order_gen = torch.Generator().manual_seed(cfg.train.seed)
-        steps_per_episode = len(self.prompts) // cfg.rollout.rollout_batch_size
-        total = steps_per_episode * cfg.train.num_episodes
-        if cfg.train.max_steps > 0:
-            total = min(total, cfg.train.max_steps)
-        for episode in range(cfg.train.num_episodes):
-            order = torch.randperm(len(self.prompts), generator=order_gen).tolist()
-            for i in range(steps_per_episode):
-                if self.global_step >= total:
-                    return history
-                ids = order[i * cfg.rollout.rollout_batch_size:(i + 1) * cfg.rollout.rollout_batch_size]
-                metrics = self.step([self.prompts[j] for j in ids])
-                metrics["train/episode"] = episode
-                history.append(metrics)
-                self.tracker.log(self.global_step, metrics, echo=self.global_step % cfg.logging.logging_steps == 0)
+        saved_step = None
+        progress = tqdm(total=self.total_steps, initial=self.global_step, desc="RL steps", dynamic_ncols=True)
+        while self.global_step < self.total_steps:
+            metrics = self.step()
+            if metrics is None:
+                logger.warning("the prompts ran out at step %d (dynamic filtering kept too few groups); stopping",
+                               self.global_step)
+                break
+            history.append(metrics)
+            progress.update(1)
+            progress.set_postfix({k: f"{metrics[k]:.3g}" for k in _PROGRESS_KEYS if k in metrics})
+            episode_end = self.global_step % self.steps_per_episode == 0 or self.global_step == self.total_steps
+            if self._eval_due(episode_end):
+                metrics.update(self.evaluate())
+            self.tracker.log(self.global_step, metrics, echo=self.global_step % cfg.logging.logging_steps == 0)
+            if cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
+                self.save_checkpoint()
+                saved_step = self.global_step
+        if (cfg.ckpt.save_steps > 0 or cfg.ckpt.load_checkpoint) and saved_step != self.global_step and history:
+            self.save_checkpoint()
+        progress.close()
+        self._rollout_log.close()
         return history
 
-
-def needs_reference(cfg: PPOConfig) -> bool:
-    return cfg.algo.init_kl_coef > 0
-
-
-def needs_critic_group(cfg: PPOConfig) -> bool:
-    return needs_critic(cfg.algo.advantage_estimator)

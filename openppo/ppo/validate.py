@@ -6,20 +6,13 @@ for options that are accepted but cannot take effect here. It never rewrites the
 
 from __future__ import annotations
 
-from openppo.algorithms import GROUP_ESTIMATORS
+from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
 from openppo.ppo.config import PPOConfig
+from openppo.strategy.config import state_offload_supported
 
 NOT_YET = {  # flag -> predicate on the config: accepted names whose behaviour has not landed yet
-    "--colocate_all_models": lambda c: c.resources.colocate_all_models,
-    "--colocate_actor_ref": lambda c: c.resources.colocate_actor_ref,
-    "--colocate_critic_reward": lambda c: c.resources.colocate_critic_reward,
-    "--deepspeed_enable_sleep": lambda c: c.ds.deepspeed_enable_sleep,
-    "--dynamic_filtering": lambda c: c.rollout.dynamic_filtering,
-    "--eval_dataset": lambda c: bool(c.data.eval_dataset),
-    "--save_steps": lambda c: c.ckpt.save_steps > 0,
-    "--load_checkpoint": lambda c: c.ckpt.load_checkpoint,
     "--packing_samples": lambda c: c.rollout.packing_samples,
     "--use_dynamic_batch": lambda c: c.rollout.use_dynamic_batch,
     "--ring_attn_size": lambda c: c.rollout.ring_attn_size > 1,
@@ -27,6 +20,14 @@ NOT_YET = {  # flag -> predicate on the config: accepted names whose behaviour h
     "--deepcompile": lambda c: c.ds.deepcompile,
     "--ds_tensor_parallel_size": lambda c: c.ds.ds_tensor_parallel_size > 1,
 }
+
+
+def needs_reference(cfg: PPOConfig) -> bool:
+    return cfg.algo.init_kl_coef > 0
+
+
+def needs_critic_group(cfg: PPOConfig) -> bool:
+    return needs_critic(cfg.algo.advantage_estimator)
 
 
 def actor_world_size(cfg: PPOConfig) -> int:
@@ -42,8 +43,13 @@ def _models(cfg: PPOConfig) -> None:
     resolve_model_path(m.pretrain, "--pretrain")
     if m.reward_pretrain and m.remote_rm_url:
         raise UserError("--reward_pretrain and --remote_rm_url both given: pick one reward source")
-    if not m.reward_pretrain and not m.remote_rm_url:
-        raise UserError("a reward source is required: --reward_pretrain DIR, or --remote_rm_url URL[,URL] / FILE.py")
+    agent = cfg.rollout.agent_func_path
+    if agent and (m.reward_pretrain or m.remote_rm_url):
+        raise UserError(f"--agent_func_path {agent}: the agent's environment gives the reward; drop "
+                        f"{'--reward_pretrain' if m.reward_pretrain else '--remote_rm_url'}")
+    if not agent and not m.reward_pretrain and not m.remote_rm_url:
+        raise UserError("a reward source is required: --reward_pretrain DIR, --remote_rm_url URL[,URL] / FILE.py, "
+                        "or --agent_func_path FILE.py")
     if m.reward_pretrain:
         resolve_model_path(m.reward_pretrain, "--reward_pretrain")
     if m.critic_pretrain:
@@ -108,6 +114,13 @@ def _batches(cfg: PPOConfig) -> None:
     if t.train_batch_size % (t.micro_train_batch_size * world):
         raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
                         f"{t.micro_train_batch_size} x {world} actor ranks")
+    if d.eval_dataset:
+        _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
+        _positive(d.eval_temperature, "--eval_temperature")
+    require(cfg.logging.eval_steps != 0, "--eval_steps must be positive, or -1 for the end of each episode")
+    require(cfg.rollout.agent_max_turns > 0, f"--agent_max_turns must be positive, got {cfg.rollout.agent_max_turns}")
+    require(cfg.ckpt.save_steps != 0, "--save_steps must be positive, or -1 for only at the end")
+    require(cfg.ckpt.max_ckpt_num > 0, f"--max_ckpt_num must be positive, got {cfg.ckpt.max_ckpt_num}")
     require(0.0 <= t.lr_warmup_ratio < 1.0, f"--lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
     _positive(t.actor_learning_rate, "--actor_learning_rate")
     _positive(t.critic_learning_rate, "--critic_learning_rate")
@@ -127,10 +140,21 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
         if engines != actor_world_size(cfg):
             raise UserError(f"--colocate_all_models needs --vllm_num_engines x --vllm_tensor_parallel_size "
                             f"({engines}) == actor ranks ({actor_world_size(cfg)})")
-    if res.colocate_actor_ref and (res.ref_num_nodes, res.ref_num_gpus_per_node) != (
+        if v.vllm_tensor_parallel_size > 1:
+            raise UserError("--colocate_all_models with --vllm_tensor_parallel_size > 1 is not yet supported: use "
+                            "--vllm_tensor_parallel_size 1 (one engine per actor device)")
+        for role, used in (("ref", needs_reference(cfg)), ("critic", needs_critic_group(cfg)),
+                           ("reward", bool(cfg.model.reward_pretrain))):
+            size = (getattr(res, f"{role}_num_nodes"), getattr(res, f"{role}_num_gpus_per_node"))
+            if used and size != (res.actor_num_nodes, res.actor_num_gpus_per_node):
+                raise UserError(f"--colocate_all_models puts every model on the actor's devices: set "
+                                f"--{role}_num_nodes/--{role}_num_gpus_per_node ({size[0]}/{size[1]}) to the actor's "
+                                f"({res.actor_num_nodes}/{res.actor_num_gpus_per_node})")
+    if res.colocate_actor_ref and needs_reference(cfg) and (res.ref_num_nodes, res.ref_num_gpus_per_node) != (
             res.actor_num_nodes, res.actor_num_gpus_per_node):
         raise UserError("--colocate_actor_ref needs --ref_num_nodes/--ref_num_gpus_per_node equal to the actor's")
-    if res.colocate_critic_reward and (res.critic_num_nodes, res.critic_num_gpus_per_node) != (
+    critic_size = (res.critic_num_nodes, res.critic_num_gpus_per_node)
+    if res.colocate_critic_reward and needs_critic_group(cfg) and cfg.model.reward_pretrain and critic_size != (
             res.reward_num_nodes, res.reward_num_gpus_per_node):
         raise UserError("--colocate_critic_reward needs --critic_num_* equal to --reward_num_*")
     if v.vllm_enable_sleep and not res.colocate_all_models:
@@ -138,6 +162,16 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
                         "--colocate_all_models or drop --vllm_enable_sleep")
     if ds.deepspeed_enable_sleep and ds.adam_offload:
         raise UserError("--deepspeed_enable_sleep and --adam_offload both move optimizer states to CPU: pick one")
+    if ds.deepspeed_enable_sleep and ds.zero_stage == 0:
+        raise UserError("--deepspeed_enable_sleep offloads ZeRO optimizer states: set --zero_stage 1, 2 or 3")
+    if ds.deepspeed_enable_sleep and not state_offload_supported(ds.zero_stage, on_gpu):
+        notices.append("--deepspeed_enable_sleep with --zero_stage 3 on CPU: DeepSpeed offloads ZeRO-3 states only "
+                       "with its GPU FusedAdam, so the states stay put (use --zero_stage 2 to exercise the offload)")
+    if res.colocate_actor_ref and not needs_reference(cfg):
+        notices.append("--colocate_actor_ref: no reference model runs (--init_kl_coef 0), nothing to colocate")
+    if res.colocate_critic_reward and not (needs_critic_group(cfg) and cfg.model.reward_pretrain):
+        notices.append("--colocate_critic_reward: needs both a critic (gae) and --reward_pretrain; nothing to "
+                       "colocate")
     if cfg.rollout.async_train and v.vllm_enable_sleep:
         raise UserError("--async_train generates while training, so engines cannot sleep: drop --vllm_enable_sleep")
     if ds.param_dtype == "fp16" and not on_gpu:

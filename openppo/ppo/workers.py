@@ -10,7 +10,25 @@ from openppo.distributed.worker import BaseWorker
 from openppo.ppo.config import PPOConfig
 
 
-class PolicyWorker(BaseWorker):
+class _TrainedWorker(BaseWorker):
+    """Checkpoints and state offload, shared by the actor and critic ranks (all ranks call each: collectives)."""
+
+    role: Any
+
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
+        self.role.save_checkpoint(ckpt_dir, step, client_state, max_num)
+
+    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
+        return self.role.load_checkpoint(ckpt_dir)
+
+    def offload_states(self) -> bool:
+        return self.role.offload_states()
+
+    def reload_states(self) -> bool:
+        return self.role.reload_states()
+
+
+class PolicyWorker(_TrainedWorker):
     """One rank of the actor group; rank 0 also sends weights to the engines."""
 
     def init_role(self, cfg: PPOConfig, num_training_steps: int) -> None:
@@ -42,19 +60,13 @@ class PolicyWorker(BaseWorker):
         return sync_weights(self.role.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
                             timeout_s=timeout_s, rank=self.role.strategy.rank)
 
-    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
-        self.role.save_checkpoint(ckpt_dir, step, client_state, max_num)
-
-    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
-        return self.role.load_checkpoint(ckpt_dir)
-
     def save_hf(self, out_dir: str, tokenizer_path: str) -> None:
         from openppo.models.loading import load_tokenizer
 
         self.role.save_hf(load_tokenizer(tokenizer_path), out_dir)
 
 
-class CriticWorker(BaseWorker):
+class CriticWorker(_TrainedWorker):
     def init_role(self, cfg: PPOConfig, num_training_steps: int) -> None:
         from openppo.ppo.roles import CriticRole
 
@@ -65,12 +77,6 @@ class CriticWorker(BaseWorker):
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         return self.role.train(data, global_step)
-
-    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
-        self.role.save_checkpoint(ckpt_dir, step, client_state, max_num)
-
-    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
-        return self.role.load_checkpoint(ckpt_dir)
 
 
 class ReferenceWorker(BaseWorker):

@@ -11,14 +11,12 @@ one at a time, only on this error path), so the user sees which input broke thei
 
 from __future__ import annotations
 
-import hashlib
-import importlib.util
 import logging
-import sys
 from pathlib import Path
 from typing import Callable
 
 from openppo.errors import UserError
+from openppo.utils.imports import import_file
 from openppo.rewards.base import RewardError, RewardResult, RewardSource, check_inputs, to_result
 
 logger = logging.getLogger(__name__)
@@ -38,17 +36,7 @@ def load_reward_func(path: str | Path, flag: str = FLAG) -> Callable:
     if not p.is_file():
         raise UserError(f"{flag}: reward function file {path} not found; pass an existing .py file that "
                         f"defines reward_func(queries, prompts, labels, **kwargs)")
-    # A unique module name per file, so two reward files called reward.py do not replace each other.
-    name = "openppo_reward_func_" + hashlib.sha1(str(p.resolve()).encode()).hexdigest()[:12]
-    spec = importlib.util.spec_from_file_location(name, p)
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # dataclasses and pickling look the module up here while it runs
-    try:
-        spec.loader.exec_module(module)
-    except Exception as err:
-        sys.modules.pop(name, None)
-        raise UserError(f"{flag}: importing {path} failed: {type(err).__name__}: {err}; fix the file") from err
+    module = import_file(p, flag, "openppo_reward_func_")
     func = getattr(module, "reward_func", None)
     if func is None:
         raise UserError(f"{flag}: {path} defines no reward_func; add "

@@ -74,3 +74,13 @@ def eval_ds_config(cfg: DeepSpeedConfig, *, micro_batch_size: int, world_size: i
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,
     }
+
+
+def state_offload_supported(zero_stage: int, on_gpu: bool) -> bool:
+    """Whether DeepSpeed's `offload_states`/`reload_states` work for a trained engine.
+
+    They need a ZeRO optimizer (stage >= 1); under ZeRO-3 also DeepSpeed's FusedAdam, which is the GPU optimizer
+    here, while CPU runs use torch's AdamW (measured: ZeRO-3 asserts "supported only for DeepSpeed FusedAdam",
+    ZeRO-1/2 work on CPU).
+    """
+    return zero_stage in (1, 2) or (zero_stage == 3 and on_gpu)

@@ -12,7 +12,7 @@ from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
-STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "response_length", "rollout/logprob_diff",
+STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "response_length", "rollout/logprob_diff",
                 "timing/generate", "timing/reward", "timing/old_logprob", "timing/actor_train", "timing/weight_sync"]
 
 
@@ -48,14 +48,18 @@ def _common(prompts, save):
 
 
 def test_ppo_with_critic_reward_model_and_reference(tmp_path):
-    """gae: critic + reward-model groups + reference (KL penalty in the reward), 1 rank each."""
+    """gae: critic + reward-model groups + reference (KL penalty in the reward); the reference shares the actor's
+    2 devices (--colocate_actor_ref), critic and reward model share one (--colocate_critic_reward)."""
     prompts = write_jsonl(make_rows(16, seed=2), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
-    run_cli("train_ppo_ray", _common(prompts, save) + [
+    proc = run_cli("train_ppo_ray", _common(prompts, save) + [
         "--reward_pretrain", str(tiny_model_dir()), "--advantage_estimator", "gae", "--n_samples_per_prompt", "2",
-        "--init_kl_coef", "0.01", "--critic_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "1",
-        "--reward_num_gpus_per_node", "1", "--critic_learning_rate", "1e-4", "--normalize_reward"],
-        nproc=1, timeout=600)
+        "--init_kl_coef", "0.01", "--critic_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "2",
+        "--reward_num_gpus_per_node", "1", "--critic_learning_rate", "1e-4", "--normalize_reward",
+        "--colocate_actor_ref", "--colocate_critic_reward"], nproc=1, timeout=600)
+    log = proc.stdout + proc.stderr
+    assert "colocated (actor_ref): actor, reference share 2 device(s), 0.5 of each" in log
+    assert "colocated (critic_reward): critic, reward share 1 device(s), 0.5 of each" in log
     records = read_metrics(save)
     assert len(records) == 2
     for key in STEP_METRICS + ["value_loss", "timing/values", "timing/ref_logprob", "timing/critic_train"]:
@@ -66,16 +70,49 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records)
 
 
-def test_reinforce_baseline_with_http_reward(tmp_path, request):
-    """REINFORCE++-baseline scored by a running serve_rm (a reward .py served over HTTP on localhost)."""
+def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
+    """REINFORCE++-baseline scored by a running serve_rm (a reward .py served over HTTP on localhost), training
+    LoRA adapters: the engines get base + adapter weights, so their log-probs equal the trainer's after a sync."""
     from tests.rewards.conftest import start_servers
 
-    server, = start_servers(request, ["--reward_func", str(REPO / "examples/reward_funcs/arithmetic.py"),
-                                      "--port", "0"])
-    prompts = write_jsonl(make_rows(16, seed=3), tmp_path / "prompts.jsonl")
+    # label "mixed": rewards 0.25/0.75 by response parity, so advantages are non-zero and the adapters train
+    server, = start_servers(request, ["--reward_func", str(REPO / "tests/ppo/label_reward.py"), "--port", "0"])
+    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(16, seed=3)], tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     run_cli("train_ppo_ray", _common(prompts, save) + [
         "--remote_rm_url", server.url, "--advantage_estimator", "reinforce_baseline", "--n_samples_per_prompt", "2",
-        "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3"], nproc=1, timeout=600)
+        "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3", "--lora_rank", "8", "--lora_alpha", "16",
+        "--actor_learning_rate", "2e-2", "--lr_warmup_ratio", "0"], nproc=1, timeout=600)
     records = read_metrics(save)
     assert len(records) == 2 and all("reward" in r and "loss/kl" in r for r in records)
+    # Step 2 samples come from the synced engine. The trained adapters moved the policy away from the reference
+    # (the base model): an engine without them would be off by about the KL; it agrees 100x more closely.
+    assert records[1]["kl"] > 1e-3, records[1]["kl"]
+    assert records[1]["rollout/logprob_diff"] < min(1e-4, records[1]["kl"] / 100), records[1]
+    assert (save / "adapter_config.json").is_file()
+
+
+def test_multi_turn_agent(tmp_path):
+    """guess_number over 3 turns: environment feedback sits in the sequence but outside the loss and the
+    engine/trainer log-prob comparison (1 actor rank, 1 engine)."""
+    import subprocess
+    import sys
+
+    prompts = tmp_path / "prompts.jsonl"
+    subprocess.run([sys.executable, str(REPO / "examples/agents/guess_number.py"), str(prompts), "8"], check=True)
+    save = tmp_path / "out"
+    run_cli("train_ppo_ray", [
+        "--pretrain", str(tiny_model_dir()), "--agent_func_path", str(REPO / "examples/agents/guess_number.py"),
+        "--agent_max_turns", "3", "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label",
+        "--apply_chat_template", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
+        "--rollout_batch_size", "2", "--train_batch_size", "4", "--micro_train_batch_size", "2",
+        "--vllm_kv_cache_bytes", str(128 * 2**20), "--init_kl_coef", "0", "--generate_max_len", "6",
+        "--prompt_max_len", "64", "--param_dtype", "fp32", "--zero_stage", "0", "--max_steps", "2",
+        "--actor_learning_rate", "1e-4", "--save_path", str(save)], nproc=1, timeout=600)
+    records = read_metrics(save)
+    assert len(records) == 2
+    for r in records:
+        # a random tiny model never names a digit: every episode runs all 3 turns and collects feedback
+        assert r["agent/turns"] == 3 and r["guess_number/solved"] == 0.0
+        assert r["response_length"] > 3 * 6 * 0.5  # model turns plus feedback tokens
+        assert r["rollout/logprob_diff"] < 1e-4

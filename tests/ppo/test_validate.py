@@ -49,7 +49,16 @@ BAD = [
     (["--kl_target", "0.1"], ["--kl_target", "--init_kl_coef"]),
     (["--async_train"], ["--async_train"]),
     (["--ring_attn_size", "2"], ["--ring_attn_size"]),
-    (["--colocate_actor_ref", "--ref_num_gpus_per_node", "1"], ["--colocate_actor_ref", "--ref_num_gpus_per_node"]),
+    (["--colocate_actor_ref", "--ref_num_gpus_per_node", "1", "--init_kl_coef", "0.01"],
+     ["--colocate_actor_ref", "--ref_num_gpus_per_node"]),
+    (["--colocate_all_models", "--vllm_num_engines", "2", "--init_kl_coef", "0.01"],
+     ["--colocate_all_models", "--ref_num_gpus_per_node"]),
+    (["--deepspeed_enable_sleep", "--zero_stage", "0"], ["--deepspeed_enable_sleep", "--zero_stage"]),
+    (["--agent_func_path", "agent.py"], ["--agent_func_path", "--remote_rm_url"]),
+    (["--save_steps", "0"], ["--save_steps"]),
+    (["--eval_steps", "0"], ["--eval_steps"]),
+    (["--eval_dataset", "e.jsonl", "--eval_n_samples_per_prompt", "0"], ["--eval_n_samples_per_prompt"]),
+    (["--dynamic_filtering_reward_range", "1", "0"], ["--dynamic_filtering_reward_range"]),
 ]
 
 
@@ -70,9 +79,19 @@ def test_valid_config_gives_cpu_notices(base):
     assert any("gloo" in n for n in notices)
 
 
-@pytest.mark.parametrize("flag", ["--colocate_all_models", "--packing_samples", "--dynamic_filtering",
-                                  "--load_checkpoint", "--deepspeed_enable_sleep"])
+@pytest.mark.parametrize("flag", ["--packing_samples", "--use_dynamic_batch", "--deepcompile"])
 def test_not_yet_supported_flags_fail_clearly(base, flag):
-    extra = [flag] + (["--vllm_num_engines", "2"] if flag == "--colocate_all_models" else [])
     with pytest.raises(UserError, match=re.escape(flag) + " is not yet supported"):
-        validate(_cfg(base, extra), on_gpu=False)
+        validate(_cfg(base, [flag]), on_gpu=False)
+
+
+def test_colocation_and_sleep_notices_on_cpu(base):
+    notices = validate(_cfg(base, ["--colocate_all_models", "--vllm_num_engines", "2", "--vllm_enable_sleep",
+                                   "--deepspeed_enable_sleep", "--zero_stage", "3", "--colocate_actor_ref"]),
+                       on_gpu=False)
+    assert any("--vllm_enable_sleep is a no-op on CPU" in n for n in notices)
+    assert any("--deepspeed_enable_sleep with --zero_stage 3 on CPU" in n for n in notices)
+    assert any("--colocate_actor_ref: no reference model" in n for n in notices)
+    # ZeRO-2 offloads for real on CPU: no notice about it
+    notices = validate(_cfg(base, ["--deepspeed_enable_sleep", "--zero_stage", "2"]), on_gpu=False)
+    assert not any("--deepspeed_enable_sleep" in n for n in notices)

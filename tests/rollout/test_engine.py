@@ -16,6 +16,7 @@ from openppo.rollout import VLLMEngine
 from openppo.rollout.buckets import pack_bucket, plan_buckets
 from openppo.rollout.sender import (broadcast_weights, connect_engines, iter_full_weights, sync_weights,
                                     tensors_checksum)
+from tests.engines import tiny_engine_actor
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -38,21 +39,8 @@ def hf_model():
 
 @pytest.fixture(scope="module")
 def engine():
-    import ray
-
-    model_dir = str(tiny_model_dir())
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
-    try:
-        t0 = time.monotonic()
-        actor = ray.remote(num_cpus=1)(VLLMEngine).remote(
-            model_dir, dtype="float32", seed=0, max_model_len=256, kv_cache_bytes=64 << 20,
-            enable_prefix_caching=True)
-        ray.get(actor.ready.remote(), timeout=180)
-        print(f"engine actor ready in {time.monotonic() - t0:.1f} s")
+    with tiny_engine_actor(kv_cache_bytes=64 << 20) as actor:
         yield actor
-        ray.kill(actor)
-    finally:
-        ray.shutdown()
 
 
 def _hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:

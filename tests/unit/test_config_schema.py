@@ -3,7 +3,6 @@
 import subprocess
 import sys
 
-import pytest
 
 from openppo.config.schema import flag_names, parse_config
 from openppo.trainers.configs import DPOConfig, RMConfig, SFTConfig

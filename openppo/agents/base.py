@@ -1,0 +1,77 @@
+"""The environment side of multi-turn RL: what a user's agent file defines, and how it is loaded.
+
+An episode is one sample: the model answers the prompt, the environment reads the answer as text and returns a
+`StepResult` (feedback for the next turn, a reward, whether the episode is over), and so on for at most
+`--agent_max_turns` model turns. The environment never sees tokens: `openppo.agents.rollout` owns tokenization,
+so the token ids the policy is trained on are exactly the ones the engine sampled (token in, token out), and
+the feedback tokens it inserts are masked out of the loss.
+
+A user's file (`--agent_func_path my_env.py`) defines `class Agent(AgentEnv)`; `load_agent_env` imports it.
+"""
+
+from __future__ import annotations
+
+import abc
+import inspect
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from openppo.errors import UserError
+from openppo.utils.imports import import_file
+
+FLAG = "--agent_func_path"
+_FIX = "class Agent(AgentEnv) (from openppo.agents import AgentEnv) with a step(self, response_text, turn) method"
+
+
+class AgentError(RuntimeError):
+    """An environment raised or returned something other than a `StepResult` during a rollout."""
+
+
+@dataclass
+class StepResult:
+    """What the environment returns after one model turn."""
+
+    feedback: str = ""
+    """text appended as the next user/tool turn (through the rollout's feedback template); ignored when done"""
+    reward: float = 0.0
+    """this turn's reward; the episode's reward is the sum over its turns"""
+    done: bool = False
+    """end the episode now (it also ends after the last allowed turn)"""
+    extra: dict[str, float] = field(default_factory=dict)
+    """per-sample metrics to log; a later turn's value replaces an earlier one under the same name"""
+
+
+class AgentEnv(abc.ABC):
+    """One episode of an environment: built once per sample, then `step` once per model turn.
+
+    Args:
+        prompt: the rendered prompt text the model saw (chat template applied, if any).
+        label: the data set's label for this prompt (`--label_key`), or None.
+    """
+
+    def __init__(self, prompt: str, label: Any):
+        self.prompt = prompt
+        self.label = label
+
+    @abc.abstractmethod
+    def step(self, response_text: str, turn: int) -> StepResult:
+        """React to the model's answer of turn `turn` (0-based), decoded without special tokens."""
+
+
+def load_agent_env(path: str | Path, flag: str = FLAG) -> type[AgentEnv]:
+    """The `Agent` class of the .py file at `path`; a one-line UserError naming `flag` and the fix otherwise."""
+    p = Path(path).expanduser()
+    if not p.is_file():
+        raise UserError(f"{flag}: agent file {path} not found; pass an existing .py file that defines {_FIX}")
+    if p.suffix != ".py":
+        raise UserError(f"{flag}: {path} is not a .py file; pass a Python file that defines {_FIX}")
+    module = import_file(p, flag, "openppo_agent_env_")
+    cls = getattr(module, "Agent", None)
+    if cls is None:
+        raise UserError(f"{flag}: {path} defines no Agent; add {_FIX}")
+    if not (inspect.isclass(cls) and issubclass(cls, AgentEnv)):
+        raise UserError(f"{flag}: Agent in {path} is not a subclass of openppo.agents.AgentEnv; declare it as {_FIX}")
+    if inspect.isabstract(cls):
+        raise UserError(f"{flag}: Agent in {path} does not implement step(self, response_text, turn) -> StepResult")
+    return cls

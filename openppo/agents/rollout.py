@@ -1,0 +1,151 @@
+"""Multi-turn rollouts: model turns and environment feedback interleaved in one token sequence.
+
+Each sample is an episode: prompt, model turn, feedback, model turn, ... The model's tokens are kept exactly as
+the engine sampled them, never re-tokenized from text (decode -> encode does not round-trip, so re-encoding
+would train the policy on tokens it did not sample, with log-probs that do not belong to them). Feedback is
+encoded once, on its own, and appended; it stays in the sequence as context for later turns with
+`action_mask` 0 and rollout log-prob 0.0, so the loss ignores it.
+
+Batching: every turn sends all still-running episodes to the engine in one `generate` call, so a whole batch costs
+at most `max_turns` calls. An episode's next context is its prompt plus its whole
+response so far, so an engine with prefix caching reuses the earlier turns' KV blocks.
+
+Length: no sample grows past `max_total_len` tokens (prompt included). A turn may generate
+min(max_new_tokens, room left); feedback that does not fit is cut to the room left and ends the episode.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+from openppo.agents.base import AgentEnv, AgentError, StepResult
+from openppo.ppo.experience import Sample
+
+GenerateFn = Callable[[list[list[int]], list[int]], list[dict]]
+"""(prompt token ids per request, max_new_tokens per request) -> one {token_ids, logprobs, finish_reason} each"""
+
+
+@dataclass
+class _Episode:
+    item: dict[str, Any]
+    env: AgentEnv
+    response_ids: list[int] = field(default_factory=list)
+    action_mask: list[int] = field(default_factory=list)
+    log_probs: list[float] = field(default_factory=list)
+    reward: float = 0.0
+    num_turns: int = 0
+    finish_reason: str = "stop"
+    extra: dict[str, float] = field(default_factory=dict)
+
+    @property
+    def context(self) -> list[int]:
+        return list(self.item["prompt_ids"]) + self.response_ids
+
+    def append(self, token_ids: list[int], log_probs: list[float] | None) -> None:
+        """Model tokens (with their log-probs) or feedback tokens (log_probs None: masked out)."""
+        self.response_ids += token_ids
+        self.action_mask += [1 if log_probs is not None else 0] * len(token_ids)
+        self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(token_ids)
+
+
+def _step(ep: _Episode, text: str, turn: int) -> StepResult:
+    """`env.step` with errors that say which environment, prompt and turn failed."""
+    where = f"{type(ep.env).__name__}.step (prompt index {ep.item['index']}, turn {turn})"
+    try:
+        result = ep.env.step(text, turn)
+    except Exception as err:
+        raise AgentError(f"{where} raised {type(err).__name__}: {err}") from err
+    if not isinstance(result, StepResult):
+        raise AgentError(f"{where} returned {type(result).__name__}; return openppo.agents.StepResult(...)")
+    return result
+
+
+def run_agent_episodes(generate: GenerateFn, tokenizer, items: list[dict[str, Any]], *, n_samples_per_prompt: int,
+                       env_cls: type[AgentEnv], max_turns: int, max_new_tokens: int, max_total_len: int,
+                       feedback_template: str = "{}") -> list[Sample]:
+    """Run `n_samples_per_prompt` episodes per item, all episodes' turns batched, and return one Sample each.
+
+    Args:
+        generate: see `GenerateFn`; `engine_generate_fn` adapts `VLLMEngine.generate` to it.
+        tokenizer: decodes model turns for the environment and encodes feedback (no special tokens added).
+        items: prompt-dataset items (prompt, prompt_ids, label, index).
+        env_cls: built once per episode with (prompt, label), in output order.
+        max_turns: model turns per episode at most.
+        max_new_tokens: tokens per model turn at most.
+        max_total_len: prompt + response tokens per sample at most.
+        feedback_template: `feedback_template.format(feedback)` is what gets encoded (e.g. chat turn markers).
+
+    Returns samples in item order, n consecutive per item, with `group = item["index"]`, the summed step rewards
+    in `reward`, `extra["agent/turns"]` plus the environment's last `extra`, and `finish_reason` "length" when
+    the episode hit `max_total_len` or its last model turn hit `max_new_tokens`.
+    """
+    if max_turns < 1 or max_new_tokens < 1 or n_samples_per_prompt < 1:
+        raise ValueError(f"max_turns, max_new_tokens, n_samples_per_prompt must be >= 1, got "
+                         f"{max_turns}, {max_new_tokens}, {n_samples_per_prompt}")
+    for item in items:
+        if len(item["prompt_ids"]) >= max_total_len:
+            raise ValueError(f"prompt index {item['index']} has {len(item['prompt_ids'])} tokens, which leaves no "
+                             f"room under max_total_len={max_total_len}")
+    episodes = [_Episode(item, env_cls(item["prompt"], item["label"]))
+                for item in items for _ in range(n_samples_per_prompt)]
+    active = list(episodes)
+    for turn in range(max_turns):
+        if not active:
+            break
+        contexts = [ep.context for ep in active]
+        # >= 1: an episode whose feedback fills the last free token has already ended (below).
+        budgets = [min(max_new_tokens, max_total_len - len(ctx)) for ctx in contexts]
+        outputs = generate(contexts, budgets)
+        assert len(outputs) == len(active), f"generate returned {len(outputs)} completions for {len(active)}"
+        still_active = []
+        for ep, budget, out in zip(active, budgets, outputs):
+            token_ids, log_probs = list(out["token_ids"]), list(out["logprobs"])
+            assert len(token_ids) <= budget and len(log_probs) == len(token_ids), "generate broke its contract"
+            ep.append(token_ids, log_probs)
+            ep.num_turns += 1
+            result = _step(ep, tokenizer.decode(token_ids, skip_special_tokens=True), turn)
+            ep.reward += float(result.reward)
+            ep.extra.update({str(k): float(v) for k, v in result.extra.items()})
+            if result.done or turn + 1 == max_turns:
+                ep.finish_reason = "length" if out["finish_reason"] == "length" else "stop"
+                continue
+            feedback = tokenizer.encode(feedback_template.format(result.feedback), add_special_tokens=False)
+            room = max_total_len - len(ep.item["prompt_ids"]) - len(ep.response_ids)
+            if len(feedback) >= room:  # no room left for another model turn after it
+                ep.append(feedback[:room], None)
+                ep.finish_reason = "length"
+                continue
+            ep.append(feedback, None)
+            still_active.append(ep)
+        active = still_active
+    return [_to_sample(ep, tokenizer) for ep in episodes]
+
+
+def _to_sample(ep: _Episode, tokenizer) -> Sample:
+    item = ep.item
+    return Sample(prompt_ids=list(item["prompt_ids"]), response_ids=ep.response_ids,
+                  rollout_log_probs=ep.log_probs, finish_reason=ep.finish_reason, group=item["index"],
+                  label=item["label"], prompt_text=item["prompt"],
+                  response_text=tokenizer.decode(ep.response_ids, skip_special_tokens=True),
+                  action_mask=ep.action_mask, reward=ep.reward,
+                  extra={"agent/turns": float(ep.num_turns), **ep.extra})
+
+
+def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampling: Any) -> GenerateFn:
+    """Adapt a `VLLMEngine.generate`-like callable (one max_new_tokens per call) to `GenerateFn`.
+
+    Requests are grouped by budget, one engine call per distinct budget (usually one: only episodes near
+    `max_total_len` get a smaller one), with n=1 and `sampling` (temperature, top_p, ...) passed through.
+    For a Ray actor: `engine_generate_fn(lambda ids, **kw: ray.get(actor.generate.remote(ids, **kw)), ...)`.
+    """
+    def generate(prompt_ids: list[list[int]], budgets: list[int]) -> list[dict]:
+        outputs: list[dict | None] = [None] * len(prompt_ids)
+        for budget in sorted(set(budgets)):
+            rows = [i for i, b in enumerate(budgets) if b == budget]
+            completions = engine_generate([prompt_ids[i] for i in rows], n=1, max_new_tokens=budget, **sampling)
+            for i, samples in zip(rows, completions):
+                outputs[i] = samples[0]
+        return outputs  # type: ignore[return-value]  # every row was filled above
+
+    return generate
