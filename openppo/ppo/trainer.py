@@ -301,7 +301,7 @@ class PPOTrainer:
             "value_loss": metrics.get("loss/value", float("nan")),
             "clip_ratio": metrics.get("policy/clip_ratio", float("nan")),
             "entropy": metrics.get("policy/entropy", float("nan")),
-            "train/episode": self.stream.episode, **reward_logs, **self._timing})
+            "train/episode": (self.stream.cursor - 1) // self.stream.per_episode, **reward_logs, **self._timing})
         return metrics
 
     # ------------------------------------------------------------------------------------------------ eval
@@ -370,15 +370,18 @@ class PPOTrainer:
         saved_step = None
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="RL steps", dynamic_ncols=True)
         while self.global_step < self.total_steps:
+            episode = self.stream.episode
             metrics = self.step()
             if metrics is None:
-                logger.warning("the prompts ran out at step %d (dynamic filtering kept too few groups); stopping",
-                               self.global_step)
+                logger.info("every prompt of the %d episode(s) was drawn by step %d (dynamic filtering draws more "
+                            "than one batch of prompts per step); stopping", self.stream.num_episodes,
+                            self.global_step)
                 break
             history.append(metrics)
             progress.update(1)
             progress.set_postfix({k: f"{metrics[k]:.3g}" for k in _PROGRESS_KEYS if k in metrics})
-            episode_end = self.global_step % self.steps_per_episode == 0 or self.global_step == self.total_steps
+            # (with dynamic filtering an episode of prompts takes fewer steps than steps_per_episode)
+            episode_end = self.stream.episode != episode or self.global_step == self.total_steps
             if self._eval_due(episode_end):
                 metrics.update(self.evaluate())
             self.tracker.log(self.global_step, metrics, echo=self.global_step % cfg.logging.logging_steps == 0)
