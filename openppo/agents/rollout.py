@@ -132,6 +132,12 @@ def _to_sample(ep: _Episode, tokenizer) -> Sample:
                   extra={"agent/turns": float(ep.num_turns), **ep.extra})
 
 
+def rows_by_budget(budgets: list[int]) -> list[tuple[int, list[int]]]:
+    """`(budget, row indices)` per distinct budget, smallest first: vLLM takes one max_tokens per request batch, so
+    requests are grouped to keep each prompt's own budget."""
+    return [(b, [i for i, x in enumerate(budgets) if x == b]) for b in sorted(set(budgets))]
+
+
 def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampling: Any) -> GenerateFn:
     """Adapt a `VLLMEngine.generate`-like callable (one max_new_tokens per call) to `GenerateFn`.
 
@@ -141,8 +147,7 @@ def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampl
     """
     def generate(prompt_ids: list[list[int]], budgets: list[int]) -> list[dict]:
         outputs: list[dict | None] = [None] * len(prompt_ids)
-        for budget in sorted(set(budgets)):
-            rows = [i for i, b in enumerate(budgets) if b == budget]
+        for budget, rows in rows_by_budget(budgets):
             completions = engine_generate([prompt_ids[i] for i in rows], n=1, max_new_tokens=budget, **sampling)
             for i, samples in zip(rows, completions):
                 outputs[i] = samples[0]

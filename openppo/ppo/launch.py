@@ -12,7 +12,7 @@ from openppo.datasets import PromptDataset, load_blended_dataset, require_column
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.colocation import colocation_pools
 from openppo.ppo.trainer import Groups
-from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
+from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_group, needs_reference
 
 logger = logging.getLogger(__name__)
 
@@ -143,7 +143,7 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
     if "reward" in present:
         reward = group(RewardWorker, res.reward_num_nodes, res.reward_num_gpus_per_node, "reward")
         pending.append((reward, reward.run_async("init_role", cfg)))
-    engine_dtype = "float32" if cfg.ds.param_dtype == "fp32" else "bfloat16"
+    engine_cls = ray.remote(VLLMEngine)
     engines = []
     for i in range(cfg.vllm.vllm_num_engines):
         options: dict[str, Any] = {"runtime_env": {"env_vars": env}, "num_cpus": 1,
@@ -152,8 +152,8 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
             pg, share = shared["engines"]
             options.update(num_cpus=share, num_gpus=gpu * share, scheduling_strategy=PlacementGroupSchedulingStrategy(
                 pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True))
-        engines.append(ray.remote(VLLMEngine).options(**options).remote(
-            cfg.model.pretrain, dtype=engine_dtype, seed=cfg.train.seed + i,
+        engines.append(engine_cls.options(**options).remote(
+            cfg.model.pretrain, dtype=engine_dtype(cfg), seed=cfg.train.seed + i,
             max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
             enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
             enable_prefix_caching=cfg.vllm.enable_prefix_caching,

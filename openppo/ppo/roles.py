@@ -73,19 +73,20 @@ class _TrainedRole:
     def save_hf(self, tokenizer, out_dir: str | Path, extra_config: dict | None = None) -> None:
         self.strategy.save_hf(self.engine, tokenizer, out_dir, extra_config)
 
+    def _can_offload(self) -> bool:
+        return state_offload_supported(self.strategy.cfg.zero_stage, torch.cuda.is_available())
+
     def offload_states(self) -> bool:
         """Move optimizer, gradient and parameter states off the device (--deepspeed_enable_sleep); False where
         DeepSpeed cannot (see `state_offload_supported`)."""
-        if not state_offload_supported(self.strategy.cfg.zero_stage, torch.cuda.is_available()):
-            return False
-        self.engine.offload_states(pin_memory=torch.cuda.is_available())
-        return True
+        if self._can_offload():
+            self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        return self._can_offload()
 
     def reload_states(self) -> bool:
-        if not state_offload_supported(self.strategy.cfg.zero_stage, torch.cuda.is_available()):
-            return False
-        self.engine.reload_states()
-        return True
+        if self._can_offload():
+            self.engine.reload_states()
+        return self._can_offload()
 
 
 class PolicyRole(_TrainedRole):

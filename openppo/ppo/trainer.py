@@ -22,12 +22,14 @@ from typing import Any, Callable
 import torch
 from tqdm import tqdm
 
+from openppo.agents.rollout import rows_by_budget
 from openppo.algorithms import build_kl_controller, masked_mean
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.prompt_stream import PromptStream
+from openppo.ppo.validate import engine_dtype
 from openppo.utils.tracking import MetricsTracker
 
 logger = logging.getLogger(__name__)
@@ -121,7 +123,6 @@ class PPOTrainer:
         if cfg.train.max_steps > 0:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
         self.global_step = 0
-        self.engine_dtype = "float32" if cfg.ds.param_dtype == "fp32" else "bfloat16"
         self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
         self._timing: dict[str, float] = {}
         self._taken: list[int] = []  # dataset indices of the prompts drawn for the current step
@@ -147,9 +148,8 @@ class PPOTrainer:
         refs, slots = [], []
         for e, engine in enumerate(engines):
             idx = list(range(e, len(prompt_ids), len(engines)))
-            # vLLM takes one max_tokens per request batch; split by budget so each prompt keeps its own.
-            for budget in sorted({per_prompt[i] for i in idx}):
-                chunk = [i for i in idx if per_prompt[i] == budget]
+            for budget, rows in rows_by_budget([per_prompt[i] for i in idx]):
+                chunk = [idx[j] for j in rows]
                 refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
                                                    temperature=temperature, top_p=r.top_p))
                 slots.append(chunk)
@@ -243,7 +243,7 @@ class PPOTrainer:
     def sync_weights(self) -> dict[str, float]:
         cfg = self.cfg
         return self.groups.policy.run("sync_weights", self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
-                                      self.engine_dtype, float(cfg.ds.dist_timeout))[0]
+                                      engine_dtype(cfg), float(cfg.ds.dist_timeout))[0]
 
     def step(self) -> dict[str, float] | None:
         """One RL step on the next rollout batch; None when the prompts ran out before the batch was full."""

@@ -30,6 +30,11 @@ def needs_critic_group(cfg: PPOConfig) -> bool:
     return needs_critic(cfg.algo.advantage_estimator)
 
 
+def engine_dtype(cfg: PPOConfig) -> str:
+    """vLLM's dtype: the trainer's, so that engine and trainer log-probs are comparable (fp32 only when asked)."""
+    return "float32" if cfg.ds.param_dtype == "fp32" else "bfloat16"
+
+
 def actor_world_size(cfg: PPOConfig) -> int:
     return cfg.resources.actor_num_nodes * cfg.resources.actor_num_gpus_per_node
 
