@@ -14,7 +14,8 @@ from torch import nn
 
 from openppo.algorithms import entropy_from_logits, log_probs_from_logits
 from openppo.models.loading import finish_model, resolve_model_path
-from openppo.models.positions import position_ids_from_mask
+from openppo.models.packing import next_token_values, prepare_inputs, unpack_rows
+from openppo.models.varlen_attention import enable_varlen_attention
 
 
 class ActorOutput(NamedTuple):
@@ -27,6 +28,8 @@ class ActorOutput(NamedTuple):
 
 class Actor(nn.Module):
     """Wraps an HF causal LM (optionally with LoRA adapters)."""
+
+    sequence_parallel = None  # a SequenceParallel when packed rows are sharded over a ring (--ring_attn_size)
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -43,6 +46,7 @@ class Actor(nn.Module):
         model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
                                                      trust_remote_code=True)
         model.config.use_cache = False
+        enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
         return cls(finish_model(model, task_type="CAUSAL_LM", lora_rank=lora_rank, lora_alpha=lora_alpha,
                                 lora_dropout=lora_dropout, target_modules=target_modules,
                                 gradient_checkpointing=gradient_checkpointing))
@@ -53,22 +57,38 @@ class Actor(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, temperature: float = 1.0,
-                return_entropy: bool | str = False, return_logits: bool = False) -> ActorOutput:
+                return_entropy: bool | str = False, return_logits: bool = False, pack: bool = False) -> ActorOutput:
         """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
-        (logging only: no graph is kept through the full-vocabulary softmax)."""
-        if position_ids is None:
-            assert attention_mask is not None, "padded batches need an attention mask"
-            position_ids = position_ids_from_mask(attention_mask)
+        (logging only: no graph is kept through the full-vocabulary softmax).
+
+        `pack=True` runs a right-padded batch as one packed row (`--packing_samples`) and returns the same padded
+        [B, T-1] outputs: the padding is never computed, the numbers are those of the padded forward.
+        """
+        input_ids, attention_mask, position_ids, packed = prepare_inputs(input_ids, attention_mask, position_ids, pack)
+        ring = self.sequence_parallel if packed is not None else None
+        if ring is not None:
+            assert not return_logits, "ring attention returns per-token values, not logits"
+            num_tokens = input_ids.size(1)
+            input_ids, position_ids, labels = ring.shard(input_ids, position_ids)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False)
-        logits = out.logits[:, :-1]
+        # With a ring, this rank's chunk scores its own tokens' successors (labels cross into the next chunk).
+        logits = out.logits if ring is not None else out.logits[:, :-1]
         if temperature != 1.0:
             logits = logits / temperature
-        log_probs = log_probs_from_logits(logits, input_ids[:, 1:])
+        log_probs = log_probs_from_logits(logits, labels if ring is not None else input_ids[:, 1:])
         entropy = None
         if return_entropy == "log":
             with torch.no_grad():
                 entropy = entropy_from_logits(logits.detach())
         elif return_entropy:
             entropy = entropy_from_logits(logits)
-        return ActorOutput(log_probs=log_probs, entropy=entropy, logits=out.logits if return_logits else None)
+        if ring is not None:  # whole-row values again; the last one (its label wrapped around) is dropped
+            log_probs = ring.gather(log_probs, num_tokens)[:, :-1]
+            entropy = None if entropy is None else ring.gather(entropy, num_tokens)[:, :-1]
+        full_logits = out.logits if return_logits else None
+        if packed is not None:
+            log_probs = next_token_values(log_probs, packed.token_mask)
+            entropy = None if entropy is None else next_token_values(entropy, packed.token_mask)
+            full_logits = None if full_logits is None else unpack_rows(full_logits, packed.token_mask)
+        return ActorOutput(log_probs=log_probs, entropy=entropy, logits=full_logits)

@@ -15,7 +15,8 @@ import torch
 from torch import nn
 
 from openppo.models.loading import finish_model, resolve_model_path
-from openppo.models.positions import position_ids_from_mask
+from openppo.models.packing import prepare_inputs, unpack_rows
+from openppo.models.varlen_attention import enable_varlen_attention
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -26,6 +27,8 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 
 class ScalarModel(nn.Module):
     """Backbone + linear head giving one scalar per token."""
+
+    sequence_parallel = None  # a SequenceParallel when packed rows are sharded over a ring (--ring_attn_size)
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -47,6 +50,7 @@ class ScalarModel(nn.Module):
             config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
         model = AutoModelForSequenceClassification.from_pretrained(
             path, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True)
+        enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
         return cls(finish_model(model, task_type="SEQ_CLS", lora_rank=lora_rank, lora_alpha=lora_alpha,
                                 lora_dropout=lora_dropout, target_modules=target_modules,
                                 gradient_checkpointing=gradient_checkpointing))
@@ -65,16 +69,23 @@ class ScalarModel(nn.Module):
         return float(getattr(self.config, "value_mean", 0.0)), float(getattr(self.config, "value_std", 1.0))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, *, normalize: bool = False) -> torch.Tensor:
-        """Per-token scalars [B, T] (fp32)."""
-        if position_ids is None:
-            assert attention_mask is not None, "padded batches need an attention mask"
-            position_ids = position_ids_from_mask(attention_mask)
+                position_ids: torch.Tensor | None = None, *, normalize: bool = False,
+                pack: bool = False) -> torch.Tensor:
+        """Per-token scalars [B, T] (fp32). `pack=True`: a right-padded batch run as one packed row, same output."""
+        input_ids, attention_mask, position_ids, packed = prepare_inputs(input_ids, attention_mask, position_ids, pack)
         hf = self.hf_model
         backbone = getattr(hf, hf.base_model_prefix)
+        ring = self.sequence_parallel if packed is not None else None
+        if ring is not None:
+            num_tokens = input_ids.size(1)
+            input_ids, position_ids, _ = ring.shard(input_ids, position_ids)
         hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                           use_cache=False).last_hidden_state
         values = hf.score(hidden).squeeze(-1).float()
+        if ring is not None:
+            values = ring.gather(values, num_tokens)
+        if packed is not None:
+            values = unpack_rows(values, packed.token_mask)
         if normalize:
             mean, std = self.normalization()
             values = (values - mean) / std

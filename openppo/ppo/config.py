@@ -111,13 +111,15 @@ class RolloutConfig:
     dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: drop groups whose mean score is outside the range "
                                          "and refill with new prompts")
     dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "keep a group when lo < mean score < hi")
-    packing_samples: bool = opt(False, "pack sequences into rows without padding")
+    packing_samples: bool = opt(False, "run each micro-batch as one packed row: no padding computed, no "
+                                       "cross-sequence attention")
     use_dynamic_batch: bool = opt(False, "fill micro-batches by a token budget instead of a sample count")
     train_max_tokens_per_gpu: int = opt(16384, "token budget of a training micro-batch (--use_dynamic_batch)")
     rollout_max_tokens_per_gpu: int = opt(None, "token budget of a forward-only micro-batch; default: 2x the "
                                                 "training budget")
-    ring_attn_size: int = opt(1, "sequence-parallel ranks per sequence (ring attention)")
-    ring_head_stride: int = opt(1, "attention heads per ring step")
+    ring_attn_size: int = opt(1, "ranks sharing each packed row (ring attention sequence parallelism; needs "
+                                 "--packing_samples)")
+    ring_head_stride: int = opt(1, "KV heads sent per ring step (bounds the buffers); 0 = all at once")
     async_train: bool = opt(False, "generate the next batch while training on this one")
     async_queue_size: int = opt(1, "batches generated ahead (bound on policy staleness) with --async_train")
     agent_func_path: str = opt(None, "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv); its "

@@ -1,10 +1,12 @@
 """The one training loop for actor and critic on a batch of experience, inside a DeepSpeed rank.
 
-Each optimizer step takes `grad_accum` micro-batches on every rank. Before the first of them the step's global
-normalisers (response tokens and responses over all its micro-batches and ranks) are all-reduced, so the loss is
-one exact token-mean (or sequence-mean) over the step, not a mean of micro-batch means. DeepSpeed divides each
-micro-batch loss by grad_accum and averages gradients over ranks; the backward pass therefore uses
-`contribution * world_size * grad_accum` (see openppo.algorithms.aggregation).
+Each optimizer step takes a fixed number of rows on every rank, cut into micro-batches by a row count or a token
+budget (`openppo.ppo.micro_batches`); every rank runs the same number of micro-batches. Before the first of them the
+step's global normalisers (response tokens and responses over all its micro-batches and ranks) are all-reduced, so
+the loss is one exact token-mean (or sequence-mean) over the step, not a mean of micro-batch means, however the rows
+were cut. We own the accumulation boundary (the micro-batch count varies) and backpropagate each contribution
+unscaled by DeepSpeed's accumulation count, times the world size to undo its gradient averaging over ranks (see
+openppo.algorithms.aggregation).
 
 `actor_loss` and `critic_loss` are the two objectives; `fit_experience` is shared.
 """
@@ -18,56 +20,105 @@ import torch
 
 from openppo.algorithms import (aggregate_loss, default_loss_agg_mode, kl_loss, loss_normalizers, masked_mean,
                                 policy_loss, value_loss)
+from openppo.models.packing import trim_padding
 from openppo.ppo.config import AlgoConfig
+from openppo.ppo.micro_batches import Batching, equalize
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
 
-def micro_batches(data: dict[str, torch.Tensor], micro: int, epoch_seed: int) -> list[dict[str, torch.Tensor]]:
-    """Shuffled micro-batches of this rank's experience (the same order on a resume: seeded per epoch)."""
-    size = next(iter(data.values())).size(0)
-    order = torch.randperm(size, generator=torch.Generator().manual_seed(epoch_seed))
-    return [{k: v[order[i: i + micro]] for k, v in data.items()} for i in range(0, size, micro)]
-
-
-def _all_reduce_sum(t: torch.Tensor, world_size: int) -> torch.Tensor:
+def _all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
     if world_size > 1:
-        torch.distributed.all_reduce(t)
+        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
     return t
 
 
-def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, micro: int, grad_accum: int,
-                   epochs: int, world_size: int, seed: int, device: torch.device) -> dict[str, float]:
+def row_lengths(data: dict[str, torch.Tensor]) -> list[int]:
+    return data["attention_mask"].sum(-1).tolist()
+
+
+def plan_on_all_ranks(batching: Batching, lengths: list[list[int]], world_size: int,
+                      device: torch.device) -> list[list[list[int]]]:
+    """One micro-batch plan per group of rows (an optimizer step, or a whole forward pass), with the same number
+    of micro-batches on every rank (one all-reduce for all groups)."""
+    plans = [batching.plan(group) for group in lengths]
+    counts = _all_reduce(torch.tensor([len(p) for p in plans], device=device), world_size,
+                         torch.distributed.ReduceOp.MAX if world_size > 1 else None)
+    return [equalize(p, group, int(c), batching.packed) for p, group, c in zip(plans, lengths, counts.tolist())]
+
+
+def select_rows(data: dict[str, torch.Tensor], rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows of a micro-batch, trimmed to its own longest row."""
+    index = torch.as_tensor(rows, dtype=torch.long)
+    return trim_padding({k: v[index] for k, v in data.items()})
+
+
+def _noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An empty micro-batch as a real one that weighs nothing: row 0 with no action tokens. Its forward and backward
+    still run, because the other ranks' collectives wait for them."""
+    batch = select_rows(data, [0])
+    return {**batch, "action_mask": torch.zeros_like(batch["action_mask"])}
+
+
+def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, batching: Batching,
+                   rows_per_step: int, epochs: int, world_size: int, seed: int,
+                   device: torch.device, ring_size: int = 1) -> dict[str, float]:
     """Train `engine` on `data` (this rank's share) for `epochs`; returns metrics averaged over micro-batches.
 
+    Each epoch shuffles the rows (seeded, so a resume repeats it) and takes `rows_per_step` rows per optimizer step,
+    cut into micro-batches by `batching` (a row count, or a token budget with --use_dynamic_batch).
     `loss_fn(micro_batch, normalizers)` returns (contribution to the step loss, metrics). `normalizers` is the
-    all-reduced int64 [2] (num_tokens, num_seqs) of the step's action masks. Averaging the returned metrics over
-    ranks gives, for loss/* keys, the mean step loss.
+    all-reduced int64 [2] (num_tokens, num_seqs) of the step's action masks. The returned loss/* values, averaged
+    over ranks, are the mean step loss; the other metrics are means over the real micro-batches.
+
+    With `ring_size` K > 1 the K ranks of a ring hold the same rows and each backpropagates its chunk's part of the
+    gradient: the parts sum to the row's gradient, so the backward scale stays `world_size`, while token counts and
+    the logged losses, identical on the K ranks, are counted once per ring.
     """
+    data_parallel = world_size // ring_size
+    losses: dict[str, float] = defaultdict(float)
     sums: dict[str, float] = defaultdict(float)
-    count = 0
+    steps = count = micro_steps = computed = real_tokens = 0
     engine.train()
+    size = data["sequences"].size(0)
+    lengths = row_lengths(data)
     for epoch in range(epochs):
-        batches = micro_batches(data, micro, seed + epoch)
-        for start in range(0, len(batches), grad_accum):
-            step = batches[start: start + grad_accum]
-            counts = sum(loss_normalizers(b["action_mask"]) for b in step)
-            normalizers = _all_reduce_sum(counts.to(device), world_size)
-            for batch in step:
+        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        step_rows = [order[i: i + rows_per_step] for i in range(0, size, rows_per_step)]
+        plans = plan_on_all_ranks(batching, [[lengths[r] for r in rows] for rows in step_rows], world_size, device)
+        for rows, plan in zip(step_rows, plans):
+            micros = [select_rows(data, [rows[j] for j in m]) if m else _noop_rows(data) for m in plan]
+            counts = sum(loss_normalizers(b["action_mask"]) for b in micros)
+            normalizers = _all_reduce(counts.to(device), world_size) // ring_size
+            for i, (batch, planned) in enumerate(zip(micros, plan)):
+                # The boundary is ours: the number of micro-batches varies per step with a token budget.
+                engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 contribution, metrics = loss_fn(batch, normalizers)
-                engine.backward(contribution * world_size * grad_accum)
+                # DeepSpeed averages gradients over ranks; the contributions already sum to the step loss.
+                engine.backward(contribution * world_size, scale_wrt_gas=False)
                 engine.step()
                 for key, value in metrics.items():
-                    # A loss/* metric is a contribution; scaled like the backward pass, its mean over every
-                    # micro-batch of every rank is the step's loss.
-                    sums[key] += value * world_size * grad_accum if key.startswith("loss/") else value
-                count += 1
-    return {k: v / max(count, 1) for k, v in sums.items()}
+                    if key.startswith("loss/"):
+                        losses[key] += value * data_parallel
+                    elif planned:
+                        sums[key] += value
+                if planned:
+                    count += 1
+                    real = batch["attention_mask"].sum().item()
+                    computed += real if batching.packed else batch["attention_mask"].numel()
+                    real_tokens += real
+            steps += 1
+            micro_steps += len(plan)
+    # perf/*: the effect of packing and token budgets (padding positions computed, micro-steps per optimizer step)
+    perf = {"perf/padding_share": 1.0 - real_tokens / max(computed, 1),
+            "perf/micro_batches": micro_steps / max(steps, 1)}
+    return {**{k: v / max(steps, 1) for k, v in losses.items()}, **{k: v / max(count, 1) for k, v in sums.items()},
+            **perf}
 
 
 def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, generate_max_len: int,
-               is_correction: str | None, is_threshold: tuple[float, float]) -> LossFn:
+               is_correction: str | None, is_threshold: tuple[float, float], pack: bool = False) -> LossFn:
     """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss."""
     low, high = algo.eps_clip_low_high or (algo.eps_clip, algo.eps_clip)
     mode = algo.loss_agg_mode or default_loss_agg_mode(algo.advantage_estimator, algo.policy_loss_type)
@@ -77,7 +128,7 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
         out = engine(batch["sequences"], batch["attention_mask"], temperature=temperature,
-                     return_entropy=True if entropy_in_loss else "log")
+                     return_entropy=True if entropy_in_loss else "log", pack=pack)
 
         def agg(per_token):
             return aggregate_loss(per_token, mask, mode, num_tokens_global=normalizers[0],
@@ -103,12 +154,12 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
     return loss_fn
 
 
-def critic_loss(engine, algo: AlgoConfig) -> LossFn:
+def critic_loss(engine, algo: AlgoConfig, pack: bool = False) -> LossFn:
     """Clipped value loss of one micro-batch (token-mean over the step)."""
 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
-        values = engine(batch["sequences"], batch["attention_mask"])[:, :-1]
+        values = engine(batch["sequences"], batch["attention_mask"], pack=pack)[:, :-1]
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
         return loss, {"loss/value": loss.item(), "critic/values": masked_mean(values.detach(), mask).item(),

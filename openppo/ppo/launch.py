@@ -11,7 +11,7 @@ import torch
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.colocation import colocation_pools
-from openppo.ppo.trainer import Groups
+from openppo.ppo.dispatch import Groups
 from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_group, needs_reference
 
 logger = logging.getLogger(__name__)
@@ -75,12 +75,14 @@ def kv_cache_bytes(cfg: PPOConfig) -> int | None:
 
 def cpu_threads_per_process(cfg: PPOConfig) -> int:
     """Threads for each worker and engine. Stages run one after another in a synchronous step, so only the ranks
-    of one group compete for the cores at a time; on GPU machines the CPU threads matter little."""
+    of one group compete for the cores at a time; with --async_train the engines generate while the actor trains,
+    so they split the cores. On GPU machines the CPU threads matter little."""
     if "OMP_NUM_THREADS" in os.environ:
         return int(os.environ["OMP_NUM_THREADS"])
     if torch.cuda.is_available():
         return 4
-    return max(1, (os.cpu_count() or 1) // actor_world_size(cfg))
+    busy = actor_world_size(cfg) + (cfg.vllm.vllm_num_engines if cfg.rollout.async_train else 0)
+    return max(1, (os.cpu_count() or 1) // busy)
 
 
 def start_ray() -> None:

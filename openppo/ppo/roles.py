@@ -20,7 +20,10 @@ import torch
 from openppo.models.actor import Actor
 from openppo.models.scalar import ScalarModel, last_token_index
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
+from openppo.models.packing import pad_to_width
+from openppo.ppo.fit import (actor_loss, critic_loss, fit_experience, plan_on_all_ranks, row_lengths,
+                             select_rows)
+from openppo.ppo.micro_batches import Batching
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
@@ -29,8 +32,9 @@ def make_strategy(cfg: PPOConfig, *, trained: bool) -> DeepSpeedStrategy:
     """A strategy whose batch arithmetic is the training one (frozen models only use the micro size)."""
     t = cfg.train
     if trained:
-        return DeepSpeedStrategy(cfg.ds, train_batch_size=t.train_batch_size, micro_batch_size=t.micro_train_batch_size,
-                                 max_norm=t.max_norm, seed=t.seed)
+        # DeepSpeed counts every rank as a data-parallel replica; the K ranks of a ring share their rows.
+        return DeepSpeedStrategy(cfg.ds, train_batch_size=t.train_batch_size * cfg.rollout.ring_attn_size,
+                                 micro_batch_size=t.micro_train_batch_size, max_norm=t.max_norm, seed=t.seed)
     # Frozen models never step an optimizer; DeepSpeed still wants batch sizes that divide over the ranks.
     micro = cfg.rollout.micro_rollout_batch_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -38,18 +42,53 @@ def make_strategy(cfg: PPOConfig, *, trained: bool) -> DeepSpeedStrategy:
                              seed=t.seed)
 
 
+def train_batching(cfg: PPOConfig) -> Batching:
+    r = cfg.rollout
+    return Batching(packed=r.packing_samples, rows=cfg.train.micro_train_batch_size,
+                    max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None)
+
+
+def forward_batching(cfg: PPOConfig) -> Batching:
+    """Forward-only passes keep no activations for a backward, so their micro-batches may be larger."""
+    r = cfg.rollout
+    budget = r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu
+    return Batching(packed=r.packing_samples, rows=r.micro_rollout_batch_size,
+                    max_tokens=budget if r.use_dynamic_batch else None)
+
+
 @torch.no_grad()
-def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], size: int,
+def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], batching: Batching,
                       fn: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`fn(engine, sequences, attention_mask)` over micro-batches of `size` rows, concatenated as fp32 on CPU."""
+    """`fn(engine, sequences, attention_mask)` over micro-batches (each trimmed to its longest row), re-padded to
+    the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
+    busiest one (ZeRO-3 gathers parameters collectively); the extra ones are thrown away."""
     engine.eval()
+    width = data["sequences"].size(1)
+    plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device)[0]
     out = []
-    total = data["sequences"].size(0)
-    for i in range(0, total, size):
-        seqs = data["sequences"][i: i + size].to(strategy.device)
-        attn = data["attention_mask"][i: i + size].to(strategy.device)
-        out.append(fn(engine, seqs, attn).float().cpu())
+    for rows in plan:
+        batch = select_rows(data, rows or [0])
+        result = fn(engine, batch["sequences"].to(strategy.device), batch["attention_mask"].to(strategy.device))
+        if rows:
+            result = result.float().cpu()
+            if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
+                result = pad_to_width(result, result.size(1) + width - batch["sequences"].size(1))
+            out.append(result)
     return torch.cat(out)
+
+
+def _rows_per_step(cfg: PPOConfig, strategy: DeepSpeedStrategy) -> int:
+    """Rows of one optimizer step on one rank: --train_batch_size over the data-parallel ranks (a ring of K ranks
+    is one data-parallel rank)."""
+    return cfg.train.train_batch_size * cfg.rollout.ring_attn_size // strategy.world_size
+
+
+def _sequence_parallel(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
+    """--ring_attn_size K: shard every packed row over K consecutive ranks (collective: all ranks call it)."""
+    if cfg.rollout.ring_attn_size > 1:
+        from openppo.models.sequence_parallel import setup_sequence_parallel
+
+        setup_sequence_parallel(model, model.model, cfg.rollout.ring_attn_size, cfg.rollout.ring_head_stride)
 
 
 def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
@@ -95,27 +134,35 @@ class PolicyRole(_TrainedRole):
         self.strategy = make_strategy(cfg, trained=True)
         self.strategy.setup_distributed()
         with self.strategy.zero3_init():
-            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype, **cfg.model.build_kwargs())
+            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype,
+                                          **cfg.model.build_kwargs())
+        _sequence_parallel(cfg, model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
-        temperature = self.cfg.rollout.temperature
-        return forward_in_chunks(self.engine, self.strategy, data, self.cfg.rollout.micro_rollout_batch_size,
-                                 lambda e, s, a: e(s, a, temperature=temperature).log_probs)
+        temperature, pack = self.cfg.rollout.temperature, self.cfg.rollout.packing_samples
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
+                                 lambda e, s, a: e(s, a, temperature=temperature, pack=pack).log_probs)
 
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         cfg = self.cfg
-        is_correction = cfg.vllm.vllm_is_correction_type if cfg.vllm.enable_vllm_is_correction else None
+        # async samples come from an older policy than the one scoring them: always importance-weighted
+        is_correction = cfg.vllm.vllm_is_correction_type if (cfg.vllm.enable_vllm_is_correction
+                                                              or cfg.rollout.async_train) else None
         loss_fn = actor_loss(self.engine, cfg.algo, kl_coef=kl_coef, temperature=cfg.rollout.temperature,
                              generate_max_len=cfg.data.generate_max_len, is_correction=is_correction,
-                             is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold))
-        metrics = fit_experience(self.engine, data, loss_fn, micro=cfg.train.micro_train_batch_size,
-                                 grad_accum=self.strategy.grad_accum_steps, epochs=cfg.train.max_epochs,
+                             is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
+                             pack=cfg.rollout.packing_samples)
+        metrics = fit_experience(self.engine, data, loss_fn, batching=train_batching(cfg),
+                                 rows_per_step=_rows_per_step(cfg, self.strategy), epochs=cfg.train.max_epochs,
                                  world_size=self.strategy.world_size, seed=cfg.train.seed + 1000 * global_step,
-                                 device=self.strategy.device)
+                                 device=self.strategy.device, ring_size=cfg.rollout.ring_attn_size)
         metrics["policy/lr"] = self.engine.get_lr()[0]
+        ring = self.engine.module.sequence_parallel
+        if ring is not None:
+            metrics["perf/ring_token_share"] = ring.token_share()
         return self.strategy.all_reduce_mean(metrics)
 
 
@@ -128,20 +175,23 @@ class CriticRole(_TrainedRole):
         with self.strategy.zero3_init():
             model = ScalarModel.from_pretrained(path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain",
                                                 **cfg.model.build_kwargs())
+        _sequence_parallel(cfg, model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
 
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
-        return forward_in_chunks(self.engine, self.strategy, data, self.cfg.rollout.micro_rollout_batch_size,
-                                 lambda e, s, a: e(s, a)[:, :-1])
+        pack = self.cfg.rollout.packing_samples
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
+                                 lambda e, s, a: e(s, a, pack=pack)[:, :-1])
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         cfg = self.cfg
-        metrics = fit_experience(self.engine, data, critic_loss(self.engine, cfg.algo),
-                                 micro=cfg.train.micro_train_batch_size, grad_accum=self.strategy.grad_accum_steps,
+        metrics = fit_experience(self.engine, data, critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
+                                 batching=train_batching(cfg), rows_per_step=_rows_per_step(cfg, self.strategy),
                                  epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
-                                 seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device)
+                                 seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device,
+                                 ring_size=cfg.rollout.ring_attn_size)
         return self.strategy.all_reduce_mean(metrics)
 
 
@@ -155,6 +205,7 @@ class _FrozenRole:
         offload = cfg.model.ref_reward_offload
         with self.strategy.zero3_init(for_training=False, offload=offload):
             self.model = build(self.strategy.torch_dtype)
+        _sequence_parallel(cfg, self.model)
         self.engine = self.strategy.prepare_eval(self.model, offload=offload)
 
 
@@ -175,5 +226,9 @@ class RewardRole(_FrozenRole):
 
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
-        return forward_in_chunks(self.engine, self.strategy, data, self.cfg.rollout.micro_rollout_batch_size,
-                                 lambda e, s, a: e(s, a).gather(1, last_token_index(a).unsqueeze(1)).squeeze(1))
+        pack = self.cfg.rollout.packing_samples
+
+        def last_score(engine, seqs, attn):
+            return engine(seqs, attn, pack=pack).gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1)
+
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), last_score)

@@ -5,104 +5,38 @@
     updates -> weight sync to the engines
 
 The controller holds no model: it owns the prompt order (`PromptStream`), the KL controller, checkpoints of its
-own state and the metrics, and calls the worker groups on shards of the batch (rank i gets the i-th contiguous
-shard; groups are whole, so shards stay aligned). Memory swapping for colocated runs (engines asleep while the
-trainer works, trainer states offloaded while the engines generate) is in `MemorySwap`.
+own state and the metrics, and calls the worker groups on shards of the batch (`openppo.ppo.dispatch`). Memory
+swapping for colocated runs (engines asleep while the trainer works, trainer states offloaded while the engines
+generate) is in `MemorySwap`; generating ahead of training (--async_train) in `RolloutProducer`.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+import threading
 import time
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Callable
+from typing import Callable
 
 import torch
 from tqdm import tqdm
 
 from openppo.agents.rollout import rows_by_budget
 from openppo.algorithms import build_kl_controller, masked_mean
+from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
 from openppo.ppo.config import PPOConfig
+from openppo.ppo.dispatch import Groups, shard_rows, shards, take_rows
 from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
+from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.prompt_stream import PromptStream
 from openppo.ppo.validate import engine_dtype
 from openppo.utils.tracking import MetricsTracker
 
 logger = logging.getLogger(__name__)
 _PROGRESS_KEYS = ("reward", "kl", "policy_loss", "response_length", "rollout/logprob_diff")
-
-
-@dataclass
-class Groups:
-    """The worker groups and engines the controller drives (None where the run does not need one)."""
-
-    policy: Any
-    engines: list[Any]
-    critic: Any = None
-    reference: Any = None
-    reward: Any = None
-    reward_source: Any = None  # a RewardSource when scoring is not done by a reward model
-    reward_normalization: tuple[float, float] | None = None
-
-    def trained(self) -> list[Any]:
-        return [g for g in (self.policy, self.critic) if g is not None]
-
-
-def _shards(data: dict[str, torch.Tensor], n: int) -> list[dict[str, torch.Tensor]]:
-    size = next(iter(data.values())).size(0)
-    assert size % n == 0, f"batch of {size} does not split over {n} ranks"
-    step = size // n
-    return [{k: v[i * step:(i + 1) * step] for k, v in data.items()} for i in range(n)]
-
-
-class MemorySwap:
-    """Who holds the device memory when everything is colocated.
-
-    Engines sleep (`--vllm_enable_sleep`) while the trainer runs and wake for the weight sync (weights first, so the
-    KV cache is only re-allocated once the trainer has offloaded its states); the trainer's optimizer, gradient and
-    parameter states are offloaded (`--deepspeed_enable_sleep`) while the engines generate. Each switch is timed.
-    """
-
-    def __init__(self, cfg: PPOConfig, groups: Groups, timing: Callable[[str, Callable], Any]):
-        self.engines_sleep = cfg.vllm.vllm_enable_sleep
-        self.trainer_sleep = cfg.ds.deepspeed_enable_sleep
-        self.groups = groups
-        self.timeout = float(cfg.ds.dist_timeout)
-        self.timed = timing
-
-    def _engines(self, method: str, *args) -> None:
-        import ray
-
-        ray.get([getattr(e, method).remote(*args) for e in self.groups.engines], timeout=self.timeout)
-
-    def to_trainer(self) -> None:
-        """After generation: engines release their memory, the trainer takes its states back."""
-        if self.engines_sleep:
-            self.timed("swap", lambda: self._engines("sleep"))
-        if self.trainer_sleep:
-            self.timed("swap", lambda: [g.run("reload_states") for g in self.groups.trained()])
-
-    def engine_weights(self) -> None:
-        """Before the weight sync: engine weights back in memory (the trainer still holds its own)."""
-        if self.engines_sleep:
-            self.timed("swap", lambda: self._engines("wake_up", ["weights"]))
-
-    def start(self) -> None:
-        """Before the first generation: the engines are awake; the trainer's states go out of their way."""
-        if self.trainer_sleep:
-            for g in self.groups.trained():
-                g.run("offload_states")
-
-    def to_engines(self) -> None:
-        """After the sync: the trainer offloads, then the engines re-allocate their KV cache."""
-        if self.trainer_sleep:
-            self.timed("swap", lambda: [g.run("offload_states") for g in self.groups.trained()])
-        if self.engines_sleep:
-            self.timed("swap", lambda: self._engines("wake_up", ["kv_cache"]))
 
 
 class PPOTrainer:
@@ -123,12 +57,27 @@ class PPOTrainer:
         if cfg.train.max_steps > 0:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
         self.global_step = 0
+        self.policy_version = 0  # weight syncs done: the version the engines generate with
         self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
-        self._timing: dict[str, float] = {}
-        self._taken: list[int] = []  # dataset indices of the prompts drawn for the current step
+        self._local = threading.local()  # stage timings per thread (--async_train collects on its own thread)
+        self._engine_lock = threading.Lock()  # engines never generate while their weights are replaced
+        # a reward-model group runs collectives: calls from the rollout thread and from eval must not interleave
+        self._reward_lock = threading.Lock()
+        self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
+        self._producer: RolloutProducer | None = None
         self.swap = MemorySwap(cfg, groups, self._timed)
         Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
         self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
+
+    @property
+    def _timing(self) -> dict[str, float]:
+        if not hasattr(self._local, "timing"):
+            self._local.timing = {}
+        return self._local.timing
+
+    @_timing.setter
+    def _timing(self, value: dict[str, float]) -> None:
+        self._local.timing = value
 
     def _timed(self, name: str, fn: Callable, *args, **kwargs):
         start = time.perf_counter()
@@ -146,29 +95,36 @@ class PPOTrainer:
         engines, r = self.groups.engines, self.cfg.rollout
         per_prompt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
         refs, slots = [], []
-        for e, engine in enumerate(engines):
-            idx = list(range(e, len(prompt_ids), len(engines)))
-            for budget, rows in rows_by_budget([per_prompt[i] for i in idx]):
-                chunk = [idx[j] for j in rows]
-                refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
-                                                   temperature=temperature, top_p=r.top_p))
-                slots.append(chunk)
+        with self._engine_lock:
+            for e, engine in enumerate(engines):
+                idx = list(range(e, len(prompt_ids), len(engines)))
+                for budget, rows in rows_by_budget([per_prompt[i] for i in idx]):
+                    chunk = [idx[j] for j in rows]
+                    refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
+                                                       temperature=temperature, top_p=r.top_p))
+                    slots.append(chunk)
+            results = ray.get(refs, timeout=self.cfg.ds.dist_timeout)
         outputs: list[list[dict]] = [[] for _ in prompt_ids]
-        for chunk, out in zip(slots, ray.get(refs, timeout=self.cfg.ds.dist_timeout)):
+        for chunk, out in zip(slots, results):
             for i, completions in zip(chunk, out):
                 outputs[i] = completions
         return outputs
 
     def generate(self, items: list[dict], *, n: int, temperature: float) -> list[Sample]:
-        """n samples per prompt, grouped: the n samples of a prompt are consecutive, prompts in order."""
+        """n samples per prompt, grouped: the n samples of a prompt are consecutive, prompts in order. Each sample
+        records the weight version at the start of its generation (the oldest that can have produced it)."""
+        version = self.policy_version
         if self.agent_rollout is not None:
-            return self.agent_rollout(lambda ids, budgets: [c[0] for c in self._engine_generate(
+            samples = self.agent_rollout(lambda ids, budgets: [c[0] for c in self._engine_generate(
                 ids, n=1, temperature=temperature, max_new_tokens=budgets)], items, n)
+            for s in samples:
+                s.policy_version = version
+            return samples
         outputs = self._engine_generate([it["prompt_ids"] for it in items], n=n, temperature=temperature,
                                         max_new_tokens=self.cfg.data.generate_max_len)
         return [Sample(prompt_ids=list(item["prompt_ids"]), response_ids=c["token_ids"],
                        rollout_log_probs=c["logprobs"], finish_reason=c["finish_reason"], group=item["index"],
-                       label=item["label"], prompt_text=item["prompt"], policy_version=self.global_step)
+                       label=item["label"], prompt_text=item["prompt"], policy_version=version)
                 for item, completions in zip(items, outputs) for c in completions]
 
     def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
@@ -186,10 +142,10 @@ class PPOTrainer:
             return torch.tensor(result.rewards, dtype=torch.float32), extra
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
         data = {k: batch[k] for k in ("sequences", "attention_mask")}
-        scores = self.groups.reward.run_sharded("scores", _shards(data, self.groups.reward.num_workers))
-        return torch.cat(scores), {}
+        with self._reward_lock:
+            return self.forward(self.groups.reward, "scores", data), {}
 
-    def collect(self) -> tuple[list[Sample], torch.Tensor, dict[str, float]] | None:
+    def collect(self) -> Rollout | None:
         """One rollout batch of `--rollout_batch_size` groups, or None when the prompts ran out first.
 
         With `--dynamic_filtering`, groups outside the reward range are dropped and only the missing number of new
@@ -197,17 +153,18 @@ class PPOTrainer:
         """
         r = self.cfg.rollout
         n = r.n_samples_per_prompt
+        self._timing = {}
         samples: list[Sample] = []
         scores: list[torch.Tensor] = []
         logs: dict[str, float] = {}
         generated: list[torch.Tensor] = []
+        taken: list[int] = []
         rounds = 0
-        self._taken = []
         while len(samples) < r.rollout_batch_size * n:
             indices = self.stream.take(r.rollout_batch_size - len(samples) // n)
             if not indices:
                 return None
-            self._taken += [self.prompts[j]["index"] for j in indices]
+            taken += [self.prompts[j]["index"] for j in indices]
             rounds += 1
             items = [self.prompts[j] for j in indices]
             new = self._timed("generate", self.generate, items, n=n, temperature=r.temperature)
@@ -223,36 +180,65 @@ class PPOTrainer:
             logs.update({"rollout/generate_rounds": rounds,
                          "rollout/filtered_ratio": 1.0 - len(samples) / all_scores.numel(),
                          "rollout/reward_before_filter": all_scores.mean().item()})
-        return samples, torch.cat(scores), logs
+        return Rollout(samples, torch.cat(scores), logs, taken, self.stream.state_dict(), dict(self._timing))
 
-    def _log_rollout(self, samples: list[Sample], scores: torch.Tensor) -> None:
+    def next_rollout(self) -> Rollout | None:
+        """This step's batch: collected now, or (--async_train) taken from the batches generated ahead."""
+        if self._producer is None:
+            return self.collect()
+        rollout, waited = self._producer.get()
+        if rollout is not None:
+            rollout.timing["timing/wait_rollout"] = waited
+        return rollout
+
+    def _log_rollout(self, rollout: Rollout) -> None:
         """rollouts.jsonl: per step the prompts trained on, all prompts drawn (dynamic filtering draws more) and one
         decoded example."""
+        samples, scores = rollout.samples, rollout.scores
         first = samples[0]
         example = {"prompt": first.prompt_text,
                    "response": self.tokenizer.decode(first.response_ids, skip_special_tokens=True),
                    "reward": float(scores[0])}
         groups = list(dict.fromkeys(s.group for s in samples))
-        self._rollout_log.write(json.dumps({"step": self.global_step, "prompts": groups, "taken": self._taken,
+        self._rollout_log.write(json.dumps({"step": self.global_step, "prompts": groups, "taken": rollout.taken,
                                             "example": example}) + "\n")
 
     # ------------------------------------------------------------------------------------------------ one step
+    @property
+    def _balance(self) -> bool:
+        """Deal rows to ranks by tokens when micro-batches are costed by tokens (packing, token budgets)."""
+        r = self.cfg.rollout
+        return r.packing_samples or r.use_dynamic_batch
+
     def forward(self, group, method: str, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        return torch.cat(group.run_sharded(method, _shards(data, group.num_workers)))
+        """A forward-only pass of `group` over the batch; the result in the batch's row order."""
+        ring = self.cfg.rollout.ring_attn_size
+        shards = shard_rows(data, group.num_workers // ring, self._balance)
+        replicated = [take_rows(data, rows) for rows in shards for _ in range(ring)]
+        results = torch.cat(group.run_sharded(method, replicated)[::ring])  # a ring's ranks return the same
+        out = torch.empty_like(results)
+        out[torch.tensor([i for rows in shards for i in rows])] = results
+        return out
 
     def sync_weights(self) -> dict[str, float]:
         cfg = self.cfg
-        return self.groups.policy.run("sync_weights", self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
-                                      engine_dtype(cfg), float(cfg.ds.dist_timeout))[0]
+        with self._engine_lock:
+            stats = self.groups.policy.run("sync_weights", self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
+                                           engine_dtype(cfg), float(cfg.ds.dist_timeout))[0]
+            self.policy_version += 1
+        return stats
 
     def step(self) -> dict[str, float] | None:
         """One RL step on the next rollout batch; None when the prompts ran out before the batch was full."""
         cfg, g = self.cfg, self.groups
-        self._timing = {}
-        collected = self.collect()
-        if collected is None:
+        start = time.perf_counter()
+        rollout = self.next_rollout()
+        if rollout is None:
             return None
-        samples, scores, reward_logs = collected
+        self._timing = dict(rollout.timing)
+        samples, scores, reward_logs = rollout.samples, rollout.scores, rollout.logs
+        self._data_position = rollout.stream_state
+        lag = staleness(samples, self.policy_version)
         self.swap.to_trainer()
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
         model_in = {k: batch[k] for k in ("sequences", "attention_mask")}
@@ -271,17 +257,18 @@ class PPOTrainer:
         if ref_log_probs is not None and cfg.algo.use_kl_loss:
             train_data["ref_log_probs"] = ref_log_probs
         self.global_step += 1
-        self._log_rollout(samples, scores)
+        self._log_rollout(rollout)
         metrics: dict[str, float] = {}
         if g.critic is not None:
             critic_data = {**{k: train_data[k] for k in ("sequences", "attention_mask", "action_mask")},
                            "old_values": values, "returns": adv["returns"]}
             metrics.update(self._timed("critic_train", lambda: g.critic.run_sharded(
-                "train", _shards(critic_data, g.critic.num_workers), global_step=self.global_step)[0]))
+                "train", shards(critic_data, g.critic.num_workers, self._balance, cfg.rollout.ring_attn_size),
+                global_step=self.global_step)[0]))
         if self.global_step > cfg.train.freezing_actor_steps:
             metrics.update(self._timed("actor_train", lambda: g.policy.run_sharded(
-                "train", _shards(train_data, g.policy.num_workers), kl_coef=self.kl_ctl.value,
-                global_step=self.global_step)[0]))
+                "train", shards(train_data, g.policy.num_workers, self._balance, cfg.rollout.ring_attn_size),
+                kl_coef=self.kl_ctl.value, global_step=self.global_step)[0]))
             self.swap.engine_weights()
             sync = self._timed("weight_sync", self.sync_weights)
             metrics["perf/weight_sync_mb"] = sync["num_bytes"] / 2**20
@@ -301,7 +288,8 @@ class PPOTrainer:
             "value_loss": metrics.get("loss/value", float("nan")),
             "clip_ratio": metrics.get("policy/clip_ratio", float("nan")),
             "entropy": metrics.get("policy/entropy", float("nan")),
-            "train/episode": (self.stream.cursor - 1) // self.stream.per_episode, **reward_logs, **self._timing})
+            "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode, **lag, **reward_logs,
+            **self._timing, "timing/step": time.perf_counter() - start})
         return metrics
 
     # ------------------------------------------------------------------------------------------------ eval
@@ -329,7 +317,7 @@ class PPOTrainer:
         c = self.cfg.ckpt
         if c.disable_ds_ckpt:
             return
-        state = {"global_step": self.global_step, "prompt_stream": self.stream.state_dict(),
+        state = {"global_step": self.global_step, "prompt_stream": self._data_position,
                  "kl_controller": self.kl_ctl.state_dict(), "trainer": "ppo"}
         start = time.perf_counter()
         for name, group in (("actor", self.groups.policy), ("critic", self.groups.critic)):
@@ -354,34 +342,56 @@ class PPOTrainer:
                                 f"{state['global_step']} (the actor's); delete {self.ckpt_dir} to start fresh")
         self.global_step = int(state["global_step"])
         self.stream.load_state_dict(state["prompt_stream"])
+        self._data_position = self.stream.state_dict()
         self.kl_ctl.load_state_dict(state["kl_controller"])
         self.sync_weights()
+        self.policy_version = self.global_step
         logger.info("resumed from %s at step %d (prompt %d of %d); engines re-synced", self.ckpt_dir,
                     self.global_step, self.stream.cursor, self.stream.total)
         return True
 
     # ------------------------------------------------------------------------------------------------ loop
+    def _episode(self) -> int:
+        """The episode of the prompts trained so far (the stream itself runs ahead with --async_train)."""
+        return self._data_position["cursor"] // self.stream.per_episode
+
     def fit(self) -> list[dict[str, float]]:
         cfg = self.cfg
         if cfg.ckpt.load_checkpoint:
             self.resume()
         self.swap.start()
+        if cfg.rollout.async_train:
+            self._producer = RolloutProducer(self.collect, ahead=cfg.rollout.async_queue_size,
+                                             limit=self.total_steps - self.global_step,
+                                             timeout_s=float(cfg.ds.dist_timeout))
+            self._producer.start()
+        try:
+            return self._loop()
+        finally:
+            if self._producer is not None:
+                self._producer.stop()
+            self._rollout_log.close()
+
+    def _loop(self) -> list[dict[str, float]]:
+        cfg = self.cfg
         history = []
         saved_step = None
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="RL steps", dynamic_ncols=True)
         while self.global_step < self.total_steps:
-            episode = self.stream.episode
+            episode = self._episode()
             metrics = self.step()
             if metrics is None:
                 logger.info("every prompt of the %d episode(s) was drawn by step %d (dynamic filtering draws more "
                             "than one batch of prompts per step); stopping", self.stream.num_episodes,
                             self.global_step)
                 break
+            if self._producer is not None:
+                self._producer.step_done()
             history.append(metrics)
             progress.update(1)
             progress.set_postfix({k: f"{metrics[k]:.3g}" for k in _PROGRESS_KEYS if k in metrics})
             # (with dynamic filtering an episode of prompts takes fewer steps than steps_per_episode)
-            episode_end = self.stream.episode != episode or self.global_step == self.total_steps
+            episode_end = self._episode() != episode or self.global_step == self.total_steps
             if self._eval_due(episode_end):
                 metrics.update(self.evaluate())
             self.tracker.log(self.global_step, metrics, echo=self.global_step % cfg.logging.logging_steps == 0)
@@ -391,6 +401,4 @@ class PPOTrainer:
         if (cfg.ckpt.save_steps > 0 or cfg.ckpt.load_checkpoint) and saved_step != self.global_step and history:
             self.save_checkpoint()
         progress.close()
-        self._rollout_log.close()
         return history
-

@@ -13,11 +13,6 @@ from openppo.ppo.config import PPOConfig
 from openppo.strategy.config import state_offload_supported
 
 NOT_YET = {  # flag -> predicate on the config: accepted names whose behaviour has not landed yet
-    "--packing_samples": lambda c: c.rollout.packing_samples,
-    "--use_dynamic_batch": lambda c: c.rollout.use_dynamic_batch,
-    "--ring_attn_size": lambda c: c.rollout.ring_attn_size > 1,
-    "--async_train": lambda c: c.rollout.async_train,
-    "--deepcompile": lambda c: c.ds.deepcompile,
     "--ds_tensor_parallel_size": lambda c: c.ds.ds_tensor_parallel_size > 1,
 }
 
@@ -115,10 +110,10 @@ def _batches(cfg: PPOConfig) -> None:
     if samples % t.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "
                         f"multiple of --train_batch_size {t.train_batch_size}")
-    world = actor_world_size(cfg)
+    world = actor_world_size(cfg) // max(r.ring_attn_size, 1)
     if t.train_batch_size % (t.micro_train_batch_size * world):
         raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
-                        f"{t.micro_train_batch_size} x {world} actor ranks")
+                        f"{t.micro_train_batch_size} x {world} data-parallel actor ranks")
     if d.eval_dataset:
         _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
         _positive(d.eval_temperature, "--eval_temperature")
@@ -130,6 +125,27 @@ def _batches(cfg: PPOConfig) -> None:
     _positive(t.actor_learning_rate, "--actor_learning_rate")
     _positive(t.critic_learning_rate, "--critic_learning_rate")
     _positive(cfg.logging.logging_steps, "--logging_steps")
+    _positive(r.train_max_tokens_per_gpu, "--train_max_tokens_per_gpu")
+    if r.rollout_max_tokens_per_gpu is not None:
+        _positive(r.rollout_max_tokens_per_gpu, "--rollout_max_tokens_per_gpu")
+
+
+def _sequence_parallel(cfg: PPOConfig) -> None:
+    r, res = cfg.rollout, cfg.resources
+    _positive(r.ring_attn_size, "--ring_attn_size")
+    require(r.ring_head_stride >= 0, f"--ring_head_stride must be >= 0 (0 = all KV heads at once), got "
+                                     f"{r.ring_head_stride}")
+    if r.ring_attn_size == 1:
+        return
+    if not r.packing_samples:
+        raise UserError("--ring_attn_size shards packed rows over ranks: add --packing_samples")
+    used = {"actor": True, "ref": needs_reference(cfg), "critic": needs_critic_group(cfg),
+            "reward": bool(cfg.model.reward_pretrain)}
+    for role, present in used.items():
+        ranks = getattr(res, f"{role}_num_nodes") * getattr(res, f"{role}_num_gpus_per_node")
+        if present and ranks % r.ring_attn_size:
+            raise UserError(f"--ring_attn_size {r.ring_attn_size} must divide the {role} ranks (--{role}_num_nodes x "
+                            f"--{role}_num_gpus_per_node = {ranks})")
 
 
 def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
@@ -179,6 +195,21 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
                        "colocate")
     if cfg.rollout.async_train and v.vllm_enable_sleep:
         raise UserError("--async_train generates while training, so engines cannot sleep: drop --vllm_enable_sleep")
+    if cfg.rollout.async_train and res.colocate_all_models:
+        raise UserError("--async_train overlaps generation with training, which needs the engines on their own "
+                        "devices: drop --colocate_all_models")
+    if cfg.rollout.async_train:
+        _positive(cfg.rollout.async_queue_size, "--async_queue_size")
+        if not v.enable_vllm_is_correction:
+            notices.append(f"--async_train: samples from older weights are importance-weighted "
+                           f"(--vllm_is_correction_type {v.vllm_is_correction_type})")
+    if not on_gpu and ds.deepcompile:
+        raise UserError("--deepcompile needs a GPU (DeepSpeed compiles CUDA graph passes): drop it on this machine")
+    if not on_gpu and ds.ds_tensor_parallel_size > 1:
+        raise UserError("--ds_tensor_parallel_size > 1 needs GPUs (DeepSpeed AutoTP training); use data parallel "
+                        "ranks (--actor_num_gpus_per_node) here")
+    if ds.deepcompile and ds.zero_stage == 0:
+        notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
     if ds.param_dtype == "fp16" and not on_gpu:
         raise UserError("--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype bf16 or fp32")
     if not on_gpu:
@@ -198,6 +229,7 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     notices: list[str] = []
     _models(cfg)
     _algorithm(cfg)
+    _sequence_parallel(cfg)
     _batches(cfg)
     _resources(cfg, on_gpu, notices)
     # Last, so that a contradiction between flags is reported as such first.

@@ -41,7 +41,9 @@ def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_
             zero["zero_hpz_partition_size"] = cfg.zpg
     if cfg.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
+    extra = {"compile": {"deepcompile": True}} if getattr(cfg, "deepcompile", False) else {}
     config = {
+        **extra,
         "train_batch_size": train_batch_size,
         "train_micro_batch_size_per_gpu": micro_batch_size,
         "gradient_accumulation_steps": train_batch_size // (micro_batch_size * world_size),

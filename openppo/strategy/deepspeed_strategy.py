@@ -129,6 +129,8 @@ class DeepSpeedStrategy:
                                      scheduler_specific_kwargs=kwargs)
         engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
                                           config=self.train_config(), dist_init_required=False)
+        if getattr(self.cfg, "deepcompile", False):  # GPU only (validated): compiled on the first forward
+            engine.compile()
         return engine
 
     def prepare_eval(self, model: nn.Module, offload: bool = False):

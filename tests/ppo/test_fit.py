@@ -9,6 +9,7 @@ from openppo.models.actor import Actor
 from openppo.models.scalar import ScalarModel
 from openppo.ppo.config import AlgoConfig
 from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
+from openppo.ppo.micro_batches import Batching
 from openppo.strategy.config import DeepSpeedConfig
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from tests.model_cache import tiny_model_dir
@@ -49,8 +50,8 @@ def test_actor_step_loss_is_global_token_mean(micro, accum):
     algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0)
     loss_fn = actor_loss(engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=8, is_correction=None,
                          is_threshold=(0.5, 5.0))
-    metrics = fit_experience(engine, data, loss_fn, micro=micro, grad_accum=accum, epochs=1, world_size=1, seed=0,
-                             device=strategy.device)
+    metrics = fit_experience(engine, data, loss_fn, batching=Batching(rows=micro), rows_per_step=micro * accum,
+                             epochs=1, world_size=1, seed=0, device=strategy.device)
     # ratio 1 everywhere: per-token loss = -A, so the step loss = -(sum of A over the 14 response tokens) / 14
     expected = -(data["advantages"] * data["action_mask"]).sum() / data["action_mask"].sum()
     assert metrics["loss/policy"] == pytest.approx(expected.item(), abs=1e-5)
@@ -66,8 +67,8 @@ def test_critic_learns_returns():
     with torch.no_grad():
         data["old_values"] = engine(data["sequences"], data["attention_mask"])[:, :-1]
     loss_fn = critic_loss(engine, AlgoConfig(value_clip=None))
-    first = fit_experience(engine, data, loss_fn, micro=2, grad_accum=2, epochs=1, world_size=1, seed=0,
-                           device=strategy.device)["loss/value"]
-    later = fit_experience(engine, data, loss_fn, micro=2, grad_accum=2, epochs=20, world_size=1, seed=1,
-                           device=strategy.device)["loss/value"]
+    first = fit_experience(engine, data, loss_fn, batching=Batching(rows=2), rows_per_step=4, epochs=1,
+                           world_size=1, seed=0, device=strategy.device)["loss/value"]
+    later = fit_experience(engine, data, loss_fn, batching=Batching(rows=2), rows_per_step=4, epochs=20,
+                           world_size=1, seed=1, device=strategy.device)["loss/value"]
     assert later < 0.5 * first

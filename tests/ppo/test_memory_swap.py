@@ -8,7 +8,8 @@ import pytest
 
 from openppo.config.schema import parse_config
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.trainer import Groups, MemorySwap
+from openppo.ppo.dispatch import Groups
+from openppo.ppo.memory_swap import MemorySwap
 
 
 class _Method:

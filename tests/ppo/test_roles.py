@@ -56,5 +56,10 @@ def test_roles(cfg, batch):
     assert scores.shape == (4,)
     # the reward role reads the critic-identical head at each row's last real token
     last = batch["attention_mask"].sum(-1) - 1
-    full = torch.cat([values, critic.engine(batch["sequences"], batch["attention_mask"])[:, -1:].detach()], dim=1)
+    with torch.no_grad():
+        full = critic.engine(batch["sequences"], batch["attention_mask"])
     assert torch.allclose(scores, full[torch.arange(4), last], atol=1e-5)
+    # values live on the action grid: every position before a next token (micro-batches are trimmed to their own
+    # longest row, so what lies beyond is zero)
+    before_next = batch["attention_mask"][:, 1:].bool()
+    assert torch.allclose(values[before_next], full[:, :-1][before_next], atol=1e-5)

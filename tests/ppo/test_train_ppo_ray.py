@@ -17,6 +17,8 @@ STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "respons
 
 
 def test_grpo_with_py_reward(tmp_path):
+    """GRPO with a Python reward; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
+    between them and attention runs across the halves, and the log-probs still equal the engine's."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     run_cli("train_ppo_ray", [
@@ -26,7 +28,8 @@ def test_grpo_with_py_reward(tmp_path):
         "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
         "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(256 * 2**20),
         "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len", "64", "--zero_stage", "3",
-        "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save)],
+        "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save),
+        "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1"],
         nproc=1, timeout=600)
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]
@@ -34,6 +37,8 @@ def test_grpo_with_py_reward(tmp_path):
         assert all(key in r for r in records), key
     # fp32 engine and trainer agree on the sampled tokens before and after a weight sync
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
+    # each rank ran half of every row (plus at most one pad token per row) through the model
+    assert all(0.5 <= r["perf/ring_token_share"] < 0.52 for r in records), series(records, "perf/ring_token_share")
     assert (save / "model.safetensors").is_file()
     assert json.loads((save / "run_info.json").read_text())["config"]["algo"]["advantage_estimator"] == "group_norm"
 
@@ -49,14 +54,19 @@ def _common(prompts, save):
 
 def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     """gae: critic + reward-model groups + reference (KL penalty in the reward); the reference shares the actor's
-    2 devices (--colocate_actor_ref), critic and reward model share one (--colocate_critic_reward)."""
+    2 devices (--colocate_actor_ref), critic and reward model share one (--colocate_critic_reward). Every forward
+    and training step runs packed, with token-budget micro-batches (ZeRO-3: ranks must agree on their count),
+    gradient checkpointing (its recompute must see the packed rows again), optimizer states on CPU
+    (--adam_offload), frozen models' parameters offloaded (--ref_reward_offload) and --overlap_comm."""
     prompts = write_jsonl(make_rows(16, seed=2), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     proc = run_cli("train_ppo_ray", _common(prompts, save) + [
         "--reward_pretrain", str(tiny_model_dir()), "--advantage_estimator", "gae", "--n_samples_per_prompt", "2",
         "--init_kl_coef", "0.01", "--critic_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "2",
         "--reward_num_gpus_per_node", "1", "--critic_learning_rate", "1e-4", "--normalize_reward",
-        "--colocate_actor_ref", "--colocate_critic_reward"], nproc=1, timeout=600)
+        "--colocate_actor_ref", "--colocate_critic_reward", "--packing_samples", "--use_dynamic_batch",
+        "--train_max_tokens_per_gpu", "60", "--rollout_max_tokens_per_gpu", "90", "--gradient_checkpointing",
+        "--adam_offload", "--ref_reward_offload", "--overlap_comm"], nproc=1, timeout=600)
     log = proc.stdout + proc.stderr
     assert "colocated (actor_ref): actor, reference share 2 device(s), 0.5 of each" in log
     assert "colocated (critic_reward): critic, reward share 1 device(s), 0.5 of each" in log
@@ -67,7 +77,10 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     assert all(r["value_loss"] == r["value_loss"] for r in records)  # not NaN: the critic trained
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
     assert records[1]["kl"] != 0.0  # after one update the policy has moved away from the reference
+    # packed log-probs equal the engine's; no padding was computed; 4 rows of ~40 tokens per rank and step do not
+    # fit one 60-token budget
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records)
+    assert all(r["perf/padding_share"] == 0.0 and r["perf/micro_batches"] >= 2 for r in records), records
 
 
 def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
@@ -116,3 +129,23 @@ def test_multi_turn_agent(tmp_path):
         assert r["agent/turns"] == 3 and r["guess_number/solved"] == 0.0
         assert r["response_length"] > 3 * 6 * 0.5  # model turns plus feedback tokens
         assert r["rollout/logprob_diff"] < 1e-4
+
+
+def test_async_grpo(tmp_path):
+    """--async_train: batch k+1 is generated while step k trains, so from step 2 on the samples come from weights one
+    sync old (bounded by --async_queue_size 1) and are importance-weighted; the first batch is fresh."""
+    # label "mixed": rewards 0.25/0.75 by response parity, so advantages are non-zero and the weights move
+    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(16, seed=4)], tmp_path / "prompts.jsonl")
+    save = tmp_path / "out"
+    proc = run_cli("train_ppo_ray", _common(prompts, save) + [
+        "--remote_rm_url", str(REPO / "tests/ppo/label_reward.py"), "--advantage_estimator", "group_norm",
+        "--n_samples_per_prompt", "2", "--init_kl_coef", "0", "--max_steps", "3", "--async_train",
+        "--async_queue_size", "1"], nproc=1, timeout=600)
+    assert "--async_train: samples from older weights are importance-weighted" in proc.stdout + proc.stderr
+    records = read_metrics(save)
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0], records
+    assert all("timing/wait_rollout" in r and "policy/is_ratio_mean" in r for r in records), records[0].keys()
+    # fresh engine == trainer at step 1; later the samples' log-probs are those of the previous weights
+    assert records[0]["rollout/logprob_diff"] < 1e-4
+    assert all(r["rollout/logprob_diff"] > 1e-4 for r in records[1:]), series(records, "rollout/logprob_diff")

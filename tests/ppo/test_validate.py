@@ -47,8 +47,13 @@ BAD = [
     (["--reward_clip_range", "1", "-1"], ["--reward_clip_range"]),
     (["--top_p", "0"], ["--top_p"]),
     (["--kl_target", "0.1"], ["--kl_target", "--init_kl_coef"]),
-    (["--async_train"], ["--async_train"]),
-    (["--ring_attn_size", "2"], ["--ring_attn_size"]),
+    (["--async_train", "--colocate_all_models", "--vllm_num_engines", "2"], ["--async_train", "--colocate_all_models"]),
+    (["--async_train", "--async_queue_size", "0"], ["--async_queue_size"]),
+    (["--ds_tensor_parallel_size", "2"], ["--ds_tensor_parallel_size"]),
+    (["--use_dynamic_batch", "--train_max_tokens_per_gpu", "0"], ["--train_max_tokens_per_gpu"]),
+    (["--ring_attn_size", "2"], ["--ring_attn_size", "--packing_samples"]),
+    (["--ring_attn_size", "3", "--packing_samples"], ["--ring_attn_size", "--actor_num_gpus_per_node"]),
+    (["--ring_attn_size", "2", "--packing_samples", "--ring_head_stride", "-1"], ["--ring_head_stride"]),
     (["--colocate_actor_ref", "--ref_num_gpus_per_node", "1", "--init_kl_coef", "0.01"],
      ["--colocate_actor_ref", "--ref_num_gpus_per_node"]),
     (["--colocate_all_models", "--vllm_num_engines", "2", "--init_kl_coef", "0.01"],
@@ -79,10 +84,20 @@ def test_valid_config_gives_cpu_notices(base):
     assert any("gloo" in n for n in notices)
 
 
-@pytest.mark.parametrize("flag", ["--packing_samples", "--use_dynamic_batch", "--deepcompile"])
-def test_not_yet_supported_flags_fail_clearly(base, flag):
-    with pytest.raises(UserError, match=re.escape(flag) + " is not yet supported"):
-        validate(_cfg(base, [flag]), on_gpu=False)
+def test_tensor_parallel_training_is_not_yet_supported_on_gpu(base):
+    with pytest.raises(UserError, match="--ds_tensor_parallel_size is not yet supported"):
+        validate(_cfg(base, ["--ds_tensor_parallel_size", "2"]), on_gpu=True)
+
+
+def test_deepcompile_is_gpu_only_and_reaches_the_deepspeed_config(base):
+    from openppo.strategy.config import train_ds_config
+
+    with pytest.raises(UserError, match="--deepcompile needs a GPU"):
+        validate(_cfg(base, ["--deepcompile"]), on_gpu=False)
+    cfg = _cfg(base, ["--deepcompile", "--zero_stage", "3"])
+    validate(cfg, on_gpu=True)
+    ds = train_ds_config(cfg.ds, train_batch_size=8, micro_batch_size=2, world_size=2, max_norm=1.0, on_gpu=True)
+    assert ds["compile"] == {"deepcompile": True}
 
 
 def test_colocation_and_sleep_notices_on_cpu(base):

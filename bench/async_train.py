@@ -1,0 +1,98 @@
+"""Benchmark: the same RL steps with and without --async_train (generation overlapping training), on CPU.
+
+    .venv/bin/python bench/async_train.py               # tiny model, 6 steps each
+    .venv/bin/python bench/async_train.py --steps 8 --generate_max_len 384
+
+Runs `openppo.cli.train_ppo_ray` three times in this invocation on the tests' tiny model (1 actor rank, 1 vLLM engine,
+GRPO, packed samples), with the same prompts, seed and flags:
+- `sync_1t`: synchronous, 1 thread per process: the engine and the trainer each own one core and take turns, as
+  engines and trainer on their own GPUs do (the comparison the async target is about);
+- `sync_2t`: synchronous, 2 threads per process: each stage may use both cores of this machine;
+- `async_1t`: --async_train --async_queue_size 1, 1 thread per process: both cores busy at once.
+The step time is `timing/step` from metrics.jsonl (generation included; for async the wait for the next batch),
+averaged over steps 2..N (step 1 of an async run has nothing to overlap with). The last line printed is one JSON
+object with the per-run numbers and the ratios.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+
+def run(name: str, flags: list[str], threads: int, workdir: Path) -> dict:
+    save = workdir / name
+    env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
+    start = time.perf_counter()
+    proc = subprocess.run([sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
+                          cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"{name}: train_ppo_ray exited with {proc.returncode}")
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    later = records[1:]
+
+    def mean(key: str) -> float:
+        return round(sum(r.get(key, 0.0) for r in later) / len(later), 3)
+
+    out = {"step_s": mean("timing/step"), "generate_s": mean("timing/generate"),
+           "actor_train_s": mean("timing/actor_train"), "old_logprob_s": mean("timing/old_logprob"),
+           "wait_rollout_s": mean("timing/wait_rollout"), "staleness_max": max(r.get("rollout/staleness_max", 0)
+                                                                               for r in records),
+           "process_wall_s": round(wall, 1), "reward_last": records[-1]["reward"]}
+    print(f"{name}: {out}", flush=True)
+    return out
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--steps", type=int, default=6)
+    parser.add_argument("--rollout_batch_size", type=int, default=1)
+    parser.add_argument("--n_samples_per_prompt", type=int, default=2)
+    parser.add_argument("--generate_max_len", type=int, default=512)
+    parser.add_argument("--runs", default="sync_1t,sync_2t,async_1t")
+    args = parser.parse_args()
+
+    from openppo.tasks.arithmetic import make_rows, write_jsonl
+    from tests.model_cache import tiny_model_dir
+
+    with tempfile.TemporaryDirectory(prefix="openppo-async-bench-") as tmp:
+        workdir = Path(tmp)
+        prompts = write_jsonl(make_rows(args.rollout_batch_size * (args.steps + 1), seed=0), workdir / "p.jsonl")
+        samples = args.rollout_batch_size * args.n_samples_per_prompt
+        common = [
+            "--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--input_key", "input",
+            "--label_key", "label", "--apply_chat_template",
+            "--remote_rm_url", str(REPO / "examples/reward_funcs/arithmetic.py"),
+            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(args.n_samples_per_prompt),
+            "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
+            "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2", "--packing_samples",
+            "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(512 << 20),
+            "--generate_max_len", str(args.generate_max_len), "--prompt_max_len", "128", "--init_kl_coef", "0",
+            "--zero_stage", "2", "--param_dtype", "bf16", "--max_steps", str(args.steps),
+            "--actor_learning_rate", "1e-5", "--seed", "0", "--disable_ds_ckpt"]
+        configs = {"sync_1t": ([], 1), "sync_2t": ([], 2),
+                   "async_1t": (["--async_train", "--async_queue_size", "1"], 1)}
+        results = {name: run(name, common + configs[name][0], configs[name][1], workdir)
+                   for name in args.runs.split(",")}
+    out = {"bench": "async_train", "steps": args.steps, "samples_per_step": samples,
+           "generate_max_len": args.generate_max_len, **results}
+    if "async_1t" in results:
+        for base in ("sync_1t", "sync_2t"):
+            if base in results:
+                out[f"speedup_vs_{base}"] = round(results[base]["step_s"] / results["async_1t"]["step_s"], 2)
+    print(json.dumps(out))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,52 @@
+"""Who does the work: the worker groups and engines of a run, and how a batch is dealt to a group's ranks.
+
+Rank i of a group gets the i-th shard: contiguous rows, or rows dealt by tokens when micro-batches are costed by
+tokens (packing, token budgets). The K consecutive ranks of a ring (--ring_attn_size) form one data-parallel rank
+and all receive its shard.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from openppo.ppo.micro_batches import balanced_shards
+
+
+@dataclass
+class Groups:
+    """The worker groups and engines the controller drives (None where the run does not need one)."""
+
+    policy: Any
+    engines: list[Any]
+    critic: Any = None
+    reference: Any = None
+    reward: Any = None
+    reward_source: Any = None  # a RewardSource when scoring is not done by a reward model
+    reward_normalization: tuple[float, float] | None = None
+
+    def trained(self) -> list[Any]:
+        return [g for g in (self.policy, self.critic) if g is not None]
+
+
+def shard_rows(data: dict[str, torch.Tensor], n: int, balance: bool) -> list[list[int]]:
+    """Row indices per rank: contiguous shards, or (`balance`) shards with even token totals."""
+    size = data["sequences"].size(0)
+    assert size % n == 0, f"batch of {size} does not split over {n} ranks"
+    if balance and n > 1:
+        return balanced_shards(data["attention_mask"].sum(-1).tolist(), n)
+    step = size // n
+    return [list(range(i * step, (i + 1) * step)) for i in range(n)]
+
+
+def take_rows(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    index = torch.tensor(rows, dtype=torch.long)
+    return {k: v[index] for k, v in data.items()}
+
+
+def shards(data: dict[str, torch.Tensor], n: int, balance: bool = False,
+           ring: int = 1) -> list[dict[str, torch.Tensor]]:
+    """One shard per rank; the `ring` consecutive ranks of a ring (--ring_attn_size) get the same one."""
+    return [take_rows(data, rows) for rows in shard_rows(data, n // ring, balance) for _ in range(ring)]

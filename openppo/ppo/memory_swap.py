@@ -1,0 +1,54 @@
+"""Who holds the device memory when everything is colocated (--vllm_enable_sleep, --deepspeed_enable_sleep)."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.dispatch import Groups
+
+
+class MemorySwap:
+    """Who holds the device memory when everything is colocated.
+
+    Engines sleep (`--vllm_enable_sleep`) while the trainer runs and wake for the weight sync (weights first, so the
+    KV cache is only re-allocated once the trainer has offloaded its states); the trainer's optimizer, gradient and
+    parameter states are offloaded (`--deepspeed_enable_sleep`) while the engines generate. Each switch is timed.
+    """
+
+    def __init__(self, cfg: PPOConfig, groups: Groups, timing: Callable[[str, Callable], Any]):
+        self.engines_sleep = cfg.vllm.vllm_enable_sleep
+        self.trainer_sleep = cfg.ds.deepspeed_enable_sleep
+        self.groups = groups
+        self.timeout = float(cfg.ds.dist_timeout)
+        self.timed = timing
+
+    def _engines(self, method: str, *args) -> None:
+        import ray
+
+        ray.get([getattr(e, method).remote(*args) for e in self.groups.engines], timeout=self.timeout)
+
+    def to_trainer(self) -> None:
+        """After generation: engines release their memory, the trainer takes its states back."""
+        if self.engines_sleep:
+            self.timed("swap", lambda: self._engines("sleep"))
+        if self.trainer_sleep:
+            self.timed("swap", lambda: [g.run("reload_states") for g in self.groups.trained()])
+
+    def engine_weights(self) -> None:
+        """Before the weight sync: engine weights back in memory (the trainer still holds its own)."""
+        if self.engines_sleep:
+            self.timed("swap", lambda: self._engines("wake_up", ["weights"]))
+
+    def start(self) -> None:
+        """Before the first generation: the engines are awake; the trainer's states go out of their way."""
+        if self.trainer_sleep:
+            for g in self.groups.trained():
+                g.run("offload_states")
+
+    def to_engines(self) -> None:
+        """After the sync: the trainer offloads, then the engines re-allocate their KV cache."""
+        if self.trainer_sleep:
+            self.timed("swap", lambda: [g.run("offload_states") for g in self.groups.trained()])
+        if self.engines_sleep:
+            self.timed("swap", lambda: self._engines("wake_up", ["kv_cache"]))

@@ -1,0 +1,49 @@
+"""Micro-batch planning and rank balancing by tokens (pure)."""
+
+from __future__ import annotations
+
+import random
+
+from openppo.ppo.micro_batches import Batching, balanced_shards, cost, equalize, split_by_tokens
+
+
+def test_cost_of_packed_and_padded_rows():
+    assert cost([3, 10, 5], packed=True) == 18
+    assert cost([3, 10, 5], packed=False) == 30
+    assert cost([], packed=True) == 0
+
+
+def test_token_budget_fills_in_order_and_never_exceeds_except_single_rows():
+    lengths = [5, 17, 9, 30, 12, 3, 22, 8]
+    for packed in (True, False):
+        micros = split_by_tokens(lengths, 40, packed)
+        assert [i for m in micros for i in m] == list(range(len(lengths)))
+        for m in micros:
+            assert len(m) == 1 or cost([lengths[i] for i in m], packed) <= 40
+    assert split_by_tokens(lengths, 40, packed=True) == [[0, 1, 2], [3], [4, 5, 6], [7]]
+    assert split_by_tokens([50, 2], 10, packed=True) == [[0], [1]]  # an over-budget row goes alone
+
+
+def test_static_plan_is_a_row_count():
+    assert Batching(rows=3).plan([1] * 7) == [[0, 1, 2], [3, 4, 5], [6]]
+
+
+def test_equalize_splits_costliest_then_pads_with_empty():
+    lengths = [5, 17, 9, 30]
+    micros = [[0, 1, 2], [3]]
+    out = equalize(micros, lengths, 3, packed=True)
+    assert out == [[0], [1, 2], [3]] and [i for m in out for i in m] == [0, 1, 2, 3]
+    assert equalize([[0], [1]], [4, 4], 4, packed=True) == [[0], [1], [], []]
+    assert equalize(micros, lengths, 2, packed=True) == micros
+
+
+def test_balanced_shards_even_out_tokens():
+    rng = random.Random(0)
+    lengths = [rng.randint(8, 512) for _ in range(64)]
+    shards = balanced_shards(lengths, 4)
+    assert sorted(i for s in shards for i in s) == list(range(64))
+    assert all(len(s) == 16 and s == sorted(s) for s in shards)
+    totals = [sum(lengths[i] for i in s) for s in shards]
+    contiguous = [sum(lengths[i * 16:(i + 1) * 16]) for i in range(4)]
+    assert max(totals) - min(totals) <= max(lengths)
+    assert max(totals) - min(totals) < max(contiguous) - min(contiguous)
