@@ -3,13 +3,15 @@
     .venv/bin/python bench/async_train.py               # tiny model, 6 steps each
     .venv/bin/python bench/async_train.py --steps 8 --generate_max_len 384
 
-Runs `openppo.cli.train_ppo_ray` three times in this invocation on the tests' tiny model (1 actor rank, 1 vLLM engine,
-GRPO, packed samples), with the same prompts, seed and flags:
+Runs `openppo.cli.train_ppo_ray` up to three times in this invocation on the tests' tiny model (1 actor rank,
+1 vLLM engine, GRPO, packed samples), with the same prompts, seed and flags:
 - `sync_1t`: synchronous, 1 thread per process: the engine and the trainer each own one core and take turns, as
   engines and trainer on their own GPUs do (the comparison the async target is about);
 - `sync_2t`: synchronous, 2 threads per process: each stage may use both cores of this machine;
 - `async_1t`: --async_train --async_queue_size 1, 1 thread per process: both cores busy at once.
-The step time is `timing/step` from metrics.jsonl (generation included; for async the wait for the next batch),
+`--reward_latency_s S` makes every reward call wait S seconds, as a remote verifier, sandbox or judge model does:
+then the rollout (generation + reward) dominates the step, which is the case async training is for. The step
+time is `timing/step` from metrics.jsonl (generation included; for async the wait for the next batch),
 averaged over steps 2..N (step 1 of an async run has nothing to overlap with). The last line printed is one JSON
 object with the per-run numbers and the ratios.
 """
@@ -29,6 +31,18 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 
 
+SLOW_REWARD = """import time
+
+from openppo.tasks.arithmetic import reward
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    time.sleep({latency})
+    rewards = [reward(q[len(p):], label) for q, p, label in zip(queries, prompts, labels)]
+    return {{"rewards": rewards, "scores": rewards}}
+"""
+
+
 def run(name: str, flags: list[str], threads: int, workdir: Path) -> dict:
     save = workdir / name
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -45,7 +59,7 @@ def run(name: str, flags: list[str], threads: int, workdir: Path) -> dict:
     def mean(key: str) -> float:
         return round(sum(r.get(key, 0.0) for r in later) / len(later), 3)
 
-    out = {"step_s": mean("timing/step"), "generate_s": mean("timing/generate"),
+    out = {"step_s": mean("timing/step"), "generate_s": mean("timing/generate"), "reward_s": mean("timing/reward"),
            "actor_train_s": mean("timing/actor_train"), "old_logprob_s": mean("timing/old_logprob"),
            "wait_rollout_s": mean("timing/wait_rollout"), "staleness_max": max(r.get("rollout/staleness_max", 0)
                                                                                for r in records),
@@ -61,6 +75,8 @@ def main() -> None:
     parser.add_argument("--n_samples_per_prompt", type=int, default=2)
     parser.add_argument("--generate_max_len", type=int, default=512)
     parser.add_argument("--runs", default="sync_1t,sync_2t,async_1t")
+    parser.add_argument("--reward_latency_s", type=float, default=0.0,
+                        help="seconds each reward call waits, as a remote verifier or judge would (0 = none)")
     args = parser.parse_args()
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
@@ -70,10 +86,14 @@ def main() -> None:
         workdir = Path(tmp)
         prompts = write_jsonl(make_rows(args.rollout_batch_size * (args.steps + 1), seed=0), workdir / "p.jsonl")
         samples = args.rollout_batch_size * args.n_samples_per_prompt
+        reward_file = REPO / "examples/reward_funcs/arithmetic.py"
+        if args.reward_latency_s > 0:
+            reward_file = workdir / "slow_reward.py"
+            reward_file.write_text(SLOW_REWARD.format(latency=args.reward_latency_s))
         common = [
             "--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--input_key", "input",
             "--label_key", "label", "--apply_chat_template",
-            "--remote_rm_url", str(REPO / "examples/reward_funcs/arithmetic.py"),
+            "--remote_rm_url", str(reward_file),
             "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(args.n_samples_per_prompt),
             "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
             "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2", "--packing_samples",
@@ -86,7 +106,7 @@ def main() -> None:
         results = {name: run(name, common + configs[name][0], configs[name][1], workdir)
                    for name in args.runs.split(",")}
     out = {"bench": "async_train", "steps": args.steps, "samples_per_step": samples,
-           "generate_max_len": args.generate_max_len, **results}
+           "generate_max_len": args.generate_max_len, "reward_latency_s": args.reward_latency_s, **results}
     if "async_1t" in results:
         for base in ("sync_1t", "sync_2t"):
             if base in results:

@@ -36,10 +36,15 @@ def test_batches_start_at_most_ahead_versions_before_training(ahead):
     producer = RolloutProducer(produce, ahead=ahead, limit=steps, timeout_s=10)
     producer.start()
     lags = []
-    for _ in range(steps):
+    for done in range(steps):
         rollout, _ = producer.get()
         lags.append(staleness(rollout.samples, version["now"])["rollout/staleness_max"])
-        time.sleep(0.05)  # training: long enough for the producer to run ahead as far as it may
+        # training: let the producer run ahead as far as it may (batches done + 1 + ahead started and queued)
+        allowed = min(steps, done + 1 + ahead)
+        deadline = time.monotonic() + 10
+        while (producer._started < allowed or producer._ready.qsize() < allowed - done - 1) and \
+                time.monotonic() < deadline:
+            time.sleep(0.005)
         with lock:
             version["now"] += 1
         producer.step_done()
