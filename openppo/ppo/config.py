@@ -77,7 +77,8 @@ class PPODeepSpeedConfig(DeepSpeedConfig):
     l2: float = opt(0.0, "weight decay")
     deepspeed_enable_sleep: bool = opt(False, "offload optimizer and gradient states while the engines generate")
     deepcompile: bool = opt(False, "compile the training engine with DeepSpeed's deepcompile (GPU)")
-    ds_tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size for training (GPU, bf16)")
+    ds_tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size for training (not yet supported: > 1 stops the "
+                                          "run)")
 
 
 @dataclass

@@ -205,9 +205,6 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
                            f"(--vllm_is_correction_type {v.vllm_is_correction_type})")
     if not on_gpu and ds.deepcompile:
         raise UserError("--deepcompile needs a GPU (DeepSpeed compiles CUDA graph passes): drop it on this machine")
-    if not on_gpu and ds.ds_tensor_parallel_size > 1:
-        raise UserError("--ds_tensor_parallel_size > 1 needs GPUs (DeepSpeed AutoTP training); use data parallel "
-                        "ranks (--actor_num_gpus_per_node) here")
     if ds.deepcompile and ds.zero_stage == 0:
         notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
     if ds.param_dtype == "fp16" and not on_gpu:

@@ -84,7 +84,7 @@ def test_valid_config_gives_cpu_notices(base):
     assert any("gloo" in n for n in notices)
 
 
-def test_tensor_parallel_training_is_not_yet_supported_on_gpu(base):
+def test_tensor_parallel_training_is_not_yet_supported(base):
     with pytest.raises(UserError, match="--ds_tensor_parallel_size is not yet supported"):
         validate(_cfg(base, ["--ds_tensor_parallel_size", "2"]), on_gpu=True)
 
