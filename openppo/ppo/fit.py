@@ -43,7 +43,7 @@ def plan_on_all_ranks(batching: Batching, lengths: list[list[int]], world_size: 
     of micro-batches on every rank (one all-reduce for all groups)."""
     plans = [batching.plan(group) for group in lengths]
     counts = _all_reduce(torch.tensor([len(p) for p in plans], device=device), world_size,
-                         torch.distributed.ReduceOp.MAX if world_size > 1 else None)
+                         torch.distributed.ReduceOp.MAX)
     return [equalize(p, group, int(c), batching.packed) for p, group, c in zip(plans, lengths, counts.tolist())]
 
 
