@@ -3,8 +3,10 @@
     .venv/bin/python bench/packing.py --model tiny      # the tests' tiny random model (Qwen3 tokenizer, 151k vocab)
     .venv/bin/python bench/packing.py --model smollm2   # SmolLM2-135M-Instruct
 
-The batch looks like a rollout batch: prompts of 16-48 tokens, responses of 1 to --max_response tokens (uniform),
-right-padded to the longest row. Each variant runs the trainer's own code on a real DeepSpeed engine (1 rank,
+The batch looks like a rollout batch: prompts of 16-48 tokens, right-padded to the longest row, and responses of
+1 to --max_response tokens, either uniform (`--lengths uniform`) or long-tailed as RL responses usually are
+(`--lengths longtail`: log-normal with a median of --max_response / 6, those longer cut at --max_response as the
+engine would truncate them). Each variant runs the trainer's own code on a real DeepSpeed engine (1 rank,
 ZeRO-0, bf16): the forward-only pass is the old-log-prob pass (`forward_in_chunks`), the training step is the actor
 update (`fit_experience` with the PPO loss). Baseline: padded micro-batches of --micro rows, each trimmed to its
 longest row (what runs without --packing_samples). Best of --repeats after one warm-up; the variants are timed
@@ -15,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
 import random
 import sys
@@ -26,12 +29,19 @@ sys.path.insert(0, str(REPO))
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
-def ragged_batch(num_rows: int, max_response: int, vocab: int, seed: int):
+def response_lengths(rng: random.Random, num_rows: int, max_response: int, shape: str) -> list[int]:
+    if shape == "uniform":
+        return [rng.randint(1, max_response) for _ in range(num_rows)]
+    median = math.log(max_response / 6)
+    return [max(1, min(max_response, int(rng.lognormvariate(median, 1.0)))) for _ in range(num_rows)]
+
+
+def ragged_batch(num_rows: int, max_response: int, vocab: int, seed: int, shape: str = "uniform"):
     import torch
 
     rng = random.Random(seed)
     prompts = [rng.randint(16, 48) for _ in range(num_rows)]
-    responses = [rng.randint(1, max_response) for _ in range(num_rows)]
+    responses = response_lengths(rng, num_rows, max_response, shape)
     width = max(p + r for p, r in zip(prompts, responses))
     gen = torch.Generator().manual_seed(seed)
     seqs = torch.randint(100, vocab, (num_rows, width), generator=gen)
@@ -51,6 +61,8 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="samples in the batch")
     parser.add_argument("--micro", type=int, default=4, help="rows per padded micro-batch")
     parser.add_argument("--max_response", type=int, default=192)
+    parser.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform",
+                        help="distribution of the response lengths")
     parser.add_argument("--max_tokens", type=int, default=None,
                         help="token budget of the dynamic variant (default: micro x mean row length)")
     parser.add_argument("--repeats", type=int, default=2)
@@ -78,7 +90,7 @@ def main() -> None:
     engine = strategy.prepare_train(model, lr=1e-7, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
                                     warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=1000)
     vocab = model.config.vocab_size
-    data = ragged_batch(args.rows, args.max_response, vocab, seed=0)
+    data = ragged_batch(args.rows, args.max_response, vocab, seed=0, shape=args.lengths)
     lengths = data["attention_mask"].sum(-1)
     budget = args.max_tokens or int(args.micro * lengths.float().mean())
     variants = {"padded": Batching(rows=args.micro), "packed": Batching(packed=True, rows=args.micro),
@@ -120,7 +132,10 @@ def main() -> None:
             print(f"round {repeat} {name}: forward {t1 - t0:.2f} s, train step {t2 - t1:.2f} s", flush=True)
     best = {name: {k: min(v) for k, v in t.items()} for name, t in times.items()}
     out = {"bench": "packing", "model": args.model, "vocab": vocab, "rows": args.rows, "micro": args.micro,
-           "mean_row_tokens": round(lengths.float().mean().item(), 1), "max_row_tokens": int(lengths.max()),
+           "lengths": args.lengths, "mean_row_tokens": round(lengths.float().mean().item(), 1),
+           "max_row_tokens": int(lengths.max()),
+           # the speed-up if padding cost nothing and all work were proportional to tokens
+           "ceiling": round(1 / (1 - results["padded"]["padding_share"]), 2),
            "token_budget": budget, "threads": torch.get_num_threads(), "max_logprob_diff_bf16": max_diff}
     for name in variants:
         out[name] = {"forward_s": round(best[name]["forward"], 3), "train_s": round(best[name]["train"], 3),

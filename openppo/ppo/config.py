@@ -77,8 +77,9 @@ class PPODeepSpeedConfig(DeepSpeedConfig):
     l2: float = opt(0.0, "weight decay")
     deepspeed_enable_sleep: bool = opt(False, "offload optimizer and gradient states while the engines generate")
     deepcompile: bool = opt(False, "compile the training engine with DeepSpeed's deepcompile (GPU)")
-    ds_tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size for training (not yet supported: > 1 stops the "
-                                          "run)")
+    ds_tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size of the actor's training engine: its weights are "
+                                          "split over this many consecutive ranks, which train on the same rows "
+                                          "(ZeRO <= 2; critic, reference and reward stay data-parallel)")
 
 
 @dataclass
@@ -192,3 +193,9 @@ class PPOConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
+
+
+def ranks_per_shard(cfg: PPOConfig, role: str) -> int:
+    """How many consecutive ranks of a role's group hold the same rows: a ring (--ring_attn_size) splits each row's
+    tokens over its ranks, a tensor-parallel group (--ds_tensor_parallel_size, actor only) splits the weights."""
+    return cfg.rollout.ring_attn_size * (cfg.ds.ds_tensor_parallel_size if role == "actor" else 1)

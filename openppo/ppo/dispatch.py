@@ -1,8 +1,8 @@
 """Who does the work: the worker groups and engines of a run, and how a batch is dealt to a group's ranks.
 
 Rank i of a group gets the i-th shard: contiguous rows, or rows dealt by tokens when micro-batches are costed by
-tokens (packing, token budgets). The K consecutive ranks of a ring (--ring_attn_size) form one data-parallel rank
-and all receive its shard.
+tokens (packing, token budgets). The K consecutive ranks of a ring (--ring_attn_size) or of a tensor-parallel group
+(--ds_tensor_parallel_size) form one data-parallel rank and all receive its shard.
 """
 
 from __future__ import annotations
@@ -47,6 +47,6 @@ def take_rows(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch
 
 
 def shards(data: dict[str, torch.Tensor], n: int, balance: bool = False,
-           ring: int = 1) -> list[dict[str, torch.Tensor]]:
-    """One shard per rank; the `ring` consecutive ranks of a ring (--ring_attn_size) get the same one."""
-    return [take_rows(data, rows) for rows in shard_rows(data, n // ring, balance) for _ in range(ring)]
+           replicas: int = 1) -> list[dict[str, torch.Tensor]]:
+    """One shard per rank; each `replicas` consecutive ranks (a ring, a tensor-parallel group) get the same one."""
+    return [take_rows(data, rows) for rows in shard_rows(data, n // replicas, balance) for _ in range(replicas)]

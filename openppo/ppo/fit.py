@@ -62,7 +62,7 @@ def _noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, batching: Batching,
                    rows_per_step: int, epochs: int, world_size: int, seed: int,
-                   device: torch.device, ring_size: int = 1) -> dict[str, float]:
+                   device: torch.device, ring_size: int = 1, tensor_parallel_size: int = 1) -> dict[str, float]:
     """Train `engine` on `data` (this rank's share) for `epochs`; returns metrics averaged over micro-batches.
 
     Each epoch shuffles the rows (seeded, so a resume repeats it) and takes `rows_per_step` rows per optimizer step,
@@ -73,9 +73,13 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
 
     With `ring_size` K > 1 the K ranks of a ring hold the same rows and each backpropagates its chunk's part of the
     gradient: the parts sum to the row's gradient, so the backward scale stays `world_size`, while token counts and
-    the logged losses, identical on the K ranks, are counted once per ring.
+    the logged losses, identical on the K ranks, are counted once per ring. With `tensor_parallel_size` P > 1 the
+    P ranks of a tensor-parallel group also hold the same rows, each owning a slice of the weights; DeepSpeed then
+    averages gradients over the data-parallel group only (world / P ranks), which sets the backward scale.
     """
-    data_parallel = world_size // ring_size
+    replicas = ring_size * tensor_parallel_size  # ranks holding the same rows
+    data_parallel = world_size // replicas
+    grad_scale = world_size // tensor_parallel_size  # the ranks DeepSpeed averages gradients over
     losses: dict[str, float] = defaultdict(float)
     sums: dict[str, float] = defaultdict(float)
     steps = count = micro_steps = computed = real_tokens = 0
@@ -89,14 +93,14 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
         for rows, plan in zip(step_rows, plans):
             micros = [select_rows(data, [rows[j] for j in m]) if m else _noop_rows(data) for m in plan]
             counts = sum(loss_normalizers(b["action_mask"]) for b in micros)
-            normalizers = _all_reduce(counts.to(device), world_size) // ring_size
+            normalizers = _all_reduce(counts.to(device), world_size) // replicas
             for i, (batch, planned) in enumerate(zip(micros, plan)):
                 # The boundary is ours: the number of micro-batches varies per step with a token budget.
                 engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 contribution, metrics = loss_fn(batch, normalizers)
                 # DeepSpeed averages gradients over ranks; the contributions already sum to the step loss.
-                engine.backward(contribution * world_size, scale_wrt_gas=False)
+                engine.backward(contribution * grad_scale, scale_wrt_gas=False)
                 engine.step()
                 for key, value in metrics.items():
                     if key.startswith("loss/"):

@@ -19,7 +19,7 @@ import torch
 
 from openppo.models.actor import Actor
 from openppo.models.scalar import ScalarModel, last_token_index
-from openppo.ppo.config import PPOConfig
+from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.models.packing import pad_to_width
 from openppo.ppo.fit import (actor_loss, critic_loss, fit_experience, plan_on_all_ranks, row_lengths,
                              select_rows)
@@ -28,13 +28,15 @@ from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
 
-def make_strategy(cfg: PPOConfig, *, trained: bool) -> DeepSpeedStrategy:
+def make_strategy(cfg: PPOConfig, *, trained: bool, role: str = "critic") -> DeepSpeedStrategy:
     """A strategy whose batch arithmetic is the training one (frozen models only use the micro size)."""
     t = cfg.train
     if trained:
-        # DeepSpeed counts every rank as a data-parallel replica; the K ranks of a ring share their rows.
-        return DeepSpeedStrategy(cfg.ds, train_batch_size=t.train_batch_size * cfg.rollout.ring_attn_size,
-                                 micro_batch_size=t.micro_train_batch_size, max_norm=t.max_norm, seed=t.seed)
+        # DeepSpeed counts every rank as a replica; the ranks of a ring or a tensor-parallel group share their rows.
+        tp = cfg.ds.ds_tensor_parallel_size if role == "actor" else 1
+        return DeepSpeedStrategy(cfg.ds, train_batch_size=t.train_batch_size * ranks_per_shard(cfg, role),
+                                 micro_batch_size=t.micro_train_batch_size, max_norm=t.max_norm, seed=t.seed,
+                                 tensor_parallel_size=tp)
     # Frozen models never step an optimizer; DeepSpeed still wants batch sizes that divide over the ranks.
     micro = cfg.rollout.micro_rollout_batch_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
@@ -77,10 +79,10 @@ def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch
     return torch.cat(out)
 
 
-def _rows_per_step(cfg: PPOConfig, strategy: DeepSpeedStrategy) -> int:
-    """Rows of one optimizer step on one rank: --train_batch_size over the data-parallel ranks (a ring of K ranks
-    is one data-parallel rank)."""
-    return cfg.train.train_batch_size * cfg.rollout.ring_attn_size // strategy.world_size
+def _rows_per_step(cfg: PPOConfig, strategy: DeepSpeedStrategy, role: str) -> int:
+    """Rows of one optimizer step on one rank: --train_batch_size over the data-parallel ranks (a ring or a
+    tensor-parallel group is one data-parallel rank)."""
+    return cfg.train.train_batch_size * ranks_per_shard(cfg, role) // strategy.world_size
 
 
 def _sequence_parallel(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
@@ -131,14 +133,17 @@ class _TrainedRole:
 class PolicyRole(_TrainedRole):
     def __init__(self, cfg: PPOConfig, num_training_steps: int):
         self.cfg = cfg
-        self.strategy = make_strategy(cfg, trained=True)
+        self.strategy = make_strategy(cfg, trained=True, role="actor")
         self.strategy.setup_distributed()
         with self.strategy.zero3_init():
             model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype,
                                           **cfg.model.build_kwargs())
         _sequence_parallel(cfg, model)
+        full = sum(p.numel() for p in model.parameters())  # real shapes: AutoTP excludes ZeRO-3
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
+        # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
+        self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(full, 1)
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
@@ -156,13 +161,17 @@ class PolicyRole(_TrainedRole):
                              is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
                              pack=cfg.rollout.packing_samples)
         metrics = fit_experience(self.engine, data, loss_fn, batching=train_batching(cfg),
-                                 rows_per_step=_rows_per_step(cfg, self.strategy), epochs=cfg.train.max_epochs,
-                                 world_size=self.strategy.world_size, seed=cfg.train.seed + 1000 * global_step,
-                                 device=self.strategy.device, ring_size=cfg.rollout.ring_attn_size)
+                                 rows_per_step=_rows_per_step(cfg, self.strategy, "actor"),
+                                 epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
+                                 seed=cfg.train.seed + 1000 * global_step, device=self.strategy.device,
+                                 ring_size=cfg.rollout.ring_attn_size,
+                                 tensor_parallel_size=cfg.ds.ds_tensor_parallel_size)
         metrics["policy/lr"] = self.engine.get_lr()[0]
         ring = self.engine.module.sequence_parallel
         if ring is not None:
             metrics["perf/ring_token_share"] = ring.token_share()
+        if self.strategy.tensor_parallel_size > 1:
+            metrics["perf/actor_weight_share"] = self.weight_share
         return self.strategy.all_reduce_mean(metrics)
 
 
@@ -188,7 +197,7 @@ class CriticRole(_TrainedRole):
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         cfg = self.cfg
         metrics = fit_experience(self.engine, data, critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
-                                 batching=train_batching(cfg), rows_per_step=_rows_per_step(cfg, self.strategy),
+                                 batching=train_batching(cfg), rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
                                  epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
                                  seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device,
                                  ring_size=cfg.rollout.ring_attn_size)

@@ -25,7 +25,7 @@ from tqdm import tqdm
 from openppo.agents.rollout import rows_by_budget
 from openppo.algorithms import build_kl_controller, masked_mean
 from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
-from openppo.ppo.config import PPOConfig
+from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.ppo.dispatch import Groups, shard_rows, shards, take_rows
 from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
@@ -210,12 +210,16 @@ class PPOTrainer:
         r = self.cfg.rollout
         return r.packing_samples or r.use_dynamic_batch
 
+    def _replicas(self, group) -> int:
+        return ranks_per_shard(self.cfg, "actor" if group is self.groups.policy else "other")
+
     def forward(self, group, method: str, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """A forward-only pass of `group` over the batch; the result in the batch's row order."""
-        ring = self.cfg.rollout.ring_attn_size
-        shards = shard_rows(data, group.num_workers // ring, self._balance)
-        replicated = [take_rows(data, rows) for rows in shards for _ in range(ring)]
-        results = torch.cat(group.run_sharded(method, replicated)[::ring])  # a ring's ranks return the same
+        replicas = self._replicas(group)
+        shards = shard_rows(data, group.num_workers // replicas, self._balance)
+        replicated = [take_rows(data, rows) for rows in shards for _ in range(replicas)]
+        # the ranks of a ring or a tensor-parallel group return the same values
+        results = torch.cat(group.run_sharded(method, replicated)[::replicas])
         out = torch.empty_like(results)
         out[torch.tensor([i for rows in shards for i in rows])] = results
         return out
@@ -263,11 +267,11 @@ class PPOTrainer:
             critic_data = {**{k: train_data[k] for k in ("sequences", "attention_mask", "action_mask")},
                            "old_values": values, "returns": adv["returns"]}
             metrics.update(self._timed("critic_train", lambda: g.critic.run_sharded(
-                "train", shards(critic_data, g.critic.num_workers, self._balance, cfg.rollout.ring_attn_size),
+                "train", shards(critic_data, g.critic.num_workers, self._balance, self._replicas(g.critic)),
                 global_step=self.global_step)[0]))
         if self.global_step > cfg.train.freezing_actor_steps:
             metrics.update(self._timed("actor_train", lambda: g.policy.run_sharded(
-                "train", shards(train_data, g.policy.num_workers, self._balance, cfg.rollout.ring_attn_size),
+                "train", shards(train_data, g.policy.num_workers, self._balance, self._replicas(g.policy)),
                 kl_coef=self.kl_ctl.value, global_step=self.global_step)[0]))
             self.swap.engine_weights()
             sync = self._timed("weight_sync", self.sync_weights)

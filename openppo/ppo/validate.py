@@ -12,11 +12,6 @@ from openppo.models.loading import resolve_model_path
 from openppo.ppo.config import PPOConfig
 from openppo.strategy.config import state_offload_supported
 
-NOT_YET = {  # flag -> predicate on the config: accepted names whose behaviour has not landed yet
-    "--ds_tensor_parallel_size": lambda c: c.ds.ds_tensor_parallel_size > 1,
-}
-
-
 def needs_reference(cfg: PPOConfig) -> bool:
     return cfg.algo.init_kl_coef > 0
 
@@ -110,7 +105,7 @@ def _batches(cfg: PPOConfig) -> None:
     if samples % t.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "
                         f"multiple of --train_batch_size {t.train_batch_size}")
-    world = actor_world_size(cfg) // max(r.ring_attn_size, 1)
+    world = actor_world_size(cfg) // max(r.ring_attn_size * cfg.ds.ds_tensor_parallel_size, 1)
     if t.train_batch_size % (t.micro_train_batch_size * world):
         raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
                         f"{t.micro_train_batch_size} x {world} data-parallel actor ranks")
@@ -146,6 +141,27 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
         if present and ranks % r.ring_attn_size:
             raise UserError(f"--ring_attn_size {r.ring_attn_size} must divide the {role} ranks (--{role}_num_nodes x "
                             f"--{role}_num_gpus_per_node = {ranks})")
+
+
+def _tensor_parallel(cfg: PPOConfig) -> None:
+    """--ds_tensor_parallel_size P: DeepSpeed AutoTP splits the actor's weights over P consecutive ranks."""
+    tp, ds = cfg.ds.ds_tensor_parallel_size, cfg.ds
+    _positive(tp, "--ds_tensor_parallel_size")
+    if tp == 1:
+        return
+    ranks = actor_world_size(cfg)
+    if ranks % tp:
+        raise UserError(f"--ds_tensor_parallel_size {tp} must divide the actor ranks (--actor_num_nodes x "
+                        f"--actor_num_gpus_per_node = {ranks})")
+    if ds.zero_stage == 3:
+        raise UserError("--ds_tensor_parallel_size needs --zero_stage 0, 1 or 2 (DeepSpeed AutoTP does not combine "
+                        "with ZeRO-3's parameter sharding)")
+    if cfg.rollout.ring_attn_size > 1:
+        raise UserError("--ds_tensor_parallel_size and --ring_attn_size both split the actor's work over ranks: "
+                        "use one of them")
+    if cfg.model.lora_rank > 0:
+        raise UserError("--ds_tensor_parallel_size does not split LoRA adapters: drop --lora_rank or use "
+                        "--ds_tensor_parallel_size 1")
 
 
 def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
@@ -227,10 +243,7 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     _models(cfg)
     _algorithm(cfg)
     _sequence_parallel(cfg)
+    _tensor_parallel(cfg)
     _batches(cfg)
     _resources(cfg, on_gpu, notices)
-    # Last, so that a contradiction between flags is reported as such first.
-    for flag, enabled in NOT_YET.items():
-        if enabled(cfg):
-            raise UserError(f"{flag} is not yet supported by train_ppo_ray; drop it for now")
     return notices

@@ -61,6 +61,32 @@ def _is_zero3(param: torch.Tensor) -> bool:
     return hasattr(param, "ds_id")
 
 
+def _is_tensor_parallel(param: torch.Tensor) -> bool:
+    """A weight DeepSpeed AutoTP split over the ranks of a tensor-parallel group (--ds_tensor_parallel_size)."""
+    return getattr(param, "ds_is_replaced_module", False)
+
+
+def _gathered(model: nn.Module, group: list[tuple[str, nn.Parameter]]) -> tuple[contextlib.AbstractContextManager,
+                                                                                 bool]:
+    """A context in which the group's parameters are whole (a collective every rank enters), and whether entering
+    it gathers anything (the tensors then live only inside the context)."""
+    params = [p for _, p in group]
+    if any(_is_zero3(p) for p in params):
+        import deepspeed
+
+        return deepspeed.zero.GatheredParameters(params, modifier_rank=None), True
+    owners = list(dict.fromkeys(name.rpartition(".")[0] for name, p in group if _is_tensor_parallel(p)))
+    if not owners:
+        return contextlib.nullcontext(), False
+    from deepspeed.module_inject.layers import GatherReplacedLayerParams
+
+    stack = contextlib.ExitStack()
+    for owner in owners:  # AutoTP gathers one replaced layer at a time, its weight and bias together
+        module = model.get_submodule(owner)
+        stack.enter_context(GatherReplacedLayerParams(list(module.parameters(recurse=False)), module))
+    return stack, True
+
+
 def _default_rank() -> int:
     import torch.distributed as dist
 
@@ -118,8 +144,9 @@ def iter_full_weights(model: nn.Module, *, rank: int | None = None) -> Iterator[
     """Yield (hf_name, full tensor) for every parameter of `model`, layer by layer, on rank 0 only.
 
     `model` may be an HF model, our `Actor`, a DeepSpeed engine around either, and/or a PEFT model. Under ZeRO-3
-    each layer's parameters are gathered with `deepspeed.zero.GatheredParameters` -- a collective, so EVERY
-    trainer rank must iterate this generator to the end (ranks other than 0 get nothing). LoRA adapters are
+    each layer's parameters are gathered with `deepspeed.zero.GatheredParameters`, under AutoTP with
+    `GatherReplacedLayerParams` -- collectives, so EVERY trainer rank must iterate this generator to the end (ranks
+    other than 0 get nothing). LoRA adapters are
     merged into the yielded weights (W + B @ A * scaling, computed in fp32, cast to W's dtype) and the names are
     the base model's checkpoint names (no `base_model.model.` prefix, no `lora_` tensors). Tied parameters come
     once, as in a checkpoint; buffers are not sent. Yielded tensors are detached and owned by the caller when
@@ -129,14 +156,7 @@ def iter_full_weights(model: nn.Module, *, rank: int | None = None) -> Iterator[
     hf = unwrap_model(model)
     peft = _is_peft(hf)
     for group in _layer_groups(hf):
-        params = [p for _, p in group]
-        zero3 = any(_is_zero3(p) for p in params)
-        if zero3:
-            import deepspeed
-
-            gather = deepspeed.zero.GatheredParameters(params, modifier_rank=None)
-        else:
-            gather = contextlib.nullcontext()
+        gather, gathers = _gathered(hf, group)
         with gather, torch.no_grad():
             if rank != 0:
                 continue
@@ -146,7 +166,7 @@ def iter_full_weights(model: nn.Module, *, rank: int | None = None) -> Iterator[
                     continue
                 tensor = _merged_lora_weight(hf, name, param.detach()) if peft else param.detach()
                 # A gathered parameter is released when the context exits: hand out a copy.
-                yield hf_name, (tensor.clone() if zero3 and tensor.data_ptr() == param.data_ptr() else tensor)
+                yield hf_name, (tensor.clone() if gathers and tensor.data_ptr() == param.data_ptr() else tensor)
 
 
 def tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:

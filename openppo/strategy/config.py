@@ -24,8 +24,10 @@ class DeepSpeedConfig:
 
 
 def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, world_size: int,
-                    max_norm: float, on_gpu: bool) -> dict:
-    """The DeepSpeed JSON for a trained model. Batch sizes must already be validated to divide."""
+                    max_norm: float, on_gpu: bool, tensor_parallel_size: int = 1) -> dict:
+    """The DeepSpeed JSON for a trained model. Batch sizes must already be validated to divide.
+
+    `train_batch_size` counts every rank as a replica, tensor-parallel ones included (DeepSpeed's arithmetic)."""
     zero: dict = {
         "stage": cfg.zero_stage,
         "overlap_comm": cfg.overlap_comm,
@@ -42,6 +44,10 @@ def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_
     if cfg.adam_offload:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": on_gpu}
     extra = {"compile": {"deepcompile": True}} if getattr(cfg, "deepcompile", False) else {}
+    if tensor_parallel_size > 1:
+        # A replicated LM head gives every rank the full-vocabulary logits the RL losses need (a vocab-parallel
+        # head would leave each rank a slice of the softmax).
+        extra["tensor_parallel"] = {"autotp_size": tensor_parallel_size, "vocab_parallel_lm_head": False}
     config = {
         **extra,
         "train_batch_size": train_batch_size,

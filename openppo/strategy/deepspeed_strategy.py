@@ -48,8 +48,9 @@ class DeepSpeedStrategy:
     """Distributed set-up and DeepSpeed engines for one process (one rank)."""
 
     def __init__(self, cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, max_norm: float,
-                 seed: int):
+                 seed: int, tensor_parallel_size: int = 1):
         self.cfg = cfg
+        self.tensor_parallel_size = tensor_parallel_size  # AutoTP: consecutive ranks split the trained weights
         self.train_batch_size = train_batch_size
         self.micro_batch_size = micro_batch_size
         self.max_norm = max_norm
@@ -85,7 +86,8 @@ class DeepSpeedStrategy:
     def train_config(self) -> dict:
         return train_ds_config(self.cfg, train_batch_size=self.train_batch_size,
                                micro_batch_size=self.micro_batch_size, world_size=self.world_size,
-                               max_norm=self.max_norm, on_gpu=self.on_gpu)
+                               max_norm=self.max_norm, on_gpu=self.on_gpu,
+                               tensor_parallel_size=self.tensor_parallel_size)
 
     @contextlib.contextmanager
     def zero3_init(self, for_training: bool = True, offload: bool = False) -> Iterator[None]:
@@ -195,6 +197,8 @@ class DeepSpeedStrategy:
         module = getattr(engine_or_model, "module", engine_or_model)
         if self.cfg.zero_stage == 3 and hasattr(engine_or_model, "_zero3_consolidated_16bit_state_dict"):
             state = engine_or_model._zero3_consolidated_16bit_state_dict()
+        elif self.tensor_parallel_size > 1 and hasattr(engine_or_model, "_consolidated_16bit_state_dict"):
+            state = engine_or_model._consolidated_16bit_state_dict()  # gathers the AutoTP shards layer by layer
         else:
             state = {k: v.detach().cpu() for k, v in module.state_dict().items()} if self.is_rank0 else None
         return state if self.is_rank0 else None

@@ -1,6 +1,6 @@
-"""train_ppo_ray end to end: hybrid engine (everything colocated, sleep flags), DAPO dynamic filtering, eval with
-pass@k, checkpoints, and a resume that sees the same prompts as the unbroken run. Real Ray + DeepSpeed + vLLM CPU,
-tiny model."""
+"""train_ppo_ray end to end: hybrid engine (everything colocated, sleep flags) with the actor split by AutoTP
+(--ds_tensor_parallel_size 2), DAPO dynamic filtering, eval with pass@k, checkpoints, and a resume that sees the same
+prompts as the unbroken run. Real Ray + DeepSpeed + vLLM CPU, tiny model."""
 
 from __future__ import annotations
 
@@ -45,7 +45,7 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         "--eval_dataset", str(evals), "--eval_steps", "2", "--eval_n_samples_per_prompt", "2",
         "--vllm_kv_cache_bytes", str(128 * 2**20), "--generate_max_len", "12", "--prompt_max_len", "64",
         "--param_dtype", "fp32", "--max_steps", "3", "--save_steps", "2", "--actor_learning_rate", "1e-4",
-        "--seed", "7"]
+        "--seed", "7", "--ds_tensor_parallel_size", "2"]
     proc = run_cli("train_ppo_ray", args + ["--save_path", str(save)], nproc=1, timeout=800)
     log = proc.stdout + proc.stderr
     assert "colocated (hybrid): actor, reference, engines share 2 device(s)" in log
@@ -57,6 +57,8 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         assert r["timing/swap"] > 0  # ZeRO-2 states offloaded and reloaded around every generation
         assert r["rollout/logprob_diff"] < 1e-4
         assert 0.25 <= r["reward"] <= 0.75
+        # --ds_tensor_parallel_size 2: each actor rank holds part of the weights (the embeddings stay whole)
+        assert 0.5 < r["perf/actor_weight_share"] < 1.0
     labels = {i: row["label"] for i, row in enumerate(rows)}
     steps = _rollouts(save)
     for step, r in zip(steps.values(), records):

@@ -49,7 +49,12 @@ BAD = [
     (["--kl_target", "0.1"], ["--kl_target", "--init_kl_coef"]),
     (["--async_train", "--colocate_all_models", "--vllm_num_engines", "2"], ["--async_train", "--colocate_all_models"]),
     (["--async_train", "--async_queue_size", "0"], ["--async_queue_size"]),
-    (["--ds_tensor_parallel_size", "2"], ["--ds_tensor_parallel_size"]),
+    (["--ds_tensor_parallel_size", "4"], ["--ds_tensor_parallel_size", "--actor_num_gpus_per_node"]),
+    (["--ds_tensor_parallel_size", "0"], ["--ds_tensor_parallel_size"]),
+    (["--ds_tensor_parallel_size", "2", "--zero_stage", "3"], ["--ds_tensor_parallel_size", "--zero_stage"]),
+    (["--ds_tensor_parallel_size", "2", "--ring_attn_size", "2", "--packing_samples"],
+     ["--ds_tensor_parallel_size", "--ring_attn_size"]),
+    (["--ds_tensor_parallel_size", "2", "--lora_rank", "4"], ["--ds_tensor_parallel_size", "--lora_rank"]),
     (["--use_dynamic_batch", "--train_max_tokens_per_gpu", "0"], ["--train_max_tokens_per_gpu"]),
     (["--ring_attn_size", "2"], ["--ring_attn_size", "--packing_samples"]),
     (["--ring_attn_size", "3", "--packing_samples"], ["--ring_attn_size", "--actor_num_gpus_per_node"]),
@@ -84,9 +89,17 @@ def test_valid_config_gives_cpu_notices(base):
     assert any("gloo" in n for n in notices)
 
 
-def test_tensor_parallel_training_is_not_yet_supported(base):
-    with pytest.raises(UserError, match="--ds_tensor_parallel_size is not yet supported"):
-        validate(_cfg(base, ["--ds_tensor_parallel_size", "2"]), on_gpu=True)
+def test_tensor_parallel_reaches_the_deepspeed_config_of_the_actor_only(base):
+    from openppo.ppo.roles import make_strategy
+
+    cfg = _cfg(base, ["--ds_tensor_parallel_size", "2"])
+    validate(cfg, on_gpu=False)
+    actor, critic = make_strategy(cfg, trained=True, role="actor"), make_strategy(cfg, trained=True)
+    actor.world_size = critic.world_size = 2
+    assert actor.train_config()["tensor_parallel"] == {"autotp_size": 2, "vocab_parallel_lm_head": False}
+    # the 2 ranks train on the same rows: DeepSpeed's batch counts both
+    assert actor.train_config()["train_batch_size"] == 16 and actor.grad_accum_steps == 4
+    assert "tensor_parallel" not in critic.train_config() and critic.grad_accum_steps == 2
 
 
 def test_deepcompile_is_gpu_only_and_reaches_the_deepspeed_config(base):

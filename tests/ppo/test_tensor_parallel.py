@@ -1,0 +1,179 @@
+"""--ds_tensor_parallel_size: DeepSpeed AutoTP on 2 gloo ranks (CPU) against plain single-process autograd.
+
+One spawn of two workers (a module fixture) holding one tensor-parallel group (data-parallel size 1). Each rank
+builds the tiny model twice: as a real DeepSpeed AutoTP engine (ZeRO-0, fp32) and as a plain `Actor`. It checks
+the weight gather the sync and the HF export use, the log-probs, and one optimizer step of `fit_experience`
+(the loss and the gradient at the boundary: each rank's weight slice against the same slice of the plain model's
+gradient, which catches a wrong backward scale), then writes the measured errors to a JSON file that the tests
+read.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+
+from tests.ppo.test_dynamic_batch import GradAtBoundary, _experience
+
+WORLD = 2
+TIMEOUT_S = 300
+
+
+class PlainEngine:
+    """What `fit_experience` needs of an engine, for a module trained by plain autograd in one process."""
+
+    def __init__(self, module):
+        self.module = module
+
+    def __call__(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    def train(self):
+        self.module.train()
+
+    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
+        self.boundary = boundary
+
+    def backward(self, loss, scale_wrt_gas: bool = True):
+        loss.backward()
+
+    def step(self):
+        pass
+
+
+def _slice_like(full: torch.Tensor, shard: torch.Tensor, rank: int) -> torch.Tensor:
+    """This rank's slice of a full tensor: AutoTP splits a weight along one dim into equal parts here."""
+    for dim in range(full.dim()):
+        if full.shape[dim] != shard.shape[dim]:
+            k = shard.shape[dim]
+            return full.narrow(dim, rank * k, k)
+    return full
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _worker(rank: int, out_dir: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from openppo.models.actor import Actor
+    from openppo.models.loading import load_tokenizer
+    from openppo.ppo.config import AlgoConfig
+    from openppo.ppo.fit import actor_loss, fit_experience
+    from openppo.ppo.micro_batches import Batching
+    from openppo.rollout.sender import iter_full_weights
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+    from tests.model_cache import tiny_model_dir
+
+    path = str(tiny_model_dir())
+    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=120),
+                                 train_batch_size=8 * WORLD, micro_batch_size=2, max_norm=0.0, seed=0,
+                                 tensor_parallel_size=WORLD)
+    strategy.setup_distributed()
+    plain = Actor.from_pretrained(path, dtype=torch.float32)
+    engine = GradAtBoundary(strategy.prepare_train(
+        Actor.from_pretrained(path, dtype=torch.float32), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
+        scheduler="constant", warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=4))
+    results: dict[str, float] = {}
+    shards = {n: p for n, p in engine.module.named_parameters()}
+    results["split_weights"] = float(sum(p.numel() for p in shards.values())
+                                     < sum(p.numel() for p in plain.parameters()))
+
+    # The gather of the weight sync: full HF-named weights on rank 0, equal to the unsplit model's.
+    full = dict(iter_full_weights(engine.module, rank=rank))
+    if rank == 0:
+        reference = dict(plain.model.named_parameters())
+        results["sync_names_match"] = float(set(full) == set(reference))
+        results["sync_weights"] = max((full[n] - reference[n]).abs().max().item() for n in reference)
+    else:
+        results["sync_names_match"] = float(full == {})
+        results["sync_weights"] = 0.0
+
+    data = _experience()
+    with torch.no_grad():
+        ours = engine(data["sequences"], data["attention_mask"], pack=True).log_probs
+        theirs = plain(data["sequences"], data["attention_mask"]).log_probs
+    mask = data["attention_mask"][:, 1:].bool()
+    results["log_probs"] = (ours - theirs)[mask].abs().max().item()
+    data["old_log_probs"] = theirs + 0.05 * torch.randn(theirs.shape, generator=torch.Generator().manual_seed(1))
+
+    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0)
+    metrics = {}
+    for name, eng, world, tp in (("tp", engine, WORLD, WORLD), ("plain", PlainEngine(plain), 1, 1)):
+        loss_fn = actor_loss(eng, algo, kl_coef=0.0, temperature=1.0, generate_max_len=32, is_correction=None,
+                             is_threshold=(0.5, 5.0), pack=True)
+        metrics[name] = fit_experience(eng, data, loss_fn, batching=Batching(packed=True, rows=2, max_tokens=40),
+                                       rows_per_step=8, epochs=1, world_size=world, seed=0,
+                                       device=strategy.device, tensor_parallel_size=tp)
+    results["loss"] = abs(metrics["tp"]["loss/policy"] - metrics["plain"]["loss/policy"])
+    grads, reference = engine.grads[0], dict(plain.named_parameters())
+    results["grads_rel"] = max(_rel(g, _slice_like(reference[n].grad, g, rank)) for n, g in grads.items())
+
+    # HF export after the step: the gathered weights, loadable by transformers.
+    out = Path(out_dir) / "hf"
+    strategy.save_hf(engine.engine, load_tokenizer(path), out)
+    trained = dict(iter_full_weights(engine.module, rank=rank))
+    if rank == 0:
+        from transformers import AutoModelForCausalLM
+
+        exported = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
+        results["export"] = max((exported[n] - t).abs().max().item() for n, t in trained.items())
+        results["trained_moved"] = max((trained[n] - full[n]).abs().max().item() for n in trained)
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def tp_results(tmp_path_factory) -> list[dict]:
+    out_dir = tmp_path_factory.mktemp("tp")
+    procs = mp.start_processes(_worker, args=(str(out_dir), _free_port()), nprocs=WORLD, start_method="spawn",
+                               join=False)
+    deadline = time.monotonic() + TIMEOUT_S
+    try:
+        while not procs.join(timeout=1):  # raises with the worker's traceback if one failed
+            if time.monotonic() > deadline:
+                pytest.fail(f"tensor-parallel workers still running after {TIMEOUT_S} s (a mismatched collective?)")
+    finally:
+        for p in procs.processes:
+            if p.is_alive():
+                p.terminate()
+    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+
+
+def test_weights_are_split_and_the_sync_gathers_them_whole(tp_results):
+    for r in tp_results:
+        assert r["split_weights"] == 1.0 and r["sync_names_match"] == 1.0
+        assert r["sync_weights"] == 0.0
+
+
+def test_log_probs_equal_the_unsplit_model(tp_results):
+    for r in tp_results:
+        assert r["log_probs"] <= 1e-5, r
+
+
+def test_one_step_has_the_unsplit_loss_and_gradient(tp_results):
+    for r in tp_results:
+        assert r["loss"] <= 1e-6, r
+        assert r["grads_rel"] <= 1e-5, r  # a backward scaled by the world size instead would be off by 1.0
+
+
+def test_hf_export_holds_the_trained_weights(tp_results):
+    r = tp_results[0]
+    assert r["export"] <= 1e-6, r
+    assert r["trained_moved"] > 0, r  # the step changed the weights the export and the sync see
