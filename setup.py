@@ -15,6 +15,7 @@ CORE = [
     "tensorboard",
     "wandb",
     "tqdm",
+    "psutil",
 ]
 
 setup(

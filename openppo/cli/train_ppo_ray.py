@@ -6,6 +6,7 @@ from __future__ import annotations
 import logging
 import sys
 import time
+from pathlib import Path
 
 import torch
 
@@ -13,11 +14,13 @@ from openppo.cli.runner import run_cli
 from openppo.config.schema import to_dict
 from openppo.models.loading import load_tokenizer
 from openppo.ppo import launch
+from openppo.ppo.advisor import advice_text, advise
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.summary import summary_table
 from openppo.ppo.trainer import PPOTrainer
 from openppo.ppo.validate import validate
 from openppo.rewards import build_reward_source
+from openppo.utils.resources import host_memory_gib
 from openppo.utils.run_info import log_run_info, run_info
 from openppo.utils.tracking import MetricsTracker
 
@@ -46,7 +49,9 @@ def train(cfg: PPOConfig) -> None:
                              agent_rollout=agent_rollout)
         history = trainer.fit()
         groups.policy.run("save_hf", cfg.ckpt.save_path, cfg.model.pretrain)
-        logger.info("run summary\n%s", summary_table(history))
+        summary = f"{summary_table(history)}\n\n{advice_text(advise(history, cfg, host_memory_gib()))}"
+        logger.info("run summary\n%s", summary)
+        (Path(cfg.ckpt.save_path) / "summary.txt").write_text(summary + "\n")
         where = f"trained actor, metrics.jsonl and rollouts.jsonl: {cfg.ckpt.save_path}"
         if cfg.logging.use_tensorboard:
             where += f"; TensorBoard: {cfg.logging.use_tensorboard}"

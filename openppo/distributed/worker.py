@@ -113,6 +113,18 @@ class BaseWorker:
     def get_env(self, names: list[str]) -> dict[str, str | None]:
         return {name: os.environ.get(name) for name in names}
 
+    def start_profile(self) -> None:
+        """--profile_steps: record this rank's torch activity until `stop_profile`."""
+        from openppo.utils.profiling import StepProfiler
+
+        self._profiler = StepProfiler()
+        self._profiler.start()
+
+    def stop_profile(self, out_dir: str) -> str | None:
+        """Write this rank's trace as `<out_dir>/<group>_rank<N>.json`; returns the path."""
+        profiler = getattr(self, "_profiler", None)
+        return None if profiler is None else profiler.stop(f"{out_dir}/{self.group_name}_rank{self.rank}.json")
+
     # --------------------------------------------------------------------------------------- training set-up
     def setup_strategy(self, ds_cfg, *, train_batch_size: int, micro_batch_size: int, max_norm: float = 1.0,
                        seed: int = 42):

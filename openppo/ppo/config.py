@@ -83,6 +83,14 @@ class PPODeepSpeedConfig(DeepSpeedConfig):
 
 
 @dataclass
+class PPOLoggingConfig(LoggingConfig):
+    """Metrics, experiment tracking and profiling."""
+
+    profile_steps: str = opt(None, "comma list of RL steps to trace with the torch profiler (driver and every rank; "
+                                   "Chrome traces in <save_path>/profile/step<N>/)", metavar="A,B")
+
+
+@dataclass
 class PromptDataConfig:
     """Prompts, labels, templates and lengths."""
 
@@ -192,7 +200,7 @@ class PPOConfig:
     train: PPOTrainConfig = field(default_factory=PPOTrainConfig)
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
-    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    logging: PPOLoggingConfig = field(default_factory=PPOLoggingConfig)
 
 
 def ranks_per_shard(cfg: PPOConfig, role: str) -> int:

@@ -12,6 +12,7 @@ up, and the controller calls them with CPU tensors.
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any, Callable
 
@@ -24,8 +25,10 @@ from openppo.models.packing import pad_to_width
 from openppo.ppo.fit import (actor_loss, critic_loss, fit_experience, plan_on_all_ranks, row_lengths,
                              select_rows)
 from openppo.ppo.micro_batches import Batching
+from openppo.ppo.throughput import mfu, peak_flops, train_flops
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+from openppo.utils.resources import device_name, device_stats
 
 
 def make_strategy(cfg: PPOConfig, *, trained: bool, role: str = "critic") -> DeepSpeedStrategy:
@@ -99,11 +102,29 @@ def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dic
                 warmup_ratio=t.lr_warmup_ratio, min_lr_ratio=t.min_lr_ratio, num_training_steps=num_training_steps)
 
 
+def _num_params(model) -> int:
+    """Parameters of the whole model (ZeRO-3 keeps only a shard in each tensor and the full size in ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
+
+
 class _TrainedRole:
-    """Shared checkpoint / export plumbing of the actor and critic."""
+    """Shared checkpoint / export plumbing of the actor and critic, and the throughput of their updates."""
 
     strategy: DeepSpeedStrategy
     engine: object
+    cfg: PPOConfig
+    num_params: int
+
+    def _perf(self, name: str, data: dict[str, torch.Tensor], seconds: float, replicas: int) -> dict[str, float]:
+        """perf/<name>_*: this rank's memory, and on a known GPU the MFU of the update (averaged over the ranks by
+        the caller: each rank counts 1/replicas of the tokens it shares with its ring or tensor-parallel group)."""
+        out = {f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in device_stats().items()}
+        tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / replicas
+        peak = peak_flops(device_name(), self.cfg.ds.param_dtype) if torch.cuda.is_available() else None
+        value = mfu(train_flops(self.num_params, tokens, self.cfg.model.gradient_checkpointing), seconds, peak)
+        if value is not None:
+            out[f"perf/{name}_mfu"] = value
+        return out
 
     def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
         self.strategy.save_checkpoint(self.engine, ckpt_dir, step, client_state, max_num)
@@ -139,11 +160,11 @@ class PolicyRole(_TrainedRole):
             model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype,
                                           **cfg.model.build_kwargs())
         _sequence_parallel(cfg, model)
-        full = sum(p.numel() for p in model.parameters())  # real shapes: AutoTP excludes ZeRO-3
+        self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
         # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
-        self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(full, 1)
+        self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(self.num_params, 1)
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
@@ -160,6 +181,7 @@ class PolicyRole(_TrainedRole):
                              generate_max_len=cfg.data.generate_max_len, is_correction=is_correction,
                              is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
                              pack=cfg.rollout.packing_samples)
+        start = time.perf_counter()
         metrics = fit_experience(self.engine, data, loss_fn, batching=train_batching(cfg),
                                  rows_per_step=_rows_per_step(cfg, self.strategy, "actor"),
                                  epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
@@ -172,6 +194,7 @@ class PolicyRole(_TrainedRole):
             metrics["perf/ring_token_share"] = ring.token_share()
         if self.strategy.tensor_parallel_size > 1:
             metrics["perf/actor_weight_share"] = self.weight_share
+        metrics.update(self._perf("actor", data, time.perf_counter() - start, ranks_per_shard(cfg, "actor")))
         return self.strategy.all_reduce_mean(metrics)
 
 
@@ -185,6 +208,7 @@ class CriticRole(_TrainedRole):
             model = ScalarModel.from_pretrained(path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain",
                                                 **cfg.model.build_kwargs())
         _sequence_parallel(cfg, model)
+        self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
 
@@ -196,11 +220,14 @@ class CriticRole(_TrainedRole):
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         cfg = self.cfg
+        start = time.perf_counter()
         metrics = fit_experience(self.engine, data, critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
-                                 batching=train_batching(cfg), rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
+                                 batching=train_batching(cfg),
+                                 rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
                                  epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
                                  seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device,
                                  ring_size=cfg.rollout.ring_attn_size)
+        metrics.update(self._perf("critic", data, time.perf_counter() - start, ranks_per_shard(cfg, "critic")))
         return self.strategy.all_reduce_mean(metrics)
 
 

@@ -21,12 +21,15 @@ def summary_table(history: list[dict[str, float]], window: int = 5) -> str:
     # timing/step is the whole step's wall time, not a stage: it is the total the stages are shares of
     stages = sorted({k for h in history for k in h if k.startswith("timing/") and k != "timing/step"})
     means = {k: _mean([h.get(k, 0.0) for h in history]) for k in stages}
-    staged = sum(means.values())
+    # --async_train: generation and scoring ran beside the step, on the producer thread
+    overlapped = {"timing/generate", "timing/reward"} if "timing/wait_rollout" in means else set()
+    staged = sum(v for k, v in means.items() if k not in overlapped)
     has_step = any("timing/step" in h for h in history)
     total = (_mean([h.get("timing/step", 0.0) for h in history]) if has_step else staged) or 1.0
-    if has_step and total - staged > 0.005 * total:  # collation, metrics, controller work between the stages
-        means["timing/other"] = total - staged
+    if has_step and "timing/idle" not in means and total - staged > 0.005 * total:
+        means["timing/idle"] = total - staged  # collation, metrics, controller work between the stages
     for key in sorted(means, key=lambda k: -means[k]):
-        lines.append(f"{key.split('/', 1)[1]:<22}{means[key]:>10.2f}{means[key] / total:>8.0%}")
+        name = key.split("/", 1)[1] + (" (async)" if key in overlapped else "")
+        lines.append(f"{name:<22}{means[key]:>10.2f}{means[key] / total:>8.0%}")
     lines.append(f"{'step':<22}{total:>10.2f}")
     return "\n".join(lines)

@@ -32,7 +32,10 @@ from openppo.ppo.experience import Sample, collate_samples, compute_advantages_f
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.prompt_stream import PromptStream
+from openppo.ppo.throughput import idle_seconds, step_throughput
 from openppo.ppo.validate import engine_dtype
+from openppo.utils.profiling import StepProfiler, parse_profile_steps
+from openppo.utils.resources import rss_gib
 from openppo.utils.tracking import MetricsTracker
 
 logger = logging.getLogger(__name__)
@@ -65,6 +68,7 @@ class PPOTrainer:
         self._reward_lock = threading.Lock()
         self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
         self._producer: RolloutProducer | None = None
+        self._profiler: StepProfiler | None = None  # the driver's trace while a --profile_steps step runs
         self.swap = MemorySwap(cfg, groups, self._timed)
         Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
         self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
@@ -292,9 +296,31 @@ class PPOTrainer:
             "value_loss": metrics.get("loss/value", float("nan")),
             "clip_ratio": metrics.get("policy/clip_ratio", float("nan")),
             "entropy": metrics.get("policy/entropy", float("nan")),
-            "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode, **lag, **reward_logs,
-            **self._timing, "timing/step": time.perf_counter() - start})
+            "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode, **lag, **reward_logs})
+        timing = {**self._timing, "timing/step": time.perf_counter() - start}
+        timing["timing/idle"] = idle_seconds(timing, timing["timing/step"])
+        trained = int(batch["attention_mask"].sum()) * cfg.train.max_epochs
+        metrics.update(timing)
+        metrics.update(step_throughput(generated_tokens=int(batch["response_length"].sum()), trained_tokens=trained,
+                                       samples=len(samples), timing=timing))
+        metrics["perf/driver_rss_gib"] = rss_gib()
         return metrics
+
+    def _profile(self, action: str) -> None:
+        """--profile_steps: start, or stop and write, a torch profiler trace on the driver and every model rank."""
+        groups = [g for g in (self.groups.policy, self.groups.critic, self.groups.reference, self.groups.reward)
+                  if g is not None]
+        if action == "start":
+            self._profiler = StepProfiler()
+            self._profiler.start()
+            for g in groups:
+                g.run("start_profile")
+            return
+        out = Path(self.cfg.ckpt.save_path) / "profile" / f"step{self.global_step}"
+        self._profiler.stop(out / "driver.json")
+        for g in groups:
+            g.run("stop_profile", str(out))
+        logger.info("profile of step %d: Chrome traces in %s", self.global_step, out)
 
     # ------------------------------------------------------------------------------------------------ eval
     def evaluate(self) -> dict[str, float]:
@@ -381,9 +407,15 @@ class PPOTrainer:
         history = []
         saved_step = None
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="RL steps", dynamic_ncols=True)
+        traced_steps = set(parse_profile_steps(cfg.logging.profile_steps))
         while self.global_step < self.total_steps:
             episode = self._episode()
+            traced = self.global_step + 1 in traced_steps
+            if traced:
+                self._profile("start")
             metrics = self.step()
+            if traced:
+                self._profile("stop")
             if metrics is None:
                 logger.info("every prompt of the %d episode(s) was drawn by step %d (dynamic filtering draws more "
                             "than one batch of prompts per step); stopping", self.stream.num_episodes,

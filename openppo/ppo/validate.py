@@ -11,6 +11,7 @@ from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
 from openppo.ppo.config import PPOConfig
 from openppo.strategy.config import state_offload_supported
+from openppo.utils.profiling import parse_profile_steps
 
 def needs_reference(cfg: PPOConfig) -> bool:
     return cfg.algo.init_kl_coef > 0
@@ -120,6 +121,11 @@ def _batches(cfg: PPOConfig) -> None:
     _positive(t.actor_learning_rate, "--actor_learning_rate")
     _positive(t.critic_learning_rate, "--critic_learning_rate")
     _positive(cfg.logging.logging_steps, "--logging_steps")
+    try:
+        parse_profile_steps(cfg.logging.profile_steps)
+    except ValueError:
+        raise UserError(f"--profile_steps takes a comma list of positive step numbers (e.g. 2,5), got "
+                        f"{cfg.logging.profile_steps!r}") from None
     _positive(r.train_max_tokens_per_gpu, "--train_max_tokens_per_gpu")
     if r.rollout_max_tokens_per_gpu is not None:
         _positive(r.rollout_max_tokens_per_gpu, "--rollout_max_tokens_per_gpu")

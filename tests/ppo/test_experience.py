@@ -82,9 +82,14 @@ def test_summary_table():
     table = summary_table(history, window=2)
     assert "first 2 steps: 0.100" in table and "last 2 steps:  0.900" in table
     assert "generate" in table and "75%" in table and "10.0 -> 5.0" in table
-    # with the step's wall time logged, shares are of the step, and the untimed rest shows as "other"
+    # with the step's wall time logged, shares are of the step, and the untimed rest shows as "idle"
     for h in history:
         h["timing/step"] = 5.0
     table = summary_table(history, window=2)
-    assert "60%" in table and "20%" in table and "other" in table
+    assert "60%" in table and "20%" in table and "idle" in table
     assert table.splitlines()[-1].split() == ["step", "5.00"]
+    # async: generation ran beside the step; it is marked and left out of the staged sum (no idle row here)
+    for h in history:
+        h.update({"timing/wait_rollout": 1.0, "timing/old_logprob": 3.0})
+    rows = {line.split("  ")[0].strip(): line for line in summary_table(history, window=2).splitlines()}
+    assert "generate (async)" in rows and "idle" not in rows

@@ -13,12 +13,15 @@ from tests.model_cache import tiny_model_dir
 pytestmark = pytest.mark.slow
 
 STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "response_length", "rollout/logprob_diff",
-                "timing/generate", "timing/reward", "timing/old_logprob", "timing/actor_train", "timing/weight_sync"]
+                "timing/generate", "timing/reward", "timing/old_logprob", "timing/actor_train", "timing/weight_sync",
+                "timing/idle", "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "perf/samples_per_s",
+                "perf/generated_tokens_per_hour", "perf/driver_rss_gib", "perf/actor_rss_gib"]
 
 
 def test_grpo_with_py_reward(tmp_path):
     """GRPO with a Python reward; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
-    between them and attention runs across the halves, and the log-probs still equal the engine's."""
+    between them and attention runs across the halves, and the log-probs still equal the engine's. Step 2 is
+    traced by the torch profiler; the run ends with the stage table and the bottleneck advice."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     run_cli("train_ppo_ray", [
@@ -29,12 +32,22 @@ def test_grpo_with_py_reward(tmp_path):
         "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(256 * 2**20),
         "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len", "64", "--zero_stage", "3",
         "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save),
-        "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1"],
+        "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1", "--profile_steps", "2"],
         nproc=1, timeout=600)
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]
     for key in STEP_METRICS:
         assert all(key in r for r in records), key
+    for r in records:  # the stages and the idle rest add up to the step (sync run: nothing overlaps)
+        staged = sum(v for k, v in r.items() if k.startswith("timing/") and k != "timing/step")
+        assert staged == pytest.approx(r["timing/step"], rel=1e-6)
+        generated = r["response_length"] * 16  # 4 prompts x 4 samples
+        assert r["perf/generate_tokens_per_s"] == pytest.approx(generated / r["timing/generate"], rel=1e-6)
+    traces = sorted(p.name for p in (save / "profile" / "step2").iterdir())
+    assert traces == ["actor_rank0.json", "actor_rank1.json", "driver.json"], traces
+    assert json.loads((save / "profile" / "step2" / "actor_rank0.json").read_text())["traceEvents"]
+    summary = (save / "summary.txt").read_text()
+    assert "actor_train" in summary and "bottleneck advice" in summary
     # fp32 engine and trainer agree on the sampled tokens before and after a weight sync
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
     # each rank ran half of every row (plus at most one pad token per row) through the model

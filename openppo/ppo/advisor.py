@@ -1,0 +1,201 @@
+"""The bottleneck advisor: rules that read a run's measured stage shares and suggest the flags that would help.
+
+`advise(history, cfg, host_memory_gib)` is pure: it looks at the mean of every logged `timing/*` and `perf/*`
+over the run (the first step is left out when there are more, because it pays the warm-ups) and returns one
+`Advice` per rule that fires, with the numbers that fired it. Thresholds are shares of the step's wall time
+(`timing/step`). A rule only suggests flags the run did not already use.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from openppo.ppo.config import PPOConfig
+
+GENERATION_SHARE = 0.4  # generation (or, async, the wait for it) above this share of the step
+REWARD_SHARE = 0.25
+TRAIN_SHARE = 0.5
+FORWARD_SHARE = 0.3  # old log-probs + reference log-probs + values
+SYNC_SHARE = 0.1
+SWAP_SHARE = 0.2
+IDLE_SHARE = 0.2
+PADDING_SHARE = 0.2  # of the positions the training step computed
+MEMORY_SHARE = 0.9  # of the device's (or host's) memory
+
+
+@dataclass
+class Advice:
+    rule: str
+    evidence: str  # the measured numbers that fired the rule
+    flags: list[str]  # what to try, most promising first
+
+    def __str__(self) -> str:
+        return f"{self.rule}: {self.evidence} -> try {', '.join(self.flags)}"
+
+
+def run_means(history: list[dict[str, float]]) -> dict[str, float]:
+    """Mean of every timing/* and perf/* value over the steps (without the first step when there are more)."""
+    steps = history[1:] if len(history) > 1 else history
+    keys = {k for h in steps for k in h if k.startswith(("timing/", "perf/"))}
+    return {k: sum(h.get(k, 0.0) for h in steps) / len(steps) for k in keys}
+
+
+def _share(means: dict[str, float], *stages: str) -> tuple[float, float]:
+    seconds = sum(means.get(f"timing/{s}", 0.0) for s in stages)
+    step = means.get("timing/step", 0.0)
+    return seconds, (seconds / step if step > 0 else 0.0)
+
+
+def _fmt(stage: str, seconds: float, share: float, step: float) -> str:
+    return f"{stage} takes {share:.0%} of the step ({seconds:.2f} s of {step:.2f} s)"
+
+
+def _generation(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    r, v, res = cfg.rollout, cfg.vllm, cfg.resources
+    stage = "wait_rollout" if r.async_train else "generate"
+    seconds, share = _share(means, stage)
+    if share < (GENERATION_SHARE / 2 if r.async_train else GENERATION_SHARE):
+        return None
+    flags = []
+    if not res.colocate_all_models:
+        flags.append(f"--vllm_num_engines {v.vllm_num_engines * 2}")
+    if v.vllm_gpu_memory_utilization < 0.9 and not res.colocate_all_models:
+        flags.append("--vllm_gpu_memory_utilization 0.9 (a larger KV cache, more sequences at once)")
+    if r.n_samples_per_prompt > 1 and not v.enable_prefix_caching:
+        flags.append("--enable_prefix_caching (the samples of a prompt share its KV cache)")
+    if not r.async_train and not res.colocate_all_models:
+        flags.append("--async_train (generate the next batch while this one trains)")
+    what = "waiting for generation" if r.async_train else "generation"
+    return Advice("generation-bound", _fmt(what, seconds, share, means["timing/step"]),
+                  flags or ["more engines: generation has the devices to itself already"])
+
+
+def _reward(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    seconds, share = _share(means, "reward")
+    if share < REWARD_SHARE:
+        return None
+    flags = []
+    if not cfg.rollout.async_train:
+        flags.append("--async_train (score the next batch while this one trains)")
+    if cfg.model.remote_rm_url and cfg.model.remote_rm_url.startswith("http"):
+        flags.append("more reward servers in --remote_rm_url (a comma list is load-balanced)")
+    if cfg.model.reward_pretrain:
+        flags.append("--reward_num_gpus_per_node (more reward-model ranks)")
+    return Advice("reward-bound", _fmt("reward scoring", seconds, share, means["timing/step"]),
+                  flags or ["a faster reward function"])
+
+
+def _padding(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    padding = means.get("perf/padding_share", 0.0)
+    if padding < PADDING_SHARE:
+        return None
+    flags = [] if cfg.rollout.packing_samples else ["--packing_samples (no padding is computed)"]
+    if not cfg.rollout.use_dynamic_batch:
+        flags.append("--use_dynamic_batch --train_max_tokens_per_gpu N (micro-batches filled by tokens)")
+    if not flags:
+        return None
+    return Advice("padding-heavy", f"{padding:.0%} of the positions the training step computed were padding", flags)
+
+
+def _training(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    seconds, share = _share(means, "actor_train", "critic_train")
+    if share < TRAIN_SHARE:
+        return None
+    flags = []
+    if not cfg.rollout.packing_samples:
+        flags.append("--packing_samples")
+    if not cfg.rollout.use_dynamic_batch:
+        flags.append(f"--use_dynamic_batch (micro-batches of --micro_train_batch_size "
+                     f"{cfg.train.micro_train_batch_size} rows become token-filled ones)")
+    if cfg.model.gradient_checkpointing and means.get("perf/actor_gpu_peak_gib", 0.0) < 0.5 * means.get(
+            "perf/actor_gpu_total_gib", 0.0):
+        flags.append("dropping --gradient_checkpointing (it recomputes the forward; memory is at "
+                     f"{means['perf/actor_gpu_peak_gib']:.1f} of {means['perf/actor_gpu_total_gib']:.1f} GiB)")
+    if cfg.train.max_epochs > 1:
+        flags.append(f"--max_epochs 1 (now {cfg.train.max_epochs} passes over each batch)")
+    if not flags:
+        return None
+    return Advice("training-bound", _fmt("training", seconds, share, means["timing/step"]), flags)
+
+
+def _forwards(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    seconds, share = _share(means, "old_logprob", "ref_logprob", "values")
+    if share < FORWARD_SHARE:
+        return None
+    r = cfg.rollout
+    flags = [f"--micro_rollout_batch_size {r.micro_rollout_batch_size * 2} (forward-only passes keep no "
+             "activations)"] if not r.use_dynamic_batch else [
+        "--rollout_max_tokens_per_gpu (a larger budget for the forward-only passes)"]
+    if not r.packing_samples:
+        flags.append("--packing_samples")
+    return Advice("scoring-forwards", _fmt("old/reference log-probs and values", seconds, share,
+                                           means["timing/step"]), flags)
+
+
+def _sync(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    seconds, share = _share(means, "weight_sync")
+    if share < SYNC_SHARE:
+        return None
+    flags = [f"--vllm_sync_bucket_mb {cfg.vllm.vllm_sync_bucket_mb * 4} (fewer, larger messages)"]
+    if cfg.vllm.vllm_sync_backend != "nccl":
+        flags.append("--vllm_sync_backend nccl (on GPUs)")
+    return Advice("weight-sync", _fmt("the weight sync", seconds, share, means["timing/step"]), flags)
+
+
+def _swap(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    seconds, share = _share(means, "swap")
+    if share < SWAP_SHARE:
+        return None
+    return Advice("memory-swap", _fmt("sleeping/waking engines and offloading states", seconds, share,
+                                      means["timing/step"]),
+                  ["dropping --deepspeed_enable_sleep / --vllm_enable_sleep where the models fit side by side",
+                   "separate devices for engines and trainer (no --colocate_all_models)"])
+
+
+def _memory(cfg: PPOConfig, means: dict[str, float], host_memory_gib: float) -> Advice | None:
+    peak, total = means.get("perf/actor_gpu_peak_gib"), means.get("perf/actor_gpu_total_gib")
+    if peak is not None and total:
+        used, of, where = peak, total, "the actor's peak GPU memory"
+    else:
+        used = means.get("perf/actor_rss_gib", 0.0) + means.get("perf/driver_rss_gib", 0.0)
+        of, where = host_memory_gib, "driver + actor resident memory"
+    if not of or used / of < MEMORY_SHARE:
+        return None
+    flags = []
+    if not cfg.model.gradient_checkpointing:
+        flags.append("--gradient_checkpointing")
+    if cfg.ds.zero_stage < 3:
+        flags.append("--zero_stage 3")
+    if not cfg.ds.adam_offload and not cfg.ds.deepspeed_enable_sleep:
+        flags.append("--adam_offload")
+    if not cfg.model.ref_reward_offload:
+        flags.append("--ref_reward_offload")
+    flags.append("a smaller --train_max_tokens_per_gpu / --micro_train_batch_size")
+    return Advice("memory-bound", f"{where} is {used:.1f} of {of:.1f} GiB ({used / of:.0%})", flags)
+
+
+def _idle(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
+    seconds, share = _share(means, "idle")
+    if share < IDLE_SHARE:
+        return None
+    return Advice("controller-idle", _fmt("time outside every stage", seconds, share, means["timing/step"]),
+                  ["--profile_steps A,B (torch profiler traces of the driver and every rank show where it goes)"])
+
+
+def advise(history: list[dict[str, float]], cfg: PPOConfig, host_memory_gib: float = 0.0) -> list[Advice]:
+    """Every rule that fires on the run's mean stage shares, most expensive stage first."""
+    if not history:
+        return []
+    means = run_means(history)
+    if means.get("timing/step", 0.0) <= 0:
+        return []
+    rules = (_generation(cfg, means), _reward(cfg, means), _training(cfg, means), _padding(cfg, means),
+             _forwards(cfg, means), _sync(cfg, means), _swap(cfg, means), _memory(cfg, means, host_memory_gib),
+             _idle(cfg, means))
+    return [a for a in rules if a is not None]
+
+
+def advice_text(advice: list[Advice]) -> str:
+    if not advice:
+        return "bottleneck advice: no stage stands out (no rule fired)"
+    return "bottleneck advice:\n" + "\n".join(f"- {a}" for a in advice)

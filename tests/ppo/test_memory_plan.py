@@ -1,0 +1,46 @@
+"""The memory planner's arithmetic against the ZeRO paper, and the plan CLI on the tiny model."""
+
+from __future__ import annotations
+
+import pytest
+
+from openppo.ppo.memory_plan import ModelShape, activation_bytes, logits_bytes, trained_items
+
+# ZeRO (Rajbhandari et al. 2020), Figure 1: a 7.5B-parameter model on 64 GPUs with mixed-precision Adam.
+PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_model_states_match_the_zero_paper(stage):
+    shape = ModelShape(num_params=7_500_000_000, embedding_params=0, num_layers=1, hidden=1, intermediate=1, vocab=1)
+    items = trained_items("actor", shape, param_dtype="bf16", zero_stage=stage, data_parallel=64)
+    assert sum(i.bytes for i in items) / 1e9 == pytest.approx(PAPER_GB[stage], abs=0.05)
+
+
+def test_offload_tensor_parallel_and_activations():
+    shape = ModelShape(num_params=1000, embedding_params=200, num_layers=4, hidden=8, intermediate=16, vocab=50)
+    items = {i.what: i for i in trained_items("actor", shape, param_dtype="bf16", zero_stage=0, data_parallel=1,
+                                              tensor_parallel=2, adam_offload=True)}
+    # embeddings whole, the other 800 parameters halved: 600 per rank
+    assert items["actor weights"].bytes == 2 * 600 and items["actor optimizer states"].bytes == 12 * 600
+    assert items["actor optimizer states"].host and not items["actor weights"].host
+    # bf16, 10 tokens: (6 x 8 + 4 x 16) values per token per layer
+    assert activation_bytes(shape, 10, param_dtype="bf16", checkpointing=False) == 2 * 10 * 112 * 4
+    assert activation_bytes(shape, 10, param_dtype="bf16", checkpointing=True) == 2 * 10 * 8 * 4 + 2 * 10 * 112
+    assert logits_bytes(shape, 10, param_dtype="bf16", backward=True) == 10 * 10 * 50
+
+
+def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
+    from openppo.cli.plan import main
+    from tests.model_cache import tiny_model_dir
+
+    args = ["--pretrain", str(tiny_model_dir()), "--prompt_data", "p.jsonl", "--advantage_estimator", "gae",
+            "--reward_pretrain", str(tiny_model_dir()), "--init_kl_coef", "0.01", "--vllm_kv_cache_bytes", str(2**28)]
+    assert main(args + ["--device_memory_gib", "64"]) == 0
+    out = capsys.readouterr().out
+    for device in ("actor device", "ref device", "critic device", "reward device", "engine device"):
+        assert device in out
+    assert "engine KV cache" in out and "0.25 GiB" in out and "does NOT fit" not in out
+    assert main(args + ["--device_memory_gib", "0.05"]) == 0
+    captured = capsys.readouterr()
+    assert "does NOT fit" in captured.out and "would not fit" in captured.out
