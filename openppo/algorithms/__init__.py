@@ -20,7 +20,7 @@ from openppo.algorithms.advantages import (
     whiten_advantages,
 )
 from openppo.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normalizers
-from openppo.algorithms.entropy import entropy_from_logits, log_probs_from_logits
+from openppo.algorithms.entropy import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from openppo.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,
@@ -67,5 +67,5 @@ __all__ = [
     "apply_truncation_penalty", "token_level_rewards",
     "policy_loss", "value_loss", "gspo_sequence_log_ratio", "importance_weights",
     "aggregate_loss", "loss_normalizers", "default_loss_agg_mode", "needs_critic", "whitens_by_default",
-    "entropy_from_logits", "log_probs_from_logits", "masked_mean", "masked_sum",
+    "entropy_from_logits", "log_probs_and_entropy", "log_probs_from_logits", "masked_mean", "masked_sum",
 ]

@@ -10,7 +10,9 @@ So the extra memory is one chunk, forward and backward, whatever B and T are. Sl
 fine: chunks are views, nothing is flattened or copied.
 
 Results are fp32 for fp32/bf16/fp16 logits and fp64 for fp64 logits. `temperature` divides the logits as the
-rollout engine did when sampling (so log-probs match the sampling distribution).
+rollout engine did when sampling (so log-probs match the sampling distribution); at 1.0 no divided copy is made.
+`log_probs_and_entropy` also returns the entropy for logging from the same pass over each chunk (one logsumexp,
+no logarithm per vocabulary entry: H = logsumexp(z) - sum_v p_v z_v).
 """
 
 from __future__ import annotations
@@ -41,33 +43,53 @@ def _chunks(batch: int, length: int, chunk_size: int) -> Iterator[tuple[slice, s
             yield slice(b, min(b + rows, batch)), slice(0, length)
 
 
+def _scaled(chunk: torch.Tensor, dtype: torch.dtype, temperature: float) -> torch.Tensor:
+    """A chunk of logits in the compute dtype over the temperature: a view when neither changes it (read only)."""
+    z = chunk.to(dtype)
+    return z if temperature == 1.0 else z / temperature
+
+
+def _chunk_entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+    """H = lse - sum_v p_v z_v with p = exp(z - lse). A logit of -inf (a banned token) has p = 0 and adds nothing
+    (its 0 * -inf = NaN is zeroed)."""
+    pz = torch.exp(z - lse.unsqueeze(-1)).mul_(z)
+    return lse - torch.nan_to_num_(pz, nan=0.0).sum(dim=-1)
+
+
 class _LogProbs(torch.autograd.Function):
+    """log p(label) per position; with `with_entropy` also the entropy (no gradient) from the same chunk pass."""
+
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int):
+    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int,
+                with_entropy: bool):
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
+        entropy = torch.empty(logits.shape[:-1] if with_entropy else (0,), dtype=dtype, device=logits.device)
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], chunk_size):
-            z = logits[rows, cols].to(dtype) / temperature
-            picked = z.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1)
-            out[rows, cols] = picked - torch.logsumexp(z, dim=-1)
+            z = _scaled(logits[rows, cols], dtype, temperature)
+            lse = torch.logsumexp(z, dim=-1)
+            out[rows, cols] = z.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1) - lse
+            if with_entropy:
+                entropy[rows, cols] = _chunk_entropy(z, lse)
         ctx.save_for_backward(logits, labels)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
-        return out
+        ctx.mark_non_differentiable(entropy)
+        return out, entropy
 
     @staticmethod
     @once_differentiable
-    def backward(ctx, grad_out: torch.Tensor):
+    def backward(ctx, grad_out: torch.Tensor, _grad_entropy: torch.Tensor):
         logits, labels = ctx.saved_tensors
         dtype = _compute_dtype(logits.dtype)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
-            z = logits[rows, cols].to(dtype) / ctx.temperature
+            z = _scaled(logits[rows, cols], dtype, ctx.temperature)
             g = grad_out[rows, cols].to(dtype).unsqueeze(-1)
             # d log p(y) / d z = onehot(y) - softmax(z); the chain rule through z = logits / T adds 1 / T.
             gz = torch.softmax(z, dim=-1).mul_(-g)
             gz.scatter_add_(-1, labels[rows, cols].unsqueeze(-1), g)
-            grad[rows, cols] = gz.div_(ctx.temperature)
-        return grad, None, None, None
+            grad[rows, cols] = gz if ctx.temperature == 1.0 else gz.div_(ctx.temperature)
+        return grad, None, None, None, None
 
 
 class _Entropy(torch.autograd.Function):
@@ -76,9 +98,8 @@ class _Entropy(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], chunk_size):
-            p = torch.softmax(logits[rows, cols].to(dtype) / temperature, dim=-1)
-            # xlogy(0, 0) = 0: a logit of -inf (a banned token) has p = 0 and adds nothing, instead of 0 * -inf = NaN.
-            out[rows, cols] = -torch.special.xlogy(p, p).sum(dim=-1)
+            z = _scaled(logits[rows, cols], dtype, temperature)
+            out[rows, cols] = _chunk_entropy(z, torch.logsumexp(z, dim=-1))
         ctx.save_for_backward(logits, out)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out
@@ -90,8 +111,8 @@ class _Entropy(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
-            p = torch.softmax(logits[rows, cols].to(dtype) / ctx.temperature, dim=-1)
-            # dH/dz_j = -p_j (log p_j + H); again 1 / T for z = logits / T.
+            p = torch.softmax(_scaled(logits[rows, cols], dtype, ctx.temperature), dim=-1)
+            # dH/dz_j = -p_j (log p_j + H); again 1 / T for z = logits / T. xlogy(0, 0) = 0 for banned tokens.
             h = entropy[rows, cols].unsqueeze(-1)
             g = grad_out[rows, cols].to(dtype).unsqueeze(-1)
             gz = torch.special.xlogy(p, p).add_(p * h).mul_(-g / ctx.temperature)
@@ -122,8 +143,19 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
     labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
     if labels3.shape != logits3.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
-    out = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size)
+    out, _ = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size, False)
     return out.squeeze(0) if logits.dim() == 2 else out
+
+
+def log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
+                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+    """`log_probs_from_logits` (with its gradient) and the entropy for logging (no gradient), in one pass."""
+    logits3 = _as_3d(logits, temperature, chunk_size)
+    labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
+    if labels3.shape != logits3.shape[:-1]:
+        raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
+    out, entropy = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size, True)
+    return (out.squeeze(0), entropy.squeeze(0)) if logits.dim() == 2 else (out, entropy)
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, *,

@@ -12,7 +12,7 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from openppo.algorithms import entropy_from_logits, log_probs_from_logits
+from openppo.algorithms import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from openppo.models.loading import finish_model, resolve_model_path
 from openppo.models.packing import next_token_values, prepare_inputs, unpack_rows
 from openppo.models.varlen_attention import enable_varlen_attention
@@ -72,20 +72,25 @@ class Actor(nn.Module):
             input_ids, position_ids, labels = ring.shard(input_ids, position_ids)
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False)
-        # With a ring, this rank's chunk scores its own tokens' successors (labels cross into the next chunk).
-        logits = out.logits if ring is not None else out.logits[:, :-1]
-        if temperature != 1.0:
-            logits = logits / temperature
-        log_probs = log_probs_from_logits(logits, labels if ring is not None else input_ids[:, 1:])
+        # Position t scores token t + 1. Every position is scored, the last one against a wrapped-around label, and
+        # its value dropped afterwards: slicing the [B, T, V] logits instead would make autograd build a zero-filled
+        # full-vocabulary gradient for the slice. With a ring, this rank's chunk scores its own tokens' successors
+        # (labels cross into the next chunk). The temperature is applied chunk by chunk, without a divided copy.
+        logits = out.logits
+        if ring is None:
+            labels = input_ids.roll(-1, dims=1)
         entropy = None
-        if return_entropy == "log":
-            with torch.no_grad():
-                entropy = entropy_from_logits(logits.detach())
-        elif return_entropy:
-            entropy = entropy_from_logits(logits)
-        if ring is not None:  # whole-row values again; the last one (its label wrapped around) is dropped
-            log_probs = ring.gather(log_probs, num_tokens)[:, :-1]
-            entropy = None if entropy is None else ring.gather(entropy, num_tokens)[:, :-1]
+        if return_entropy == "log":  # for logging: from the same pass as the log-probs, no gradient
+            log_probs, entropy = log_probs_and_entropy(logits, labels, temperature)
+        else:
+            log_probs = log_probs_from_logits(logits, labels, temperature)
+            if return_entropy:
+                entropy = entropy_from_logits(logits, temperature)
+        if ring is not None:  # whole-row values again
+            log_probs = ring.gather(log_probs, num_tokens)
+            entropy = None if entropy is None else ring.gather(entropy, num_tokens)
+        log_probs = log_probs[:, :-1]
+        entropy = None if entropy is None else entropy[:, :-1]
         full_logits = out.logits if return_logits else None
         if packed is not None:
             log_probs = next_token_values(log_probs, packed.token_mask)

@@ -138,13 +138,20 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
             return aggregate_loss(per_token, mask, mode, num_tokens_global=normalizers[0],
                                   num_seqs_global=normalizers[1], norm_len=generate_max_len)
 
+        old = batch.get("old_log_probs")
+        if old is None:  # one on-policy step per batch (see validate.needs_old_logprob_pass): old = current
+            old = out.log_probs.detach()
         per_token, pg_metrics = policy_loss(
-            out.log_probs, batch["old_log_probs"], batch["advantages"], mask, eps_clip_low=low, eps_clip_high=high,
+            out.log_probs, old, batch["advantages"], mask, eps_clip_low=low, eps_clip_high=high,
             dual_clip=algo.dual_clip, loss_type=algo.policy_loss_type,
             rollout_log_probs=batch.get("rollout_log_probs") if is_correction else None, is_correction=is_correction,
             is_threshold=is_threshold)
         loss = agg(per_token)
         metrics = {"loss/policy": loss.item(), **{f"policy/{k}": float(v) for k, v in pg_metrics.items()}}
+        if "old_log_probs" not in batch and "rollout_log_probs" in batch:
+            # the engine-vs-trainer log-prob gap, measured here since no separate pass measured it
+            metrics["policy/rollout_logprob_diff"] = masked_mean(
+                (batch["rollout_log_probs"] - old).abs(), mask).item()
         if algo.use_kl_loss and "ref_log_probs" in batch:
             kl_term = agg(kl_loss(out.log_probs, batch["ref_log_probs"], mask, algo.kl_estimator))
             loss = loss + kl_coef * kl_term

@@ -33,7 +33,7 @@ from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.prompt_stream import PromptStream
 from openppo.ppo.throughput import idle_seconds, step_throughput
-from openppo.ppo.validate import engine_dtype
+from openppo.ppo.validate import engine_dtype, needs_old_logprob_pass
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
 from openppo.utils.resources import rss_gib
 from openppo.utils.tracking import MetricsTracker
@@ -69,6 +69,10 @@ class PPOTrainer:
         self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
         self._producer: RolloutProducer | None = None
         self._profiler: StepProfiler | None = None  # the driver's trace while a --profile_steps step runs
+        self._old_logprob_pass = needs_old_logprob_pass(cfg)
+        if not self._old_logprob_pass:
+            logger.info("one on-policy optimizer step per batch and no reference model: the update's own "
+                        "log-probs are the old log-probs (no separate old-log-prob pass)")
         self.swap = MemorySwap(cfg, groups, self._timed)
         Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
         self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
@@ -250,7 +254,8 @@ class PPOTrainer:
         self.swap.to_trainer()
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
         model_in = {k: batch[k] for k in ("sequences", "attention_mask")}
-        old_log_probs = self._timed("old_logprob", self.forward, g.policy, "log_probs", model_in)
+        old_log_probs = self._timed("old_logprob", self.forward, g.policy, "log_probs", model_in) \
+            if self._old_logprob_pass else None
         ref_log_probs = self._timed("ref_logprob", self.forward, g.reference, "log_probs", model_in) \
             if g.reference is not None else None
         values = self._timed("values", self.forward, g.critic, "values", model_in) if g.critic is not None else None
@@ -260,8 +265,10 @@ class PPOTrainer:
             ref_log_probs=ref_log_probs, values=values, reward_mean_std=g.reward_normalization))
         mask = batch["action_mask"]
         train_data = {"sequences": batch["sequences"], "attention_mask": batch["attention_mask"],
-                      "action_mask": mask, "old_log_probs": old_log_probs, "advantages": adv["advantages"],
+                      "action_mask": mask, "advantages": adv["advantages"],
                       "rollout_log_probs": batch["rollout_log_probs"]}
+        if old_log_probs is not None:
+            train_data["old_log_probs"] = old_log_probs
         if ref_log_probs is not None and cfg.algo.use_kl_loss:
             train_data["ref_log_probs"] = ref_log_probs
         self.global_step += 1
@@ -290,7 +297,8 @@ class PPOTrainer:
             "rollout/reward": scores.mean().item(), "reward": scores.mean().item(), "kl": kl,
             "rollout/kl_coef": self.kl_ctl.value, "response_length": response_len.mean().item(),
             "rollout/truncated_ratio": batch["truncated"].float().mean().item(),
-            "rollout/logprob_diff": masked_mean((batch["rollout_log_probs"] - old_log_probs).abs(), mask).item(),
+            "rollout/logprob_diff": masked_mean((batch["rollout_log_probs"] - old_log_probs).abs(), mask).item()
+            if old_log_probs is not None else metrics.get("policy/rollout_logprob_diff", float("nan")),
             "rollout/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
             "policy_loss": metrics.get("loss/policy", float("nan")),
             "value_loss": metrics.get("loss/value", float("nan")),

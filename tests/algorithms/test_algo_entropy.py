@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from openppo.algorithms import entropy_from_logits, log_probs_from_logits
+from openppo.algorithms import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from openppo.errors import UserError
 
 
@@ -106,3 +106,25 @@ def test_backward_keeps_no_fp32_copy():
         entropy_from_logits(logits, chunk_size=4)
     logits_bytes = logits.numel() * logits.element_size()
     assert sum(saved) <= 2 * logits_bytes + labels.numel() * 8 + 2 * 8 * 4
+
+
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_log_probs_and_entropy_equal_the_separate_functions(temperature, dtype):
+    gen = torch.Generator().manual_seed(3)
+    logits = (3 * torch.randn(2, 5, 40, generator=gen)).to(dtype)
+    logits[0, 1, 7] = float("-inf")  # a banned token: contributes nothing to the entropy, no NaN
+    labels = torch.randint(0, 40, (2, 5), generator=gen)
+    leaf = logits.clone().requires_grad_()
+    log_probs, entropy = log_probs_and_entropy(leaf, labels, temperature, chunk_size=3)
+    assert not entropy.requires_grad and torch.isfinite(entropy).all()
+    ref = log_probs_from_logits(logits.float(), labels, temperature)
+    z = logits.float() / temperature
+    p = z.softmax(-1)
+    ref_entropy = -torch.special.xlogy(p, p).sum(-1)  # the definition, computed directly
+    assert torch.allclose(log_probs, ref, atol=1e-5) and torch.allclose(entropy, ref_entropy, atol=1e-5)
+    assert torch.allclose(entropy, entropy_from_logits(logits, temperature), atol=1e-5)
+    log_probs.sum().backward()
+    x = logits.double().requires_grad_()
+    _reference_log_probs(x, labels, temperature).sum().backward()
+    assert torch.allclose(leaf.grad.double(), x.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)

@@ -66,13 +66,18 @@ def _engine(model_cls):
     return GradAtBoundary(engine), strategy
 
 
-def _run(model_cls, batching: Batching):
+def _run(model_cls, batching: Batching, old: str = "noisy"):
+    """`old`: "noisy" old log-probs (ratios != 1: clipping is live), "exact" (the policy's own), or "none" (the
+    update uses its own, detached: one on-policy step)."""
     data = _experience()
     engine, strategy = _engine(model_cls)
     if model_cls is Actor:
         with torch.no_grad():
             data["old_log_probs"] = engine(data["sequences"], data["attention_mask"]).log_probs
-        data["old_log_probs"] += 0.05 * torch.randn_like(data["old_log_probs"])  # ratios != 1: clipping is live
+        if old == "noisy":
+            data["old_log_probs"] += 0.05 * torch.randn_like(data["old_log_probs"])
+        elif old == "none":
+            del data["old_log_probs"]
         loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0), kl_coef=0.0,
                              temperature=1.0, generate_max_len=32, is_correction=None, is_threshold=(0.5, 5.0),
                              pack=batching.packed)
@@ -97,3 +102,13 @@ def test_packed_and_token_budget_steps_equal_static_padded(model_cls, loss_key):
         worst = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
         scale = max(g.abs().max().item() for g in ref_grads.values())
         assert worst <= 1e-5 * max(scale, 1.0), (batching, worst)
+
+
+def test_one_on_policy_step_needs_no_old_log_prob_pass():
+    """The update's own detached log-probs as the old ones: the same loss and gradient as a separate pass."""
+    ref_metrics, ref_grads = _run(Actor, Batching(packed=True, rows=2), old="exact")
+    metrics, grads = _run(Actor, Batching(packed=True, rows=2), old="none")
+    assert metrics["loss/policy"] == pytest.approx(ref_metrics["loss/policy"], abs=1e-6)
+    assert metrics["policy/clip_ratio"] == ref_metrics["policy/clip_ratio"] == 0.0
+    worst = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
+    assert worst <= 1e-5 * max(max(g.abs().max().item() for g in ref_grads.values()), 1.0), worst

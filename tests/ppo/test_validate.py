@@ -123,3 +123,13 @@ def test_colocation_and_sleep_notices_on_cpu(base):
     # ZeRO-2 offloads for real on CPU: no notice about it
     notices = validate(_cfg(base, ["--deepspeed_enable_sleep", "--zero_stage", "2"]), on_gpu=False)
     assert not any("--deepspeed_enable_sleep" in n for n in notices)
+
+
+def test_old_log_prob_pass_only_when_the_policy_moves_or_a_reference_measures_kl(base):
+    from openppo.ppo.validate import needs_old_logprob_pass
+
+    # base: 4 prompts x 4 samples = 16 per step, --train_batch_size 8: two optimizer steps per batch
+    assert needs_old_logprob_pass(_cfg(base, []))
+    assert not needs_old_logprob_pass(_cfg(base, ["--train_batch_size", "16"]))
+    assert needs_old_logprob_pass(_cfg(base, ["--train_batch_size", "16", "--max_epochs", "2"]))
+    assert needs_old_logprob_pass(_cfg(base, ["--train_batch_size", "16", "--init_kl_coef", "0.01"]))
