@@ -10,14 +10,11 @@ from __future__ import annotations
 import datetime
 import json
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 
 from openppo.errors import UserError
 from openppo.models.positions import packed_position_ids
@@ -31,6 +28,7 @@ from openppo.models.ring_attention import (
     ring_context,
     split_for_ring,
 )
+from tests.spawn import run_ranks
 
 ROWS = {"even": [7, 12, 5], "odd": [7, 11, 5]}  # N = 24 and N = 23 (padded to 24 on 2 ranks)
 HEAD_STRIDES = [0, 1]  # in KV heads: all 2 at once, then one KV head (2 query heads) per step
@@ -163,27 +161,9 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def ring_results(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("ring")
-    procs = mp.start_processes(_worker, args=(str(out_dir), _free_port()), nprocs=WORLD, start_method="spawn",
-                               join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not procs.join(timeout=1):  # raises with the worker's traceback if one failed
-            if time.monotonic() > deadline:
-                pytest.fail(f"ring attention workers still running after {TIMEOUT_S} s (a mismatched collective?)")
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("ring"), TIMEOUT_S, "ring attention")
 
 
 @pytest.mark.parametrize("case", [f"{row}-stride{s}" for row in ROWS for s in HEAD_STRIDES]

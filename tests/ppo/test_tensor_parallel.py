@@ -12,15 +12,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
-import time
 from pathlib import Path
 
 import pytest
 import torch
-import torch.multiprocessing as mp
 
 from tests.ppo.test_dynamic_batch import GradAtBoundary, _experience
+from tests.spawn import run_ranks
 
 WORLD = 2
 TIMEOUT_S = 300
@@ -133,27 +131,9 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     torch.distributed.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.fixture(scope="module")
 def tp_results(tmp_path_factory) -> list[dict]:
-    out_dir = tmp_path_factory.mktemp("tp")
-    procs = mp.start_processes(_worker, args=(str(out_dir), _free_port()), nprocs=WORLD, start_method="spawn",
-                               join=False)
-    deadline = time.monotonic() + TIMEOUT_S
-    try:
-        while not procs.join(timeout=1):  # raises with the worker's traceback if one failed
-            if time.monotonic() > deadline:
-                pytest.fail(f"tensor-parallel workers still running after {TIMEOUT_S} s (a mismatched collective?)")
-    finally:
-        for p in procs.processes:
-            if p.is_alive():
-                p.terminate()
-    return [json.loads((out_dir / f"rank{r}.json").read_text()) for r in range(WORLD)]
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("tp"), TIMEOUT_S, "tensor-parallel")
 
 
 def test_weights_are_split_and_the_sync_gathers_them_whole(tp_results):
