@@ -80,6 +80,7 @@ class BaseWorker:
         self.group_name = os.environ.get(GROUP_NAME_ENV, type(self).__name__)
         self.strategy: Any = None
         self._log_ring = _setup_worker_logging(self.group_name, self.rank)
+        self._profiler: Any = None  # a StepProfiler while a --profile_steps step is traced
 
     # --------------------------------------------------------------------------------------- remote helpers
     def node_ip(self) -> str:
@@ -122,8 +123,10 @@ class BaseWorker:
 
     def stop_profile(self, out_dir: str) -> str | None:
         """Write this rank's trace as `<out_dir>/<group>_rank<N>.json`; returns the path."""
-        profiler = getattr(self, "_profiler", None)
-        return None if profiler is None else profiler.stop(f"{out_dir}/{self.group_name}_rank{self.rank}.json")
+        if self._profiler is None:
+            return None
+        profiler, self._profiler = self._profiler, None
+        return profiler.stop(f"{out_dir}/{self.group_name}_rank{self.rank}.json")
 
     # --------------------------------------------------------------------------------------- training set-up
     def setup_strategy(self, ds_cfg, *, train_batch_size: int, micro_batch_size: int, max_norm: float = 1.0,

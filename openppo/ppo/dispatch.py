@@ -46,7 +46,14 @@ def take_rows(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch
     return {k: v[index] for k, v in data.items()}
 
 
+def replicated(data: dict[str, torch.Tensor], rows_per_shard: list[list[int]],
+               replicas: int) -> list[dict[str, torch.Tensor]]:
+    """Each shard's rows, once for each of the `replicas` consecutive ranks (a ring, a tensor-parallel group) that
+    hold them."""
+    return [take_rows(data, rows) for rows in rows_per_shard for _ in range(replicas)]
+
+
 def shards(data: dict[str, torch.Tensor], n: int, balance: bool = False,
            replicas: int = 1) -> list[dict[str, torch.Tensor]]:
-    """One shard per rank; each `replicas` consecutive ranks (a ring, a tensor-parallel group) get the same one."""
-    return [take_rows(data, rows) for rows in shard_rows(data, n // replicas, balance) for _ in range(replicas)]
+    """One shard per rank of a group of `n` ranks."""
+    return replicated(data, shard_rows(data, n // replicas, balance), replicas)

@@ -26,7 +26,7 @@ from openppo.agents.rollout import rows_by_budget
 from openppo.algorithms import build_kl_controller, masked_mean
 from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
 from openppo.ppo.config import PPOConfig, ranks_per_shard
-from openppo.ppo.dispatch import Groups, shard_rows, shards, take_rows
+from openppo.ppo.dispatch import Groups, replicated, shard_rows, shards
 from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
@@ -225,9 +225,8 @@ class PPOTrainer:
         """A forward-only pass of `group` over the batch; the result in the batch's row order."""
         replicas = self._replicas(group)
         shards = shard_rows(data, group.num_workers // replicas, self._balance)
-        replicated = [take_rows(data, rows) for rows in shards for _ in range(replicas)]
         # the ranks of a ring or a tensor-parallel group return the same values
-        results = torch.cat(group.run_sharded(method, replicated)[::replicas])
+        results = torch.cat(group.run_sharded(method, replicated(data, shards, replicas))[::replicas])
         out = torch.empty_like(results)
         out[torch.tensor([i for rows in shards for i in rows])] = results
         return out
