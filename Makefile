@@ -28,7 +28,7 @@ $(VENV)/.installed: requirements/cpu.txt setup.py
 	touch $@
 
 test: install
-	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 --durations 25 $(PYTEST_ARGS)
 
 test-fast: install
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 -m "not slow" $(PYTEST_ARGS)

@@ -98,7 +98,8 @@ def main() -> None:
 
     def forward(b: Batching) -> torch.Tensor:
         return forward_in_chunks(engine, strategy, data, b,
-                                 lambda e, s, a: e(s, a, pack=b.packed).log_probs)
+                                 lambda e, m: e(m["sequences"], m["attention_mask"], pack=b.packed,
+                                                score_mask=m["action_mask"]).log_probs)
 
     with torch.no_grad():
         data["old_log_probs"] = forward(variants["padded"])

@@ -3,6 +3,7 @@
     .venv/bin/python bench/vs_trl.py                     # SmolLM2-135M-Instruct, 8 prompts x 8 samples, 32 tokens
     .venv/bin/python bench/vs_trl.py --model tiny        # tiny random model on the Qwen3 tokenizer (151k vocab)
     .venv/bin/python bench/vs_trl.py --steps 8 --only trl
+    .venv/bin/python bench/vs_trl.py --only openppo --async_train   # openppo overlapping generation and update
 
 Both runs get the same model, prompts (the built-in arithmetic task, chat template), group size, response
 length, learning rate, beta 0 (no reference model), one optimizer step per RL step over the whole batch, one
@@ -126,6 +127,8 @@ def run_openppo(args, prompts: Path, model: str, workdir: Path) -> dict:
              "--prompt_max_len", "128", "--init_kl_coef", "0", "--zero_stage", "0", "--param_dtype", args.dtype,
              "--max_steps", str(args.steps), "--actor_learning_rate", str(args.lr), "--lr_scheduler", "constant",
              "--seed", "0", "--disable_ds_ckpt", "--save_path", str(save)]
+    if args.async_train:  # generation of step k+1 overlaps the update of step k (one step off-policy)
+        flags.append("--async_train")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
     proc = subprocess.run([sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags], cwd=REPO, env=env,
@@ -160,6 +163,8 @@ def main() -> None:
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--only", choices=("openppo", "trl"), default=None)
+    parser.add_argument("--async_train", action="store_true",
+                        help="openppo with --async_train: no longer the same on-policy job (reported as such)")
     args = parser.parse_args()
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
@@ -174,7 +179,8 @@ def main() -> None:
             if args.only in (None, name):
                 results[name] = fn(args, prompts, model, workdir)
                 print(f"{name}: {results[name]}", flush=True)
-    out = {"bench": "vs_trl", "model": args.model, "steps": args.steps, "prompts": args.prompts,
+    out = {"bench": "vs_trl", "model": args.model, "async_train": args.async_train, "steps": args.steps,
+           "prompts": args.prompts,
            "group": args.group, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": args.threads,
            "trl": TRL_PIN, **results}
     if len(results) == 2:

@@ -1,8 +1,12 @@
-"""The one exception type for user mistakes.
+"""The exception types entry points treat specially: user mistakes, and failures of a run's components.
 
 A `UserError` is raised for anything the user can fix (a bad flag value, a missing file, a key absent from the
 data). Entry points catch it and print its message as a single line, then exit with status 2, so the message
 must name the flag or file at fault and the fix. Internal invariants use `assert`, never this class.
+
+A `RunFailure` is a component of a distributed run that raised, died or hung (a rank of a worker group, a vLLM
+engine). Its message is the whole diagnosis: which actor, what happened, its last log lines. Entry points print
+it without a driver traceback (which would only show where the driver was waiting) and exit with status 1.
 """
 
 
@@ -14,3 +18,7 @@ def require(condition: bool, message: str) -> None:
     """Raise `UserError(message)` unless `condition` holds."""
     if not condition:
         raise UserError(message)
+
+
+class RunFailure(RuntimeError):
+    """A rank or an engine of the run raised, died or hung; the message names it and shows its last log lines."""

@@ -11,6 +11,7 @@ from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
 from openppo.errors import require
 from openppo.models.loading import load_tokenizer, resolve_model_path, torch_dtype
+from openppo.utils.paths import check_output_dir
 
 
 @dataclass
@@ -29,7 +30,8 @@ def combine(cfg: LoraCombinerConfig) -> None:
     base_path = resolve_model_path(cfg.model_path, "--model_path")
     require(bool(cfg.lora_path) and (Path(cfg.lora_path) / "adapter_config.json").is_file(),
             f"--lora_path: {cfg.lora_path} has no adapter_config.json; pass the folder a --lora_rank run saved")
-    require(bool(cfg.output_path), "--output_path is required")
+    require(bool(cfg.output_path), "--output_path is required: the folder to write the merged model to")
+    check_output_dir(cfg.output_path, "--output_path")
     dtype = torch_dtype(cfg.param_dtype)
     if cfg.is_rm:
         config = AutoConfig.from_pretrained(base_path, num_labels=1)

@@ -17,6 +17,7 @@ import torch
 
 from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
+from openppo.errors import require
 from openppo.models.loading import resolve_model_path
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.memory_plan import GIB, ModelShape, plan_devices, plan_text
@@ -68,6 +69,8 @@ def _device_bytes(cfg: PlanConfig) -> float:
 
 
 def plan(cfg: PlanConfig) -> None:
+    gib = cfg.plan.device_memory_gib
+    require(gib is None or gib > 0, f"--device_memory_gib must be positive (GiB of one device), got {gib}")
     for notice in validate(cfg, on_gpu=torch.cuda.is_available()):
         logger.info("note: %s", notice)
     m = cfg.model
@@ -78,7 +81,7 @@ def plan(cfg: PlanConfig) -> None:
     if m.reward_pretrain:
         shapes["reward"] = model_shape(m.reward_pretrain, "--reward_pretrain", scalar=True)
     device = _device_bytes(cfg)
-    text, fits = plan_text(plan_devices(cfg, shapes, device), device)
+    text, fits = plan_text(plan_devices(cfg, shapes, device, on_gpu=torch.cuda.is_available()), device)
     print(text)
     if not fits:
         logger.warning("the run would not fit: see the devices marked above (--gradient_checkpointing, "

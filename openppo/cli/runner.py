@@ -1,4 +1,5 @@
-"""How every CLI runs: parse the typed config, run, turn user errors into one line and exit code 2."""
+"""How every CLI runs: parse the typed config, run, turn user errors into one line and exit code 2, and a failed
+rank or engine into its diagnosis (no driver traceback) and exit code 1."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import sys
 from typing import Callable, Sequence, TypeVar
 
 from openppo.config.schema import parse_config
-from openppo.errors import UserError
+from openppo.errors import RunFailure, UserError
 from openppo.utils.logging_setup import setup_logging
 
 C = TypeVar("C")
@@ -24,4 +25,7 @@ def run_cli(main: Callable[[C], None], config_cls: type[C], prog: str, descripti
         if os.environ.get("RANK", "0") == "0":
             sys.stderr.write(f"error: {err}\n")
         return 2
+    except RunFailure as err:
+        sys.stderr.write(f"error: {err}\n")
+        return 1
     return 0

@@ -93,12 +93,18 @@ def serve_rm(cfg: ServeRMConfig) -> None:
     from openppo.rewards.server import bind, create_app, serve
 
     validate(cfg)
+    # Bind before loading anything: a taken port or an unknown host fails at once, and the warning below is
+    # only printed for an address that is really served.
+    sock = bind(cfg.host, cfg.port)
     warning = host_warning(cfg.host)
     if warning:
         print(warning, file=sys.stderr, flush=True)
-    source = build_source(cfg)
+    try:
+        source = build_source(cfg)
+    except BaseException:
+        sock.close()
+        raise
     app = create_app(source, max_request_samples=cfg.max_request_samples, max_request_bytes=cfg.max_request_bytes)
-    sock = bind(cfg.host, cfg.port)
     host = f"[{cfg.host}]" if ":" in cfg.host else cfg.host
     try:
         serve(app, sock, lambda port: print(f"serving rewards on http://{host}:{port}/get_reward", flush=True))

@@ -23,6 +23,9 @@ def train(cfg: DPOConfig) -> None:
     resolve_model_path(ref_path, "--ref_pretrain")
     require(cfg.dpo.beta > 0, f"--beta must be positive, got {cfg.dpo.beta}")
     require(0.0 <= cfg.dpo.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5), got {cfg.dpo.label_smoothing}")
+    require(not (cfg.dpo.ipo and cfg.dpo.label_smoothing > 0),
+            "--label_smoothing is cDPO's and the --ipo loss does not use it: drop one of them")
+    require(cfg.dpo.nll_loss_coef >= 0, f"--nll_loss_coef must be >= 0 (0 = off), got {cfg.dpo.nll_loss_coef}")
     raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
     tokenizer = load_tokenizer(cfg.model.pretrain)
     train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)

@@ -30,10 +30,16 @@ logger = logging.getLogger("openppo.train_ppo_ray")
 def train(cfg: PPOConfig) -> None:
     for notice in validate(cfg, on_gpu=torch.cuda.is_available()):
         logger.info("note: %s", notice)
+    # The user's files first (cheap): a wrong path or key fails before the tokenizer loads, and everything
+    # that reads the data is done before anything is written to --save_path.
+    m = cfg.model
+    reward_source = build_reward_source(m.remote_rm_url, default_reward=m.remote_rm_default_reward,
+                                        timeout_s=m.remote_rm_timeout, max_retries=m.remote_rm_retries)
+    rows = launch.load_prompt_rows(cfg)
+    eval_rows = launch.load_prompt_rows(cfg, eval=True) if cfg.data.eval_dataset else None
     tokenizer = load_tokenizer(cfg.model.pretrain)
-    prompts = launch.load_prompts(cfg, tokenizer)
-    eval_prompts = launch.load_prompts(cfg, tokenizer, eval=True) if cfg.data.eval_dataset else None
-    reward_source = build_reward_source(cfg.model.remote_rm_url)
+    prompts = launch.load_prompts(cfg, tokenizer, rows)
+    eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
     agent_rollout = launch.agent_rollout(cfg, tokenizer) if cfg.rollout.agent_func_path else None
     config = to_dict(cfg)
     log_run_info(run_info(config, "train_ppo_ray"), cfg.ckpt.save_path)
@@ -47,7 +53,11 @@ def train(cfg: PPOConfig) -> None:
         groups = launch.build_groups(cfg, len(prompts), reward_source)
         trainer = PPOTrainer(cfg, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts,
                              agent_rollout=agent_rollout)
-        history = trainer.fit()
+        try:
+            history = trainer.fit()
+        except Exception as exc:
+            launch.raise_if_an_engine_died(groups, exc)  # the root cause, whatever failed first
+            raise
         groups.policy.run("save_hf", cfg.ckpt.save_path, cfg.model.pretrain)
         summary = f"{summary_table(history)}\n\n{advice_text(advise(history, cfg, host_memory_gib()))}"
         logger.info("run summary\n%s", summary)

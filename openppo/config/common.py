@@ -1,4 +1,4 @@
-"""Config components shared by the training CLIs: model, optimiser, checkpointing, logging.
+"""Config components shared by the training CLIs: model, optimiser, checkpointing, logging, and their checks.
 
 Field names are the flat OpenRLHF flag names; each help line is what `--help` prints.
 """
@@ -8,6 +8,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openppo.config.schema import opt
+from openppo.errors import require
+from openppo.utils.paths import check_output_dir
 
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 
@@ -84,3 +86,26 @@ class LoggingConfig:
     wandb_project: str = opt("openppo", "W&B project")
     wandb_run_name: str = opt(None, "W&B run name; default: <cli>_<time>")
     use_tensorboard: str = opt(None, "write TensorBoard event files to this folder", metavar="DIR")
+
+
+def validate_build(model: ModelBuildConfig) -> None:
+    """LoRA settings; raise UserError naming the flag."""
+    require(model.lora_rank >= 0, f"--lora_rank must be >= 0, got {model.lora_rank}")
+    if model.lora_rank > 0:
+        require(model.lora_alpha > 0, f"--lora_alpha must be positive, got {model.lora_alpha}")
+        require(0.0 <= model.lora_dropout < 1.0, f"--lora_dropout must be in [0, 1), got {model.lora_dropout}")
+
+
+def validate_schedule(*, min_lr_ratio: float, max_norm: float) -> None:
+    require(0.0 <= min_lr_ratio <= 1.0,
+            f"--min_lr_ratio must be in [0, 1] (a share of the peak LR), got {min_lr_ratio}")
+    require(max_norm >= 0, f"--max_norm must be >= 0 (0 disables clipping), got {max_norm}")
+
+
+def validate_outputs(ckpt: CheckpointConfig, logging: LoggingConfig) -> None:
+    """The folders a run writes can be created: checked before anything is written to --save_path."""
+    check_output_dir(ckpt.save_path, "--save_path")
+    if ckpt.ckpt_path is not None:
+        check_output_dir(ckpt.ckpt_path, "--ckpt_path")
+    if logging.use_tensorboard is not None:
+        check_output_dir(logging.use_tensorboard, "--use_tensorboard")

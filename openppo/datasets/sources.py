@@ -8,6 +8,7 @@ than as a download error.
 
 from __future__ import annotations
 
+import logging
 from pathlib import Path
 
 import datasets
@@ -62,12 +63,30 @@ def _read_files(files: list[Path], *, source: str, flag: str) -> datasets.Datase
     files = [f for f in files if f.stat().st_size > 0]
     if not files:
         raise UserError(f"{flag}: '{source}' is empty; pass a source with data")
+    # The builders log their own parse errors on stderr before raising; the message below says it in one line.
+    library_logger = logging.getLogger("datasets")
+    level = library_logger.level
+    library_logger.setLevel(logging.CRITICAL)
     try:
         return datasets.load_dataset(builder, data_files=[str(f) for f in files], split="train")
     except Exception as err:  # any parse error of the user's file becomes a one-line message
         # `datasets` reports a file without rows (a JSON `[]`, a parquet of 0 rows) as a split with no data.
         if "corresponds to no data" in str(err):
             raise UserError(f"{flag}: '{source}' has no rows; pass a source with data") from err
-        reason = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        reason = _first_line(_root_cause(err))
         raise UserError(f"{flag}: cannot read '{source}' as {builder} ({reason}); fix the file or its suffix") \
             from err
+    finally:
+        library_logger.setLevel(level)
+
+
+def _root_cause(err: BaseException) -> BaseException:
+    # `datasets` wraps the parser's error ("JSON parse error: ... in row 1") in a generic DatasetGenerationError.
+    while err.__cause__ is not None:
+        err = err.__cause__
+    return err
+
+
+def _first_line(err: BaseException) -> str:
+    text = str(err).strip()
+    return text.splitlines()[0] if text else type(err).__name__

@@ -21,6 +21,19 @@ _RAY_MARKER = re.compile(r"^:\w+:")
 _TAIL_BYTES = 64 * 1024
 
 
+def std_log_files() -> list[str]:
+    """The files Ray redirected this process's stdout and stderr to (Linux: read from /proc)."""
+    files = []
+    for fd in (1, 2):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith("/") and not target.startswith("/dev/") and target not in files:
+            files.append(target)
+    return files
+
+
 def tail_file(path: str, n: int) -> list[str]:
     """The last `n` lines of a text file (reads at most its last 64 KiB), without Ray's marker lines."""
     with open(path, "rb") as f:

@@ -18,6 +18,8 @@ from typing import Any
 
 import ray
 
+from openppo.distributed.logs import std_log_files
+
 logger = logging.getLogger(__name__)
 
 # Env var carrying the group's name into its workers (for log prefixes and error messages).
@@ -57,19 +59,6 @@ def _setup_worker_logging(group: str, rank: int) -> _RingHandler:
     return ring
 
 
-def _std_log_files() -> list[str]:
-    """The files Ray redirected this process's stdout and stderr to (Linux: read from /proc)."""
-    files = []
-    for fd in (1, 2):
-        try:
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError:
-            continue
-        if target.startswith("/") and not target.startswith("/dev/") and target not in files:
-            files.append(target)
-    return files
-
-
 class BaseWorker:
     """Rank bookkeeping, logging and the small remote helpers a `WorkerGroup` relies on."""
 
@@ -96,7 +85,7 @@ class BaseWorker:
         """Where this worker runs: answers once the constructor has finished."""
         ctx = ray.get_runtime_context()
         return {"rank": self.rank, "pid": os.getpid(), "node_ip": self.node_ip(), "node_id": ctx.get_node_id(),
-                "actor_id": ctx.get_actor_id(), "log_files": _std_log_files(),
+                "actor_id": ctx.get_actor_id(), "log_files": std_log_files(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def last_log_lines(self, n: int = 20) -> list[str]:

@@ -29,6 +29,7 @@ from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from openppo.distributed.logs import format_log_tail, read_log_tail
+from openppo.errors import RunFailure
 from openppo.distributed.placement import make_placement_group
 from openppo.distributed.worker import GROUP_NAME_ENV, BaseWorker
 
@@ -41,7 +42,7 @@ LOG_TAIL_LINES = 20
 _ROOT_CAUSE_GRACE_S = 2.0
 
 
-class WorkerGroupError(RuntimeError):
+class WorkerGroupError(RunFailure):
     """A rank of a worker group raised, died or did not answer in time; the group has been shut down."""
 
     def __init__(self, message: str, *, group: str, rank: int, actor: str, log_tail: str):

@@ -7,6 +7,7 @@ packed batches (several sequences in one row) pass `position_ids` restarting at 
 
 from __future__ import annotations
 
+import inspect
 from typing import NamedTuple
 
 import torch
@@ -34,6 +35,9 @@ class Actor(nn.Module):
     def __init__(self, model: nn.Module):
         super().__init__()
         self.model = model
+        # transformers' causal LMs take `logits_to_keep` (an index tensor since 4.50); remote-code models may not
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(base.forward).parameters
 
     @classmethod
     def from_pretrained(cls, path: str, *, dtype: torch.dtype, flag: str = "--pretrain",
@@ -57,9 +61,14 @@ class Actor(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, temperature: float = 1.0,
-                return_entropy: bool | str = False, return_logits: bool = False, pack: bool = False) -> ActorOutput:
+                return_entropy: bool | str = False, return_logits: bool = False, pack: bool = False,
+                score_mask: torch.Tensor | None = None) -> ActorOutput:
         """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
         (logging only: no graph is kept through the full-vocabulary softmax).
+
+        `score_mask` [B, T-1] (the action mask): only the positions it selects are scored; the others hold 0. The LM
+        head and the full-vocabulary softmax then skip the prompt, often most of an RL row (as TRL's
+        `logits_to_keep`). Ignored with a ring or `return_logits`.
 
         `pack=True` runs a right-padded batch as one packed row (`--packing_samples`) and returns the same padded
         [B, T-1] outputs: the padding is never computed, the numbers are those of the padded forward.
@@ -70,8 +79,12 @@ class Actor(nn.Module):
             assert not return_logits, "ring attention returns per-token values, not logits"
             num_tokens = input_ids.size(1)
             input_ids, position_ids, labels = ring.shard(input_ids, position_ids)
+        keep = None
+        if score_mask is not None and ring is None and not return_logits and self._takes_logits_to_keep:
+            keep = scored_positions(score_mask, packed.token_mask if packed is not None else None)
+        extra = {} if keep is None else {"logits_to_keep": keep}
         out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False)
+                         use_cache=False, **extra)
         # Position t scores token t + 1. Every position is scored, the last one against a wrapped-around label, and
         # its value dropped afterwards: slicing the [B, T, V] logits instead would make autograd build a zero-filled
         # full-vocabulary gradient for the slice. With a ring, this rank's chunk scores its own tokens' successors
@@ -79,6 +92,8 @@ class Actor(nn.Module):
         logits = out.logits
         if ring is None:
             labels = input_ids.roll(-1, dims=1)
+        if keep is not None:
+            labels = labels[:, keep]
         entropy = None
         if return_entropy == "log":  # for logging: from the same pass as the log-probs, no gradient
             log_probs, entropy = log_probs_and_entropy(logits, labels, temperature)
@@ -89,6 +104,9 @@ class Actor(nn.Module):
         if ring is not None:  # whole-row values again
             log_probs = ring.gather(log_probs, num_tokens)
             entropy = None if entropy is None else ring.gather(entropy, num_tokens)
+        if keep is not None:  # back on the row's positions, zeros where nothing was scored
+            log_probs = scatter_positions(log_probs, keep, input_ids.size(1))
+            entropy = None if entropy is None else scatter_positions(entropy, keep, input_ids.size(1))
         log_probs = log_probs[:, :-1]
         entropy = None if entropy is None else entropy[:, :-1]
         full_logits = out.logits if return_logits else None
@@ -97,3 +115,19 @@ class Actor(nn.Module):
             entropy = None if entropy is None else next_token_values(entropy, packed.token_mask)
             full_logits = None if full_logits is None else unpack_rows(full_logits, packed.token_mask)
         return ActorOutput(log_probs=log_probs, entropy=entropy, logits=full_logits)
+
+
+def scored_positions(score_mask: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:
+    """The model-input positions to score [K] for a next-token mask [B, T-1]: on the packed row when `token_mask`
+    (the packed tokens' places on the padded grid) is given, else every column some row needs. Never empty: a
+    micro-batch with nothing to score (a no-op one) still scores position 0, so its backward reaches every weight
+    as the other ranks' collectives expect."""
+    grid = torch.nn.functional.pad(score_mask.bool(), (0, 1))  # [B, T]: position t scores token t + 1
+    wanted = grid[token_mask] if token_mask is not None else grid.any(0)
+    keep = wanted.nonzero().squeeze(1)
+    return keep if keep.numel() else keep.new_zeros(1)
+
+
+def scatter_positions(values: torch.Tensor, keep: torch.Tensor, width: int) -> torch.Tensor:
+    """[B, K] values of the scored positions -> [B, width] with zeros elsewhere (autograd-aware)."""
+    return values.new_zeros((values.size(0), width)).index_copy(1, keep, values)

@@ -27,6 +27,12 @@ class PPOModelConfig(ModelBuildConfig):
     reward_pretrain: str = opt(None, "reward model folder (a scalar-head model, e.g. from train_rm)", metavar="PATH")
     remote_rm_url: str = opt(None, "reward source instead of a reward model: comma list of HTTP endpoints "
                                    "(python -m openppo.cli.serve_rm) or a .py file exporting reward_func")
+    remote_rm_timeout: float = opt(60.0, "seconds one reward request may take (HTTP sources) before it is retried")
+    remote_rm_retries: int = opt(3, "retries of a failed reward request (connection error, timeout, HTTP 5xx), "
+                                    "with exponential backoff from 1 s; a 4xx is not retried")
+    remote_rm_default_reward: float = opt(None, "reward given to the samples whose reward source keeps failing (or "
+                                                "whose reward_func raises), with a warning; default: stop the run "
+                                                "with an error that shows the sample")
     ref_reward_offload: bool = opt(False, "offload reference and reward model weights to CPU (ZeRO-3 param offload)")
 
 

@@ -7,7 +7,7 @@ tokens (packing, token budgets). The K consecutive ranks of a ring (--ring_attn_
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -21,6 +21,7 @@ class Groups:
 
     policy: Any
     engines: list[Any]
+    engine_infos: list[dict[str, Any]] = field(default_factory=list)  # pid, node, log files of each engine
     critic: Any = None
     reference: Any = None
     reward: Any = None

@@ -23,6 +23,7 @@ from openppo.algorithms import (aggregate_loss, default_loss_agg_mode, kl_loss, 
 from openppo.models.packing import trim_padding
 from openppo.ppo.config import AlgoConfig
 from openppo.ppo.micro_batches import Batching, equalize
+from openppo.strategy.step_guard import StepGuard
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
@@ -62,7 +63,8 @@ def _noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, batching: Batching,
                    rows_per_step: int, epochs: int, world_size: int, seed: int,
-                   device: torch.device, ring_size: int = 1, tensor_parallel_size: int = 1) -> dict[str, float]:
+                   device: torch.device, ring_size: int = 1, tensor_parallel_size: int = 1,
+                   guard: StepGuard | None = None) -> dict[str, float]:
     """Train `engine` on `data` (this rank's share) for `epochs`; returns metrics averaged over micro-batches.
 
     Each epoch shuffles the rows (seeded, so a resume repeats it) and takes `rows_per_step` rows per optimizer step,
@@ -76,13 +78,17 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
     the logged losses, identical on the K ranks, are counted once per ring. With `tensor_parallel_size` P > 1 the
     P ranks of a tensor-parallel group also hold the same rows, each owning a slice of the weights; DeepSpeed then
     averages gradients over the data-parallel group only (world / P ranks), which sets the backward scale.
+
+    `guard` (the role's, so that a run of bad steps is counted across calls) skips an optimizer step whose loss or
+    gradient is NaN/Inf and stops the run after too many in a row; the metrics leave skipped steps out and
+    `guard.metric` counts them. Without one the engine is stepped directly (test doubles, benchmarks).
     """
     replicas = ring_size * tensor_parallel_size  # ranks holding the same rows
     data_parallel = world_size // replicas
     grad_scale = world_size // tensor_parallel_size  # the ranks DeepSpeed averages gradients over
     losses: dict[str, float] = defaultdict(float)
     sums: dict[str, float] = defaultdict(float)
-    steps = count = micro_steps = computed = real_tokens = 0
+    steps = skipped = count = micro_steps = computed = real_tokens = 0
     engine.train()
     size = data["sequences"].size(0)
     lengths = row_lengths(data)
@@ -94,31 +100,47 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
             micros = [select_rows(data, [rows[j] for j in m]) if m else _noop_rows(data) for m in plan]
             counts = sum(loss_normalizers(b["action_mask"]) for b in micros)
             normalizers = _all_reduce(counts.to(device), world_size) // replicas
+            step_losses: dict[str, float] = defaultdict(float)
+            step_sums: dict[str, float] = defaultdict(float)
+            step_count = 0
             for i, (batch, planned) in enumerate(zip(micros, plan)):
                 # The boundary is ours: the number of micro-batches varies per step with a token budget.
                 engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
                 batch = {k: v.to(device) for k, v in batch.items()}
                 contribution, metrics = loss_fn(batch, normalizers)
                 # DeepSpeed averages gradients over ranks; the contributions already sum to the step loss.
-                engine.backward(contribution * grad_scale, scale_wrt_gas=False)
-                engine.step()
+                if guard is not None:
+                    guard.backward(contribution * grad_scale, scale_wrt_gas=False)
+                    applied = guard.step()
+                else:
+                    engine.backward(contribution * grad_scale, scale_wrt_gas=False)
+                    engine.step()
+                    applied = True
                 for key, value in metrics.items():
                     if key.startswith("loss/"):
-                        losses[key] += value * data_parallel
+                        step_losses[key] += value * data_parallel
                     elif planned:
-                        sums[key] += value
+                        step_sums[key] += value
                 if planned:
-                    count += 1
+                    step_count += 1
                     real = batch["attention_mask"].sum().item()
                     computed += real if batching.packed else batch["attention_mask"].numel()
                     real_tokens += real
-            steps += 1
+            if applied:  # a skipped step's (NaN) metrics would poison the means
+                for key, value in step_losses.items():
+                    losses[key] += value
+                for key, value in step_sums.items():
+                    sums[key] += value
+                count += step_count
+                steps += 1
+            else:
+                skipped += 1
             micro_steps += len(plan)
     # perf/*: the effect of packing and token budgets (padding positions computed, micro-steps per optimizer step)
     perf = {"perf/padding_share": 1.0 - real_tokens / max(computed, 1),
-            "perf/micro_batches": micro_steps / max(steps, 1)}
+            "perf/micro_batches": micro_steps / max(steps + skipped, 1)}
     return {**{k: v / max(steps, 1) for k, v in losses.items()}, **{k: v / max(count, 1) for k, v in sums.items()},
-            **perf}
+            **perf, **({guard.metric: float(skipped)} if guard is not None else {})}
 
 
 def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, generate_max_len: int,
@@ -132,7 +154,7 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
         out = engine(batch["sequences"], batch["attention_mask"], temperature=temperature,
-                     return_entropy=True if entropy_in_loss else "log", pack=pack)
+                     return_entropy=True if entropy_in_loss else "log", pack=pack, score_mask=mask)
 
         def agg(per_token):
             return aggregate_loss(per_token, mask, mode, num_tokens_global=normalizers[0],

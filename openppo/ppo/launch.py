@@ -6,6 +6,7 @@ import logging
 import os
 from typing import Any
 
+import datasets
 import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
@@ -17,8 +18,10 @@ from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_gr
 logger = logging.getLogger(__name__)
 
 
-def load_prompts(cfg: PPOConfig, tokenizer, *, eval: bool = False) -> PromptDataset:
-    """The training prompts, or with `eval=True` the whole `--eval_dataset` (same keys and templates)."""
+def load_prompt_rows(cfg: PPOConfig, *, eval: bool = False) -> datasets.Dataset:
+    """The training rows, or with `eval=True` the whole `--eval_dataset`, with --input_key/--label_key checked.
+
+    Needs no tokenizer, so a wrong path, an empty file or a wrong key fails before the tokenizer loads."""
     d = cfg.data
     if eval:
         raw = load_blended_dataset(d.eval_dataset, None, flag="--eval_dataset", probs_flag="--eval_dataset",
@@ -28,6 +31,12 @@ def load_prompts(cfg: PPOConfig, tokenizer, *, eval: bool = False) -> PromptData
                                    probs_flag="--prompt_data_probs", seed=cfg.train.seed, max_samples=d.max_samples)
     require_columns(raw, {"--input_key": d.input_key, "--label_key": d.label_key},
                     d.eval_dataset if eval else d.prompt_data)
+    return raw
+
+
+def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptDataset:
+    """Rows of `load_prompt_rows` rendered and tokenized (prompts longer than --prompt_max_len dropped)."""
+    d = cfg.data
     return PromptDataset(raw, tokenizer, input_key=d.input_key, label_key=d.label_key,
                          apply_chat_template=d.apply_chat_template, input_template=d.input_template,
                          max_prompt_len=d.prompt_max_len)
@@ -109,6 +118,7 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+    from openppo.distributed.actor_health import actor_infos
     from openppo.distributed.placement import make_placement_group
     from openppo.distributed.worker_group import WorkerGroup
     from openppo.ppo.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
@@ -162,12 +172,26 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
             gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes(cfg),
             tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size, enable_sleep=cfg.vllm.vllm_enable_sleep))
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
+    engine_infos = actor_infos(engines, timeout)
+    for i, info in enumerate(engine_infos):
+        logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
     results = {id(g): g.get(refs) for g, refs in pending}
     normalization = results[id(reward)][0] if reward is not None else None
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     policy.run("connect_engines", engines, backend, cfg.vllm.vllm_tensor_parallel_size, timeout)
-    return Groups(policy=policy, engines=engines, critic=critic, reference=reference, reward=reward,
+    return Groups(policy=policy, engines=engines, engine_infos=engine_infos, critic=critic, reference=reference,
+                  reward=reward,
                   reward_source=reward_source, reward_normalization=normalization)
+
+
+def raise_if_an_engine_died(groups: Groups | None, error: BaseException) -> None:
+    """After `error` stopped the run: if a vLLM engine is dead, raise the error naming it (the root cause)."""
+    from openppo.distributed.actor_health import find_dead
+
+    if groups is not None and groups.engines:
+        dead = find_dead(groups.engines, groups.engine_infos, "vLLM engine")
+        if dead is not None:
+            raise dead from error
 
 
 def shutdown(groups: Groups | None) -> None:

@@ -5,11 +5,14 @@ Pure arithmetic on the model's shape and the flags. Per rank of each model group
   weights + 2 of gradients + 12 of fp32 master copy and Adam moments per parameter; in fp32 4 + 4 + 8), partitioned
   over the data-parallel ranks from stage 1 (optimizer), 2 (+ gradients) and 3 (+ weights); `--adam_offload` moves
   the optimizer states to host memory; AutoTP splits the layers' weights;
+- what the optimizer step holds beyond those (DeepSpeed's implementation, not the paper): with 16-bit weights the
+  fp32 gradient of the rank's partition, and on CPU the scratch tensor of torch's AdamW (`working_state_items`);
 - activations of one training micro-batch: the tensors a decoder layer keeps for its backward (about 6 x hidden +
   4 x intermediate values per token with fused attention), or only each layer's input with
   `--gradient_checkpointing` plus one layer's worth while it is recomputed;
 - the logits of a micro-batch: model-dtype logits, their fp32 log-softmax and its gradient (10 bytes per token per
-  vocabulary entry in bf16), the largest single item for small models with a large vocabulary;
+  vocabulary entry in bf16), the largest single item for small models with a large vocabulary. Packed rows score
+  only their response positions (--generate_max_len of each prompt + response); padded ones the whole row;
 - each vLLM engine: weights (split by --vllm_tensor_parallel_size) and the KV cache (--vllm_kv_cache_bytes, or
   --vllm_gpu_memory_utilization of the device minus the weights).
 """
@@ -17,6 +20,8 @@ Pure arithmetic on the model's shape and the flags. Per rank of each model group
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+from openppo.strategy.config import REDUCE_BUCKET_SIZE
 
 GIB = 2**30
 
@@ -71,6 +76,30 @@ def trained_items(role: str, shape: ModelShape, *, param_dtype: str, zero_stage:
                  host=adam_offload)]
 
 
+def working_state_items(role: str, shape: ModelShape, *, param_dtype: str, zero_stage: int, data_parallel: int,
+                        tensor_parallel: int = 1, adam_offload: bool = False, fused_adam: bool = True) -> list[Item]:
+    """What DeepSpeed's optimizer step holds beyond the paper's model states, on one rank.
+
+    - Mixed precision: the wrappers (ZeRO-1/2/3, and the bf16 one of ZeRO-0) turn the 16-bit gradient into an fp32
+      gradient of the rank's partition before Adam runs: 4 bytes per parameter of the partition.
+    - ZeRO-1/2 with `contiguous_gradients` copy each gradient into a reduction bucket as the backward produces it
+      (`reduce_bucket_size` = 5e8 elements, so all of a small model's gradients) before reducing and partitioning.
+    - torch's AdamW (CPU without --adam_offload; DeepSpeed's FusedAdam and CPU Adam need none) computes the
+      denominator sqrt(v) + eps as one more fp32 tensor of the partition's size.
+    """
+    split = shape.num_params - shape.embedding_params
+    whole = shape.embedding_params + split / tensor_parallel  # one rank of a tensor-parallel group
+    params = whole / (data_parallel if zero_stage >= 1 else 1)
+    items = []
+    if zero_stage in (1, 2):
+        items.append(Item(f"{role} gradient reduction bucket", dtype_bytes(param_dtype) * min(REDUCE_BUCKET_SIZE, whole)))
+    if param_dtype != "fp32":
+        items.append(Item(f"{role} fp32 gradient partition", 4 * params, host=adam_offload))
+    if not fused_adam and not adam_offload:
+        items.append(Item(f"{role} optimizer step scratch (torch AdamW)", 4 * params))
+    return items
+
+
 def frozen_items(role: str, shape: ModelShape, *, param_dtype: str, zero_stage: int, data_parallel: int,
                  offload: bool = False) -> list[Item]:
     """Weights of a frozen model (reference, reward): ZeRO-3 shards them, --ref_reward_offload moves them."""
@@ -113,22 +142,32 @@ def _micro_tokens(cfg, *, train: bool) -> int:
     return -(-tokens // r.ring_attn_size)
 
 
+def _scored_tokens(cfg, tokens: int) -> int:
+    """Of a micro-batch's tokens, those the LM head scores: only the response positions of a packed row (the action
+    mask); a padded batch keeps every column some row needs, up to the whole row."""
+    if not cfg.rollout.packing_samples:
+        return tokens
+    d = cfg.data
+    return -(-tokens * d.generate_max_len // (d.prompt_max_len + d.generate_max_len))
+
+
 def _working_memory(role: str, shape: ModelShape, cfg, *, trained: bool, lm_head: bool) -> Item:
     """The larger of a training micro-batch's activations + logits and a forward-only micro-batch's logits."""
     dtype = cfg.ds.param_dtype
-    forward = logits_bytes(shape, _micro_tokens(cfg, train=False), param_dtype=dtype, backward=False) \
-        if lm_head else 0.0
+    forward_tokens = _scored_tokens(cfg, _micro_tokens(cfg, train=False))
+    forward = logits_bytes(shape, forward_tokens, param_dtype=dtype, backward=False) if lm_head else 0.0
     if not trained:
         return Item(f"{role} forward micro-batch", forward)
     tokens = _micro_tokens(cfg, train=True)
     train = activation_bytes(shape, tokens, param_dtype=dtype, checkpointing=cfg.model.gradient_checkpointing)
     if lm_head:
-        train += logits_bytes(shape, tokens, param_dtype=dtype, backward=True)
+        train += logits_bytes(shape, _scored_tokens(cfg, tokens), param_dtype=dtype, backward=True)
     return Item(f"{role} activations + logits of a micro-batch", max(train, forward))
 
 
-def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float) -> list[DevicePlan]:
-    """One DevicePlan per kind of device the run uses. `shapes` has "actor" and, when used, "critic", "reward"."""
+def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu: bool = True) -> list[DevicePlan]:
+    """One DevicePlan per kind of device the run uses. `shapes` has "actor" and, when used, "critic", "reward".
+    `on_gpu`: the run trains on GPUs (DeepSpeed's fused Adam) rather than on CPU (torch's AdamW)."""
     from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
 
     res, ds, v = cfg.resources, cfg.ds, cfg.vllm
@@ -142,6 +181,9 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float) -> lis
         "actor": trained_items("actor", actor, param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
                                data_parallel=actor_world_size(cfg) // tp, tensor_parallel=tp,
                                adam_offload=ds.adam_offload)
+        + working_state_items("actor", actor, param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
+                              data_parallel=actor_world_size(cfg) // tp, tensor_parallel=tp,
+                              adam_offload=ds.adam_offload, fused_adam=on_gpu)
         + [_working_memory("actor", actor, cfg, trained=True, lm_head=True)]}
     if needs_reference(cfg):
         groups["ref"] = frozen_items("reference", actor, param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
@@ -151,6 +193,8 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float) -> lis
         groups["critic"] = trained_items("critic", shapes["critic"], param_dtype=ds.param_dtype,
                                          zero_stage=ds.zero_stage, data_parallel=ranks("critic"),
                                          adam_offload=ds.adam_offload) \
+            + working_state_items("critic", shapes["critic"], param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
+                                  data_parallel=ranks("critic"), adam_offload=ds.adam_offload, fused_adam=on_gpu) \
             + [_working_memory("critic", shapes["critic"], cfg, trained=True, lm_head=False)]
     if "reward" in shapes:
         groups["reward"] = frozen_items("reward", shapes["reward"], param_dtype=ds.param_dtype,
@@ -176,7 +220,7 @@ def _colocated(groups: dict[str, list[Item]], engine: list[Item], cfg) -> Device
     items = [i for role in groups.values() for i in role]
     working = [i for i in items if "micro-batch" in i.what]
     resident = [i for i in items if i not in working and not i.host]
-    states = [i for i in resident if "optimizer" in i.what or "gradients" in i.what]
+    states = [i for i in resident if "optimizer" in i.what or "gradient" in i.what]
     engine_total = sum(i.bytes for i in engine)
     train_phase = sum(i.bytes for i in resident) + max(i.bytes for i in working) + \
         (0.0 if cfg.vllm.vllm_enable_sleep else engine_total)

@@ -63,9 +63,9 @@ def forward_batching(cfg: PPOConfig) -> Batching:
 
 @torch.no_grad()
 def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], batching: Batching,
-                      fn: Callable[[Any, torch.Tensor, torch.Tensor], torch.Tensor]) -> torch.Tensor:
-    """`fn(engine, sequences, attention_mask)` over micro-batches (each trimmed to its longest row), re-padded to
-    the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
+                      fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    """`fn(engine, micro_batch)` (tensors on the device) over micro-batches (each trimmed to its longest row),
+    re-padded to the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
     busiest one (ZeRO-3 gathers parameters collectively); the extra ones are thrown away."""
     engine.eval()
     width = data["sequences"].size(1)
@@ -73,7 +73,7 @@ def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch
     out = []
     for rows in plan:
         batch = select_rows(data, rows or [0])
-        result = fn(engine, batch["sequences"].to(strategy.device), batch["attention_mask"].to(strategy.device))
+        result = fn(engine, {k: v.to(strategy.device) for k, v in batch.items()})
         if rows:
             result = result.float().cpu()
             if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
@@ -126,11 +126,11 @@ class _TrainedRole:
             out[f"perf/{name}_mfu"] = value
         return out
 
-    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
-        self.strategy.save_checkpoint(self.engine, ckpt_dir, step, client_state, max_num)
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict) -> None:
+        self.strategy.save_checkpoint(self.engine, ckpt_dir, step, client_state)
 
-    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
-        return self.strategy.load_checkpoint(self.engine, ckpt_dir)
+    def load_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        self.strategy.load_checkpoint(self.engine, ckpt_dir, step)
 
     def save_hf(self, tokenizer, out_dir: str | Path, extra_config: dict | None = None) -> None:
         self.strategy.save_hf(self.engine, tokenizer, out_dir, extra_config)
@@ -163,6 +163,7 @@ class PolicyRole(_TrainedRole):
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
+        self.guard = self.strategy.step_guard(self.engine, "actor", "policy/skipped_steps")
         # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
         self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(self.num_params, 1)
 
@@ -170,7 +171,8 @@ class PolicyRole(_TrainedRole):
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
         temperature, pack = self.cfg.rollout.temperature, self.cfg.rollout.packing_samples
         return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
-                                 lambda e, s, a: e(s, a, temperature=temperature, pack=pack).log_probs)
+                                 lambda e, b: e(b["sequences"], b["attention_mask"], temperature=temperature,
+                                                pack=pack, score_mask=b.get("action_mask")).log_probs)
 
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -187,7 +189,7 @@ class PolicyRole(_TrainedRole):
                                  epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
                                  seed=cfg.train.seed + 1000 * global_step, device=self.strategy.device,
                                  ring_size=cfg.rollout.ring_attn_size,
-                                 tensor_parallel_size=cfg.ds.ds_tensor_parallel_size)
+                                 tensor_parallel_size=cfg.ds.ds_tensor_parallel_size, guard=self.guard)
         metrics["policy/lr"] = self.engine.get_lr()[0]
         ring = self.engine.module.sequence_parallel
         if ring is not None:
@@ -211,12 +213,13 @@ class CriticRole(_TrainedRole):
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
+        self.guard = self.strategy.step_guard(self.engine, "critic", "critic/skipped_steps")
 
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
         pack = self.cfg.rollout.packing_samples
         return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
-                                 lambda e, s, a: e(s, a, pack=pack)[:, :-1])
+                                 lambda e, b: e(b["sequences"], b["attention_mask"], pack=pack)[:, :-1])
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -226,7 +229,7 @@ class CriticRole(_TrainedRole):
                                  rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
                                  epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
                                  seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device,
-                                 ring_size=cfg.rollout.ring_attn_size)
+                                 ring_size=cfg.rollout.ring_attn_size, guard=self.guard)
         metrics.update(self._perf("critic", data, time.perf_counter() - start, ranks_per_shard(cfg, "critic")))
         return self.strategy.all_reduce_mean(metrics)
 
@@ -264,7 +267,8 @@ class RewardRole(_FrozenRole):
         """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
         pack = self.cfg.rollout.packing_samples
 
-        def last_score(engine, seqs, attn):
-            return engine(seqs, attn, pack=pack).gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1)
+        def last_score(engine, b):
+            attn = b["attention_mask"]
+            return engine(b["sequences"], attn, pack=pack).gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1)
 
         return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), last_score)

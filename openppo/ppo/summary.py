@@ -7,6 +7,13 @@ def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else float("nan")
 
 
+def summary_view(metrics: dict[str, float]) -> dict[str, float]:
+    """What the end-of-run table and advice read from one step's metrics. The run keeps only this per step, so a
+    long run's driver memory does not grow with every metric of every step."""
+    return {k: v for k, v in metrics.items()
+            if k.startswith(("timing/", "perf/")) or k in ("rollout/reward", "response_length")}
+
+
 def summary_table(history: list[dict[str, float]], window: int = 5) -> str:
     """A plain-text table: reward over the first vs last `window` steps, then each stage's mean seconds and share."""
     if not history:

@@ -24,6 +24,7 @@ from tqdm import tqdm
 
 from openppo.agents.rollout import rows_by_budget
 from openppo.algorithms import build_kl_controller, masked_mean
+from openppo.errors import UserError
 from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
 from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.ppo.dispatch import Groups, replicated, shard_rows, shards
@@ -32,8 +33,10 @@ from openppo.ppo.experience import Sample, collate_samples, compute_advantages_f
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.prompt_stream import PromptStream
+from openppo.ppo.summary import summary_view
 from openppo.ppo.throughput import idle_seconds, step_throughput
 from openppo.ppo.validate import engine_dtype, needs_old_logprob_pass
+from openppo.strategy import checkpoint as ckpt
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
 from openppo.utils.resources import rss_gib
 from openppo.utils.tracking import MetricsTracker
@@ -252,7 +255,7 @@ class PPOTrainer:
         lag = staleness(samples, self.policy_version)
         self.swap.to_trainer()
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
-        model_in = {k: batch[k] for k in ("sequences", "attention_mask")}
+        model_in = {k: batch[k] for k in ("sequences", "attention_mask", "action_mask")}
         old_log_probs = self._timed("old_logprob", self.forward, g.policy, "log_probs", model_in) \
             if self._old_logprob_pass else None
         ref_log_probs = self._timed("ref_logprob", self.forward, g.reference, "log_probs", model_in) \
@@ -350,33 +353,44 @@ class PPOTrainer:
         return self.global_step % every == 0 if every > 0 else (every == -1 and episode_end)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
+    def _ckpt_parts(self) -> dict[str, object]:
+        """The trained models of a checkpoint, by the subfolder of --ckpt_path each one saves into."""
+        return {name: group for name, group in (("actor", self.groups.policy), ("critic", self.groups.critic))
+                if group is not None}
+
     def save_checkpoint(self) -> None:
+        """Every trained model saves its part of this step, then the controller commits the step (see
+        `openppo.strategy.checkpoint`): a crash before the commit leaves the previous step the one to resume."""
         c = self.cfg.ckpt
         if c.disable_ds_ckpt:
             return
         state = {"global_step": self.global_step, "prompt_stream": self._data_position,
                  "kl_controller": self.kl_ctl.state_dict(), "trainer": "ppo"}
         start = time.perf_counter()
-        for name, group in (("actor", self.groups.policy), ("critic", self.groups.critic)):
-            if group is not None:
-                group.run("save_checkpoint", str(self.ckpt_dir / name), self.global_step, state, c.max_ckpt_num)
-        logger.info("checkpoint of step %d saved to %s in %.1f s", self.global_step, self.ckpt_dir,
-                    time.perf_counter() - start)
+        parts = self._ckpt_parts()
+        ckpt.begin_save(self.ckpt_dir, self.global_step, list(parts))
+        for name, group in parts.items():
+            group.run("save_checkpoint", str(self.ckpt_dir / name), self.global_step, state)
+        ckpt.commit(self.ckpt_dir, self.global_step, list(parts), state)
+        removed = ckpt.rotate(self.ckpt_dir, c.max_ckpt_num, self.global_step, list(parts))
+        logger.info("checkpoint of step %d saved to %s in %.1f s%s", self.global_step, self.ckpt_dir,
+                    time.perf_counter() - start, f"; removed {', '.join(removed)}" if removed else "")
 
     def resume(self) -> bool:
-        """Restore actor, critic and controller state from the latest checkpoint and re-sync the engines."""
-        states = self.groups.policy.run("load_checkpoint", str(self.ckpt_dir / "actor"))
-        if states[0] is None:
+        """Restore actor, critic and controller state from the newest committed step and re-sync the engines."""
+        commit = ckpt.resolve(self.ckpt_dir)
+        if commit is None:
             logger.info("--load_checkpoint: no checkpoint in %s yet; starting fresh", self.ckpt_dir)
             return False
-        state = states[0]
-        if self.groups.critic is not None:
-            critic_state = self.groups.critic.run("load_checkpoint", str(self.ckpt_dir / "critic"))[0]
-            if critic_state is None or critic_state["global_step"] != state["global_step"]:
-                from openppo.errors import UserError
-
-                raise UserError(f"--load_checkpoint: {self.ckpt_dir}/critic has no checkpoint of step "
-                                f"{state['global_step']} (the actor's); delete {self.ckpt_dir} to start fresh")
+        parts = self._ckpt_parts()
+        missing = [name for name in parts if name not in commit.parts]
+        if missing:
+            raise UserError(f"--load_checkpoint: the checkpoint of step {commit.step} in {self.ckpt_dir} has no "
+                            f"{' or '.join(missing)} (it was saved by a run without one); resume with the same "
+                            f"models, or delete {self.ckpt_dir} to start fresh")
+        for name, group in parts.items():
+            group.run("load_checkpoint", str(self.ckpt_dir / name), commit.step)
+        state = commit.state
         self.global_step = int(state["global_step"])
         self.stream.load_state_dict(state["prompt_stream"])
         self._data_position = self.stream.state_dict()
@@ -430,7 +444,7 @@ class PPOTrainer:
                 break
             if self._producer is not None:
                 self._producer.step_done()
-            history.append(metrics)
+            history.append(summary_view(metrics))
             progress.update(1)
             progress.set_postfix({k: f"{metrics[k]:.3g}" for k in _PROGRESS_KEYS if k in metrics})
             # (with dynamic filtering an episode of prompts takes fewer steps than steps_per_episode)

@@ -7,10 +7,11 @@ for options that are accepted but cannot take effect here. It never rewrites the
 from __future__ import annotations
 
 from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
+from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
 from openppo.ppo.config import PPOConfig
-from openppo.strategy.config import state_offload_supported
+from openppo.strategy.config import state_offload_supported, validate_ds_settings
 from openppo.utils.profiling import parse_profile_steps
 
 def needs_reference(cfg: PPOConfig) -> bool:
@@ -51,6 +52,8 @@ def _positive(value, flag: str) -> None:
 def _models(cfg: PPOConfig) -> None:
     m, algo = cfg.model, cfg.algo
     resolve_model_path(m.pretrain, "--pretrain")
+    require(m.remote_rm_timeout > 0, f"--remote_rm_timeout must be positive (seconds), got {m.remote_rm_timeout}")
+    require(m.remote_rm_retries >= 0, f"--remote_rm_retries must be >= 0, got {m.remote_rm_retries}")
     if m.reward_pretrain and m.remote_rm_url:
         raise UserError("--reward_pretrain and --remote_rm_url both given: pick one reward source")
     agent = cfg.rollout.agent_func_path
@@ -67,7 +70,7 @@ def _models(cfg: PPOConfig) -> None:
             raise UserError(f"--critic_pretrain is only used by --advantage_estimator gae, not "
                             f"{algo.advantage_estimator}: drop one of them")
         resolve_model_path(m.critic_pretrain, "--critic_pretrain")
-    require(m.lora_rank >= 0, f"--lora_rank must be >= 0, got {m.lora_rank}")
+    validate_build(m)
 
 
 def _algorithm(cfg: PPOConfig) -> None:
@@ -119,11 +122,12 @@ def _batches(cfg: PPOConfig) -> None:
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     if samples % t.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "
-                        f"multiple of --train_batch_size {t.train_batch_size}")
+                        f"multiple of --train_batch_size {t.train_batch_size}; pick sizes so that it is")
     world = actor_world_size(cfg) // max(r.ring_attn_size * cfg.ds.ds_tensor_parallel_size, 1)
     if t.train_batch_size % (t.micro_train_batch_size * world):
         raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
-                        f"{t.micro_train_batch_size} x {world} data-parallel actor ranks")
+                        f"{t.micro_train_batch_size} x {world} data-parallel actor ranks; pick a --train_batch_size "
+                        f"that is")
     if d.eval_dataset:
         _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
         _positive(d.eval_temperature, "--eval_temperature")
@@ -134,6 +138,7 @@ def _batches(cfg: PPOConfig) -> None:
     require(0.0 <= t.lr_warmup_ratio < 1.0, f"--lr_warmup_ratio must be in [0, 1), got {t.lr_warmup_ratio}")
     _positive(t.actor_learning_rate, "--actor_learning_rate")
     _positive(t.critic_learning_rate, "--critic_learning_rate")
+    validate_schedule(min_lr_ratio=t.min_lr_ratio, max_norm=t.max_norm)
     _positive(cfg.logging.logging_steps, "--logging_steps")
     try:
         parse_profile_steps(cfg.logging.profile_steps)
@@ -172,7 +177,7 @@ def _tensor_parallel(cfg: PPOConfig) -> None:
     ranks = actor_world_size(cfg)
     if ranks % tp:
         raise UserError(f"--ds_tensor_parallel_size {tp} must divide the actor ranks (--actor_num_nodes x "
-                        f"--actor_num_gpus_per_node = {ranks})")
+                        f"--actor_num_gpus_per_node = {ranks}); pick a divisor or add actor ranks")
     if ds.zero_stage == 3:
         raise UserError("--ds_tensor_parallel_size needs --zero_stage 0, 1 or 2 (DeepSpeed AutoTP does not combine "
                         "with ZeRO-3's parameter sharding)")
@@ -190,13 +195,18 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
         _positive(getattr(res, f"{flag}_num_nodes"), f"--{flag}_num_nodes")
         _positive(getattr(res, f"{flag}_num_gpus_per_node"), f"--{flag}_num_gpus_per_node")
     _positive(v.vllm_tensor_parallel_size, "--vllm_tensor_parallel_size")
+    _positive(v.vllm_sync_bucket_mb, "--vllm_sync_bucket_mb")
+    if v.vllm_kv_cache_bytes is not None:
+        _positive(v.vllm_kv_cache_bytes, "--vllm_kv_cache_bytes")
+    validate_ds_settings(ds)
     require(0 < v.vllm_gpu_memory_utilization <= 1,
             f"--vllm_gpu_memory_utilization must be in (0, 1], got {v.vllm_gpu_memory_utilization}")
     if res.colocate_all_models:
         engines = v.vllm_num_engines * v.vllm_tensor_parallel_size
         if engines != actor_world_size(cfg):
             raise UserError(f"--colocate_all_models needs --vllm_num_engines x --vllm_tensor_parallel_size "
-                            f"({engines}) == actor ranks ({actor_world_size(cfg)})")
+                            f"({engines}) == actor ranks ({actor_world_size(cfg)}); set --vllm_num_engines to "
+                            f"the actor ranks or drop --colocate_all_models")
         if v.vllm_tensor_parallel_size > 1:
             raise UserError("--colocate_all_models with --vllm_tensor_parallel_size > 1 is not yet supported: use "
                             "--vllm_tensor_parallel_size 1 (one engine per actor device)")
@@ -266,4 +276,5 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     _tensor_parallel(cfg)
     _batches(cfg)
     _resources(cfg, on_gpu, notices)
+    validate_outputs(cfg.ckpt, cfg.logging)
     return notices

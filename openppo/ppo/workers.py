@@ -15,11 +15,11 @@ class _TrainedWorker(BaseWorker):
 
     role: Any
 
-    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
-        self.role.save_checkpoint(ckpt_dir, step, client_state, max_num)
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict) -> None:
+        self.role.save_checkpoint(ckpt_dir, step, client_state)
 
-    def load_checkpoint(self, ckpt_dir: str) -> dict | None:
-        return self.role.load_checkpoint(ckpt_dir)
+    def load_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        self.role.load_checkpoint(ckpt_dir, step)
 
     def offload_states(self) -> bool:
         return self.role.offload_states()

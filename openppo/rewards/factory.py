@@ -42,7 +42,7 @@ def build_reward_source(remote_rm_url: str | None, *, default_reward: float | No
         raise UserError(f"{FLAG} is empty; pass {ACCEPTED}, or leave it out to use --reward_pretrain")
     if value.lower().startswith(("http://", "https://")):
         if timeout_s <= 0 or max_retries < 0 or batch_size < 1:
-            raise UserError(f"remote reward settings need timeout > 0, retries >= 0 and batch size >= 1; "
+            raise UserError(f"--remote_rm_timeout must be > 0 and --remote_rm_retries >= 0 (and the batch size >= 1); "
                             f"got {timeout_s}, {max_retries}, {batch_size}")
         return RemoteReward(parse_urls(value), timeout_s=timeout_s, max_retries=max_retries, backoff_s=backoff_s,
                             batch_size=batch_size, default_reward=default_reward)

@@ -8,6 +8,7 @@ need not be thread-safe) in a worker thread, so /health answers while a batch is
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
 import socket
@@ -127,8 +128,9 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        raise UserError(f"--host/--port: cannot listen on {host}:{port} ({err.strerror or err}); "
-                        f"pick another --port (0 = any free port)") from err
+        fix = ("pass an address of this machine as --host (127.0.0.1 = local only)" if isinstance(err, socket.gaierror)
+               or err.errno == errno.EADDRNOTAVAIL else "pick another --port (0 = any free port)")
+        raise UserError(f"--host/--port: cannot listen on {host}:{port} ({err.strerror or err}); {fix}") from err
     return sock
 
 

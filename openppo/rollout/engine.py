@@ -272,3 +272,13 @@ class VLLMEngine:
     def ready(self) -> bool:
         """Returns once the engine is constructed (for `ray.get(actor.ready.remote())`)."""
         return True
+
+    def info(self) -> dict[str, Any]:
+        """Where this engine runs (on a Ray actor), for the message the driver prints if it dies."""
+        import ray
+
+        from openppo.distributed.logs import std_log_files
+
+        ctx = ray.get_runtime_context()
+        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
+                "actor_id": ctx.get_actor_id(), "log_files": std_log_files()}

@@ -5,8 +5,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openppo.config.schema import opt
+from openppo.errors import require
 
 PARAM_DTYPES = ("bf16", "fp16", "fp32")
+
+REDUCE_BUCKET_SIZE = 5e8  # elements per ZeRO-1/2 gradient reduction bucket (also read by the memory planner)
 
 
 @dataclass
@@ -21,6 +24,17 @@ class DeepSpeedConfig:
     overlap_comm: bool = opt(False, "overlap gradient reduction with backward (more memory, faster)")
     zpg: int = opt(1, "ZeRO++ hierarchical partition size (ZeRO-3 only); 1 = off")
     dist_timeout: int = opt(600, "seconds any collective may wait before the run fails instead of hanging")
+    max_nonfinite_steps: int = opt(3, "optimizer steps in a row that may be skipped for a NaN/Inf loss or gradient "
+                                      "(each logs a warning and leaves weights and optimizer state unchanged) before "
+                                      "the run stops with an error; 0 = stop at the first")
+
+
+def validate_ds_settings(cfg: DeepSpeedConfig) -> None:
+    """Checks that need no process group; raise UserError naming the flag."""
+    require(cfg.zpg >= 1, f"--zpg must be >= 1 (1 = off), got {cfg.zpg}")
+    require(cfg.dist_timeout > 0, f"--dist_timeout must be positive (seconds), got {cfg.dist_timeout}")
+    require(cfg.max_nonfinite_steps >= 0, f"--max_nonfinite_steps must be >= 0 (0 = stop at the first NaN/Inf step), "
+                                          f"got {cfg.max_nonfinite_steps}")
 
 
 def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, world_size: int,
@@ -32,7 +46,7 @@ def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_
         "stage": cfg.zero_stage,
         "overlap_comm": cfg.overlap_comm,
         "contiguous_gradients": True,
-        "reduce_bucket_size": 5e8,
+        "reduce_bucket_size": REDUCE_BUCKET_SIZE,
         # Lets HF export gather full ZeRO-3 weights on rank 0.
         "stage3_gather_16bit_weights_on_model_save": True,
     }
@@ -55,7 +69,9 @@ def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_
         "gradient_accumulation_steps": train_batch_size // (micro_batch_size * world_size),
         "gradient_clipping": max_norm if max_norm > 0 else 0.0,
         "zero_optimization": zero,
-        "bf16": {"enabled": cfg.param_dtype == "bf16"},
+        # check_grad_overflow (DeepSpeed's default, pinned): ZeRO skips a bf16 step with a NaN/Inf gradient, which
+        # openppo.strategy.step_guard relies on
+        "bf16": {"enabled": cfg.param_dtype == "bf16", "check_grad_overflow": True},
         "fp16": {"enabled": cfg.param_dtype == "fp16", "initial_scale_power": 16},
         "steps_per_print": 10**9,
         "wall_clock_breakdown": False,

@@ -1,6 +1,6 @@
 """The DeepSpeed training strategy: builds engines, steps them, saves and restores them.
 
-One object per process. The trainers only talk to this interface (`prepare_train`, `prepare_eval`,
+One object per process. The trainers only talk to this interface (`prepare_train`, `prepare_eval`, `step_guard`,
 `zero3_init`, `all_reduce_mean`, `save_checkpoint`, `load_checkpoint`, `save_hf`), so another backend could
 stand behind the same calls.
 """
@@ -21,6 +21,7 @@ from openppo.errors import UserError
 from openppo.strategy import checkpoint as ckpt
 from openppo.strategy.config import DeepSpeedConfig, eval_ds_config, train_ds_config
 from openppo.strategy.distributed import init_distributed
+from openppo.strategy.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
 
@@ -146,6 +147,11 @@ class DeepSpeedStrategy:
         engine.eval()
         return engine
 
+    def step_guard(self, engine, model: str, metric: str = "train/skipped_steps") -> StepGuard:
+        """`backward`/`step` of a trained engine that skip steps with a NaN/Inf loss or gradient and stop the run
+        after more than --max_nonfinite_steps in a row (see openppo.strategy.step_guard)."""
+        return StepGuard(engine, model=model, max_consecutive=self.cfg.max_nonfinite_steps, metric=metric)
+
     # ----------------------------------------------------------------------------------------------- comms
     def all_reduce_mean(self, values: dict[str, float]) -> dict[str, float]:
         """Average scalar metrics over ranks (one collective for all of them)."""
@@ -168,29 +174,50 @@ class DeepSpeedStrategy:
             torch.distributed.barrier()
 
     # ----------------------------------------------------------------------------------------------- checkpoints
-    def save_checkpoint(self, engine, ckpt_dir: str, step: int, client_state: dict, max_num: int) -> None:
-        """Save a resumable DeepSpeed checkpoint (collective: every rank calls it) and rotate old ones."""
+    def save_checkpoint(self, engine, ckpt_dir: str, step: int, client_state: dict) -> None:
+        """Write this model's `global_step<step>` folder (collective: every rank calls it). It is one part of a
+        checkpoint: resumable only after the caller commits the step (`checkpoint.commit`) once all parts are saved."""
         tag = ckpt.tag_for_step(step)
         if self.is_rank0:
             ckpt.write_json_atomic(Path(ckpt_dir) / tag / "client_state.json", client_state)
         self.barrier()
         engine.save_checkpoint(ckpt_dir, tag=tag, client_state=client_state)
+        # DeepSpeed does not fsync; every rank flushes the folder (on a shared file system only the writer's own
+        # fsync persists a file, locally the second one finds nothing left to write)
+        ckpt.fsync_tree(Path(ckpt_dir) / tag)
         self.barrier()
+
+    def load_checkpoint(self, engine, ckpt_dir: str, step: int, load_optimizer: bool = True) -> None:
+        """Restore this model from the `global_step<step>` folder of a committed step (`checkpoint.resolve`); the
+        tag is named explicitly because DeepSpeed's `latest` file may point at a save cut short."""
+        path, _ = engine.load_checkpoint(ckpt_dir, tag=ckpt.tag_for_step(step), load_optimizer_states=load_optimizer,
+                                         load_lr_scheduler_states=load_optimizer)
+        if path is None:
+            raise UserError(f"--load_checkpoint: could not load step {step} from {ckpt_dir}; delete that folder "
+                            f"to start fresh or point --ckpt_path at a valid one")
+
+    def save_committed(self, engine, ckpt_dir: str, step: int, state: dict, max_num: int) -> None:
+        """A checkpoint with this engine as its only part (the supervised trainers): clear what an interrupted save
+        of this step left, save, commit, rotate. Collective; rank 0 keeps the books."""
         if self.is_rank0:
-            removed = ckpt.rotate(ckpt_dir, max_num)
+            ckpt.begin_save(ckpt_dir, step, [ckpt.SINGLE_PART])
+        self.save_checkpoint(engine, ckpt_dir, step, state)
+        if self.is_rank0:
+            ckpt.commit(ckpt_dir, step, [ckpt.SINGLE_PART], state)
+            removed = ckpt.rotate(ckpt_dir, max_num, step, [ckpt.SINGLE_PART])
             if removed:
                 logger.info("removed old checkpoints %s", ", ".join(removed))
 
-    def load_checkpoint(self, engine, ckpt_dir: str, load_optimizer: bool = True) -> dict | None:
-        """Restore the latest checkpoint in `ckpt_dir`; None when there is none yet (a fresh start)."""
-        if ckpt.latest_tag(ckpt_dir) is None:
+    def load_committed(self, engine, ckpt_dir: str) -> dict | None:
+        """Restore the newest committed step of a one-part checkpoint; its saved state, or None (a fresh start)."""
+        commit = ckpt.resolve(ckpt_dir)
+        if commit is None:
             return None
-        path, client_state = engine.load_checkpoint(ckpt_dir, load_optimizer_states=load_optimizer,
-                                                    load_lr_scheduler_states=load_optimizer)
-        if path is None:
-            raise UserError(f"--load_checkpoint: could not load the checkpoint in {ckpt_dir}; delete that folder "
-                            f"to start fresh or point --ckpt_path at a valid one")
-        return client_state
+        if commit.parts != (ckpt.SINGLE_PART,):
+            raise UserError(f"--load_checkpoint: {ckpt_dir} holds a checkpoint of parts {list(commit.parts)} (an RL "
+                            f"run's?); point --ckpt_path at this trainer's checkpoints")
+        self.load_checkpoint(engine, ckpt_dir, commit.step)
+        return commit.state
 
     def gathered_state_dict(self, engine_or_model) -> dict[str, torch.Tensor] | None:
         """Full (unsharded) state dict on rank 0, None elsewhere. Collective under ZeRO-3."""

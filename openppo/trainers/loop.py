@@ -70,6 +70,7 @@ class SupervisedTrainer:
         self.ckpt = ckpt
         self.logging_cfg = logging_cfg
         self.tracker = tracker
+        self.guard = strategy.step_guard(engine, self.name)  # skips NaN/Inf steps (--max_nonfinite_steps)
         self.ckpt_dir = ckpt.ckpt_path or str(Path(ckpt.save_path) / "checkpoints")
         self.micro = optim.micro_train_batch_size
         self.accum = strategy.grad_accum_steps
@@ -106,7 +107,7 @@ class SupervisedTrainer:
         """(global_step, epoch, steps done in that epoch) from the latest checkpoint, or zeros."""
         if not self.ckpt.load_checkpoint:
             return 0, 0, 0
-        state = self.strategy.load_checkpoint(self.engine, self.ckpt_dir)
+        state = self.strategy.load_committed(self.engine, self.ckpt_dir)
         if state is None:
             logger.info("--load_checkpoint: no checkpoint in %s yet; starting fresh", self.ckpt_dir)
             return 0, 0, 0
@@ -116,10 +117,12 @@ class SupervisedTrainer:
 
     def fit(self) -> dict[str, float]:
         global_step, start_epoch, skip = self._resume()
+        saved_step = global_step if self.ckpt.load_checkpoint else None  # a resumed step is on disk already
         progress = tqdm(total=self.total_steps, initial=global_step, desc=f"{self.name} train",
                         disable=not self.strategy.is_rank0, dynamic_ncols=True)
         sums: dict[str, float] = defaultdict(float)
-        count = 0
+        step_sums: dict[str, float] = defaultdict(float)  # this optimizer step's, added to sums once it is applied
+        count = step_count = skipped = 0
         last: dict[str, float] = {}
         self.engine.train()
         for epoch in range(start_epoch, self.optim.max_epochs):
@@ -128,33 +131,43 @@ class SupervisedTrainer:
             done_in_epoch = skip if epoch == start_epoch else 0
             for micro_step, batch in enumerate(self._loader(epoch, done_in_epoch)):
                 loss, metrics = self.compute_loss(move_to(batch, self.strategy.device))
-                self.engine.backward(loss)
-                self.engine.step()
+                self.guard.backward(loss)
+                applied = self.guard.step()
                 for key, value in metrics.items():
-                    sums[key] += float(value)
-                count += 1
+                    step_sums[key] += float(value)
+                step_count += 1
                 if (micro_step + 1) % self.accum:
                     continue
+                if applied:  # a skipped step's (NaN) metrics would poison the means
+                    for key, value in step_sums.items():
+                        sums[key] += value
+                    count += step_count
+                else:
+                    skipped += 1
+                step_sums.clear()
+                step_count = 0
                 global_step += 1
                 progress.update(1)
                 if global_step % self.logging_cfg.logging_steps == 0 or global_step == self.total_steps:
-                    last = self.strategy.all_reduce_mean({k: v / count for k, v in sums.items()})
+                    last = self.strategy.all_reduce_mean({k: v / max(count, 1) for k, v in sums.items()})
+                    last[self.guard.metric] = skipped  # the same on every rank: they skip together
                     last["train/lr"] = self.engine.get_lr()[0]
                     last["train/epoch"] = epoch + (done_in_epoch + (micro_step + 1) // self.accum) / self.steps_per_epoch
                     progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in last.items()
                                           if k.startswith("loss")})
                     self.tracker.log(global_step, last, echo=False)
                     sums.clear()
-                    count = 0
+                    count = skipped = 0
                 epoch_end = done_in_epoch + (micro_step + 1) // self.accum == self.steps_per_epoch
                 if self._due(global_step, self.logging_cfg.eval_steps, epoch_end):
                     self.tracker.log(global_step, self.evaluate())
                 if self._due(global_step, self.ckpt.save_steps, False):
                     self.save_checkpoint(global_step, epoch)
+                    saved_step = global_step
                 if global_step >= self.total_steps or epoch_end:
                     break
         progress.close()
-        if self.ckpt.save_steps > 0 or self.ckpt.load_checkpoint:
+        if (self.ckpt.save_steps > 0 or self.ckpt.load_checkpoint) and saved_step != global_step:
             self.save_checkpoint(global_step, epoch=global_step // self.steps_per_epoch)
         self.strategy.save_hf(self.engine, self.tokenizer, self.ckpt.save_path, self.final_config())
         if self.strategy.is_rank0:
@@ -191,7 +204,7 @@ class SupervisedTrainer:
         if self.ckpt.disable_ds_ckpt:
             return
         state = {"global_step": step, "epoch": epoch, "trainer": self.name}
-        self.strategy.save_checkpoint(self.engine, self.ckpt_dir, step, state, self.ckpt.max_ckpt_num)
+        self.strategy.save_committed(self.engine, self.ckpt_dir, step, state, self.ckpt.max_ckpt_num)
         if self.ckpt.save_hf_ckpt:
             self.strategy.save_hf(self.engine, self.tokenizer, Path(self.ckpt_dir) / f"global_step{step}_hf",
                                   self.final_config())

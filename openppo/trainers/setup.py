@@ -12,10 +12,12 @@ from typing import Any
 
 import torch
 
+from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.config.schema import to_dict
 from openppo.datasets import load_blended_dataset, require_columns
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
+from openppo.strategy.config import validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
 from openppo.trainers.configs import DataConfig
 from openppo.utils.run_info import log_run_info, run_info
@@ -38,9 +40,12 @@ def validate_common(cfg: Any) -> None:
     require(cfg.logging.logging_steps > 0, f"--logging_steps must be positive, got {cfg.logging.logging_steps}")
     require(0.0 <= cfg.optim.lr_warmup_ratio < 1.0,
             f"--lr_warmup_ratio must be in [0, 1), got {cfg.optim.lr_warmup_ratio}")
-    require(cfg.model.lora_rank >= 0, f"--lora_rank must be >= 0, got {cfg.model.lora_rank}")
+    validate_build(cfg.model)
+    validate_schedule(min_lr_ratio=cfg.optim.min_lr_ratio, max_norm=cfg.optim.max_norm)
+    validate_ds_settings(cfg.ds)
     if cfg.ckpt.load_checkpoint and cfg.ckpt.disable_ds_ckpt:
         raise UserError("--load_checkpoint needs DeepSpeed checkpoints; drop --disable_ds_ckpt")
+    validate_outputs(cfg.ckpt, cfg.logging)
 
 
 def load_raw_data(data: DataConfig, keys: dict[str, str | None], seed: int):

@@ -50,11 +50,14 @@ def write_jsonl(path: Path, rows: list[dict]) -> Path:
 
 
 def checkpoint_copy(save_path: Path, step: int, dest: Path) -> Path:
-    """A checkpoint folder holding only `global_step<step>` of a finished run, as if it had stopped there."""
+    """A checkpoint folder holding only `global_step<step>` of a finished run (its tag folder and commit marker), as
+    if it had stopped there."""
     import shutil
 
     tag = f"global_step{step}"
     shutil.copytree(Path(save_path) / "checkpoints" / tag, dest / tag)
+    (dest / "committed").mkdir(parents=True, exist_ok=True)
+    shutil.copy(Path(save_path) / "checkpoints" / "committed" / f"{tag}.json", dest / "committed")
     (dest / "latest").write_text(tag)
     return dest
 

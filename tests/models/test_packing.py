@@ -103,3 +103,30 @@ def test_varlen_attention_is_used_and_equals_masked_sdpa():
         varlen_attention.set_packed_rows(None)
     assert calls == [5, 3, 4]  # one causal call per sequence
     assert (out - expected).abs().max() <= 1e-6
+
+
+def test_scoring_only_the_action_positions_changes_nothing_there():
+    """`score_mask` runs the LM head on the masked positions only: same log-probs, entropy and gradients there, 0
+    elsewhere (padded batches keep every column some row needs), padded and packed; an all-false mask (a no-op micro-batch) still reaches every weight."""
+    seqs, attn = _batch()
+    model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
+    assert model._takes_logits_to_keep
+    score = attn[:, 1:].bool().clone()
+    score[:, :3] = False  # a 3-token "prompt" in every row
+    weights = torch.randn(score.shape) * score
+    for pack in (False, True):
+        results = []
+        for mask in (None, score):
+            model.zero_grad()
+            out = model(seqs, attn, temperature=0.7, return_entropy=True, pack=pack, score_mask=mask)
+            ((out.log_probs + 0.1 * out.entropy) * weights).sum().backward()
+            results.append((out.log_probs.detach(), out.entropy.detach(), _grads(model)))
+        (lp, ent, grads), (lp_s, ent_s, grads_s) = results
+        assert (lp - lp_s)[score].abs().max() <= 1e-5 and (ent - ent_s)[score].abs().max() <= 1e-5
+        unscored = ~score if pack else ~score.any(0).expand_as(score)  # padded: whole columns are kept or not
+        assert unscored.any() and lp_s[unscored].eq(0).all() and ent_s[unscored].eq(0).all()
+        _assert_close(grads, grads_s)
+    model.zero_grad()
+    out = model(seqs, attn, pack=True, score_mask=torch.zeros_like(score))
+    (out.log_probs.sum() * 0).backward()
+    assert len(_grads(model)) == len(list(model.parameters()))

@@ -44,3 +44,37 @@ def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
     assert main(args + ["--device_memory_gib", "0.05"]) == 0
     captured = capsys.readouterr()
     assert "does NOT fit" in captured.out and "would not fit" in captured.out
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (2, "bf16")])
+def test_plan_within_25_percent_of_a_measured_peak(stage, dtype):
+    """The actor device's plan against the peak RSS growth of a real DeepSpeed training run on CPU (SmolLM2-135M,
+    one rank, padded micro-batches of 4 x 96 tokens, one optimizer step; see tests/ppo/memory_probe.py), both with the same flags."""
+    import json
+    import subprocess
+    import sys
+
+    from openppo.cli.plan import PlanConfig, model_shape
+    from openppo.config.schema import parse_config
+    from openppo.ppo.memory_plan import GIB, plan_devices
+    from tests.cli.helpers import REPO
+    from tests.model_cache import smollm2_dir
+    from tests.ppo import memory_probe as probe
+
+    out = subprocess.run([sys.executable, "-m", "tests.ppo.memory_probe", "smollm2", str(stage), dtype], cwd=REPO,
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-4000:]
+    measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_growth_gib"]
+    cfg = parse_config(PlanConfig, [
+        "--pretrain", str(smollm2_dir()), "--prompt_data", "p.jsonl", "--remote_rm_url", "r.py",
+        "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
+        "--rollout_batch_size", "4", "--train_batch_size", str(probe.ROWS),
+        "--micro_train_batch_size", str(probe.MICRO), "--micro_rollout_batch_size", str(probe.MICRO),
+        "--prompt_max_len", str(probe.PROMPT), "--generate_max_len", str(probe.RESPONSE),
+        "--zero_stage", str(stage), "--param_dtype", dtype], "plan")
+    shape = model_shape(cfg.model.pretrain, "--pretrain")
+    actor = next(p for p in plan_devices(cfg, {"actor": shape}, 24 * GIB, on_gpu=False) if p.name == "actor device")
+    planned = actor.device_bytes / GIB
+    print(f"ZeRO-{stage} {dtype}: planned {planned:.2f} GiB, measured {measured:.2f} GiB")
+    assert abs(planned - measured) <= 0.25 * measured, (planned, measured)

@@ -72,11 +72,14 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     assert 0.0 <= evaluated[0]["eval/pass@1"] <= evaluated[0]["eval/pass@2"] <= 1.0
     ckpts = save / "checkpoints" / "actor"
     assert (ckpts / "global_step2").is_dir() and (ckpts / "latest").read_text().strip() == "global_step3"
+    assert sorted(p.name for p in (save / "checkpoints" / "committed").iterdir()) == ["global_step2.json",
+                                                                                    "global_step3.json"]
 
     # Resume from step 2 as if the run had stopped there: step 3 draws the same prompts as the unbroken run.
     resumed = tmp_path / "resumed"
     shutil.copytree(ckpts / "global_step2", tmp_path / "ckpt" / "actor" / "global_step2")
-    (tmp_path / "ckpt" / "actor" / "latest").write_text("global_step2")
+    shutil.copytree(save / "checkpoints" / "committed", tmp_path / "ckpt" / "committed")  # markers of steps 2, 3
+    (tmp_path / "ckpt" / "committed" / "global_step3.json").unlink()
     proc = run_cli("train_ppo_ray", args + ["--save_path", str(resumed), "--ckpt_path", str(tmp_path / "ckpt"),
                                             "--load_checkpoint"], nproc=1, timeout=800)
     assert "resumed from" in proc.stdout + proc.stderr

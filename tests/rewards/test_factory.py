@@ -46,5 +46,5 @@ def test_rejected_values_name_the_flag(value, match):
 
 
 def test_bad_remote_settings():
-    with pytest.raises(UserError, match="timeout > 0"):
+    with pytest.raises(UserError, match="--remote_rm_timeout must be > 0"):
         build_reward_source("http://127.0.0.1:5000/get_reward", timeout_s=0)

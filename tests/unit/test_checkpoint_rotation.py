@@ -1,29 +1,56 @@
-"""Checkpoint folder bookkeeping."""
+"""Checkpoint rotation: keep the newest committed steps, never the one just committed, and clear leftovers."""
 
 from openppo.strategy import checkpoint as ckpt
 
 
-def _make(tmp_path, steps, latest):
-    for s in steps:
-        (tmp_path / f"global_step{s}").mkdir()
-    (tmp_path / "latest").write_text(f"global_step{latest}")
+def _save(root, step, parts=("actor", "critic"), commit=True):
+    for part in parts:
+        folder = root / part / f"global_step{step}"
+        folder.mkdir(parents=True)
+        (folder / "mp_rank_00_model_states.pt").write_bytes(b"weights")
+    if commit:
+        ckpt.commit(root, step, list(parts), {"global_step": step})
 
 
-def test_rotation_keeps_newest(tmp_path):
-    _make(tmp_path, [2, 10, 4, 6], latest=10)
-    removed = ckpt.rotate(tmp_path, keep=2)
+def test_rotation_keeps_newest_commits(tmp_path):
+    for step in (2, 10, 4, 6):
+        _save(tmp_path, step)
+    removed = ckpt.rotate(tmp_path, keep=2, current=10, parts=["actor", "critic"])
     assert removed == ["global_step2", "global_step4"]
-    assert ckpt.list_tags(tmp_path) == ["global_step6", "global_step10"]
+    for part in ("actor", "critic"):
+        assert ckpt.list_tags(tmp_path / part) == ["global_step6", "global_step10"]
+    assert [c.step for c in ckpt.list_commits(tmp_path)] == [6, 10]
 
 
-def test_rotation_never_removes_latest(tmp_path):
-    _make(tmp_path, [2, 4, 6], latest=2)
-    ckpt.rotate(tmp_path, keep=1)
-    assert "global_step2" in ckpt.list_tags(tmp_path)
+def test_rotation_never_removes_the_current_commit(tmp_path):
+    """A fresh run (no --load_checkpoint) re-using a folder: its first commit is the one to keep, not the earlier
+    run's later steps, which would otherwise win the next resume."""
+    for step in (6, 8):
+        _save(tmp_path, step)  # an earlier run
+    _save(tmp_path, 2)
+    removed = ckpt.rotate(tmp_path, keep=1, current=2, parts=["actor", "critic"])
+    assert removed == ["global_step6", "global_step8"]
+    assert ckpt.resolve(tmp_path).step == 2
+    assert ckpt.list_tags(tmp_path / "actor") == ["global_step2"]
 
 
-def test_latest_tag_requires_folder(tmp_path):
-    (tmp_path / "latest").write_text("global_step8")
-    assert ckpt.latest_tag(tmp_path) is None
-    (tmp_path / "global_step8").mkdir()
-    assert ckpt.latest_tag(tmp_path) == "global_step8"
+def test_rotation_clears_uncommitted_folders_and_temp_markers(tmp_path):
+    _save(tmp_path, 1)
+    _save(tmp_path, 2, parts=("actor",), commit=False)  # a save cut short after the actor's part
+    _save(tmp_path, 3)
+    (tmp_path / "committed" / "global_step4.json.tmp").write_text("{")
+    removed = ckpt.rotate(tmp_path, keep=3, current=3, parts=["actor", "critic"])
+    assert removed == ["global_step2"]
+    assert ckpt.list_tags(tmp_path / "actor") == ["global_step1", "global_step3"]
+    assert sorted(p.name for p in (tmp_path / "committed").iterdir()) == ["global_step1.json", "global_step3.json"]
+
+
+def test_rotation_single_part_layout_keeps_other_files(tmp_path):
+    """The supervised trainers' layout: tags in the folder itself beside DeepSpeed's `latest` and HF exports."""
+    for step in (4, 8, 12):
+        _save(tmp_path, step, parts=(ckpt.SINGLE_PART,))
+    (tmp_path / "global_step4_hf").mkdir()
+    (tmp_path / "latest").write_text("global_step12")
+    assert ckpt.rotate(tmp_path, keep=2, current=12, parts=[ckpt.SINGLE_PART]) == ["global_step4"]
+    assert ckpt.list_tags(tmp_path) == ["global_step8", "global_step12"]
+    assert (tmp_path / "global_step4_hf").is_dir() and (tmp_path / "latest").is_file()

@@ -1,0 +1,69 @@
+"""Peak host memory of one actor rank's training, for the planner test: `python -m tests.ppo.memory_probe MODEL
+STAGE DTYPE` prints one JSON line with the peak RSS growth (GiB) from just before the model loads.
+
+One rank (gloo), DeepSpeed ZeRO STAGE with AdamW, micro-batches of MICRO rows x (PROMPT + RESPONSE) tokens, padded
+(not packed), one optimizer step of ROWS rows (the first step allocates Adam's states: the peak): what `openppo.cli.plan` sees with the same flags. RSS is sampled
+every 2 ms by a thread; a fresh process, so nothing else this test session did is counted.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import threading
+import time
+
+ROWS, MICRO, PROMPT, RESPONSE = 8, 4, 32, 64
+
+
+def main(model: str, stage: int, dtype: str) -> dict:
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    from tests.spawn import free_port
+
+    os.environ["MASTER_PORT"] = str(free_port())
+    import psutil
+    import torch
+
+    from openppo.models.actor import Actor
+    from openppo.ppo.config import AlgoConfig
+    from openppo.ppo.fit import actor_loss, fit_experience
+    from openppo.ppo.micro_batches import Batching
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+    from tests.model_cache import smollm2_dir, tiny_model_dir
+
+    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=120),
+                                 train_batch_size=ROWS, micro_batch_size=MICRO, max_norm=1.0, seed=0)
+    strategy.setup_distributed()
+    proc, peak, done = psutil.Process(), [0], threading.Event()
+
+    def sample():
+        while not done.is_set():
+            peak[0] = max(peak[0], proc.memory_info().rss)
+            time.sleep(0.002)
+
+    base = proc.memory_info().rss
+    thread = threading.Thread(target=sample, daemon=True)
+    thread.start()
+    path = str(tiny_model_dir() if model == "tiny" else smollm2_dir())
+    engine = strategy.prepare_train(Actor.from_pretrained(path, dtype=strategy.torch_dtype), lr=1e-6,
+                                    betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant", warmup_ratio=0.0,
+                                    min_lr_ratio=0.1, num_training_steps=4)
+    width = PROMPT + RESPONSE
+    seqs = torch.randint(100, 1000, (ROWS, width), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(ROWS, width - 1)
+    mask[:, PROMPT - 1:] = 1
+    data = {"sequences": seqs, "attention_mask": torch.ones_like(seqs), "action_mask": mask,
+            "advantages": torch.randn(ROWS, width - 1) * mask}
+    loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0), kl_coef=0.0,
+                         temperature=1.0, generate_max_len=RESPONSE, is_correction=None, is_threshold=(0.5, 5.0))
+    fit_experience(engine, data, loss_fn, batching=Batching(rows=MICRO), rows_per_step=ROWS, epochs=1,
+                   world_size=1, seed=0, device=strategy.device)
+    done.set()
+    thread.join()
+    return {"peak_growth_gib": (peak[0] - base) / 2**30}
+
+
+if __name__ == "__main__":
+    print(json.dumps(main(sys.argv[1], int(sys.argv[2]), sys.argv[3])))
