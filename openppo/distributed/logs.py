@@ -34,6 +34,13 @@ def std_log_files() -> list[str]:
     return files
 
 
+def actor_location() -> dict:
+    """Where the calling Ray actor runs (pid, node_ip, node_id, actor_id, log_files): what an error about it names."""
+    ctx = ray.get_runtime_context()
+    return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
+            "actor_id": ctx.get_actor_id(), "log_files": std_log_files()}
+
+
 def tail_file(path: str, n: int) -> list[str]:
     """The last `n` lines of a text file (reads at most its last 64 KiB), without Ray's marker lines."""
     with open(path, "rb") as f:

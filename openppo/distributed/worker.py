@@ -18,7 +18,7 @@ from typing import Any
 
 import ray
 
-from openppo.distributed.logs import std_log_files
+from openppo.distributed.logs import actor_location
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +83,7 @@ class BaseWorker:
 
     def ping(self) -> dict[str, Any]:
         """Where this worker runs: answers once the constructor has finished."""
-        ctx = ray.get_runtime_context()
-        return {"rank": self.rank, "pid": os.getpid(), "node_ip": self.node_ip(), "node_id": ctx.get_node_id(),
-                "actor_id": ctx.get_actor_id(), "log_files": std_log_files(),
+        return {"rank": self.rank, **actor_location(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def last_log_lines(self, n: int = 20) -> list[str]:

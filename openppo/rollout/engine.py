@@ -275,10 +275,6 @@ class VLLMEngine:
 
     def info(self) -> dict[str, Any]:
         """Where this engine runs (on a Ray actor), for the message the driver prints if it dies."""
-        import ray
+        from openppo.distributed.logs import actor_location
 
-        from openppo.distributed.logs import std_log_files
-
-        ctx = ray.get_runtime_context()
-        return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
-                "actor_id": ctx.get_actor_id(), "log_files": std_log_files()}
+        return actor_location()
