@@ -2,7 +2,9 @@
 STAGE DTYPE` prints one JSON line with the peak RSS growth (GiB) from just before the model loads.
 
 One rank (gloo), DeepSpeed ZeRO STAGE with AdamW, micro-batches of MICRO rows x (PROMPT + RESPONSE) tokens, padded
-(not packed), one optimizer step of ROWS rows (the first step allocates Adam's states: the peak): what `openppo.cli.plan` sees with the same flags. RSS is sampled
+(not packed), STEPS optimizer steps of ROWS rows each: what `openppo.cli.plan` sees with the same flags. The first step
+allocates Adam's states after the micro-batches' activations are freed; from the second on, the states, the gradients
+and a micro-batch's activations live at once, which is the peak of any real run and what the plan adds up. RSS is sampled
 every 2 ms by a thread; a fresh process, so nothing else this test session did is counted.
 """
 
@@ -14,7 +16,7 @@ import sys
 import threading
 import time
 
-ROWS, MICRO, PROMPT, RESPONSE = 8, 4, 32, 64
+ROWS, MICRO, PROMPT, RESPONSE, STEPS = 8, 4, 32, 64, 2
 
 
 def main(model: str, stage: int, dtype: str) -> dict:
@@ -49,13 +51,14 @@ def main(model: str, stage: int, dtype: str) -> dict:
     path = str(tiny_model_dir() if model == "tiny" else smollm2_dir())
     engine = strategy.prepare_train(Actor.from_pretrained(path, dtype=strategy.torch_dtype), lr=1e-6,
                                     betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant", warmup_ratio=0.0,
-                                    min_lr_ratio=0.1, num_training_steps=4)
+                                    min_lr_ratio=0.1, num_training_steps=2 * STEPS)
     width = PROMPT + RESPONSE
-    seqs = torch.randint(100, 1000, (ROWS, width), generator=torch.Generator().manual_seed(0))
-    mask = torch.zeros(ROWS, width - 1)
+    rows = ROWS * STEPS
+    seqs = torch.randint(100, 1000, (rows, width), generator=torch.Generator().manual_seed(0))
+    mask = torch.zeros(rows, width - 1)
     mask[:, PROMPT - 1:] = 1
     data = {"sequences": seqs, "attention_mask": torch.ones_like(seqs), "action_mask": mask,
-            "advantages": torch.randn(ROWS, width - 1) * mask}
+            "advantages": torch.randn(rows, width - 1) * mask}
     loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0), kl_coef=0.0,
                          temperature=1.0, generate_max_len=RESPONSE, is_correction=None, is_threshold=(0.5, 5.0))
     fit_experience(engine, data, loss_fn, batching=Batching(rows=MICRO), rows_per_step=ROWS, epochs=1,

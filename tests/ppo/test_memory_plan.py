@@ -50,7 +50,7 @@ def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
 @pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (2, "bf16")])
 def test_plan_within_25_percent_of_a_measured_peak(stage, dtype):
     """The actor device's plan against the peak RSS growth of a real DeepSpeed training run on CPU (SmolLM2-135M,
-    one rank, padded micro-batches of 4 x 96 tokens, one optimizer step; see tests/ppo/memory_probe.py), both with the same flags."""
+    one rank, padded micro-batches of 4 x 96 tokens, two optimizer steps; see tests/ppo/memory_probe.py), both with the same flags."""
     import json
     import subprocess
     import sys
