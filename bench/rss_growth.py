@@ -7,8 +7,10 @@ Runs one `train_ppo_ray` GRPO job (tiny model, 1 actor rank, 1 engine, a checkpo
 keeping 1). The driver and actor RSS come from the run's own `perf/driver_rss_gib` and `perf/actor_rss_gib`; the
 engine's is sampled from outside once per second. For each series: the median of an early window (steps 11-30:
 after the warm-ups, allocator pools and first checkpoint have settled) against the median of the last 20 steps,
-the least-squares slope over steps 11..N, and the early window's spread (max - min) as the noise level. A series
-is flat when its growth is within max(2 x spread, 2 % of its level). The last line printed is one JSON object.
+the least-squares slope over steps 11..N and over its second half (a growth that levels off, as allocator pools and
+Ray's own tables settle, has a second-half slope near 0), and the early window's spread (max - min) as the noise
+level. A series is flat when its growth is within max(2 x spread, 2 % of its level). The last line printed is one
+JSON object.
 """
 
 from __future__ import annotations
@@ -43,6 +45,12 @@ def _engine_rss(root) -> int | None:
     return None
 
 
+def _slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs."""
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9)
+
+
 def series_verdict(points: list[tuple[int, float]]) -> dict:
     """Growth of one RSS series [(step, MiB)] against its own noise."""
     steps, values = [s for s, _ in points], [v for _, v in points]
@@ -50,8 +58,7 @@ def series_verdict(points: list[tuple[int, float]]) -> dict:
     last = values[-LAST:]
     tail = [(s, v) for s, v in zip(steps, values) if s >= WARM[0]]
     xs, ys = [s for s, _ in tail], [v for _, v in tail]
-    mx, my = statistics.fmean(xs), statistics.fmean(ys)
-    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / max(sum((x - mx) ** 2 for x in xs), 1e-9)
+    half = len(xs) // 2
     growth = statistics.median(last) - statistics.median(warm)
     noise = max(warm) - min(warm)
     allowed = max(2 * noise, 0.02 * statistics.median(warm))
@@ -59,12 +66,15 @@ def series_verdict(points: list[tuple[int, float]]) -> dict:
     return {"series_mib": {s: round(v, 1) for s, v in points[::every]},
             "early_mib": round(statistics.median(warm), 1), "last_mib": round(statistics.median(last), 1),
             "growth_mib": round(growth, 1), "noise_mib": round(noise, 1),
-            "slope_mib_per_100_steps": round(100 * slope, 2), "flat": growth <= allowed}
+            "slope_mib_per_100_steps": round(100 * _slope(xs, ys), 2),
+            "second_half_slope_mib_per_100_steps": round(100 * _slope(xs[half:], ys[half:]), 2),
+            "flat": growth <= allowed}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
+    parser.add_argument("--keep_metrics", type=Path, default=None, help="copy the run's metrics.jsonl here")
     args = parser.parse_args()
     if args.steps < WARM[1] + LAST:
         raise SystemExit(f"--steps must be >= {WARM[1] + LAST} (an early window of steps {WARM[0]}-{WARM[1]} and "
@@ -109,6 +119,8 @@ def main() -> None:
             sys.stderr.write(output[-4000:])
             raise SystemExit(f"train_ppo_ray exited with {proc.returncode}")
         records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+        if args.keep_metrics:
+            args.keep_metrics.write_text((save / "metrics.jsonl").read_text())
     wall = time.perf_counter() - start
     out = {"bench": "rss_growth", "steps": len(records), "wall_s": round(wall, 1),
            "step_s": round(statistics.fmean(r["timing/step"] for r in records[1:]), 2)}

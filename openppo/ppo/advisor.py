@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openppo.ppo.config import PPOConfig
+from openppo.ppo.summary import RunHistory
 
 GENERATION_SHARE = 0.4  # generation (or, async, the wait for it) above this share of the step
 REWARD_SHARE = 0.25
@@ -33,11 +34,9 @@ class Advice:
         return f"{self.rule}: {self.evidence} -> try {', '.join(self.flags)}"
 
 
-def run_means(history: list[dict[str, float]]) -> dict[str, float]:
+def run_means(history: RunHistory) -> dict[str, float]:
     """Mean of every timing/* and perf/* value over the steps (without the first step when there are more)."""
-    steps = history[1:] if len(history) > 1 else history
-    keys = {k for h in steps for k in h if k.startswith(("timing/", "perf/"))}
-    return {k: sum(h.get(k, 0.0) for h in steps) / len(steps) for k in keys}
+    return history.means(skip_first=True)
 
 
 def _share(means: dict[str, float], *stages: str) -> tuple[float, float]:
@@ -182,7 +181,7 @@ def _idle(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
                   ["--profile_steps A,B (torch profiler traces of the driver and every rank show where it goes)"])
 
 
-def advise(history: list[dict[str, float]], cfg: PPOConfig, host_memory_gib: float = 0.0) -> list[Advice]:
+def advise(history: RunHistory, cfg: PPOConfig, host_memory_gib: float = 0.0) -> list[Advice]:
     """Every rule that fires on the run's mean stage shares, most expensive stage first."""
     if not history:
         return []

@@ -28,7 +28,7 @@ from openppo.ppo.micro_batches import Batching
 from openppo.ppo.throughput import mfu, peak_flops, train_flops
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-from openppo.utils.resources import device_name, device_stats
+from openppo.utils.resources import device_name, device_stats, trim_host_heap
 
 
 def make_strategy(cfg: PPOConfig, *, trained: bool, role: str = "critic") -> DeepSpeedStrategy:
@@ -118,6 +118,7 @@ class _TrainedRole:
     def _perf(self, name: str, data: dict[str, torch.Tensor], seconds: float, replicas: int) -> dict[str, float]:
         """perf/<name>_*: this rank's memory, and on a known GPU the MFU of the update (averaged over the ranks by
         the caller: each rank counts 1/replicas of the tokens it shares with its ring or tensor-parallel group)."""
+        trim_host_heap()  # the update's freed host memory goes back first, so the RSS logged is what the rank holds
         out = {f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in device_stats().items()}
         tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / replicas
         peak = peak_flops(device_name(), self.cfg.ds.param_dtype) if torch.cuda.is_available() else None

@@ -33,7 +33,7 @@ from openppo.ppo.experience import Sample, collate_samples, compute_advantages_f
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.prompt_stream import PromptStream
-from openppo.ppo.summary import summary_view
+from openppo.ppo.summary import RunHistory
 from openppo.ppo.throughput import idle_seconds, step_throughput
 from openppo.ppo.validate import engine_dtype, needs_old_logprob_pass
 from openppo.strategy import checkpoint as ckpt
@@ -406,7 +406,7 @@ class PPOTrainer:
         """The episode of the prompts trained so far (the stream itself runs ahead with --async_train)."""
         return self._data_position["cursor"] // self.stream.per_episode
 
-    def fit(self) -> list[dict[str, float]]:
+    def fit(self) -> RunHistory:
         cfg = self.cfg
         if cfg.ckpt.load_checkpoint:
             self.resume()
@@ -423,9 +423,9 @@ class PPOTrainer:
                 self._producer.stop()
             self._rollout_log.close()
 
-    def _loop(self) -> list[dict[str, float]]:
+    def _loop(self) -> RunHistory:
         cfg = self.cfg
-        history = []
+        history = RunHistory()
         saved_step = None
         progress = tqdm(total=self.total_steps, initial=self.global_step, desc="RL steps", dynamic_ncols=True)
         traced_steps = set(parse_profile_steps(cfg.logging.profile_steps))
@@ -444,7 +444,7 @@ class PPOTrainer:
                 break
             if self._producer is not None:
                 self._producer.step_done()
-            history.append(summary_view(metrics))
+            history.add(metrics)
             progress.update(1)
             progress.set_postfix({k: f"{metrics[k]:.3g}" for k in _PROGRESS_KEYS if k in metrics})
             # (with dynamic filtering an episode of prompts takes fewer steps than steps_per_episode)

@@ -8,6 +8,7 @@ import torch
 
 from openppo.distributed.worker import BaseWorker
 from openppo.ppo.config import PPOConfig
+from openppo.utils.resources import trim_host_heap
 
 
 class _TrainedWorker(BaseWorker):
@@ -57,8 +58,10 @@ class PolicyWorker(_TrainedWorker):
         from openppo.rollout.sender import sync_weights
 
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[engine_dtype]
-        return sync_weights(self.role.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
-                            timeout_s=timeout_s, rank=self.role.strategy.rank)
+        out = sync_weights(self.role.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
+                           timeout_s=timeout_s, rank=self.role.strategy.rank)
+        trim_host_heap()  # the buckets just freed
+        return out
 
     def save_hf(self, out_dir: str, tokenizer_path: str) -> None:
         from openppo.models.loading import load_tokenizer

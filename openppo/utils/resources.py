@@ -16,6 +16,30 @@ def rss_gib() -> float:
     return psutil.Process(os.getpid()).memory_info().rss / GIB
 
 
+def trim_host_heap() -> None:
+    """Hand the C allocator's free pages back to the OS (glibc's `malloc_trim`); a no-op without glibc.
+
+    PyTorch's CPU tensors come from malloc. After a large block is freed glibc raises its mmap threshold (up to
+    32 MiB), so the same-sized tensors made again every step (weight-sync buckets, embedding-sized gradients) then
+    come from heaps that keep freed pages, and a rank's RSS moves in steps of one such block with how many happen
+    to be kept. The training ranks call this after their update (before logging their RSS) and after the weight
+    sync; it takes a few milliseconds."""
+    global _malloc_trim
+    if _malloc_trim is None:
+        import ctypes
+        import ctypes.util
+
+        try:
+            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+        except (OSError, AttributeError):  # not glibc (musl, macOS)
+            _malloc_trim = False
+    if _malloc_trim:
+        _malloc_trim(0)
+
+
+_malloc_trim = None
+
+
 def host_memory_gib() -> float:
     import psutil
 

@@ -75,21 +75,21 @@ def test_gae_uses_values():
 
 
 def test_summary_table():
-    from openppo.ppo.summary import summary_table
+    from openppo.ppo.summary import RunHistory, summary_table
 
-    history = [{"rollout/reward": r, "response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}
+    steps = [{"rollout/reward": r, "response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}
                for i, r in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])]
-    table = summary_table(history, window=2)
+    table = summary_table(RunHistory.of(steps), window=2)
     assert "first 2 steps: 0.100" in table and "last 2 steps:  0.900" in table
     assert "generate" in table and "75%" in table and "10.0 -> 5.0" in table
     # with the step's wall time logged, shares are of the step, and the untimed rest shows as "idle"
-    for h in history:
+    for h in steps:
         h["timing/step"] = 5.0
-    table = summary_table(history, window=2)
+    table = summary_table(RunHistory.of(steps), window=2)
     assert "60%" in table and "20%" in table and "idle" in table
     assert table.splitlines()[-1].split() == ["step", "5.00"]
     # async: generation ran beside the step; it is marked and left out of the staged sum (no idle row here)
-    for h in history:
+    for h in steps:
         h.update({"timing/wait_rollout": 1.0, "timing/old_logprob": 3.0})
-    rows = {line.split("  ")[0].strip(): line for line in summary_table(history, window=2).splitlines()}
+    rows = {line.split("  ")[0].strip(): line for line in summary_table(RunHistory.of(steps), window=2).splitlines()}
     assert "generate (async)" in rows and "idle" not in rows

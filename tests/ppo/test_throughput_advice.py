@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from openppo.ppo.advisor import advice_text, advise, run_means
+from openppo.ppo.summary import RunHistory
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.throughput import idle_seconds, mfu, peak_flops, step_throughput, train_flops
 from openppo.utils.profiling import parse_profile_steps
@@ -38,13 +39,13 @@ def test_step_throughput():
     assert step_throughput(generated_tokens=1, trained_tokens=1, samples=1, timing={}) == {}
 
 
-def _history(step_s: float | None = None, **seconds) -> list[dict[str, float]]:
+def _history(step_s: float | None = None, **seconds) -> RunHistory:
     """Three steps; the first (a warm-up, ignored) ten times slower. The step's wall time is the sum of the stages
     unless given."""
     step = {f"timing/{k}": v for k, v in seconds.items() if not k.startswith("perf_")}
     step.update({f"perf/{k[5:]}": v for k, v in seconds.items() if k.startswith("perf_")})
     step["timing/step"] = step_s or sum(v for k, v in step.items() if k.startswith("timing/"))
-    return [{k: 10 * v for k, v in step.items()}, dict(step), dict(step)]
+    return RunHistory.of([{k: 10 * v for k, v in step.items()}, dict(step), dict(step)])
 
 
 def _rules(history, cfg=None, host=0.0) -> dict[str, str]:

@@ -1,0 +1,140 @@
+"""Benchmark: model FLOPs utilisation (MFU) of openppo's actor update, the GPU variant of the TRL comparison.
+
+    .venv/bin/python bench/train_step_mfu.py                       # 0.5B-class model, bf16, ZeRO-2 (on a GPU)
+    .venv/bin/python bench/train_step_mfu.py --model tiny --rows 8 --seq_len 128   # a quick look on CPU
+    .venv/bin/python bench/train_step_mfu.py --model smollm2 --rows 16 --seq_len 96 --dtype fp32   # CPU, real model
+
+The update is the trainer's own: `Actor` (sdpa, varlen attention for packed rows) under `DeepSpeedStrategy`, the
+GRPO policy loss (`actor_loss`), micro-batches and optimizer steps by `fit_experience`, one rank. Rows are random
+token ids (MFU does not depend on the values): `--rows` rows of `--seq_len` tokens per optimizer step, half
+prompt, half response, `--micro` rows per micro-batch, packed as with --packing_samples (padded with --no-pack).
+The `qwen0.5b` model has Qwen2.5-0.5B's shape (24 layers, hidden 896, MLP 4864, the Qwen3 tokenizer's 151k
+vocabulary, tied embeddings; one KV head per query head, so 0.53B parameters) with random weights, built once into
+`.cache/bench/models`.
+
+Step time is the mean wall time of steps 2..N (step 1 pays the allocator and kernel warm-ups). FLOPs per step are
+6 x parameters x tokens (8 x with --gradient_checkpointing; `openppo.ppo.throughput.train_flops`), the count the
+trainer's own `perf/actor_mfu` uses. MFU is reported twice: against the device's data-sheet dense peak when it is
+listed (`throughput.peak_flops`: H100, H200, A100...; none for CPUs), and against a large matmul in the same dtype
+timed in this process (the device's practical peak), which also gives CPU runs a ratio. The last line printed is
+one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+MODELS = {"qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864},
+          "smollm2": {}, "tiny": {}}
+
+
+def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
+    """FLOP/s of a size x size x size matmul in `dtype` on `device`, best of `repeats`."""
+    import torch
+
+    a, b = (torch.randn(size, size, device=device).to(dtype) for _ in range(2))
+    best = float("inf")
+    for _ in range(repeats + 1):  # the first is a warm-up
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        a @ b
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best = min(best, time.perf_counter() - start)
+    return 2 * size**3 / best
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=sorted(MODELS), default="qwen0.5b")
+    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    parser.add_argument("--zero_stage", type=int, default=2)
+    parser.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
+    parser.add_argument("--seq_len", type=int, default=1024, help="tokens per row (half prompt, half response)")
+    parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch")
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--gradient_checkpointing", action="store_true")
+    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
+                        help="packed micro-batches (--packing_samples), or padded ones with --no-pack")
+    args = parser.parse_args()
+    if args.steps < 2 or args.rows % args.micro or args.seq_len < 4:
+        raise SystemExit("--steps must be >= 2, --rows a multiple of --micro, --seq_len >= 4")
+    os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
+    from tests.spawn import free_port
+
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
+    import torch
+
+    from openppo.models.actor import Actor
+    from openppo.models.zoo import build_tiny_model
+    from openppo.ppo.config import AlgoConfig
+    from openppo.ppo.fit import actor_loss, fit_experience
+    from openppo.ppo.micro_batches import Batching
+    from openppo.ppo.throughput import mfu, peak_flops, train_flops
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+    from tests.model_cache import smollm2_dir, tiny_model_dir
+
+    shape = MODELS[args.model]
+    path = (build_tiny_model(REPO / ".cache" / "bench" / "models" / args.model, dtype="bfloat16", **shape)
+            if shape else smollm2_dir() if args.model == "smollm2" else tiny_model_dir())
+    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=args.dtype,
+                                                 dist_timeout=600),
+                                 train_batch_size=args.rows, micro_batch_size=args.micro, max_norm=1.0, seed=0)
+    strategy.setup_distributed()
+    actor = Actor.from_pretrained(str(path), dtype=strategy.torch_dtype,
+                                  gradient_checkpointing=args.gradient_checkpointing)
+    num_params = sum(p.numel() for p in actor.parameters())
+    engine = strategy.prepare_train(actor, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
+                                    warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=args.steps)
+    response = args.seq_len // 2
+    vocab = actor.model.config.vocab_size
+    loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0), kl_coef=0.0,
+                         temperature=1.0, generate_max_len=response, is_correction=None, is_threshold=(0.5, 5.0),
+                         pack=args.pack)
+    gen = torch.Generator().manual_seed(0)
+    times = []
+    for step in range(args.steps):
+        seqs = torch.randint(100, vocab - 100, (args.rows, args.seq_len), generator=gen)
+        mask = torch.zeros(args.rows, args.seq_len - 1)
+        mask[:, args.seq_len - response - 1:] = 1
+        data = {"sequences": seqs, "attention_mask": torch.ones_like(seqs), "action_mask": mask,
+                "advantages": torch.randn(args.rows, args.seq_len - 1, generator=gen) * mask}
+        if strategy.device.type == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        fit_experience(engine, data, loss_fn, batching=Batching(packed=args.pack, rows=args.micro),
+                       rows_per_step=args.rows, epochs=1, world_size=1, seed=step, device=strategy.device)
+        if strategy.device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - start)
+        print(f"step {step + 1}/{args.steps}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
+    step_s = statistics.fmean(times[1:])
+    tokens = args.rows * args.seq_len
+    flops = train_flops(num_params, tokens, args.gradient_checkpointing)
+    device = strategy.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
+    measured_peak = matmul_peak(device, strategy.torch_dtype, 8192 if device.type == "cuda" else 1024)
+    sheet = mfu(flops, step_s, peak_flops(name, args.dtype))
+    print(json.dumps({
+        "bench": "train_step_mfu", "device": name, "model": args.model, "params_m": round(num_params / 1e6, 1),
+        "dtype": args.dtype, "zero_stage": args.zero_stage, "rows": args.rows, "seq_len": args.seq_len,
+        "micro": args.micro, "packed": args.pack, "gradient_checkpointing": args.gradient_checkpointing,
+        "step_times_s": [round(t, 3) for t in times], "step_s": round(step_s, 3),
+        "tokens_per_s": round(tokens / step_s, 1), "achieved_tflops": round(flops / step_s / 1e12, 3),
+        "matmul_peak_tflops": round(measured_peak / 1e12, 3),
+        "mfu_datasheet": None if sheet is None else round(sheet, 3),
+        "mfu_vs_matmul": round(flops / step_s / measured_peak, 3)}))
+
+
+if __name__ == "__main__":
+    main()
