@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 
 from openppo.models.actor import Actor
@@ -76,8 +77,13 @@ def test_scalar_model_packed_equals_padded():
     _assert_close(grads, grads_p)
 
 
-def test_varlen_attention_is_used_and_equals_masked_sdpa():
-    """Packed forwards attend sequence by sequence (no N x N mask); the result equals sdpa's block-diagonal mask."""
+@pytest.mark.parametrize("lengths,calls", [
+    ([5, 3, 4], [(3, 5)]),  # similar lengths: one call over the 3 sequences right-padded to 5 (3 x 25 <= 2 x 50)
+    ([9, 1, 2], [(1, 9), (1, 1), (1, 2)]),  # padding would cost 243 scores for 86: one call per sequence
+])
+def test_varlen_attention_is_used_and_equals_masked_sdpa(lengths, calls):
+    """Packed forwards attend sequence by sequence (no N x N mask), batched when padding wastes little; either way
+    the result and its gradient equal sdpa's block-diagonal mask."""
     from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
     from openppo.models import varlen_attention
@@ -85,24 +91,34 @@ def test_varlen_attention_is_used_and_equals_masked_sdpa():
     model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
     assert model.config._attn_implementation == varlen_attention.ATTN_IMPLEMENTATION
     module = model.model.model.layers[0].self_attn
+    n = sum(lengths)
     torch.manual_seed(0)
-    q, k, v = (torch.randn(1, 2, 12, 32) for _ in range(3))
-    position_ids = torch.tensor([[0, 1, 2, 3, 4, 0, 1, 2, 0, 1, 2, 3]])
-    seq = torch.tensor([0] * 5 + [1] * 3 + [2] * 4)
-    causal = torch.tril(torch.ones(12, 12, dtype=torch.bool))
+    q, k, v = (torch.randn(1, 2, n, 32, requires_grad=True) for _ in range(3))
+    position_ids = torch.cat([torch.arange(length) for length in lengths])[None]
+    seq = torch.cat([torch.full((length,), i) for i, length in enumerate(lengths)])
+    causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
     block_mask = (causal & (seq[:, None] == seq[None, :]))[None, None]
     expected, _ = sdpa_attention_forward(module, q, k, v, block_mask, scaling=32 ** -0.5)
-    calls = []
-    original = varlen_attention.sdpa_attention_forward
-    varlen_attention.sdpa_attention_forward = lambda *a, **kw: calls.append(a[1].shape[2]) or original(*a, **kw)
+    seen, original = [], varlen_attention.sdpa_attention_forward
+
+    def counted(module, query, *args, **kwargs):
+        seen.append((query.shape[0], query.shape[2]))  # (batch, length) of each sdpa call
+        return original(module, query, *args, **kwargs)
+
+    varlen_attention.sdpa_attention_forward = counted
     try:
         varlen_attention.set_packed_rows(position_ids)
         out, _ = varlen_attention.varlen_attention_forward(module, q, k, v, None, scaling=32 ** -0.5)
     finally:
         varlen_attention.sdpa_attention_forward = original
         varlen_attention.set_packed_rows(None)
-    assert calls == [5, 3, 4]  # one causal call per sequence
-    assert (out - expected).abs().max() <= 1e-6
+    assert seen == calls
+    assert out.shape == expected.shape and (out - expected).abs().max() <= 1e-6
+    weights = torch.randn_like(out)
+    got = torch.autograd.grad((out * weights).sum(), (q, k, v))
+    want = torch.autograd.grad((expected * weights).sum(), (q, k, v))
+    for g, w in zip(got, want):
+        assert (g - w).abs().max() <= 1e-5
 
 
 def test_scoring_only_the_action_positions_changes_nothing_there():
