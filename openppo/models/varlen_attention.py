@@ -72,8 +72,8 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if padded is not None:
         # Sequences of similar length: one causal sdpa call over them right-padded. A real query never sees the
-        # padding, which comes after it, so the result is exact; one call instead of one per sequence is 15-20 %
-        # of a small model's update on CPU.
+        # padding, which comes after it, so the result is exact. One call instead of one per sequence took a
+        # SmolLM2 update on CPU from 27.3 to 24.9 s (docs/benchmarks.md).
         index, real = padded
         out = sdpa_attention_forward(module, _to_padded(query, index), _to_padded(key, index),
                                      _to_padded(value, index), None, **kwargs)[0]  # [B, Lmax, H, D]
