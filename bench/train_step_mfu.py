@@ -65,6 +65,8 @@ def main() -> None:
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
                         help="packed micro-batches (--packing_samples), or padded ones with --no-pack")
+    parser.add_argument("--trim", action="store_true",
+                        help="hand the freed heap back to the OS after every step (malloc_trim), to measure its cost")
     args = parser.parse_args()
     if args.steps < 2 or args.rows % args.micro or args.seq_len < 4:
         raise SystemExit("--steps must be >= 2, --rows a multiple of --micro, --seq_len >= 4")
@@ -82,6 +84,7 @@ def main() -> None:
     from openppo.ppo.throughput import mfu, peak_flops, train_flops
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+    from openppo.utils.resources import trim_host_heap
     from tests.model_cache import smollm2_dir, tiny_model_dir
 
     shape = MODELS[args.model]
@@ -116,6 +119,8 @@ def main() -> None:
                        rows_per_step=args.rows, epochs=1, world_size=1, seed=step, device=strategy.device)
         if strategy.device.type == "cuda":
             torch.cuda.synchronize()
+        if args.trim:
+            trim_host_heap(min_interval_s=0.0)
         times.append(time.perf_counter() - start)
         print(f"step {step + 1}/{args.steps}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
     step_s = statistics.fmean(times[1:])
@@ -129,7 +134,7 @@ def main() -> None:
         "bench": "train_step_mfu", "device": name, "model": args.model, "params_m": round(num_params / 1e6, 1),
         "dtype": args.dtype, "zero_stage": args.zero_stage, "rows": args.rows, "seq_len": args.seq_len,
         "micro": args.micro, "packed": args.pack, "gradient_checkpointing": args.gradient_checkpointing,
-        "step_times_s": [round(t, 3) for t in times], "step_s": round(step_s, 3),
+        "trim": args.trim, "step_times_s": [round(t, 3) for t in times], "step_s": round(step_s, 3),
         "tokens_per_s": round(tokens / step_s, 1), "achieved_tflops": round(flops / step_s / 1e12, 3),
         "matmul_peak_tflops": round(measured_peak / 1e12, 3),
         "mfu_datasheet": None if sheet is None else round(sheet, 3),

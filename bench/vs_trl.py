@@ -7,11 +7,13 @@
 
 Both runs get the same model, prompts (the built-in arithmetic task, chat template), group size, response
 length, learning rate, beta 0 (no reference model), one optimizer step per RL step over the whole batch, one
-epoch, seed, precision (--dtype) and threads. openppo runs `train_ppo_ray` (1 actor rank, 1 vLLM engine, packed
-samples); TRL runs `GRPOTrainer` in one process (generation with transformers' `generate`, as TRL does without
-vLLM). TRL is installed by this script into its own environment, `.cache/bench/trl-env`: a venv whose only
-package is TRL (pinned below), layered on this project's environment for torch and transformers, so the project
-environment itself is never changed.
+epoch, seed, precision (--dtype) and threads. openppo runs `train_ppo_ray` (1 actor rank, ZeRO-0, 1 vLLM engine,
+packed samples in micro-batches of --micro rows, prefix caching unless --no-prefix_caching); TRL runs
+`GRPOTrainer` in one process (generation with transformers' `generate`, as TRL does without vLLM), the whole batch
+as one micro-batch, without gradient checkpointing (GRPOConfig turns it on by default; openppo does not; pass
+--trl_gradient_checkpointing for TRL's default). TRL is installed by this script into its own environment,
+`.cache/bench/trl-env`: a venv whose only package is TRL (pinned below), layered on this project's environment for
+torch and transformers, so the project environment itself is never changed.
 
 Step time = the mean wall time of steps 2..N (step 1 pays the warm-ups): `timing/step` for openppo, the time
 between TRL's step-begin and step-end callbacks for TRL. Reward = mean reward of the last 2 steps. The last line
@@ -71,6 +73,7 @@ args = GRPOConfig(output_dir=cfg["out"], per_device_train_batch_size=samples, gr
                   learning_rate=cfg["lr"], beta=0.0, num_iterations=1,
                   max_steps=cfg["steps"], temperature=1.0, logging_steps=1, report_to="none", save_strategy="no",
                   use_cpu=not torch.cuda.is_available(), bf16=cfg["dtype"] == "bf16", seed=cfg["seed"],
+                  gradient_checkpointing=cfg["gradient_checkpointing"],
                   lr_scheduler_type="constant", shuffle_dataset=False)
 times = StepTimes()
 trainer = GRPOTrainer(model=cfg["model"], reward_funcs=arithmetic_reward, args=args, train_dataset=data,
@@ -102,7 +105,8 @@ def run_trl(args, prompts: Path, model: str, workdir: Path) -> dict:
     python = ensure_trl_env()
     cfg = {"model": model, "prompts": str(prompts), "prompts_per_step": args.prompts, "group": args.group,
            "max_new_tokens": args.max_new_tokens, "lr": args.lr, "steps": args.steps,
-           "seed": 0, "dtype": args.dtype, "threads": args.threads, "out": str(workdir / "trl")}
+           "seed": 0, "dtype": args.dtype, "threads": args.threads, "out": str(workdir / "trl"),
+           "gradient_checkpointing": args.trl_gradient_checkpointing}
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "OMP_NUM_THREADS": str(args.threads)}
     start = time.perf_counter()
     proc = subprocess.run([str(python), "-c", TRL_JOB, json.dumps(cfg)], cwd=REPO, env=env, capture_output=True,
@@ -127,6 +131,9 @@ def run_openppo(args, prompts: Path, model: str, workdir: Path) -> dict:
              "--prompt_max_len", "128", "--init_kl_coef", "0", "--zero_stage", "0", "--param_dtype", args.dtype,
              "--max_steps", str(args.steps), "--actor_learning_rate", str(args.lr), "--lr_scheduler", "constant",
              "--seed", "0", "--disable_ds_ckpt", "--save_path", str(save)]
+    if args.prefix_caching:  # the 8 samples of a prompt share its KV blocks
+        flags.append("--enable_prefix_caching")
+    flags += args.openppo_args.split()
     if args.async_train:  # generation of step k+1 overlaps the update of step k (one step off-policy)
         flags.append("--async_train")
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -159,8 +166,15 @@ def main() -> None:
     parser.add_argument("--group", type=int, default=8, help="samples per prompt")
     parser.add_argument("--max_new_tokens", type=int, default=32)
     parser.add_argument("--lr", type=float, default=1e-6)
-    parser.add_argument("--micro", type=int, default=8, help="openppo's training micro-batch (rows)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="fp32")
+    parser.add_argument("--micro", type=int, default=16,
+                        help="openppo's training micro-batch (rows); TRL trains the whole batch as one")
+    parser.add_argument("--prefix_caching", action=argparse.BooleanOptionalAction, default=True,
+                        help="openppo with --enable_prefix_caching")
+    parser.add_argument("--openppo_args", default="", help="more train_ppo_ray flags for openppo (A/B runs)")
+    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
+                        help="both trainers' precision (bf16 is the default of both)")
+    parser.add_argument("--trl_gradient_checkpointing", action="store_true",
+                        help="TRL with gradient checkpointing, its GRPOConfig default; off by default, as in openppo")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--only", choices=("openppo", "trl"), default=None)
     parser.add_argument("--async_train", action="store_true",
@@ -180,9 +194,10 @@ def main() -> None:
                 results[name] = fn(args, prompts, model, workdir)
                 print(f"{name}: {results[name]}", flush=True)
     out = {"bench": "vs_trl", "model": args.model, "async_train": args.async_train, "steps": args.steps,
-           "prompts": args.prompts,
-           "group": args.group, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype, "threads": args.threads,
-           "trl": TRL_PIN, **results}
+           "prompts": args.prompts, "group": args.group, "max_new_tokens": args.max_new_tokens, "dtype": args.dtype,
+           "threads": args.threads, "micro": args.micro,
+           "trl_gradient_checkpointing": args.trl_gradient_checkpointing, "prefix_caching": args.prefix_caching,
+           "openppo_args": args.openppo_args, "trl": TRL_PIN, **results}
     if len(results) == 2:
         out["step_time_ratio_openppo_over_trl"] = round(results["openppo"]["step_s"] / results["trl"]["step_s"], 2)
     print(json.dumps(out))

@@ -19,6 +19,11 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 ATTN_IMPLEMENTATION = "openppo_varlen_sdpa"
 
+# On CPU, PyTorch's bf16/fp16 flash kernel is slower than its fp32 one up to about this many tokens per sequence
+# (forward + backward, 2048 tokens per call: 0.37x the time at 64, 0.52x at 128, 0.77x at 256, 0.99x at 512 and
+# 1.11x at 1024), so shorter sequences attend in fp32: faster, and the softmax in full precision.
+CPU_FP32_ATTENTION_MAX_LEN = 512
+
 _BOUNDS: list[tuple[int, int]] | None = None  # (start, end) of every sequence of the current packed row
 _PADDED: tuple[torch.Tensor, torch.Tensor] | None = None  # its `_padded_index` when `batches_well`, else None
 
@@ -47,21 +52,39 @@ def batches_well(bounds: list[tuple[int, int]], max_waste: float = 2.0) -> bool:
 
 
 def _padded_index(bounds: list[tuple[int, int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, Lmax] positions of each sequence in the packed row, padded with N (a zero row appended), and the mask of
-    real positions. Real positions in row-major order are the packed order."""
-    num = bounds[-1][1]
+    """The gather index [B * Lmax] that lays the packed row out as B right-padded sequences, and the flat positions
+    of the real tokens in that layout (row-major, which is the packed order).
+
+    Padding slots gather position 0. Under a causal mask a real query only sees keys before it, all real, and a
+    padding query's output is dropped, so what the padding holds never reaches a result and its gradient is zero.
+    Gathers (`index_select`, whose backward is `index_add_`) took half the time of boolean-mask indexing."""
     longest = max(e - s for s, e in bounds)
-    index = torch.full((len(bounds), longest), num, dtype=torch.long)
+    index = torch.zeros(len(bounds), longest, dtype=torch.long)
+    real = torch.zeros(len(bounds), longest, dtype=torch.bool)
     for i, (s, e) in enumerate(bounds):
         index[i, : e - s] = torch.arange(s, e)
-    index = index.to(device)
-    return index, index < num
+        real[i, : e - s] = True
+    return index.flatten().to(device), real.flatten().nonzero().flatten().to(device)
 
 
-def _to_padded(x: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
-    """[1, H, N, D] -> [B, H, Lmax, D] along `index` (the appended zero row fills the padding)."""
-    x = torch.cat([x, x.new_zeros(1, x.shape[1], 1, x.shape[3])], dim=2)[0]
-    return x[:, index].transpose(0, 1)
+def _to_padded(x: torch.Tensor, index: torch.Tensor, num_seqs: int) -> torch.Tensor:
+    """[1, H, N, D] -> [B, H, Lmax, D] along the gather `index`."""
+    heads, dim = x.shape[1], x.shape[3]
+    return x[0].index_select(1, index).view(heads, num_seqs, -1, dim).transpose(0, 1)
+
+
+def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
+          attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+    """transformers' sdpa, run in fp32 for half-precision inputs on CPU up to `CPU_FP32_ATTENTION_MAX_LEN` tokens."""
+    dtype = query.dtype
+    if query.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or \
+            query.shape[2] > CPU_FP32_ATTENTION_MAX_LEN:
+        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+    if attention_mask is not None and attention_mask.is_floating_point():
+        attention_mask = attention_mask.float()
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
+                                          **kwargs)
+    return out.to(dtype), weights
 
 
 def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
@@ -69,16 +92,17 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D] (transformers' attention-function contract)."""
     bounds, padded = _BOUNDS, _PADDED
     if bounds is None or attention_mask is not None or query.shape[0] != 1 or query.shape[2] != bounds[-1][1]:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        return _sdpa(module, query, key, value, attention_mask, **kwargs)
     if padded is not None:
         # Sequences of similar length: one causal sdpa call over them right-padded. A real query never sees the
         # padding, which comes after it, so the result is exact. One call instead of one per sequence took a
         # SmolLM2 update on CPU from 27.3 to 24.9 s (docs/benchmarks.md).
         index, real = padded
-        out = sdpa_attention_forward(module, _to_padded(query, index), _to_padded(key, index),
-                                     _to_padded(value, index), None, **kwargs)[0]  # [B, Lmax, H, D]
-        return out[real].unsqueeze(0), None
-    parts = [sdpa_attention_forward(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
+        num = len(bounds)
+        out = _sdpa(module, _to_padded(query, index, num), _to_padded(key, index, num),
+                    _to_padded(value, index, num), None, **kwargs)[0]  # [B, Lmax, H, D]
+        return out.reshape(-1, *out.shape[2:]).index_select(0, real).unsqueeze(0), None
+    parts = [_sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
              for s, e in bounds]
     return torch.cat(parts, dim=1), None
 

@@ -118,7 +118,7 @@ class _TrainedRole:
     def _perf(self, name: str, data: dict[str, torch.Tensor], seconds: float, replicas: int) -> dict[str, float]:
         """perf/<name>_*: this rank's memory, and on a known GPU the MFU of the update (averaged over the ranks by
         the caller: each rank counts 1/replicas of the tokens it shares with its ring or tensor-parallel group)."""
-        trim_host_heap()  # the update's freed host memory goes back first, so the RSS logged is what the rank holds
+        trim_host_heap()  # at most once a minute: the update's freed host memory goes back before the RSS is read
         out = {f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in device_stats().items()}
         tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / replicas
         peak = peak_flops(device_name(), self.cfg.ds.param_dtype) if torch.cuda.is_available() else None

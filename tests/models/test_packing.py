@@ -121,9 +121,31 @@ def test_varlen_attention_is_used_and_equals_masked_sdpa(lengths, calls):
         assert (g - w).abs().max() <= 1e-5
 
 
+def test_half_precision_attention_on_cpu_runs_in_fp32_up_to_the_limit(monkeypatch):
+    """bf16 queries of at most CPU_FP32_ATTENTION_MAX_LEN tokens attend in fp32 (PyTorch's fp32 CPU kernel is the
+    faster one there) and come back in bf16; longer ones keep the native bf16 kernel."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    from openppo.models import varlen_attention
+
+    model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
+    module = model.model.model.layers[0].self_attn
+    torch.manual_seed(0)
+    q, k, v = (torch.randn(3, 2, 24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
+    out, _ = varlen_attention._sdpa(module, q, k, v, None, scaling=32 ** -0.5)
+    upcast, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), None, scaling=32 ** -0.5)
+    native, _ = sdpa_attention_forward(module, q, k, v, None, scaling=32 ** -0.5)
+    assert out.dtype == torch.bfloat16 and torch.equal(out, upcast.to(torch.bfloat16))
+    assert not torch.equal(out, native)  # the two kernels round differently: the test tells them apart
+    assert all(g is not None and g.dtype == torch.bfloat16 for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
+    monkeypatch.setattr(varlen_attention, "CPU_FP32_ATTENTION_MAX_LEN", 23)
+    assert torch.equal(varlen_attention._sdpa(module, q, k, v, None, scaling=32 ** -0.5)[0], native)
+
+
 def test_scoring_only_the_action_positions_changes_nothing_there():
     """`score_mask` runs the LM head on the masked positions only: same log-probs, entropy and gradients there, 0
-    elsewhere (padded batches keep every column some row needs), padded and packed; an all-false mask (a no-op micro-batch) still reaches every weight."""
+    elsewhere (padded batches keep every column some row needs), padded and packed; an all-false mask (a no-op
+    micro-batch) still reaches every weight."""
     seqs, attn = _batch()
     model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
     assert model._takes_logits_to_keep
