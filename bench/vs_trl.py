@@ -10,10 +10,10 @@ length, learning rate, beta 0 (no reference model), one optimizer step per RL st
 epoch, seed, precision (--dtype) and threads. openppo runs `train_ppo_ray` (1 actor rank, ZeRO-0, 1 vLLM engine,
 packed samples in micro-batches of --micro rows, prefix caching unless --no-prefix_caching); TRL runs
 `GRPOTrainer` in one process (generation with transformers' `generate`, as TRL does without vLLM), the whole batch
-as one micro-batch, without gradient checkpointing (GRPOConfig turns it on by default; openppo does not; pass
---trl_gradient_checkpointing for TRL's default). TRL is installed by this script into its own environment,
-`.cache/bench/trl-env`: a venv whose only package is TRL (pinned below), layered on this project's environment for
-torch and transformers, so the project environment itself is never changed.
+as one micro-batch, with GRPOConfig's default gradient checkpointing (TRL's faster setting for this job here;
+--no-trl_gradient_checkpointing turns it off; openppo runs without). TRL is installed by this script into its own
+environment, `.cache/bench/trl-env`: a venv whose only package is TRL (pinned below), layered on this project's
+environment for torch and transformers, so the project environment itself is never changed.
 
 Step time = the mean wall time of steps 2..N (step 1 pays the warm-ups): `timing/step` for openppo, the time
 between TRL's step-begin and step-end callbacks for TRL. Reward = mean reward of the last 2 steps. The last line
@@ -173,8 +173,9 @@ def main() -> None:
     parser.add_argument("--openppo_args", default="", help="more train_ppo_ray flags for openppo (A/B runs)")
     parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
                         help="both trainers' precision (bf16 is the default of both)")
-    parser.add_argument("--trl_gradient_checkpointing", action="store_true",
-                        help="TRL with gradient checkpointing, its GRPOConfig default; off by default, as in openppo")
+    parser.add_argument("--trl_gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                        help="TRL with gradient checkpointing, GRPOConfig's default and TRL's faster setting on this "
+                             "CPU job (see docs/benchmarks.md)")
     parser.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--only", choices=("openppo", "trl"), default=None)
     parser.add_argument("--async_train", action="store_true",
