@@ -19,6 +19,12 @@ def run_cli(main: Callable[[C], None], config_cls: type[C], prog: str, descripti
     setup_logging()
     cfg = parse_config(config_cls, argv, prog, description)
     try:
+        ds = getattr(cfg, "ds", None)
+        if ds is not None and hasattr(ds, "param_dtype"):
+            # --param_dtype auto becomes bf16 or fp32 here, once, before anything reads or logs the config
+            from openppo.utils.hardware import resolve_precision
+
+            resolve_precision(ds)
         main(cfg)
     except UserError as err:
         # Every rank fails the same way; one line from rank 0 is enough.

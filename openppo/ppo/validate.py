@@ -12,6 +12,7 @@ from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
 from openppo.ppo.config import PPOConfig
 from openppo.strategy.config import state_offload_supported, validate_ds_settings
+from openppo.strategy.deepspeed_strategy import validate_precision
 from openppo.utils.profiling import parse_profile_steps
 
 def needs_reference(cfg: PPOConfig) -> bool:
@@ -37,8 +38,8 @@ def needs_old_logprob_pass(cfg: PPOConfig) -> bool:
 
 
 def engine_dtype(cfg: PPOConfig) -> str:
-    """vLLM's dtype: the trainer's, so that engine and trainer log-probs are comparable (fp32 only when asked)."""
-    return "float32" if cfg.ds.param_dtype == "fp32" else "bfloat16"
+    """vLLM's dtype: the trainer's (resolved from auto by the CLI), so engine and trainer log-probs compare."""
+    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.ds.param_dtype]
 
 
 def actor_world_size(cfg: PPOConfig) -> int:
@@ -253,8 +254,7 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
         raise UserError("--deepcompile needs a GPU (DeepSpeed compiles CUDA graph passes): drop it on this machine")
     if ds.deepcompile and ds.zero_stage == 0:
         notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
-    if ds.param_dtype == "fp16" and not on_gpu:
-        raise UserError("--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype bf16 or fp32")
+    validate_precision(ds.param_dtype, on_gpu)
     if not on_gpu:
         if v.vllm_tensor_parallel_size > 1:
             raise UserError("--vllm_tensor_parallel_size > 1 needs GPUs; use --vllm_num_engines for more engines")

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from openppo.config.schema import opt
 from openppo.errors import require
 
-PARAM_DTYPES = ("bf16", "fp16", "fp32")
+PARAM_DTYPES = ("auto", "bf16", "fp16", "fp32")
 
 REDUCE_BUCKET_SIZE = 5e8  # elements per ZeRO-1/2 gradient reduction bucket (also read by the memory planner)
 
@@ -18,8 +18,9 @@ class DeepSpeedConfig:
 
     zero_stage: int = opt(2, "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
                              "2 = + gradients, 3 = + parameters", choices=(0, 1, 2, 3))
-    param_dtype: str = opt("bf16", "training precision (bf16/fp16 keep fp32 master weights); "
-                                   "fp16 needs a GPU", choices=PARAM_DTYPES)
+    param_dtype: str = opt("auto", "training precision (bf16/fp16 keep fp32 master weights; fp16 needs a GPU); "
+                                   "auto = bf16 where the device runs it fast (a GPU with bf16, a CPU with "
+                                   "AVX512_BF16/AMX), else fp32; the choice is logged", choices=PARAM_DTYPES)
     adam_offload: bool = opt(False, "keep optimizer states on CPU (ZeRO-Offload) to save device memory")
     overlap_comm: bool = opt(False, "overlap gradient reduction with backward (more memory, faster)")
     zpg: int = opt(1, "ZeRO++ hierarchical partition size (ZeRO-3 only); 1 = off")

@@ -51,6 +51,10 @@ class DeepSpeedStrategy:
     def __init__(self, cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, max_norm: float,
                  seed: int, tensor_parallel_size: int = 1):
         self.cfg = cfg
+        if cfg.param_dtype == "auto":  # the CLIs resolve it up front; a strategy built directly resolves it here
+            from openppo.utils.hardware import resolve_precision
+
+            resolve_precision(cfg)
         self.tensor_parallel_size = tensor_parallel_size  # AutoTP: consecutive ranks split the trained weights
         self.train_batch_size = train_batch_size
         self.micro_batch_size = micro_batch_size
@@ -245,7 +249,10 @@ class DeepSpeedStrategy:
 
 def validate_precision(param_dtype: str, on_gpu: bool) -> None:
     if param_dtype == "fp16" and not on_gpu:
-        raise UserError("--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype bf16 or fp32")
+        from openppo.utils.hardware import auto_param_dtype
+
+        raise UserError(f"--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype auto (here: "
+                        f"{auto_param_dtype()})")
 
 
 def validate_batch_sizes(train_batch_size: int, micro_batch_size: int, world_size: int) -> None:

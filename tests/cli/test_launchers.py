@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 
@@ -18,7 +19,7 @@ def _args(tmp_path, stage: str):
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(8))
     return ["--pretrain", str(tiny_model_dir()), "--dataset", str(data), "--apply_chat_template", "--max_len", "48",
             "--train_batch_size", "4", "--micro_train_batch_size", "2", "--max_steps", "2", "--zero_stage", stage,
-            "--param_dtype", "bf16", "--save_path", str(tmp_path / "out")]
+            "--save_path", str(tmp_path / "out")]  # --param_dtype auto: bf16 on a CPU with bf16, else fp32
 
 
 def test_single_process_zero0(tmp_path):
@@ -33,3 +34,11 @@ def test_deepspeed_launcher_zero1(tmp_path):
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert len(series(read_metrics(tmp_path / "out"), "loss/sft")) == 2
+    # each rank resolves --param_dtype auto itself (no process group yet); ranks that disagreed would fail the
+    # gradient all-reduce. Rank 0 logs the choice, and the logged config holds the concrete dtype.
+    from openppo.utils.hardware import auto_param_dtype
+
+    chosen = [line for line in (proc.stdout + proc.stderr).splitlines() if "--param_dtype auto ->" in line]
+    assert len(chosen) == 1 and all(f"-> {auto_param_dtype()} on " in line for line in chosen), chosen
+    info = json.loads((tmp_path / "out" / "run_info.json").read_text())
+    assert info["config"]["ds"]["param_dtype"] == auto_param_dtype()

@@ -47,10 +47,12 @@ def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (2, "bf16")])
+@pytest.mark.parametrize("stage,dtype", [(0, "fp32"), (2, "auto")])
 def test_plan_within_25_percent_of_a_measured_peak(stage, dtype):
     """The actor device's plan against the peak RSS growth of a real DeepSpeed training run on CPU (SmolLM2-135M,
-    one rank, padded micro-batches of 4 x 96 tokens, two optimizer steps; see tests/ppo/memory_probe.py), both with the same flags."""
+    one rank, padded micro-batches of 4 x 96 tokens, two optimizer steps; see tests/ppo/memory_probe.py), both with the
+    same flags. The ZeRO-2 case runs in the dtype auto picks here: bf16 where the CPU has bf16 instructions, fp32
+    where bf16 is emulated (that run took 330 s in bf16 on an AVX2 CPU)."""
     import json
     import subprocess
     import sys
@@ -60,8 +62,10 @@ def test_plan_within_25_percent_of_a_measured_peak(stage, dtype):
     from openppo.ppo.memory_plan import GIB, plan_devices
     from tests.cli.helpers import REPO
     from tests.model_cache import smollm2_dir
+    from openppo.utils.hardware import auto_param_dtype
     from tests.ppo import memory_probe as probe
 
+    dtype = auto_param_dtype() if dtype == "auto" else dtype
     out = subprocess.run([sys.executable, "-m", "tests.ppo.memory_probe", "smollm2", str(stage), dtype], cwd=REPO,
                          capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-4000:]

@@ -1,0 +1,53 @@
+"""--param_dtype auto: the decision table on hand-made device facts, and the real probe on this machine."""
+
+from __future__ import annotations
+
+import pytest
+
+from openppo.utils.hardware import (NATIVE_BF16_MAX_SLOWDOWN, Bf16Support, bf16_support, device_record,
+                                    probe_bf16_slowdown, resolve_param_dtype)
+
+AVX2 = Bf16Support("AMD EPYC 7B13 (AVX2)", on_gpu=False, native=False, slowdown=52.0)
+SAPPHIRE = Bf16Support("Intel Xeon (AVX512, AVX512_BF16+AMX)", on_gpu=False, native=True, slowdown=0.4)
+BROKEN = Bf16Support("odd CPU (AVX512, AVX512_BF16)", on_gpu=False, native=True, slowdown=9.0)
+H100 = Bf16Support("NVIDIA H100 80GB HBM3", on_gpu=True, native=True, slowdown=None)
+V100 = Bf16Support("Tesla V100-SXM2-32GB", on_gpu=True, native=False, slowdown=None)
+
+
+@pytest.mark.parametrize("support,dtype,why", [
+    (AVX2, "fp32", "no bf16 instructions, a bf16 matmul measured 52.0x the fp32 time"),
+    (SAPPHIRE, "bf16", "native bf16 instructions, a bf16 matmul measured 0.4x the fp32 time"),
+    (BROKEN, "fp32", "bf16 instructions present but a bf16 matmul measured 9.0x the fp32 time"),
+    (H100, "bf16", "the GPU supports bf16"),
+    (V100, "fp32", "the GPU has no bf16 (pre-Ampere)"),
+])
+def test_auto_picks_bf16_only_where_it_is_fast(support, dtype, why):
+    resolved, info, warning = resolve_param_dtype("auto", support)
+    assert resolved == dtype and warning is None
+    assert info == f"--param_dtype auto -> {dtype} on {support.device}: {why}"
+
+
+def test_explicit_bf16_without_fast_bf16_runs_with_one_warning():
+    dtype, info, warning = resolve_param_dtype("bf16", AVX2)
+    assert dtype == "bf16" and info is None  # the user's choice is kept
+    assert "\n" not in warning and "52.0x" in warning and "--param_dtype fp32" in warning
+    assert resolve_param_dtype("bf16", V100)[2] is not None
+    for support in (SAPPHIRE, H100):
+        assert resolve_param_dtype("bf16", support) == ("bf16", None, None)
+    for explicit in ("fp32", "fp16"):
+        assert resolve_param_dtype(explicit, AVX2) == (explicit, None, None)
+
+
+def test_this_machine_probe_agrees_with_its_instructions():
+    """The real probe: native bf16 must measure inside the margin (else auto would pick fp32 on bf16 hardware).
+    Emulated bf16 is not bounded here: how slow it is depends on the vector unit (58x with AVX2)."""
+    support = bf16_support()
+    if support.on_gpu:
+        pytest.skip("CPU probe only")
+    slowdown = probe_bf16_slowdown()
+    assert slowdown > 0
+    if support.native:
+        assert slowdown < NATIVE_BF16_MAX_SLOWDOWN, slowdown
+    record = device_record()
+    assert record["device"] and record["cpu_capability"] == __import__("torch").backends.cpu.get_cpu_capability()
+    assert (record["cpu_bf16_instructions"] != "none") == support.native
