@@ -14,3 +14,4 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_exten
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs a real multi-process CLI job (tens of seconds)")
+    config.addinivalue_line("markers", "gpu: the GPU check suite (tests/gpu/; skipped without CUDA)")
