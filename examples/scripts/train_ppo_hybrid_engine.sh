@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # PPO with a critic (GAE) and a reward model on the hybrid engine: actor, critic, reference, reward model and
-# 8 vLLM engines (TP 1) all share the 8 GPUs of one node (--colocate_all_models). vLLM sleeps (drops its weights
+# 4 vLLM engines of tensor-parallel size 2 (seed 004's layout) all share the 8 GPUs of one node
+# (--colocate_all_models): worker w of engine i runs on the GPU of actor rank 2i + w. vLLM sleeps (drops its weights
 # and KV cache) while DeepSpeed trains; DeepSpeed moves its optimizer and gradient states to CPU while vLLM
 # generates (--deepspeed_enable_sleep).
 #
@@ -11,8 +12,8 @@
 # Memory per GPU, estimated from parameter counts (not measured): ZeRO-3 shards the actor (8.0 B parameters) and
 # the critic (7.5 B, no LM head) over 8 ranks at 16 bytes per parameter (bf16 weights and gradients, fp32 master
 # weights and Adam moments): ~16 + ~15 GB, of which the optimizer and gradient states (14 of the 16 bytes) sleep
-# on CPU during generation. Reference and reward model are bf16 shards of ~2 GB each. Each vLLM engine holds a
-# full bf16 copy (16 GB) and its KV cache within --vllm_gpu_memory_utilization 0.5 (40 GB). So ~35 GB + activations
+# on CPU during generation. Reference and reward model are bf16 shards of ~2 GB each. Each vLLM worker holds half
+# of a bf16 copy (8 GB) and its KV cache within --vllm_gpu_memory_utilization 0.5 (40 GB). So ~35 GB + activations
 # while training, ~8 + 40 GB while generating. Time per step was not measured (no GPU where this recipe was
 # written): each step generates 128 responses of up to 1024 tokens, then trains actor and critic on them.
 set -euo pipefail
@@ -27,7 +28,7 @@ python -m openppo.cli.train_ppo_ray \
    --pretrain "$SFT_MODEL" --reward_pretrain "$REWARD_MODEL" --normalize_reward \
    --actor_num_nodes 1 --actor_num_gpus_per_node 8 --critic_num_nodes 1 --critic_num_gpus_per_node 8 \
    --ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8 \
-   --colocate_all_models --vllm_num_engines 8 --vllm_tensor_parallel_size 1 --vllm_gpu_memory_utilization 0.5 \
+   --colocate_all_models --vllm_num_engines 4 --vllm_tensor_parallel_size 2 --vllm_gpu_memory_utilization 0.5 \
    --vllm_enable_sleep --deepspeed_enable_sleep \
    --prompt_data "$PROMPTS" --input_key "$INPUT_KEY" --apply_chat_template \
    --prompt_max_len 1024 --generate_max_len 1024 \

@@ -7,6 +7,9 @@ Groups in no pool get a placement group of their own.
 - `--colocate_all_models` (hybrid engine): actor, reference, critic, reward model and the vLLM engines in one pool
   of the actor's size (validation checks every member has that size).
 - `--colocate_actor_ref`: actor + reference; `--colocate_critic_reward`: critic + reward model.
+
+In the hybrid engine an engine of tensor-parallel size tp takes tp consecutive bundles: worker w of engine i shares
+the device of actor rank i * tp + w (`engine_placement`).
 """
 
 from __future__ import annotations
@@ -48,3 +51,34 @@ def colocation_pools(cfg: PPOConfig, present: set[str]) -> list[Pool]:
     if res.colocate_critic_reward and {"critic", "reward"} <= present:
         pools.append(Pool("critic_reward", res.critic_num_nodes * res.critic_num_gpus_per_node, ("critic", "reward")))
     return pools
+
+
+@dataclass(frozen=True)
+class EnginePlacement:
+    """Where engine i of the run goes and what its Ray actor asks for (pure data; launch.py makes the Ray options).
+
+    `bundles` is None for an engine on devices of its own. In the hybrid pool, a tensor-parallel engine on GPUs runs
+    its workers as Ray actors of vLLM's Ray executor, one per bundle (`env` tells vLLM which bundles and what share
+    of each GPU); the engine's own actor then holds no GPU. On CPU vLLM's workers are processes of the engine actor.
+    """
+
+    num_cpus: float
+    num_gpus: float
+    bundles: tuple[int, ...] | None = None
+    executor: str | None = None  # vLLM's distributed_executor_backend; None = vLLM's default
+    env: tuple[tuple[str, str], ...] = ()
+
+
+def engine_placement(cfg: PPOConfig, engine_index: int, *, on_gpu: bool, hybrid_share: float | None) -> EnginePlacement:
+    """The placement of engine `engine_index`; `hybrid_share` is the engines' share of each hybrid bundle (None when
+    the engines are not colocated)."""
+    tp = cfg.vllm.vllm_tensor_parallel_size
+    gpu = 1.0 if on_gpu else 0.0
+    if hybrid_share is None:
+        return EnginePlacement(num_cpus=1, num_gpus=gpu * tp)
+    bundles = tuple(range(engine_index * tp, (engine_index + 1) * tp))
+    if on_gpu and tp > 1:
+        env = (("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, bundles))),
+               ("VLLM_RAY_PER_WORKER_GPUS", f"{hybrid_share:g}"))
+        return EnginePlacement(num_cpus=hybrid_share, num_gpus=0.0, bundles=bundles, executor="ray", env=env)
+    return EnginePlacement(num_cpus=hybrid_share, num_gpus=gpu * hybrid_share, bundles=bundles)

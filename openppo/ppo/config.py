@@ -58,7 +58,8 @@ class VLLMConfig:
     """Rollout engines (vLLM) and the trainer -> engine weight sync."""
 
     vllm_num_engines: int = opt(1, "vLLM engines generating rollouts")
-    vllm_tensor_parallel_size: int = opt(1, "tensor-parallel size of each engine (GPU only)")
+    vllm_tensor_parallel_size: int = opt(1, "tensor-parallel size of each engine: its workers split every layer "
+                                            "(GPUs; on CPU, worker processes on their own cores)")
     vllm_gpu_memory_utilization: float = opt(0.9, "share of device memory for each engine; on CPU the share of "
                                                   "free RAM given to the KV cache")
     vllm_kv_cache_bytes: int = opt(None, "explicit KV cache size in bytes (CPU); overrides the share above")

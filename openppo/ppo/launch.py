@@ -11,7 +11,7 @@ import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.colocation import colocation_pools
+from openppo.ppo.colocation import colocation_pools, engine_placement
 from openppo.ppo.dispatch import Groups
 from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_group, needs_reference
 
@@ -158,19 +158,21 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
     engine_cls = ray.remote(VLLMEngine)
     engines = []
     for i in range(cfg.vllm.vllm_num_engines):
-        options: dict[str, Any] = {"runtime_env": {"env_vars": env}, "num_cpus": 1,
-                                   "num_gpus": gpu * cfg.vllm.vllm_tensor_parallel_size}
-        if "engines" in shared:  # hybrid engine: engine i on the device of actor rank i
-            pg, share = shared["engines"]
-            options.update(num_cpus=share, num_gpus=gpu * share, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=i, placement_group_capture_child_tasks=True))
+        pg, share = shared.get("engines", (None, None))
+        place = engine_placement(cfg, i, on_gpu=bool(gpu), hybrid_share=share)
+        options: dict[str, Any] = {"runtime_env": {"env_vars": {**env, **dict(place.env)}}, "num_cpus": place.num_cpus,
+                                   "num_gpus": place.num_gpus}
+        if place.bundles is not None:  # hybrid engine: its workers on the devices of actor ranks i*tp .. i*tp+tp-1
+            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+                pg, placement_group_bundle_index=place.bundles[0], placement_group_capture_child_tasks=True)
         engines.append(engine_cls.options(**options).remote(
             cfg.model.pretrain, dtype=engine_dtype(cfg), seed=cfg.train.seed + i,
             max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
             enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
             enable_prefix_caching=cfg.vllm.enable_prefix_caching,
             gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes(cfg),
-            tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size, enable_sleep=cfg.vllm.vllm_enable_sleep))
+            tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size, enable_sleep=cfg.vllm.vllm_enable_sleep,
+            executor=place.executor))
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
     engine_infos = actor_infos(engines, timeout)
     for i, info in enumerate(engine_infos):

@@ -208,9 +208,6 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
             raise UserError(f"--colocate_all_models needs --vllm_num_engines x --vllm_tensor_parallel_size "
                             f"({engines}) == actor ranks ({actor_world_size(cfg)}); set --vllm_num_engines to "
                             f"the actor ranks or drop --colocate_all_models")
-        if v.vllm_tensor_parallel_size > 1:
-            raise UserError("--colocate_all_models with --vllm_tensor_parallel_size > 1 is not yet supported: use "
-                            "--vllm_tensor_parallel_size 1 (one engine per actor device)")
         for role, used in (("ref", needs_reference(cfg)), ("critic", needs_critic_group(cfg)),
                            ("reward", bool(cfg.model.reward_pretrain))):
             size = (getattr(res, f"{role}_num_nodes"), getattr(res, f"{role}_num_gpus_per_node"))
@@ -243,8 +240,10 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
     if cfg.rollout.async_train and v.vllm_enable_sleep:
         raise UserError("--async_train generates while training, so engines cannot sleep: drop --vllm_enable_sleep")
     if cfg.rollout.async_train and res.colocate_all_models:
+        # the hybrid engine hands each device to the engines and the trainer in turn; async training keeps both busy
         raise UserError("--async_train overlaps generation with training, which needs the engines on their own "
-                        "devices: drop --colocate_all_models")
+                        "devices: drop --colocate_all_models (--colocate_actor_ref and --colocate_critic_reward still "
+                        "share devices among the DeepSpeed models)")
     if cfg.rollout.async_train:
         _positive(cfg.rollout.async_queue_size, "--async_queue_size")
         if not v.enable_vllm_is_correction:
@@ -256,8 +255,6 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
         notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
     validate_precision(ds.param_dtype, on_gpu)
     if not on_gpu:
-        if v.vllm_tensor_parallel_size > 1:
-            raise UserError("--vllm_tensor_parallel_size > 1 needs GPUs; use --vllm_num_engines for more engines")
         notices.append("no GPU: *_num_gpus_per_node count worker processes; weight sync uses gloo")
         if v.vllm_enable_sleep:
             notices.append("--vllm_enable_sleep is a no-op on CPU (vLLM cannot sleep there)")

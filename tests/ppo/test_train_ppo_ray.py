@@ -20,8 +20,9 @@ STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "respons
 
 def test_grpo_with_py_reward(tmp_path):
     """GRPO with a Python reward; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
-    between them and attention runs across the halves, and the log-probs still equal the engine's. Step 2 is
-    traced by the torch profiler; the run ends with the stage table and the bottleneck advice."""
+    between them and attention runs across the halves, and the log-probs still equal those of the engine, which is
+    tensor-parallel (2 worker processes, each holding half of every layer, both synced). Step 2 is traced by the
+    torch profiler; the run ends with the stage table and the bottleneck advice."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     run_cli("train_ppo_ray", [
@@ -32,7 +33,8 @@ def test_grpo_with_py_reward(tmp_path):
         "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(256 * 2**20),
         "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len", "64", "--zero_stage", "3",
         "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save),
-        "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1", "--profile_steps", "2"],
+        "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1", "--profile_steps", "2",
+        "--vllm_tensor_parallel_size", "2"],
         nproc=1, timeout=600)
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]

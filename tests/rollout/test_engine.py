@@ -11,8 +11,6 @@ import time
 import pytest
 import torch
 
-from openppo.errors import UserError
-from openppo.rollout import VLLMEngine
 from openppo.rollout.buckets import pack_bucket, plan_buckets
 from openppo.rollout.sender import (broadcast_weights, connect_engines, iter_full_weights, sync_weights,
                                     tensors_checksum)
@@ -23,11 +21,6 @@ TOL = 1e-4
 PROMPTS = [[100 + 7 * i for i in range(12)], [5000 + 3 * i for i in range(9)]]
 # Longer than one CPU KV block (128 tokens), so the prompt's first block lands in the prefix cache.
 LONG_PROMPT = [200 + (37 * i) % 9000 for i in range(150)]
-
-
-def test_tensor_parallel_on_cpu_is_a_user_error():
-    with pytest.raises(UserError, match="--vllm_tensor_parallel_size"):
-        VLLMEngine(str(tiny_model_dir()), max_model_len=64, tensor_parallel_size=2)
 
 
 @pytest.fixture(scope="module")
