@@ -20,5 +20,5 @@ $PY -m openppo.cli.train_ppo_ray \
    --rollout_batch_size 8 --train_batch_size 64 --micro_train_batch_size 8 --micro_rollout_batch_size 16 \
    --prompt_max_len 128 --generate_max_len 32 --temperature 1.0 \
    --actor_num_gpus_per_node 1 --vllm_num_engines 1 --vllm_kv_cache_bytes 1073741824 \
-   --zero_stage 2 --param_dtype bf16 --actor_learning_rate 2e-5 --lr_warmup_ratio 0 --lr_scheduler constant \
+   --zero_stage 2 --actor_learning_rate 2e-5 --lr_warmup_ratio 0 --lr_scheduler constant \
    --max_steps "$STEPS" --save_path "$OUT/grpo" --use_tensorboard "$OUT/tensorboard"
