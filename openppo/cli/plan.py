@@ -18,9 +18,8 @@ import torch
 from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
 from openppo.errors import require
-from openppo.models.loading import resolve_model_path
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.memory_plan import GIB, ModelShape, plan_devices, plan_text
+from openppo.ppo.memory_plan import GIB, model_shape, plan_devices, plan_text
 from openppo.ppo.validate import needs_critic_group, validate
 
 logger = logging.getLogger("openppo.plan")
@@ -36,26 +35,6 @@ class PlanOptions:
 @dataclass
 class PlanConfig(PPOConfig):
     plan: PlanOptions = field(default_factory=PlanOptions)
-
-
-def model_shape(path: str, flag: str, *, scalar: bool = False) -> ModelShape:
-    """Parameter counts from a meta-device build of the model (no weights are read)."""
-    from transformers import AutoConfig, AutoModelForCausalLM
-
-    config = AutoConfig.from_pretrained(resolve_model_path(path, flag), trust_remote_code=True)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
-    embed = model.get_input_embeddings().weight.numel()
-    head = model.get_output_embeddings()
-    tied = head is None or head.weight is model.get_input_embeddings().weight
-    num_params = sum(p.numel() for p in model.parameters())  # tied weights once
-    if scalar:  # a value/reward model: the LM head is replaced by a hidden -> 1 head
-        num_params -= 0 if tied else head.weight.numel()
-        num_params += config.hidden_size
-    return ModelShape(num_params=num_params, embedding_params=embed + (0 if tied or scalar else head.weight.numel()),
-                      num_layers=config.num_hidden_layers, hidden=config.hidden_size,
-                      intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
-                      vocab=config.vocab_size)
 
 
 def _device_bytes(cfg: PlanConfig) -> float:

@@ -41,6 +41,7 @@ def train(cfg: PPOConfig) -> None:
     prompts = launch.load_prompts(cfg, tokenizer, rows)
     eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
     agent_rollout = launch.agent_rollout(cfg, tokenizer) if cfg.rollout.agent_func_path else None
+    kv_bytes = launch.kv_cache_bytes(cfg)  # before any model loads (it reads the free RAM) and before any write
     config = to_dict(cfg)
     log_run_info(run_info(config, "train_ppo_ray"), cfg.ckpt.save_path)
     tracker = MetricsTracker(save_dir=cfg.ckpt.save_path, tensorboard_dir=cfg.logging.use_tensorboard,
@@ -50,7 +51,7 @@ def train(cfg: PPOConfig) -> None:
     groups = None
     try:
         launch.start_ray()
-        groups = launch.build_groups(cfg, len(prompts), reward_source)
+        groups = launch.build_groups(cfg, len(prompts), reward_source, kv_bytes)
         trainer = PPOTrainer(cfg, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts,
                              agent_rollout=agent_rollout)
         try:

@@ -60,9 +60,12 @@ class VLLMConfig:
     vllm_num_engines: int = opt(1, "vLLM engines generating rollouts")
     vllm_tensor_parallel_size: int = opt(1, "tensor-parallel size of each engine: its workers split every layer "
                                             "(GPUs; on CPU, worker processes on their own cores)")
-    vllm_gpu_memory_utilization: float = opt(0.9, "share of device memory for each engine; on CPU the share of "
-                                                  "free RAM given to the KV cache")
-    vllm_kv_cache_bytes: int = opt(None, "explicit KV cache size in bytes (CPU); overrides the share above")
+    vllm_gpu_memory_utilization: float = opt(0.9, "share of device memory for each engine; on CPU the most of the "
+                                                  "RAM left after the trainers' weights and optimizer states that "
+                                                  "the engines' KV caches may take")
+    vllm_kv_cache_bytes: int = opt(None, "KV cache of each engine worker in bytes (CPU); default on CPU: the "
+                                         "rollout batch's sequences at full length x 1.25, within the share above "
+                                         "(logged)")
     vllm_sync_backend: str = opt("nccl", "collective for weight sync; gloo is used on CPU",
                                  choices=("nccl", "gloo"))
     vllm_sync_bucket_mb: int = opt(256, "weights per sync message (MiB): many tensors travel in one bucket")

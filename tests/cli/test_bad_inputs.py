@@ -89,6 +89,8 @@ CASES = [
     ("train_ppo_ray", ["--prompt_max_len", "-5"], "--prompt_max_len"),
     ("train_ppo_ray", ["--lora_rank", "4", "--lora_alpha", "0"], "--lora_alpha"),
     ("train_ppo_ray", ["--vllm_kv_cache_bytes", "-1"], "--vllm_kv_cache_bytes"),
+    # the default KV cache cannot hold one 100M-token sequence in this box's RAM
+    ("train_ppo_ray", ["--generate_max_len", "100000000"], "--vllm_kv_cache_bytes"),
     ("train_ppo_ray", ["--min_lr_ratio", "2"], "--min_lr_ratio"),
     ("train_ppo_ray", ["--dist_timeout", "0"], "--dist_timeout"),
     ("plan", ["--pretrain", "/nonexistent/model"], "--pretrain"),

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.ppo.memory_plan import ModelShape, activation_bytes, logits_bytes, trained_items
+from openppo.ppo.memory_plan import GIB, ModelShape, activation_bytes, logits_bytes, trained_items
 
 # ZeRO (Rajbhandari et al. 2020), Figure 1: a 7.5B-parameter model on 64 GPUs with mixed-precision Adam.
 PAPER_GB = {0: 120.0, 1: 31.4, 2: 16.6, 3: 1.9}
@@ -82,3 +82,29 @@ def test_plan_within_25_percent_of_a_measured_peak(stage, dtype):
     planned = actor.device_bytes / GIB
     print(f"ZeRO-{stage} {dtype}: planned {planned:.2f} GiB, measured {measured:.2f} GiB")
     assert abs(planned - measured) <= 0.25 * measured, (planned, measured)
+
+
+def test_cpu_kv_cache_is_sized_from_the_rollouts_and_capped_by_what_the_trainers_leave():
+    from openppo.errors import UserError
+    from openppo.ppo.memory_plan import cpu_kv_cache_bytes
+
+    # SmolLM2 in bf16: 30 layers x 3 KV heads x 64 x 2 bytes x (key + value) = 23,040 B a token
+    shape = ModelShape(num_params=1, embedding_params=0, num_layers=30, hidden=576, intermediate=1, vocab=1,
+                       kv_heads=3, head_dim=64)
+    per_token = shape.kv_bytes_per_token(2)
+    assert per_token == 23_040
+    # the demo: 64 sequences of 128 + 32 tokens, rounded to two 128-token blocks, x 1.25
+    size = cpu_kv_cache_bytes(per_token=per_token, sequences=64, max_model_len=160, available=20 * GIB,
+                              others=4 * GIB, share=0.9, engines=1)
+    assert size.bytes == int(64 * 256 * 23_040 * 1.25) and "64 seqs x 256 tokens" in size.reason
+    # more than the cap (0.9 x (20 - 4) GiB / 2 engines = 7.2 GiB): the cap, and the log line says so
+    size = cpu_kv_cache_bytes(per_token=per_token, sequences=256, max_model_len=4096, available=20 * GIB,
+                              others=4 * GIB, share=0.9, engines=2)
+    assert size.bytes == int(0.9 * 16 * GIB / 2) and "the cap" in size.reason
+    # not even one sequence fits: the error names both flags
+    with pytest.raises(UserError, match="--vllm_kv_cache_bytes.*--vllm_gpu_memory_utilization"):
+        cpu_kv_cache_bytes(per_token=per_token, sequences=1, max_model_len=1_000_000, available=20 * GIB,
+                           others=4 * GIB, share=0.9, engines=1)
+    with pytest.raises(UserError):
+        cpu_kv_cache_bytes(per_token=per_token, sequences=1, max_model_len=128, available=4 * GIB, others=5 * GIB,
+                           share=0.9, engines=1)

@@ -19,23 +19,27 @@ STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "respons
 
 
 def test_grpo_with_py_reward(tmp_path):
-    """GRPO with a Python reward; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
+    """GRPO with a Python reward and the default KV cache; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
     between them and attention runs across the halves, and the log-probs still equal those of the engine, which is
     tensor-parallel (2 worker processes, each holding half of every layer, both synced). Step 2 is traced by the
     torch profiler; the run ends with the stage table and the bottleneck advice."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
-    run_cli("train_ppo_ray", [
+    proc = run_cli("train_ppo_ray", [
         "--pretrain", str(tiny_model_dir()), "--remote_rm_url", str(REPO / "examples/reward_funcs/arithmetic.py"),
         "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label", "--apply_chat_template",
         "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
         "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
-        "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(256 * 2**20),
+        "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1",
         "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len", "64", "--zero_stage", "3",
         "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save),
         "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1", "--profile_steps", "2",
         "--vllm_tensor_parallel_size", "2"],
         nproc=1, timeout=600)
+    # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 80 tokens, one 128-token block each; a TP-2
+    # worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged in one line
+    sized = [line for line in proc.stdout.splitlines() if "vLLM KV cache per engine:" in line]
+    assert len(sized) == 1 and "16 seqs x 128 tokens x 0.5 KiB/token" in sized[0], sized
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]
     for key in STEP_METRICS:
