@@ -4,9 +4,12 @@
     .venv/bin/python bench/weight_sync.py --model smollm2     # SmolLM2-135M-Instruct (bf16)
 
 One engine runs as a Ray actor (1 CPU, in-process vLLM); this process is the trainer (plain torch, rank 0 of a gloo
-sync group). A sync is timed bucketed (`--bucket_mib`, default 256) and with one tensor per message (every tensor
-its own bucket: one Ray call plus one broadcast per tensor, as a per-parameter sync does). Each sync is checked
-(`last_sync_checksum` equals the sender's sum). The last line printed is one JSON object with the numbers.
+sync group). A sync is timed bucketed (`--bucket_mib`, default 256), with one tensor per message (every tensor
+its own bucket: one Ray call plus one broadcast per tensor, as a per-parameter sync does), and bucketed through a
+shared-memory file, the transport of an engine colocated with the trainer (--colocate_all_models), with the
+ratio of the last to the gloo broadcast. Timed syncs run unverified, as in training; one more sync of each kind is
+verified (`last_sync_checksum` equals the sender's sum). The last line printed is one JSON object with the numbers
+and the device.
 """
 
 from __future__ import annotations
@@ -47,7 +50,9 @@ def main() -> None:
     model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
     dtype = "float32" if args.model == "tiny" else "bfloat16"
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
-    result: dict = {"model": args.model, "dtype": dtype}
+    from openppo.utils.hardware import device_record
+
+    result: dict = {"model": args.model, "dtype": dtype, "device": device_record()}
     try:
         t0 = time.perf_counter()
         engine = ray.remote(num_cpus=1)(VLLMEngine).remote(model_dir, dtype=dtype, max_model_len=512,
@@ -71,15 +76,22 @@ def main() -> None:
         result["num_bytes"] = sum(p.numel() * p.element_size() for p in model.parameters())
         group = connect_engines([engine], backend="gloo", master_addr="127.0.0.1", timeout_s=120)
         try:
-            for label, bucket_bytes in (("bucketed", int(args.bucket_mib * 2**20)), ("per_tensor", 1)):
+            bucketed = int(args.bucket_mib * 2**20)
+            for label, bucket_bytes, transport in (("bucketed", bucketed, "broadcast"), ("per_tensor", 1, "broadcast"),
+                                                   ("shared_memory", bucketed, "shm")):
                 times, stats = [], {}
-                for _ in range(args.repeats):
-                    stats = sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600)
+                for _ in range(args.repeats):  # timed without verification, as a training run syncs
+                    stats = sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600,
+                                         transports=[transport])
                     times.append(stats["seconds"])
-                    got = ray.get(engine.last_sync_checksum.remote())
-                    assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), (got, expected)
+                sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600, transports=[transport],
+                             verify=True)
+                got = ray.get(engine.last_sync_checksum.remote())
+                assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), (got, expected)
                 result[f"sync_{label}"] = {"num_buckets": stats["num_buckets"],
                                            "seconds_median": statistics.median(times), "seconds_all": times}
+            result["shared_memory_over_gloo_broadcast"] = (result["sync_shared_memory"]["seconds_median"]
+                                                           / result["sync_bucketed"]["seconds_median"])
         finally:
             group.destroy()
     finally:

@@ -35,10 +35,12 @@ def std_log_files() -> list[str]:
 
 
 def actor_location() -> dict:
-    """Where the calling Ray actor runs (pid, node_ip, node_id, actor_id, log_files): what an error about it names."""
+    """Where the calling Ray actor runs (pid, node_ip, node_id, actor_id, log_files, gpu_ids): what an error about it
+    names, and what the weight sync reads to tell which processes share a GPU."""
     ctx = ray.get_runtime_context()
     return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
-            "actor_id": ctx.get_actor_id(), "log_files": std_log_files()}
+            "actor_id": ctx.get_actor_id(), "log_files": std_log_files(),
+            "gpu_ids": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]}
 
 
 def tail_file(path: str, n: int) -> list[str]:

@@ -255,7 +255,8 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
         notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
     validate_precision(ds.param_dtype, on_gpu)
     if not on_gpu:
-        notices.append("no GPU: *_num_gpus_per_node count worker processes; weight sync uses gloo")
+        notices.append("no GPU: *_num_gpus_per_node count worker processes; weight sync uses gloo (shared memory for "
+                       "engines colocated by --colocate_all_models)")
         if v.vllm_enable_sleep:
             notices.append("--vllm_enable_sleep is a no-op on CPU (vLLM cannot sleep there)")
         if v.vllm_sync_backend == "nccl":

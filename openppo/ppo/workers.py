@@ -37,6 +37,7 @@ class PolicyWorker(_TrainedWorker):
 
         self.role = PolicyRole(cfg, num_training_steps)
         self.sync_group = None
+        self.transports: list[str] | None = None
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.role.log_probs(data)
@@ -44,22 +45,26 @@ class PolicyWorker(_TrainedWorker):
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         return self.role.train(data, kl_coef, global_step)
 
-    def connect_engines(self, engines: list[Any], backend: str, tensor_parallel_size: int, timeout_s: float) -> None:
-        """Rank 0 joins the weight-sync group with every engine worker; other ranks have nothing to do."""
-        if self.role.strategy.rank == 0:
+    def connect_engines(self, engines: list[Any], transports: list[str], backend: str, tensor_parallel_size: int,
+                        timeout_s: float) -> None:
+        """Rank 0 joins the weight-sync group with every worker of the engines that get buckets by broadcast
+        (`transports[i]`, see openppo.rollout.transport); other ranks have nothing to do."""
+        self.transports = transports
+        broadcast = [e for e, t in zip(engines, transports) if t == "broadcast"]
+        if self.role.strategy.rank == 0 and broadcast:
             from openppo.rollout.sender import connect_engines
 
-            self.sync_group = connect_engines(engines, backend=backend, tensor_parallel_size=tensor_parallel_size,
+            self.sync_group = connect_engines(broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size,
                                               timeout_s=timeout_s)
 
     def sync_weights(self, engines: list[Any], bucket_bytes: int, engine_dtype: str,
                      timeout_s: float) -> dict[str, float] | None:
-        """Every rank enters (ZeRO-3 gathers are collectives); rank 0 broadcasts and returns the stats."""
+        """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats."""
         from openppo.rollout.sender import sync_weights
 
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[engine_dtype]
         out = sync_weights(self.role.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
-                           timeout_s=timeout_s, rank=self.role.strategy.rank)
+                           timeout_s=timeout_s, rank=self.role.strategy.rank, transports=self.transports)
         trim_host_heap()  # the buckets just freed
         return out
 

@@ -226,9 +226,10 @@ class VLLMEngine:
     def destroy_sync_group(self) -> None:
         self.llm.collective_rpc("openppo_destroy_sync_group")
 
-    def begin_weight_update(self) -> None:
-        """Open one weight update: buckets received until `finish_weight_update` form one consistent sync."""
-        self.llm.collective_rpc("openppo_begin_reload")
+    def begin_weight_update(self, verify: bool = False) -> None:
+        """Open one weight update: buckets received until `finish_weight_update` form one consistent sync.
+        `verify`: sum what arrives in float64 for `last_sync_checksum` (tests; a host sync per tensor on GPU)."""
+        self.llm.collective_rpc("openppo_begin_reload", args=(verify,))
 
     def receive_bucket(self, meta: BucketMeta | dict) -> None:
         """Receive one bucket by broadcast from the trainer (who broadcasts it right after calling this)."""
@@ -240,26 +241,35 @@ class VLLMEngine:
             payload = payload.cpu().numpy().tobytes()
         self.llm.collective_rpc("openppo_load_bucket_from_bytes", args=(BucketMeta.coerce(meta).to_plain(), payload))
 
+    def load_bucket_from_shared_memory(self, meta: BucketMeta | dict, path: str) -> None:
+        """Load one bucket the trainer wrote to a shared-memory file on this node (see `transport.py`)."""
+        self.llm.collective_rpc("openppo_load_bucket_from_shared_memory", args=(BucketMeta.coerce(meta).to_plain(),
+                                                                               path))
+
+    def load_bucket_from_ipc(self, meta: BucketMeta | dict, handle: tuple) -> None:
+        """Load one bucket from a CUDA IPC handle of the trainer's bucket tensor (see `transport.py`)."""
+        self.llm.collective_rpc("openppo_load_bucket_from_ipc", args=(BucketMeta.coerce(meta).to_plain(), handle))
+
     def finish_weight_update(self) -> int:
         """Close the weight update, reset the prefix cache; returns the number of vLLM parameters loaded."""
         loaded = self.llm.collective_rpc("openppo_finish_reload")
         self.reset_prefix_cache()
         return loaded[0]
 
-    def receive_weights(self, metadata_per_bucket: list) -> int:
+    def receive_weights(self, metadata_per_bucket: list, verify: bool = False) -> int:
         """A whole sync in one call: the trainer broadcasts the buckets in this order after calling it."""
         plain = [BucketMeta.coerce(m).to_plain() for m in metadata_per_bucket]
-        loaded = self.llm.collective_rpc("openppo_receive_weights", args=(plain,))
+        loaded = self.llm.collective_rpc("openppo_receive_weights", args=(plain, verify))
         self.reset_prefix_cache()
         return loaded[0]
 
     def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> int:
+                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False) -> int:
         """A whole sync from tensors in hand (no collective): packs, passes bytes to the workers, reloads."""
         buckets = pack_buckets(named_tensors, bucket_bytes)
         payloads = [b.buffer.numpy().tobytes() for b in buckets]
         loaded = self.llm.collective_rpc("openppo_load_weights_from_bytes",
-                                         args=([b.meta.to_plain() for b in buckets], payloads))
+                                         args=([b.meta.to_plain() for b in buckets], payloads, verify))
         self.reset_prefix_cache()
         return loaded[0]
 
@@ -272,7 +282,8 @@ class VLLMEngine:
         return float(sum(self.llm.collective_rpc("openppo_weight_checksum")))
 
     def last_sync_checksum(self) -> float | None:
-        """float64 sum of every tensor the first worker received in the last sync (None before any sync)."""
+        """float64 sum of every tensor the first worker received in the last sync (None before any sync, or when it
+        was not verified: see `begin_weight_update`)."""
         return self.llm.collective_rpc("openppo_last_sync_checksum")[0]
 
     # -- memory ----------------------------------------------------------------------------------------------------

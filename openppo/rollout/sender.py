@@ -209,33 +209,77 @@ def _raise_failed(refs: list) -> list:
     return unfinished
 
 
+LOCAL_BUCKETS_IN_FLIGHT = 2  # buckets handed over on the device at once: bounds the shared memory / GPU copies
+
+
 def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: SyncGroup | None,
                       engines: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                      dtype: torch.dtype | None = None, timeout_s: float = 600.0) -> dict[str, float]:
+                      dtype: torch.dtype | None = None, timeout_s: float = 600.0,
+                      transports: Sequence[str] | None = None, verify: bool = False) -> dict[str, float]:
     """Send `named_tensors` to every engine as buckets, on trainer rank 0; returns sync statistics.
 
-    With a `group` each bucket goes out in one broadcast (gloo: a CPU buffer; nccl: a buffer on this GPU). With
-    `group=None` each bucket travels through Ray's object store instead (no collective; slower, simplest). All
-    buckets of one call form one engine-side reload, applied together. `dtype` casts floating tensors first
-    (pass the engine's dtype). Waits at most `timeout_s` for the engines to finish.
+    `transports[i]` says how engine i gets each bucket (`transport.py`): "broadcast" over `group` (gloo: a CPU
+    buffer; nccl: a buffer on this GPU), "shm" (a shared-memory file on this node), "cuda_ipc" (a handle of the
+    bucket on this GPU), or "object_store" (Ray's object store, no collective; slower, simplest). Default: all
+    "broadcast" with a group, all "object_store" without. All buckets of one call form one engine-side reload,
+    applied together. `dtype` casts floating tensors first (pass the engine's dtype). `verify` makes the engines
+    sum what they receive (`last_sync_checksum`). Waits at most `timeout_s` for the engines to finish.
     """
+    import collections
+
     import ray
 
+    from openppo.rollout import transport as tr
+
+    transports = list(transports or [tr.BROADCAST if group is not None else tr.OBJECT_STORE] * len(engines))
+    assert len(transports) == len(engines), "one transport per engine"
+    by = {t: [e for e, kind in zip(engines, transports) if kind == t] for t in set(transports)}
+    if by.get(tr.BROADCAST):
+        assert group is not None, "broadcast engines need a sync group"
     start = time.perf_counter()
-    device = group.device if group is not None else torch.device("cpu")
-    pending = [engine.begin_weight_update.remote() for engine in engines]
+    device = (torch.device("cuda", torch.cuda.current_device()) if by.get(tr.CUDA_IPC)
+              else group.device if group is not None and by.get(tr.BROADCAST) else torch.device("cpu"))
+    pending = [engine.begin_weight_update.remote(verify) for engine in engines]
+    in_flight: collections.deque = collections.deque()  # (refs, shared-memory path or None, kept buffer)
     num_buckets = num_bytes = num_tensors = 0
-    for bucket in iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=device):
-        if group is not None:
-            pending += [engine.receive_bucket.remote(bucket.meta) for engine in engines]
-            group.broadcast(bucket.buffer, src=0)
-        else:
-            ref = ray.put(bucket.buffer)
-            pending += [engine.load_bucket.remote(bucket.meta, ref) for engine in engines]
-        pending = _raise_failed(pending)
-        num_buckets += 1
-        num_bytes += bucket.meta.nbytes
-        num_tensors += len(bucket.meta.tensors)
+
+    def settle(entry) -> None:
+        refs, path, _ = entry
+        try:
+            ray.get(refs, timeout=timeout_s)
+        finally:
+            if path is not None:
+                tr.unlink_quietly(path)
+
+    try:
+        for bucket in iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=device):
+            local, path = [], None
+            if by.get(tr.SHARED_MEMORY):
+                path = tr.write_shared(bucket.buffer)
+                local += [e.load_bucket_from_shared_memory.remote(bucket.meta, path) for e in by[tr.SHARED_MEMORY]]
+            if by.get(tr.CUDA_IPC):
+                handle = tr.ipc_handle(bucket.buffer)
+                local += [e.load_bucket_from_ipc.remote(bucket.meta, handle) for e in by[tr.CUDA_IPC]]
+            if local:
+                in_flight.append((local, path, bucket.buffer))  # the buffer stays alive until they copied it
+            if by.get(tr.OBJECT_STORE):
+                ref = ray.put(bucket.buffer.cpu())
+                pending += [e.load_bucket.remote(bucket.meta, ref) for e in by[tr.OBJECT_STORE]]
+            if by.get(tr.BROADCAST):
+                pending += [e.receive_bucket.remote(bucket.meta) for e in by[tr.BROADCAST]]
+                group.broadcast(bucket.buffer.to(group.device), src=0)
+            pending = _raise_failed(pending)
+            while len(in_flight) > LOCAL_BUCKETS_IN_FLIGHT:
+                settle(in_flight.popleft())
+            num_buckets += 1
+            num_bytes += bucket.meta.nbytes
+            num_tensors += len(bucket.meta.tensors)
+        while in_flight:
+            settle(in_flight.popleft())
+    finally:
+        for _, path, _ in in_flight:  # a failed sync: no shared-memory file may outlive it
+            if path is not None:
+                tr.unlink_quietly(path)
     finish = [engine.finish_weight_update.remote() for engine in engines]
     ray.get(pending + finish, timeout=timeout_s)
     seconds = time.perf_counter() - start
@@ -246,12 +290,14 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
 
 def sync_weights(model: nn.Module, group: SyncGroup | None, engines: Sequence[Any],
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, dtype: torch.dtype | None = None,
-                 timeout_s: float = 600.0, rank: int | None = None) -> dict[str, float] | None:
+                 timeout_s: float = 600.0, rank: int | None = None, transports: Sequence[str] | None = None,
+                 verify: bool = False) -> dict[str, float] | None:
     """One full sync; EVERY trainer rank calls this (ZeRO-3 gathers are collectives). Rank 0 returns the stats."""
     rank = _default_rank() if rank is None else rank
     named = iter_full_weights(model, rank=rank)
     if rank == 0:
-        return broadcast_weights(named, group, engines, bucket_bytes, dtype=dtype, timeout_s=timeout_s)
+        return broadcast_weights(named, group, engines, bucket_bytes, dtype=dtype, timeout_s=timeout_s,
+                                 transports=transports, verify=verify)
     for _ in named:  # enter every gather the sender enters
         pass
     return None

@@ -50,8 +50,11 @@ class WorkerExtension:
 
     # -- one reload window -----------------------------------------------------------------------------------------
 
-    def openppo_begin_reload(self) -> None:
-        """Open the reload window; every `openppo_*_bucket` call until `openppo_finish_reload` loads into it."""
+    def openppo_begin_reload(self, verify: bool = False) -> None:
+        """Open the reload window; every `openppo_*_bucket` call until `openppo_finish_reload` loads into it.
+
+        `verify` sums every received tensor in float64 (`openppo_last_sync_checksum`): a host sync per tensor on
+        GPU, so only tests and benches turn it on."""
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
         if getattr(self, "_openppo_reloading", False):
@@ -63,13 +66,15 @@ class WorkerExtension:
         initialize_layerwise_reload(self.model_runner.get_model())
         self._openppo_reloading = True
         self._openppo_loaded: set[str] = set()
-        self._openppo_received_sum = 0.0
+        self._openppo_verify = verify
+        self._openppo_received_sum = 0.0 if verify else None
         self._openppo_t0 = time.perf_counter()
 
     def _openppo_load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
         assert getattr(self, "_openppo_reloading", False), "call openppo_begin_reload first"
-        for _, tensor in named_tensors:
-            self._openppo_received_sum += tensor.detach().to(torch.float64).sum().item()
+        if self._openppo_verify:
+            for _, tensor in named_tensors:
+                self._openppo_received_sum += tensor.detach().to(torch.float64).sum().item()
         loaded = self.model_runner.get_model().load_weights(iter(named_tensors))
         if loaded:
             self._openppo_loaded.update(loaded)
@@ -90,6 +95,21 @@ class WorkerExtension:
         buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if meta.nbytes
                   else torch.empty(0, dtype=torch.uint8))
         self._openppo_load(unpack_bucket(meta, buffer))
+
+    def openppo_load_bucket_from_shared_memory(self, meta: BucketMeta | dict, path: str) -> None:
+        """Load one bucket the sender wrote to a shared-memory file on this node (CPU; no collective)."""
+        from openppo.rollout.transport import read_shared
+
+        meta = BucketMeta.coerce(meta)
+        self._openppo_load(unpack_bucket(meta, read_shared(path, meta.nbytes)))
+
+    def openppo_load_bucket_from_ipc(self, meta: BucketMeta | dict, handle: tuple) -> None:
+        """Load one bucket from a CUDA IPC handle of the sender's bucket tensor (a GPU of this node)."""
+        from openppo.rollout.transport import open_ipc
+
+        meta = BucketMeta.coerce(meta)
+        device = torch.device("cuda", torch.cuda.current_device())
+        self._openppo_load(unpack_bucket(meta, open_ipc(handle, device)))
 
     def openppo_finish_reload(self) -> int:
         """Close the reload window (processes what is left, restores untouched layers); returns #params loaded."""
@@ -113,17 +133,18 @@ class WorkerExtension:
 
     # -- whole syncs -----------------------------------------------------------------------------------------------
 
-    def openppo_receive_weights(self, metadata_per_bucket: list) -> int:
+    def openppo_receive_weights(self, metadata_per_bucket: list, verify: bool = False) -> int:
         """A whole sync by broadcast: one reload window, one broadcast per bucket. Returns #params loaded."""
-        self.openppo_begin_reload()
+        self.openppo_begin_reload(verify)
         for meta in metadata_per_bucket:
             self.openppo_receive_bucket(meta)
         return self.openppo_finish_reload()
 
-    def openppo_load_weights_from_bytes(self, metadata_per_bucket: list, payloads: list[bytes]) -> int:
+    def openppo_load_weights_from_bytes(self, metadata_per_bucket: list, payloads: list[bytes],
+                                        verify: bool = False) -> int:
         """A whole sync from bytes (tests, or where no collective is wanted). Returns #params loaded."""
         assert len(metadata_per_bucket) == len(payloads), "one payload per bucket"
-        self.openppo_begin_reload()
+        self.openppo_begin_reload(verify)
         for meta, payload in zip(metadata_per_bucket, payloads):
             self.openppo_load_bucket_from_bytes(meta, payload)
         return self.openppo_finish_reload()
@@ -143,7 +164,8 @@ class WorkerExtension:
         return total
 
     def openppo_last_sync_checksum(self) -> float | None:
-        """float64 sum of every tensor received by the last completed sync (as received), or None."""
+        """float64 sum of every tensor received by the last completed sync (as received); None before any sync or
+        when that sync was not verified."""
         return getattr(self, "_openppo_last_sync_sum", None)
 
 

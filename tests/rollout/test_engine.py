@@ -97,7 +97,7 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
             for p in hf_model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.02)
         # 64 KiB buckets: the 39 MB embedding alone, the rest split over several buckets, q/k/v of a layer apart.
-        stats = sync_weights(hf_model, group, [engine], bucket_bytes=64 << 10, timeout_s=60)
+        stats = sync_weights(hf_model, group, [engine], bucket_bytes=64 << 10, timeout_s=60, verify=True)
         print(f"sync (tiny model, 64 KiB buckets): {stats}")
         assert stats["num_buckets"] >= 4
         assert ray.get(engine.last_sync_checksum.remote()) == pytest.approx(
