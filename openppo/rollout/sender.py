@@ -210,6 +210,20 @@ def _raise_failed(refs: list) -> list:
 
 
 LOCAL_BUCKETS_IN_FLIGHT = 2  # buckets handed over on the device at once: bounds the shared memory / GPU copies
+_SHARED_SLOTS = None  # this process's reused shared-memory files (transport.SharedSlots), made on first use
+
+
+def shared_slots():
+    """The sender's shared-memory slots, unlinked when the process exits."""
+    global _SHARED_SLOTS
+    if _SHARED_SLOTS is None:
+        import atexit
+
+        from openppo.rollout.transport import SharedSlots
+
+        _SHARED_SLOTS = SharedSlots()
+        atexit.register(_SHARED_SLOTS.release)
+    return _SHARED_SLOTS
 
 
 def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: SyncGroup | None,
@@ -240,28 +254,23 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
     device = (torch.device("cuda", torch.cuda.current_device()) if by.get(tr.CUDA_IPC)
               else group.device if group is not None and by.get(tr.BROADCAST) else torch.device("cpu"))
     pending = [engine.begin_weight_update.remote(verify) for engine in engines]
-    in_flight: collections.deque = collections.deque()  # (refs, shared-memory path or None, kept buffer)
+    in_flight: collections.deque = collections.deque()  # (refs of a handed-over bucket, its buffer kept alive)
     num_buckets = num_bytes = num_tensors = 0
 
-    def settle(entry) -> None:
-        refs, path, _ = entry
-        try:
-            ray.get(refs, timeout=timeout_s)
-        finally:
-            if path is not None:
-                tr.unlink_quietly(path)
-
+    failed = True
     try:
         for bucket in iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=device):
-            local, path = [], None
+            local = []
+            while len(in_flight) >= LOCAL_BUCKETS_IN_FLIGHT:  # its slot is about to be rewritten
+                ray.get(in_flight.popleft()[0], timeout=timeout_s)
             if by.get(tr.SHARED_MEMORY):
-                path = tr.write_shared(bucket.buffer)
+                path = shared_slots().write(num_buckets % LOCAL_BUCKETS_IN_FLIGHT, bucket.buffer)
                 local += [e.load_bucket_from_shared_memory.remote(bucket.meta, path) for e in by[tr.SHARED_MEMORY]]
             if by.get(tr.CUDA_IPC):
                 handle = tr.ipc_handle(bucket.buffer)
                 local += [e.load_bucket_from_ipc.remote(bucket.meta, handle) for e in by[tr.CUDA_IPC]]
             if local:
-                in_flight.append((local, path, bucket.buffer))  # the buffer stays alive until they copied it
+                in_flight.append((local, bucket.buffer))  # the buffer stays alive until they copied it
             if by.get(tr.OBJECT_STORE):
                 ref = ray.put(bucket.buffer.cpu())
                 pending += [e.load_bucket.remote(bucket.meta, ref) for e in by[tr.OBJECT_STORE]]
@@ -269,17 +278,15 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
                 pending += [e.receive_bucket.remote(bucket.meta) for e in by[tr.BROADCAST]]
                 group.broadcast(bucket.buffer.to(group.device), src=0)
             pending = _raise_failed(pending)
-            while len(in_flight) > LOCAL_BUCKETS_IN_FLIGHT:
-                settle(in_flight.popleft())
             num_buckets += 1
             num_bytes += bucket.meta.nbytes
             num_tensors += len(bucket.meta.tensors)
         while in_flight:
-            settle(in_flight.popleft())
+            ray.get(in_flight.popleft()[0], timeout=timeout_s)
+        failed = False
     finally:
-        for _, path, _ in in_flight:  # a failed sync: no shared-memory file may outlive it
-            if path is not None:
-                tr.unlink_quietly(path)
+        if failed and _SHARED_SLOTS is not None:  # a failed sync leaves no shared-memory file behind
+            _SHARED_SLOTS.release()
     finish = [engine.finish_weight_update.remote() for engine in engines]
     ray.get(pending + finish, timeout=timeout_s)
     seconds = time.perf_counter() - start

@@ -85,17 +85,54 @@ def check_broadcast_group(members: Sequence[tuple[str, Where]], backend: str) ->
 # -- CPU: shared memory --------------------------------------------------------------------------------------------
 
 
-def write_shared(buffer: torch.Tensor) -> str:
-    """Copy a CPU uint8 bucket into a new file in shared memory; returns its path (the caller unlinks it)."""
-    path = os.path.join(SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp", f"openppo-sync-{os.getpid()}-{uuid.uuid4().hex}")
-    mapped = torch.from_file(path, shared=True, size=max(1, buffer.numel()), dtype=torch.uint8)
-    mapped[: buffer.numel()].copy_(buffer)
-    return path
+class SharedSlots:
+    """Shared-memory files the sender reuses bucket after bucket and sync after sync (slot k of each sync).
+
+    A new tmpfs file per bucket pays for fresh zeroed pages on every write (measured: SmolLM2 syncs 1.35x slower
+    than the gloo broadcast that way); reused files are already resident, so a bucket costs one copy on each side.
+    A slot too small for a bucket is replaced by a larger file under a new name (receivers cache mappings by
+    name). `release` unlinks them all; the sender calls it when a sync fails and at exit."""
+
+    def __init__(self):
+        self._slots: list[tuple[str, torch.Tensor]] = []
+
+    def write(self, slot: int, buffer: torch.Tensor) -> str:
+        """Copy a CPU uint8 bucket into slot `slot`; returns the file's path."""
+        while len(self._slots) <= slot:
+            self._slots.append(("", torch.empty(0, dtype=torch.uint8)))
+        path, mapped = self._slots[slot]
+        if mapped.numel() < buffer.numel():
+            if path:
+                unlink_quietly(path)
+            base = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
+            path = os.path.join(base, f"openppo-sync-{os.getpid()}-{uuid.uuid4().hex}")
+            mapped = torch.from_file(path, shared=True, size=max(1, buffer.numel()), dtype=torch.uint8)
+            self._slots[slot] = (path, mapped)
+        mapped[: buffer.numel()].copy_(buffer)
+        return path
+
+    def paths(self) -> list[str]:
+        return [path for path, _ in self._slots if path]
+
+    def release(self) -> None:
+        for path in self.paths():
+            unlink_quietly(path)
+        self._slots = []
+
+
+_MAPPED: dict[str, torch.Tensor] = {}  # receiver side: path -> mapping, the few newest kept
+_MAPPED_MAX = 8
 
 
 def read_shared(path: str, nbytes: int) -> torch.Tensor:
-    """Map a bucket written by `write_shared` (no copy; valid while the file exists and the tensor lives)."""
-    return torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)[:nbytes]
+    """The first `nbytes` of a slot file (no copy). Mappings are cached by path: a slot is rewritten in place."""
+    mapped = _MAPPED.pop(path, None)
+    if mapped is None or mapped.numel() < nbytes:
+        mapped = torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)
+    _MAPPED[path] = mapped
+    while len(_MAPPED) > _MAPPED_MAX:
+        _MAPPED.pop(next(iter(_MAPPED)))
+    return mapped[:nbytes]
 
 
 def unlink_quietly(path: str) -> None:

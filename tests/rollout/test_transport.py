@@ -1,5 +1,6 @@
 """Which transport each engine gets, the guard against two NCCL ranks on one GPU (fake GPUs), and the shared-memory
-hand-over with real engines: exact, mixed with a gloo broadcast in one sync, and leaving no file behind."""
+hand-over with real engines: exact, mixed with a gloo broadcast in one sync, reusing two files and leaving none
+behind after a failure."""
 
 from __future__ import annotations
 
@@ -12,7 +13,7 @@ import torch
 from openppo.errors import UserError
 from openppo.rollout.sender import broadcast_weights, connect_engines, iter_full_weights, sync_weights
 from openppo.rollout.transport import (BROADCAST, CUDA_IPC, SHARED_MEMORY, Where, check_broadcast_group,
-                                       choose_transports, describe, read_shared, write_shared)
+                                       choose_transports, describe, read_shared, SharedSlots)
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -79,13 +80,19 @@ def test_guard_reads_fake_gpu_placement():
         ray.shutdown()
 
 
-def test_shared_memory_round_trip():
-    buffer = torch.arange(1000, dtype=torch.uint8)
-    path = write_shared(buffer)
+def test_shared_memory_slots_are_reused_and_released():
+    slots = SharedSlots()
     try:
-        assert torch.equal(read_shared(path, 1000), buffer)
+        first = slots.write(0, torch.arange(100, dtype=torch.uint8))
+        assert torch.equal(read_shared(first, 100), torch.arange(100, dtype=torch.uint8))
+        assert slots.write(0, torch.full((50,), 7, dtype=torch.uint8)) == first  # rewritten in place
+        assert torch.equal(read_shared(first, 50), torch.full((50,), 7, dtype=torch.uint8))
+        bigger = slots.write(0, torch.ones(200, dtype=torch.uint8))  # too small: a new file, the old one gone
+        assert bigger != first and not os.path.exists(first) and slots.paths() == [bigger]
+        assert torch.equal(read_shared(bigger, 200), torch.ones(200, dtype=torch.uint8))
     finally:
-        os.unlink(path)
+        slots.release()
+    assert not os.path.exists(bigger) and slots.paths() == []
 
 
 def _files() -> set[str]:
@@ -106,6 +113,7 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
     from transformers import AutoModelForCausalLM
 
     from openppo.rollout import VLLMEngine
+    from openppo.rollout.sender import shared_slots
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
@@ -126,7 +134,8 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
                 stats = sync_weights(model, group, engines, bucket_bytes=64 << 10, timeout_s=120,
                                      transports=transports, verify=sync == 0)
                 assert stats["num_buckets"] > 3  # more buckets than the two kept in flight
-                assert _files() == before, "a shared-memory bucket outlived its sync"
+                # the sender's two reused slots, nothing else
+                assert _files() - before == set(shared_slots().paths()) and len(shared_slots().paths()) == 2
                 for engine in engines:
                     [[sample]] = ray.get(engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0,
                                                                 top_p=1.0), timeout=120)
