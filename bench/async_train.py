@@ -29,6 +29,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 
 
 SLOW_REWARD = """import time
@@ -77,6 +78,7 @@ def main() -> None:
     parser.add_argument("--runs", default="sync_1t,sync_2t,async_1t")
     parser.add_argument("--reward_latency_s", type=float, default=0.0,
                         help="seconds each reward call waits, as a remote verifier or judge would (0 = none)")
+    add_dtype_option(parser)
     args = parser.parse_args()
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
@@ -99,7 +101,7 @@ def main() -> None:
             "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2", "--packing_samples",
             "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(512 << 20),
             "--generate_max_len", str(args.generate_max_len), "--prompt_max_len", "128", "--init_kl_coef", "0",
-            "--zero_stage", "2", "--param_dtype", "bf16", "--max_steps", str(args.steps),
+            "--zero_stage", "2", "--param_dtype", resolve_dtype(args.dtype), "--max_steps", str(args.steps),
             "--actor_learning_rate", "1e-5", "--seed", "0", "--disable_ds_ckpt"]
         configs = {"sync_1t": ([], 1), "sync_2t": ([], 2),
                    "async_1t": (["--async_train", "--async_queue_size", "1"], 1)}
@@ -111,7 +113,7 @@ def main() -> None:
         for base in ("sync_1t", "sync_2t"):
             if base in results:
                 out[f"speedup_vs_{base}"] = round(results[base]["step_s"] / results["async_1t"]["step_s"], 2)
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

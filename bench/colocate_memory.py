@@ -24,6 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 GIB = 2**30
 
 
@@ -86,6 +87,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
     parser.add_argument("--steps", type=int, default=3)
+    add_dtype_option(parser)
     args = parser.parse_args()
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
@@ -101,13 +103,13 @@ def main() -> None:
                   "--train_batch_size", "16", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
                   "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--colocate_all_models",
                   "--vllm_kv_cache_bytes", str(256 << 20), "--generate_max_len", "32", "--prompt_max_len", "128",
-                  "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", "bf16", "--max_steps",
+                  "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", resolve_dtype(args.dtype), "--max_steps",
                   str(args.steps), "--actor_learning_rate", "1e-6", "--seed", "0", "--disable_ds_ckpt"]
         results = {"plain": run("plain", common, workdir),
                    "sleep": run("sleep", common + ["--vllm_enable_sleep", "--deepspeed_enable_sleep"], workdir)}
     out = {"bench": "colocate_memory", "model": args.model, "steps": args.steps, **results,
            "peak_rss_saved_gib": round(results["plain"]["peak_rss_gib"] - results["sleep"]["peak_rss_gib"], 3)}
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

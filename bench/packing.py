@@ -7,7 +7,7 @@ The batch looks like a rollout batch: prompts of 16-48 tokens, right-padded to t
 1 to --max_response tokens, either uniform (`--lengths uniform`) or long-tailed as RL responses usually are
 (`--lengths longtail`: log-normal with a median of --max_response / 6, those longer cut at --max_response as the
 engine would truncate them). Each variant runs the trainer's own code on a real DeepSpeed engine (1 rank,
-ZeRO-0, bf16): the forward-only pass is the old-log-prob pass (`forward_in_chunks`), the training step is the actor
+ZeRO-0, --dtype auto): the forward-only pass is the old-log-prob pass (`forward_in_chunks`), the training step is the actor
 update (`fit_experience` with the PPO loss). Baseline: padded micro-batches of --micro rows, each trimmed to its
 longest row (what runs without --packing_samples). Best of --repeats after one warm-up; the variants are timed
 interleaved, in the same process. The last line printed is one JSON object with the times and speed-ups.
@@ -16,7 +16,6 @@ interleaved, in the same process. The last line printed is one JSON object with 
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import random
@@ -26,6 +25,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -58,6 +58,7 @@ def ragged_batch(num_rows: int, max_response: int, vocab: int, seed: int, shape:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    add_dtype_option(parser)
     parser.add_argument("--rows", type=int, default=16, help="samples in the batch")
     parser.add_argument("--micro", type=int, default=4, help="rows per padded micro-batch")
     parser.add_argument("--max_response", type=int, default=192)
@@ -83,7 +84,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype="bf16", dist_timeout=600),
+    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype=resolve_dtype(args.dtype), dist_timeout=600),
                                  train_batch_size=args.rows, micro_batch_size=args.micro, max_norm=1.0, seed=0)
     strategy.setup_distributed()
     model = Actor.from_pretrained(model_dir, dtype=strategy.torch_dtype)
@@ -137,14 +138,14 @@ def main() -> None:
            "max_row_tokens": int(lengths.max()),
            # the speed-up if padding cost nothing and all work were proportional to tokens
            "ceiling": round(1 / (1 - results["padded"]["padding_share"]), 2),
-           "token_budget": budget, "threads": torch.get_num_threads(), "max_logprob_diff_bf16": max_diff}
+           "token_budget": budget, "threads": torch.get_num_threads(), "max_logprob_diff": max_diff, "dtype": resolve_dtype(args.dtype)}
     for name in variants:
         out[name] = {"forward_s": round(best[name]["forward"], 3), "train_s": round(best[name]["train"], 3),
                      **results[name]}
         if name != "padded":
             out[name]["forward_speedup"] = round(best["padded"]["forward"] / best[name]["forward"], 2)
             out[name]["train_speedup"] = round(best["padded"]["train"] / best[name]["train"], 2)
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

@@ -15,8 +15,13 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.record import emit  # noqa: E402 (after the path set-up)
 
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 
@@ -56,10 +61,10 @@ def main() -> None:
     windows = [{"calls": f"{a}-{b}", "bytes_per_call": round((rb - ra) / (b - a), 1)}
                for (a, ra), (b, rb) in zip(samples[1:], samples[2:])]
     first, last = windows[: len(windows) // 2], windows[len(windows) // 2:]
-    print(json.dumps({"bench": "ray_call_rss", "put": args.put, "calls": args.calls,
-                      "rss_mib": {i: round(r / 2**20, 2) for i, r in samples}, "windows": windows,
-                      "first_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in first) / len(first), 1),
-                      "second_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in last) / len(last), 1)}))
+    emit({"bench": "ray_call_rss", "put": args.put, "calls": args.calls,
+          "rss_mib": {i: round(r / 2**20, 2) for i, r in samples}, "windows": windows,
+          "first_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in first) / len(first), 1),
+          "second_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in last) / len(last), 1)})
 
 
 if __name__ == "__main__":

@@ -28,6 +28,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 MIB = 2**20
 WARM = (11, 30)  # steps of the early window (1-based, inclusive)
 LAST = 20
@@ -75,6 +76,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--keep_metrics", type=Path, default=None, help="copy the run's metrics.jsonl here")
+    add_dtype_option(parser)
     args = parser.parse_args()
     if args.steps < WARM[1] + LAST:
         raise SystemExit(f"--steps must be >= {WARM[1] + LAST} (an early window of steps {WARM[0]}-{WARM[1]} and "
@@ -94,7 +96,7 @@ def main() -> None:
                  "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "2",
                  "--train_batch_size", "8", "--micro_train_batch_size", "4", "--packing_samples",
                  "--vllm_kv_cache_bytes", str(128 << 20), "--generate_max_len", "16", "--prompt_max_len", "64",
-                 "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", "bf16", "--max_steps", str(args.steps),
+                 "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", resolve_dtype(args.dtype), "--max_steps", str(args.steps),
                  "--actor_learning_rate", "1e-6", "--seed", "0", "--save_steps", "50", "--max_ckpt_num", "1",
                  "--ckpt_path", str(workdir / "ckpt"), "--save_path", str(save)]
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
@@ -131,7 +133,7 @@ def main() -> None:
         per_step.setdefault(step + 1, []).append(mib)
     out["engine"] = series_verdict([(s, statistics.median(v)) for s, v in sorted(per_step.items())]) \
         if per_step else None
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

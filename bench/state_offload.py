@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import argparse
 import gc
-import json
 import os
 import sys
 import time
@@ -22,6 +21,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -29,6 +29,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=("tiny", "smollm2"), default="smollm2")
     parser.add_argument("--zero_stage", type=int, choices=(1, 2, 3), default=2)
+    add_dtype_option(parser)
     args = parser.parse_args()
 
     import psutil
@@ -50,7 +51,8 @@ def main() -> None:
             return torch.cuda.memory_allocated() / 2**30
         return psutil.Process().memory_info().rss / 2**30
 
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype="bf16", dist_timeout=600),
+    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=resolve_dtype(args.dtype),
+                                                 dist_timeout=600),
                                  train_batch_size=2, micro_batch_size=2, max_norm=1.0, seed=0)
     strategy.setup_distributed()
     model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
@@ -77,7 +79,7 @@ def main() -> None:
     result["freed_gib"] = round(result["trained_gib"] - result["offloaded_gib"], 3)
     if on_gpu:
         result["peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Benchmark: model FLOPs utilisation (MFU) of openppo's actor update, the GPU variant of the TRL comparison.
 
-    .venv/bin/python bench/train_step_mfu.py                       # 0.5B-class model, bf16, ZeRO-2 (on a GPU)
+    .venv/bin/python bench/train_step_mfu.py                       # 0.5B-class model, auto dtype, ZeRO-2 (GPU)
     .venv/bin/python bench/train_step_mfu.py --model tiny --rows 8 --seq_len 128   # a quick look on CPU
     .venv/bin/python bench/train_step_mfu.py --model smollm2 --rows 16 --seq_len 96 --dtype fp32   # CPU, real model
 
@@ -23,7 +23,6 @@ one JSON object.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -32,6 +31,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 MODELS = {"qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864},
           "smollm2": {}, "tiny": {}}
 
@@ -56,7 +56,7 @@ def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=sorted(MODELS), default="qwen0.5b")
-    parser.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16")
+    add_dtype_option(parser)
     parser.add_argument("--zero_stage", type=int, default=2)
     parser.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
     parser.add_argument("--seq_len", type=int, default=1024, help="tokens per row (half prompt, half response)")
@@ -68,6 +68,7 @@ def main() -> None:
     parser.add_argument("--trim", action="store_true",
                         help="hand the freed heap back to the OS after every step (malloc_trim), to measure its cost")
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)
     if args.steps < 2 or args.rows % args.micro or args.seq_len < 4:
         raise SystemExit("--steps must be >= 2, --rows a multiple of --micro, --seq_len >= 4")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
@@ -130,15 +131,15 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     measured_peak = matmul_peak(device, strategy.torch_dtype, 8192 if device.type == "cuda" else 1024)
     sheet = mfu(flops, step_s, peak_flops(name, args.dtype))
-    print(json.dumps({
-        "bench": "train_step_mfu", "device": name, "model": args.model, "params_m": round(num_params / 1e6, 1),
+    emit({
+        "bench": "train_step_mfu", "model": args.model, "params_m": round(num_params / 1e6, 1),
         "dtype": args.dtype, "zero_stage": args.zero_stage, "rows": args.rows, "seq_len": args.seq_len,
         "micro": args.micro, "packed": args.pack, "gradient_checkpointing": args.gradient_checkpointing,
         "trim": args.trim, "step_times_s": [round(t, 3) for t in times], "step_s": round(step_s, 3),
         "tokens_per_s": round(tokens / step_s, 1), "achieved_tflops": round(flops / step_s / 1e12, 3),
         "matmul_peak_tflops": round(measured_peak / 1e12, 3),
         "mfu_datasheet": None if sheet is None else round(sheet, 3),
-        "mfu_vs_matmul": round(flops / step_s / measured_peak, 3)}))
+        "mfu_vs_matmul": round(flops / step_s / measured_peak, 3)})
 
 
 if __name__ == "__main__":

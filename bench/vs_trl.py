@@ -34,6 +34,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 TRL_PIN = "trl==1.16.0"
 TRL_ENV = REPO / ".cache" / "bench" / "trl-env"
 
@@ -171,8 +172,7 @@ def main() -> None:
     parser.add_argument("--prefix_caching", action=argparse.BooleanOptionalAction, default=True,
                         help="openppo with --enable_prefix_caching")
     parser.add_argument("--openppo_args", default="", help="more train_ppo_ray flags for openppo (A/B runs)")
-    parser.add_argument("--dtype", choices=("fp32", "bf16"), default="bf16",
-                        help="both trainers' precision (bf16 is the default of both)")
+    add_dtype_option(parser, "both trainers' precision")
     parser.add_argument("--trl_gradient_checkpointing", action=argparse.BooleanOptionalAction, default=True,
                         help="TRL with gradient checkpointing, GRPOConfig's default and TRL's faster setting on this "
                              "CPU job (see docs/benchmarks.md)")
@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--async_train", action="store_true",
                         help="openppo with --async_train: no longer the same on-policy job (reported as such)")
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)  # TRL gets the same concrete dtype as openppo
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
     from tests.model_cache import smollm2_dir, tiny_model_dir
@@ -201,7 +202,7 @@ def main() -> None:
            "openppo_args": args.openppo_args, "trl": TRL_PIN, **results}
     if len(results) == 2:
         out["step_time_ratio_openppo_over_trl"] = round(results["openppo"]["step_s"] / results["trl"]["step_s"], 2)
-    print(json.dumps(out))
+    emit(out)
 
 
 if __name__ == "__main__":

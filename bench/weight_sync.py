@@ -15,7 +15,6 @@ and the device.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -24,6 +23,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.record import emit  # noqa: E402 (after the path set-up)
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -50,9 +50,7 @@ def main() -> None:
     model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
     dtype = "float32" if args.model == "tiny" else "bfloat16"
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
-    from openppo.utils.hardware import device_record
-
-    result: dict = {"model": args.model, "dtype": dtype, "device": device_record()}
+    result: dict = {"model": args.model, "dtype": dtype}
     try:
         t0 = time.perf_counter()
         engine = ray.remote(num_cpus=1)(VLLMEngine).remote(model_dir, dtype=dtype, max_model_len=512,
@@ -96,7 +94,7 @@ def main() -> None:
             group.destroy()
     finally:
         ray.shutdown()
-    print(json.dumps(result))
+    emit(result)
 
 
 if __name__ == "__main__":
