@@ -9,6 +9,18 @@ from typing import Any, Iterator
 from tests.model_cache import tiny_model_dir
 
 
+def logprob_gap(model, prompt: list[int], sample: dict, temperature: float = 1.0) -> float:
+    """Largest |engine log-prob - HF log-prob| over a sample's tokens: the HF `model` scores `prompt + response` in
+    fp32 at `temperature`; `sample` is one of `VLLMEngine.generate`'s results."""
+    import torch
+
+    response = sample["token_ids"]
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + response]), use_cache=False).logits[0, len(prompt) - 1:-1].float()
+    expected = torch.log_softmax(logits / temperature, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
+    return (expected - torch.tensor(sample["logprobs"])).abs().max().item()
+
+
 @contextlib.contextmanager
 def tiny_engine_actor(kv_cache_bytes: int = 64 << 20) -> Iterator[Any]:
     import ray

@@ -19,8 +19,8 @@ from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
 from openppo.errors import require
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.memory_plan import GIB, model_shape, plan_devices, plan_text
-from openppo.ppo.validate import needs_critic_group, validate
+from openppo.ppo.memory_plan import GIB, plan_devices, plan_text, run_shapes
+from openppo.ppo.validate import validate
 
 logger = logging.getLogger("openppo.plan")
 
@@ -52,13 +52,7 @@ def plan(cfg: PlanConfig) -> None:
     require(gib is None or gib > 0, f"--device_memory_gib must be positive (GiB of one device), got {gib}")
     for notice in validate(cfg, on_gpu=torch.cuda.is_available()):
         logger.info("note: %s", notice)
-    m = cfg.model
-    shapes = {"actor": model_shape(m.pretrain, "--pretrain")}
-    if needs_critic_group(cfg):
-        shapes["critic"] = model_shape(m.critic_pretrain or m.reward_pretrain or m.pretrain, "--critic_pretrain",
-                                       scalar=True)
-    if m.reward_pretrain:
-        shapes["reward"] = model_shape(m.reward_pretrain, "--reward_pretrain", scalar=True)
+    shapes = run_shapes(cfg)
     device = _device_bytes(cfg)
     text, fits = plan_text(plan_devices(cfg, shapes, device, on_gpu=torch.cuda.is_available()), device)
     print(text)

@@ -80,17 +80,12 @@ def kv_cache_bytes(cfg: PPOConfig) -> int | None:
     start loading, so that the free RAM it reads is not already taken by them."""
     import psutil
 
-    from openppo.ppo.memory_plan import cpu_kv_cache_bytes, dtype_bytes, host_bytes_of_trainers, model_shape
+    from openppo.ppo.memory_plan import cpu_kv_cache_bytes, dtype_bytes, host_bytes_of_trainers, run_shapes
 
-    v, r, m = cfg.vllm, cfg.rollout, cfg.model
+    v, r = cfg.vllm, cfg.rollout
     if v.vllm_kv_cache_bytes or torch.cuda.is_available():
         return v.vllm_kv_cache_bytes
-    shapes = {"actor": model_shape(m.pretrain, "--pretrain")}
-    if needs_critic_group(cfg):
-        shapes["critic"] = model_shape(m.critic_pretrain or m.reward_pretrain or m.pretrain, "--critic_pretrain",
-                                       scalar=True)
-    if m.reward_pretrain:
-        shapes["reward"] = model_shape(m.reward_pretrain, "--reward_pretrain", scalar=True)
+    shapes = run_shapes(cfg)
     tp = v.vllm_tensor_parallel_size
     # a tensor-parallel worker caches its share of the KV heads (whole heads: a head is never split)
     actor = shapes["actor"]

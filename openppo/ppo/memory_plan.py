@@ -291,6 +291,20 @@ def model_shape(path: str, flag: str, *, scalar: bool = False) -> ModelShape:
                       head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
 
 
+def run_shapes(cfg) -> dict[str, ModelShape]:
+    """The shapes of the models a train_ppo_ray config trains or runs: "actor", and "critic" / "reward" when used."""
+    from openppo.ppo.validate import needs_critic_group
+
+    m = cfg.model
+    shapes = {"actor": model_shape(m.pretrain, "--pretrain")}
+    if needs_critic_group(cfg):
+        shapes["critic"] = model_shape(m.critic_pretrain or m.reward_pretrain or m.pretrain, "--critic_pretrain",
+                                       scalar=True)
+    if m.reward_pretrain:
+        shapes["reward"] = model_shape(m.reward_pretrain, "--reward_pretrain", scalar=True)
+    return shapes
+
+
 def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape]) -> float:
     """RAM the processes of a CPU run hold for the whole run, besides the engines' KV caches: each rank's weights,
     gradients and optimizer states, the engines' weights, and a fixed start-up cost per process. Working memory

@@ -57,12 +57,12 @@ def test_plan_within_25_percent_of_a_measured_peak(stage, dtype):
     import subprocess
     import sys
 
-    from openppo.cli.plan import PlanConfig, model_shape
+    from openppo.cli.plan import PlanConfig
     from openppo.config.schema import parse_config
-    from openppo.ppo.memory_plan import GIB, plan_devices
+    from openppo.ppo.memory_plan import GIB, model_shape, plan_devices
+    from openppo.utils.hardware import auto_param_dtype
     from tests.cli.helpers import REPO
     from tests.model_cache import smollm2_dir
-    from openppo.utils.hardware import auto_param_dtype
     from tests.ppo import memory_probe as probe
 
     dtype = auto_param_dtype() if dtype == "auto" else dtype

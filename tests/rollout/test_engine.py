@@ -14,7 +14,7 @@ import torch
 from openppo.rollout.buckets import pack_bucket, plan_buckets
 from openppo.rollout.sender import (broadcast_weights, connect_engines, iter_full_weights, sync_weights,
                                     tensors_checksum)
-from tests.engines import tiny_engine_actor
+from tests.engines import logprob_gap, tiny_engine_actor
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -36,19 +36,6 @@ def engine():
         yield actor
 
 
-def _hf_logprobs(model, prompt: list[int], response: list[int], temperature: float) -> torch.Tensor:
-    """log p(response_t | prompt, response_<t) of the HF model at `temperature`, in fp32."""
-    ids = torch.tensor([prompt + response])
-    with torch.no_grad():
-        logits = model(ids, use_cache=False).logits[0, len(prompt) - 1:-1].float() / temperature
-    return torch.log_softmax(logits, -1).gather(-1, torch.tensor(response)[:, None])[:, 0]
-
-
-def _max_gap(model, prompt, sample, temperature) -> float:
-    expected = _hf_logprobs(model, prompt, sample["token_ids"], temperature)
-    return (expected - torch.tensor(sample["logprobs"])).abs().max().item()
-
-
 @pytest.mark.slow
 def test_generate_logprobs_match_hf(engine, hf_model):
     import ray
@@ -65,7 +52,7 @@ def test_generate_logprobs_match_hf(engine, hf_model):
                 assert s["finish_reason"] in ("stop", "length")
                 assert 1 <= len(s["token_ids"]) == len(s["logprobs"]) <= 12
                 assert len(s["token_ids"]) == 12 or s["finish_reason"] == "stop"
-                assert _max_gap(hf_model, prompt, s, temperature) < TOL
+                assert logprob_gap(hf_model, prompt, s, temperature) < TOL
     # Stop tokens: generation ends at the first even token id, which is kept; min_new_tokens holds it off.
     even = list(range(0, 151669, 2))
     [samples] = ray.get(engine.generate.remote(PROMPTS[:1], n=4, max_new_tokens=40, temperature=1.0, top_p=1.0,
@@ -85,7 +72,7 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
     def check(model, what):
         [[sample]] = ray.get(engine.generate.remote([LONG_PROMPT], n=1, max_new_tokens=8, temperature=1.0,
                                                     top_p=1.0), timeout=60)
-        gap = _max_gap(model, LONG_PROMPT, sample, 1.0)
+        gap = logprob_gap(model, LONG_PROMPT, sample, 1.0)
         assert gap < TOL, f"{what}: engine log-probs {gap:.3g} off the HF model"
 
     original = {n: p.detach().clone() for n, p in hf_model.named_parameters()}

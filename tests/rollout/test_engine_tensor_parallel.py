@@ -9,6 +9,7 @@ import torch
 from openppo.rollout import VLLMEngine
 from openppo.rollout.engine import cpu_tensor_parallel_binding
 from openppo.rollout.sender import connect_engines, sync_weights
+from tests.engines import logprob_gap
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -20,14 +21,6 @@ def test_cpu_tensor_parallel_binding():
     assert cpu_tensor_parallel_binding(2, 4, cores=[0, 1, 2, 3]) == "0,1|2,3"
     assert cpu_tensor_parallel_binding(2, 4, cores=[4, 5]) == "4,5|4,5"  # wraps around
     assert cpu_tensor_parallel_binding(4, 2, cores=[0, 1]) == "0|1|0|1"
-
-
-def _gap(model, sample) -> float:
-    ids = torch.tensor([PROMPT + sample["token_ids"]])
-    with torch.no_grad():
-        logits = model(ids, use_cache=False).logits[0, len(PROMPT) - 1:-1].float()
-    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample["token_ids"])[:, None])[:, 0]
-    return (expected - torch.tensor(sample["logprobs"])).abs().max().item()
 
 
 @pytest.mark.slow
@@ -46,7 +39,7 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
         def check(what):
             [[sample]] = ray.get(engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0, top_p=1.0),
                                  timeout=120)
-            assert _gap(model, sample) < TOL, f"{what}: TP-2 engine log-probs off the HF model"
+            assert logprob_gap(model, PROMPT, sample) < TOL, f"{what}: TP-2 engine log-probs off the HF model"
 
         check("at start")
         group = connect_engines([engine], backend="gloo", master_addr="127.0.0.1", tensor_parallel_size=2,

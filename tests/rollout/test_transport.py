@@ -14,6 +14,7 @@ from openppo.errors import UserError
 from openppo.rollout.sender import broadcast_weights, connect_engines, iter_full_weights, sync_weights
 from openppo.rollout.transport import (BROADCAST, CUDA_IPC, SHARED_MEMORY, Where, check_broadcast_group,
                                        choose_transports, describe, read_shared, SharedSlots)
+from tests.engines import logprob_gap
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -99,14 +100,6 @@ def _files() -> set[str]:
     return set(glob.glob(f"/dev/shm/openppo-sync-{os.getpid()}-*"))
 
 
-def _gap(model, sample) -> float:
-    ids = torch.tensor([PROMPT + sample["token_ids"]])
-    with torch.no_grad():
-        logits = model(ids, use_cache=False).logits[0, len(PROMPT) - 1:-1].float()
-    expected = torch.log_softmax(logits, -1).gather(-1, torch.tensor(sample["token_ids"])[:, None])[:, 0]
-    return (expected - torch.tensor(sample["logprobs"])).abs().max().item()
-
-
 @pytest.mark.slow
 def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
     import ray
@@ -139,7 +132,8 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
                 for engine in engines:
                     [[sample]] = ray.get(engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0,
                                                                 top_p=1.0), timeout=120)
-                    assert _gap(model, sample) < TOL, f"sync {sync + 1}: engine log-probs off the trainer's"
+                    gap = logprob_gap(model, PROMPT, sample)
+                    assert gap < TOL, f"sync {sync + 1}: engine log-probs {gap:.3g} off the trainer's"
                 if sync == 0:  # verified: every engine received exactly what was sent
                     sums = ray.get([e.last_sync_checksum.remote() for e in engines])
                     assert sums[0] == pytest.approx(sums[1], rel=1e-12)
