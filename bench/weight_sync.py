@@ -5,11 +5,11 @@
 
 One engine runs as a Ray actor (1 CPU, in-process vLLM); this process is the trainer (plain torch, rank 0 of a gloo
 sync group). A sync is timed bucketed (`--bucket_mib`, default 256), with one tensor per message (every tensor
-its own bucket: one Ray call plus one broadcast per tensor, as a per-parameter sync does), and bucketed through a
-shared-memory file, the transport of an engine colocated with the trainer (--colocate_all_models), with the
-ratio of the last to the gloo broadcast. Timed syncs run unverified, as in training; one more sync of each kind is
-verified (`last_sync_checksum` equals the sender's sum). The last line printed is one JSON object with the numbers
-and the device.
+its own bucket: one Ray call plus one broadcast per tensor, as a per-parameter sync does), and bucketed through
+shared memory (a memfd), the transport of an engine on the trainer's device (--colocate_all_models on CPU), with
+the ratio of the last to the gloo broadcast (`shared_memory_over_gloo_broadcast`). Timed syncs run unverified, as
+in training; one more sync of each kind is verified (`last_sync_checksum` equals the sender's sum). The last line
+printed is one JSON object with the numbers and the device.
 """
 
 from __future__ import annotations
@@ -80,9 +80,9 @@ def main() -> None:
                 times, stats = [], {}
                 for _ in range(args.repeats):  # timed without verification, as a training run syncs
                     stats = sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600,
-                                         transports=[transport])
+                                         plan=[transport])
                     times.append(stats["seconds"])
-                sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600, transports=[transport],
+                sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600, plan=[transport],
                              verify=True)
                 got = ray.get(engine.last_sync_checksum.remote())
                 assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), (got, expected)

@@ -199,33 +199,32 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
     results = {id(g): g.get(refs) for g, refs in pending}
     normalization = results[id(reward)][0] if reward is not None else None
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
-    transports = sync_transports(cfg, policy.worker_infos, engine_infos, backend, on_gpu=bool(gpu))
-    policy.run("connect_engines", engines, transports, backend, cfg.vllm.vllm_tensor_parallel_size, timeout)
+    plan = sync_plan(cfg, policy.worker_infos, engine_infos, backend, on_gpu=bool(gpu))
+    policy.run("connect_engines", engines, plan, backend, cfg.vllm.vllm_tensor_parallel_size, timeout)
     return Groups(policy=policy, engines=engines, engine_infos=engine_infos, critic=critic, reference=reference,
                   reward=reward,
                   reward_source=reward_source, reward_normalization=normalization)
 
 
-def sync_transports(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], backend: str, *,
-                    on_gpu: bool) -> list[str]:
-    """How each engine gets the weights from actor rank 0 (`openppo.rollout.transport`), logged in one line; a
-    broadcast group that would hold two processes of one GPU is refused here, before the first sync."""
+def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], backend: str, *,
+              on_gpu: bool):
+    """How each engine gets the weights (a `openppo.rollout.transport.SyncPlan`), logged in one line; a broadcast
+    group that would hold two processes of one GPU is refused here, before the first sync."""
     from openppo.rollout.transport import BROADCAST, Where, check_broadcast_group, choose_transports, describe
 
-    sender = Where.of(rank_infos[0])
+    ranks = [Where.of(info) for info in rank_infos]
     if cfg.resources.colocate_all_models:
-        # engine i's workers sit on the devices of actor ranks i*tp .. (the engine actor itself may hold no GPU)
+        # worker w of engine i sits on actor rank i*tp + w's bundle (the engine actor itself may hold no GPU)
         tp = cfg.vllm.vllm_tensor_parallel_size
-        wheres = [Where(Where.of(rank_infos[i * tp]).node,
-                        tuple(g for r in range(i * tp, (i + 1) * tp) for g in Where.of(rank_infos[r]).gpus))
-                  for i in range(len(engine_infos))]
+        workers = [[ranks[i * tp + w] for w in range(tp)] for i in range(len(engine_infos))]
     else:
-        wheres = [Where.of(info) for info in engine_infos]
-    transports = choose_transports(sender, wheres, colocated=cfg.resources.colocate_all_models, on_gpu=on_gpu)
-    check_broadcast_group([("actor rank 0", sender)] + [(f"vLLM engine {i}", w) for i, (w, t) in
-                                                        enumerate(zip(wheres, transports)) if t == BROADCAST], backend)
-    logger.info(describe(transports, backend))
-    return transports
+        workers = [[Where.of(info)] for info in engine_infos]
+    plan = choose_transports(ranks, workers, colocated=cfg.resources.colocate_all_models, on_gpu=on_gpu)
+    check_broadcast_group([("actor rank 0", ranks[0])] + [(f"vLLM engine {i}", where) for i, t in
+                                                          enumerate(plan.transports) if t == BROADCAST
+                                                          for where in workers[i]], backend)
+    logger.info(describe(plan, backend))
+    return plan
 
 
 def raise_if_an_engine_died(groups: Groups | None, error: BaseException) -> None:

@@ -37,7 +37,8 @@ class PolicyWorker(_TrainedWorker):
 
         self.role = PolicyRole(cfg, num_training_steps)
         self.sync_group = None
-        self.transports: list[str] | None = None
+        self.sync_plan = None  # openppo.rollout.transport.SyncPlan, set by connect_engines
+        self.exchange = None  # the hand-over exchange with the other exporting ranks, when there is one
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.role.log_probs(data)
@@ -45,15 +46,18 @@ class PolicyWorker(_TrainedWorker):
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         return self.role.train(data, kl_coef, global_step)
 
-    def connect_engines(self, engines: list[Any], transports: list[str], backend: str, tensor_parallel_size: int,
+    def connect_engines(self, engines: list[Any], plan: Any, backend: str, tensor_parallel_size: int,
                         timeout_s: float) -> None:
-        """Rank 0 joins the weight-sync group with every worker of the engines that get buckets by broadcast
-        (`transports[i]`, see openppo.rollout.transport); other ranks have nothing to do."""
-        self.transports = transports
-        broadcast = [e for e, t in zip(engines, transports) if t == "broadcast"]
-        if self.role.strategy.rank == 0 and broadcast:
-            from openppo.rollout.sender import connect_engines
+        """Every rank enters. With `plan` (a `SyncPlan`) handing engines their buckets from several ranks, all ranks
+        make the exchange group (a collective); rank 0 joins the broadcast group with the workers of the engines
+        that get buckets by broadcast."""
+        from openppo.rollout.sender import HandleExchange, connect_engines
 
+        self.sync_plan = plan
+        if plan.exchange_ranks:
+            self.exchange = HandleExchange(plan.exchange_ranks, timeout_s)
+        broadcast = [e for e, t in zip(engines, plan.transports) if t == "broadcast"]
+        if self.role.strategy.rank == 0 and broadcast:
             self.sync_group = connect_engines(broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size,
                                               timeout_s=timeout_s)
 
@@ -64,7 +68,8 @@ class PolicyWorker(_TrainedWorker):
 
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[engine_dtype]
         out = sync_weights(self.role.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
-                           timeout_s=timeout_s, rank=self.role.strategy.rank, transports=self.transports)
+                           timeout_s=timeout_s, rank=self.role.strategy.rank, plan=self.sync_plan,
+                           exchange=self.exchange)
         trim_host_heap()  # the buckets just freed
         return out
 

@@ -1,7 +1,8 @@
 """Rollout engines: vLLM generation and trainer -> engine weight sync.
 
 `VLLMEngine` (engine.py) generates and takes weight updates; `sender.py` is the trainer side (full weights out of a
-possibly ZeRO-3 / LoRA model, bucketed broadcast to the engines); `sync_group.py` is the dedicated process group;
+possibly ZeRO-3 / LoRA model, bucketed to the engines); `transport.py` picks each engine's way (broadcast, or a
+hand-over on the device: shared memory / CUDA IPC); `sync_group.py` is the dedicated process group;
 `buckets.py` packs tensors into flat byte buckets; `worker_extension.py` runs inside vLLM's workers. vLLM is
 imported only when an engine is built.
 """

@@ -241,14 +241,10 @@ class VLLMEngine:
             payload = payload.cpu().numpy().tobytes()
         self.llm.collective_rpc("openppo_load_bucket_from_bytes", args=(BucketMeta.coerce(meta).to_plain(), payload))
 
-    def load_bucket_from_shared_memory(self, meta: BucketMeta | dict, path: str) -> None:
-        """Load one bucket the trainer wrote to a shared-memory file on this node (see `transport.py`)."""
-        self.llm.collective_rpc("openppo_load_bucket_from_shared_memory", args=(BucketMeta.coerce(meta).to_plain(),
-                                                                               path))
-
-    def load_bucket_from_ipc(self, meta: BucketMeta | dict, handle: tuple) -> None:
-        """Load one bucket from a CUDA IPC handle of the trainer's bucket tensor (see `transport.py`)."""
-        self.llm.collective_rpc("openppo_load_bucket_from_ipc", args=(BucketMeta.coerce(meta).to_plain(), handle))
+    def load_bucket_local(self, meta: BucketMeta | dict, handles: list) -> None:
+        """Load one bucket the actor ranks on this engine's devices handed over (shared memory on CPU, CUDA IPC on
+        GPU; see `transport.py`): `handles[w]` is worker w's, a single handle serves all workers."""
+        self.llm.collective_rpc("openppo_load_bucket_local", args=(BucketMeta.coerce(meta).to_plain(), list(handles)))
 
     def finish_weight_update(self) -> int:
         """Close the weight update, reset the prefix cache; returns the number of vLLM parameters loaded."""

@@ -3,9 +3,15 @@
 One sync, as every trainer rank runs it (`sync_weights`):
 
     for each layer:   gather its parameters (ZeRO-3: a collective every rank enters)
-                      rank 0: merge LoRA adapters, yield (hf_name, full tensor)
-    rank 0:           pack the stream into buckets of <= bucket_bytes; per bucket, ask every engine to receive
-                      it (Ray call, returns at once) and broadcast it over the sync group; finally wait for all.
+                      rank 0 and the exporting ranks: merge LoRA adapters, yield (hf_name, full tensor)
+    rank 0:           pack the stream into buckets of <= bucket_bytes; per bucket, ask every engine to load it
+                      (Ray calls, return at once) and broadcast it over the sync group; finally wait for all.
+
+An engine on an actor rank's own device (the hybrid engine) is not in the broadcast group: the rank on each of its
+workers' devices exports its own copy of each bucket (`transport.py`: shared memory on CPU, CUDA IPC on GPU),
+rank 0 gathers the handles (`HandleExchange`) and passes them on in its Ray call. Every rank holds the full
+weights while they are iterated (gathered under ZeRO-3 and AutoTP, replicated under ZeRO-0/1/2), so in the hybrid
+engine every rank feeds its own engine worker, and no collective spans a trainer rank and an engine.
 
 Departures from OpenRLHF's `broadcast_to_vllm` (one gather + one RPC + one broadcast per parameter): parameters are
 gathered a layer at a time and sent a bucket at a time (a few hundred MiB per message instead of thousands of
@@ -14,7 +20,7 @@ tensors may be cast to the engine's dtype before sending.
 
 Engines are Ray actor handles of `VLLMEngine` with the default `max_concurrency=1`: Ray runs one caller's calls to
 such an actor in submission order, which is what keeps `begin` / `receive_bucket`... / `finish` in step with the
-broadcasts.
+broadcasts. Rank 0 is that one caller for every engine, also for the buckets other ranks export.
 """
 
 from __future__ import annotations
@@ -22,14 +28,17 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from datetime import timedelta
 from typing import Any, Iterable, Iterator, Sequence
 
 import torch
 from torch import nn
 
 from openppo.errors import UserError
+from openppo.rollout import transport as tr
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layer_key
 from openppo.rollout.sync_group import SyncGroup, create_sync_group, free_port
+from openppo.rollout.transport import SyncPlan
 
 logger = logging.getLogger(__name__)
 
@@ -140,25 +149,27 @@ def _merged_lora_weight(model: nn.Module, name: str, base: torch.Tensor) -> torc
     return base if merged is None else merged.to(base.dtype)
 
 
-def iter_full_weights(model: nn.Module, *, rank: int | None = None) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield (hf_name, full tensor) for every parameter of `model`, layer by layer, on rank 0 only.
+def iter_full_weights(model: nn.Module, *, rank: int | None = None,
+                      emit: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield (hf_name, full tensor) for every parameter of `model`, layer by layer, where `emit` (default: on rank 0).
 
     `model` may be an HF model, our `Actor`, a DeepSpeed engine around either, and/or a PEFT model. Under ZeRO-3
     each layer's parameters are gathered with `deepspeed.zero.GatheredParameters`, under AutoTP with
     `GatherReplacedLayerParams` -- collectives, so EVERY trainer rank must iterate this generator to the end (ranks
-    other than 0 get nothing). LoRA adapters are
+    that do not emit get nothing). LoRA adapters are
     merged into the yielded weights (W + B @ A * scaling, computed in fp32, cast to W's dtype) and the names are
     the base model's checkpoint names (no `base_model.model.` prefix, no `lora_` tensors). Tied parameters come
     once, as in a checkpoint; buffers are not sent. Yielded tensors are detached and owned by the caller when
     gathered (clones), else views of the live parameters: consume them before the next optimizer step.
     """
     rank = _default_rank() if rank is None else rank
+    emit = rank == 0 if emit is None else emit
     hf = unwrap_model(model)
     peft = _is_peft(hf)
     for group in _layer_groups(hf):
         gather, gathers = _gathered(hf, group)
         with gather, torch.no_grad():
-            if rank != 0:
+            if not emit:
                 continue
             for name, param in group:
                 hf_name = _hf_name(name, peft)
@@ -209,32 +220,55 @@ def _raise_failed(refs: list) -> list:
     return unfinished
 
 
-LOCAL_BUCKETS_IN_FLIGHT = 2  # buckets handed over on the device at once: bounds the shared memory / GPU copies
-_SHARED_SLOTS = None  # this process's reused shared-memory files (transport.SharedSlots), made on first use
+class HandleExchange:
+    """Rank 0 and the other exporting actor ranks meet once per bucket: rank 0 gets each rank's handle of it.
+
+    Rank 0 enters bucket k's meeting only once bucket k - IN_FLIGHT is loaded everywhere, so a rank back from
+    meeting k - 1 may overwrite the buffer of bucket k - IN_FLIGHT - 1 (`LocalExporter` keeps IN_FLIGHT + 1). A gloo
+    group: the handles are a few hundred bytes of metadata, and gloo works beside a CUDA trainer's NCCL group."""
+
+    def __init__(self, ranks: Sequence[int], timeout_s: float):
+        """Every actor rank calls this, members or not (making a process group is a collective)."""
+        import torch.distributed as dist
+
+        self.ranks = list(ranks)
+        # twice the sync's timeout: rank 0 waits up to timeout_s for the engines before it meets the others, so
+        # a slow engine surfaces on rank 0 as the engine's error rather than here as a timeout
+        self._group = dist.new_group(self.ranks, backend="gloo", timeout=timedelta(seconds=2 * timeout_s))
+
+    def gather(self, handle: Any) -> dict[int, Any]:
+        """{actor rank: its handle} for one bucket (every member calls this, in the same order)."""
+        import torch.distributed as dist
+
+        handles: list[Any] = [None] * len(self.ranks)
+        dist.all_gather_object(handles, handle, group=self._group)
+        return dict(zip(self.ranks, handles))
+
+    def barrier(self) -> None:
+        """After the last bucket: rank 0 has seen every engine load everything."""
+        import torch.distributed as dist
+
+        dist.barrier(group=self._group)
 
 
-def shared_slots():
-    """The sender's shared-memory slots, unlinked when the process exits."""
-    global _SHARED_SLOTS
-    if _SHARED_SLOTS is None:
-        import atexit
-
-        from openppo.rollout.transport import SharedSlots
-
-        _SHARED_SLOTS = SharedSlots()
-        atexit.register(_SHARED_SLOTS.release)
-    return _SHARED_SLOTS
+def _as_plan(plan: SyncPlan | Sequence[str] | None, group: SyncGroup | None, num_engines: int) -> SyncPlan:
+    """Default: every engine by broadcast with a group, through Ray's object store without."""
+    if isinstance(plan, SyncPlan):
+        return plan
+    return SyncPlan.of(plan or [tr.BROADCAST if group is not None else tr.OBJECT_STORE] * num_engines)
 
 
 def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: SyncGroup | None,
                       engines: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
                       dtype: torch.dtype | None = None, timeout_s: float = 600.0,
-                      transports: Sequence[str] | None = None, verify: bool = False) -> dict[str, float]:
+                      plan: SyncPlan | Sequence[str] | None = None, exchange: HandleExchange | None = None,
+                      verify: bool = False) -> dict[str, float]:
     """Send `named_tensors` to every engine as buckets, on trainer rank 0; returns sync statistics.
 
-    `transports[i]` says how engine i gets each bucket (`transport.py`): "broadcast" over `group` (gloo: a CPU
-    buffer; nccl: a buffer on this GPU), "shm" (a shared-memory file on this node), "cuda_ipc" (a handle of the
-    bucket on this GPU), or "object_store" (Ray's object store, no collective; slower, simplest). Default: all
+    `plan` says how engine i gets each bucket (`transport.py`; a list of transports means rank 0 hands over to
+    every local engine itself): "broadcast" over `group` (gloo: a CPU buffer; nccl: a buffer on this GPU), "shm" /
+    "cuda_ipc" (handed over on the device by the actor ranks in `plan.sources[i]`: rank 0 itself, the others
+    through `exchange`), or "object_store" (Ray's object store, no collective; slower, simplest). Default: all
     "broadcast" with a group, all "object_store" without. All buckets of one call form one engine-side reload,
     applied together. `dtype` casts floating tensors first (pass the engine's dtype). `verify` makes the engines
     sum what they receive (`last_sync_checksum`). Waits at most `timeout_s` for the engines to finish.
@@ -243,50 +277,51 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
 
     import ray
 
-    from openppo.rollout import transport as tr
-
-    transports = list(transports or [tr.BROADCAST if group is not None else tr.OBJECT_STORE] * len(engines))
-    assert len(transports) == len(engines), "one transport per engine"
-    by = {t: [e for e, kind in zip(engines, transports) if kind == t] for t in set(transports)}
-    if by.get(tr.BROADCAST):
-        assert group is not None, "broadcast engines need a sync group"
+    plan = _as_plan(plan, group, len(engines))
+    assert len(plan.transports) == len(engines), "one transport per engine"
+    assert exchange is not None or not plan.exchange_ranks, "handles of other ranks come through an exchange"
+    local = [i for i, t in enumerate(plan.transports) if t in tr.LOCAL]
+    broadcast = [e for e, t in zip(engines, plan.transports) if t == tr.BROADCAST]
+    stored = [e for e, t in zip(engines, plan.transports) if t == tr.OBJECT_STORE]
+    assert group is not None or not broadcast, "broadcast engines need a sync group"
     start = time.perf_counter()
-    device = (torch.device("cuda", torch.cuda.current_device()) if by.get(tr.CUDA_IPC)
-              else group.device if group is not None and by.get(tr.BROADCAST) else torch.device("cpu"))
+    exporter = tr.LocalExporter(plan.local_kind) if 0 in plan.exporters else None
+    device = (exporter.device if exporter is not None else group.device if group is not None and broadcast
+              else torch.device("cpu"))
     pending = [engine.begin_weight_update.remote(verify) for engine in engines]
-    in_flight: collections.deque = collections.deque()  # (refs of a handed-over bucket, its buffer kept alive)
+    in_flight: collections.deque = collections.deque()  # per handed-over bucket, the engines' load calls
     num_buckets = num_bytes = num_tensors = 0
 
     failed = True
     try:
         for bucket in iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=device):
-            local = []
-            while len(in_flight) >= LOCAL_BUCKETS_IN_FLIGHT:  # its slot is about to be rewritten
-                ray.get(in_flight.popleft()[0], timeout=timeout_s)
-            if by.get(tr.SHARED_MEMORY):
-                path = shared_slots().write(num_buckets % LOCAL_BUCKETS_IN_FLIGHT, bucket.buffer)
-                local += [e.load_bucket_from_shared_memory.remote(bucket.meta, path) for e in by[tr.SHARED_MEMORY]]
-            if by.get(tr.CUDA_IPC):
-                handle = tr.ipc_handle(bucket.buffer)
-                local += [e.load_bucket_from_ipc.remote(bucket.meta, handle) for e in by[tr.CUDA_IPC]]
             if local:
-                in_flight.append((local, bucket.buffer))  # the buffer stays alive until they copied it
-            if by.get(tr.OBJECT_STORE):
+                while len(in_flight) >= tr.IN_FLIGHT:  # bounds the buffers the exporting ranks keep valid
+                    ray.get(in_flight.popleft(), timeout=timeout_s)
+                handle = exporter.export(num_buckets, bucket.buffer) if exporter is not None else None
+                handles = exchange.gather(handle) if plan.exchange_ranks else {0: handle}
+                in_flight.append([engines[i].load_bucket_local.remote(bucket.meta, [handles[r] for r in
+                                                                                    plan.sources[i]])
+                                  for i in local])
+            if stored:
                 ref = ray.put(bucket.buffer.cpu())
-                pending += [e.load_bucket.remote(bucket.meta, ref) for e in by[tr.OBJECT_STORE]]
-            if by.get(tr.BROADCAST):
-                pending += [e.receive_bucket.remote(bucket.meta) for e in by[tr.BROADCAST]]
+                pending += [e.load_bucket.remote(bucket.meta, ref) for e in stored]
+            if broadcast:
+                pending += [e.receive_bucket.remote(bucket.meta) for e in broadcast]
                 group.broadcast(bucket.buffer.to(group.device), src=0)
             pending = _raise_failed(pending)
+            _raise_failed([ref for refs in in_flight for ref in refs])  # a failed hand-over stops us now too
             num_buckets += 1
             num_bytes += bucket.meta.nbytes
             num_tensors += len(bucket.meta.tensors)
         while in_flight:
-            ray.get(in_flight.popleft()[0], timeout=timeout_s)
+            ray.get(in_flight.popleft(), timeout=timeout_s)
         failed = False
     finally:
-        if failed and _SHARED_SLOTS is not None:  # a failed sync leaves no shared-memory file behind
-            _SHARED_SLOTS.release()
+        if exporter is not None:  # a failed sync leaves no shared memory behind
+            exporter.close(failed)
+    if plan.exchange_ranks:
+        exchange.barrier()  # the other exporting ranks may let their buffers go
     finish = [engine.finish_weight_update.remote() for engine in engines]
     ray.get(pending + finish, timeout=timeout_s)
     seconds = time.perf_counter() - start
@@ -295,16 +330,41 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
     return {"num_buckets": num_buckets, "num_bytes": num_bytes, "num_tensors": num_tensors, "seconds": seconds}
 
 
+def export_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], kind: str, exchange: HandleExchange,
+                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, dtype: torch.dtype | None = None) -> None:
+    """An exporting rank other than 0: the same buckets as rank 0's, each exported for the engine worker(s) on this
+    rank's device and its handle given to rank 0 (`kind`: "shm" or "cuda_ipc")."""
+    exporter = tr.LocalExporter(kind)
+    failed = True
+    try:
+        for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, dtype=dtype,
+                                                    device=exporter.device)):
+            exchange.gather(exporter.export(index, bucket.buffer))
+        exchange.barrier()
+        failed = False
+    finally:
+        exporter.close(failed)
+
+
 def sync_weights(model: nn.Module, group: SyncGroup | None, engines: Sequence[Any],
                  bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, dtype: torch.dtype | None = None,
-                 timeout_s: float = 600.0, rank: int | None = None, transports: Sequence[str] | None = None,
-                 verify: bool = False) -> dict[str, float] | None:
-    """One full sync; EVERY trainer rank calls this (ZeRO-3 gathers are collectives). Rank 0 returns the stats."""
+                 timeout_s: float = 600.0, rank: int | None = None, plan: SyncPlan | Sequence[str] | None = None,
+                 exchange: HandleExchange | None = None, verify: bool = False) -> dict[str, float] | None:
+    """One full sync; EVERY trainer rank calls this (ZeRO-3 gathers are collectives). Rank 0 returns the stats.
+
+    Rank 0 sends (`broadcast_weights`), the other ranks in `plan.exporters` export their copy of every bucket
+    through `exchange` (`export_weights`), the rest only enter the gathers."""
     rank = _default_rank() if rank is None else rank
-    named = iter_full_weights(model, rank=rank)
+    plan = _as_plan(plan, group, len(engines))
+    exports = rank in plan.exporters
+    named = iter_full_weights(model, rank=rank, emit=rank == 0 or exports)
     if rank == 0:
-        return broadcast_weights(named, group, engines, bucket_bytes, dtype=dtype, timeout_s=timeout_s,
-                                 transports=transports, verify=verify)
+        return broadcast_weights(named, group, engines, bucket_bytes, dtype=dtype, timeout_s=timeout_s, plan=plan,
+                                 exchange=exchange, verify=verify)
+    if exports:
+        assert exchange is not None, "an exporting rank other than 0 hands its handles to rank 0 through an exchange"
+        export_weights(named, plan.local_kind, exchange, bucket_bytes, dtype=dtype)
+        return None
     for _ in named:  # enter every gather the sender enters
         pass
     return None

@@ -1,24 +1,35 @@
-"""How a weight bucket gets from the sending trainer rank to an engine: by broadcast, or handed over on the device.
+"""How a weight bucket gets from the trainer to an engine: by broadcast, or handed over on the device.
 
-The sync group (`sync_group.py`) broadcasts each bucket to every engine worker in one collective. That is wrong for
-an engine on the sender's own device: NCCL refuses two ranks of one GPU in a group, which is exactly the hybrid
-engine's placement (--colocate_all_models puts engine 0 on actor rank 0's GPU). Such an engine gets the bucket
-handed over instead, with the same bucketing, order and reload window:
+The sync group (`sync_group.py`) broadcasts each bucket from actor rank 0 to every engine worker in one collective.
+That is wrong for an engine worker on a trainer rank's own device: NCCL refuses two ranks of one GPU in a group,
+which is exactly the hybrid engine's placement (--colocate_all_models puts worker w of engine i on the device of
+actor rank i*tp + w). Such a worker gets each bucket handed over by the actor rank on its device instead, with the
+same bucketing, order and reload window (`sender.py` runs the exchange):
 
-* GPU: a CUDA IPC handle of the sender's bucket tensor (`torch.multiprocessing.reductions.reduce_tensor`, the
-  mechanism vLLM's `IPCWeightTransferEngine` and OpenRLHF's colocated sync use); the worker maps it and copies it.
-  vLLM's own IPC engine is not used: it sends one model's named tensors per call in its own packed layout and
-  loads them with `load_weights` outside our layerwise reload window, while our buckets carry LoRA-merged
-  tensors in checkpoint names and a sync may span several buckets of one window.
-* CPU: a file in shared memory (/dev/shm) that the worker maps with `torch.from_file`: one copy on each side,
-  no collective, no socket.
+* GPU: a CUDA IPC handle of that rank's bucket tensor (`reduce_tensor`), tagged with the GPU's UUID. The worker
+  checks the UUID, opens the handle on its own index of that GPU (Ray gives every process its own
+  CUDA_VISIBLE_DEVICES, so one GPU can have different indices in the two processes) and copies the bucket.
+* CPU: an anonymous shared-memory file (memfd) of that rank, opened by the worker as /proc/<pid>/fd/<fd>: one copy
+  on each side, no collective, no socket, and nothing left in /dev/shm when a process is killed.
 
-`choose_transports` decides per engine from where the processes run; `check_broadcast_group` refuses a group that
-would still put two members on one GPU.
+The two differ only in how a buffer is exported and opened (`LocalExporter`, `open_local`), so the CPU runs test
+the rest of the GPU path: which rank hands over to which worker, the handle exchange, the in-flight bound.
+
+vLLM 0.32 ships `vllm.distributed.weight_transfer`. Its `IPCWeightTransferEngine` uses the same scheme (every
+trainer rank exports, handles keyed by GPU UUID, the receiver rewrites the device index, rank 0 ships them) but is
+not used: its worker half is fixed per engine at start-up (`weight_transfer_config`), so it cannot serve a mixed
+placement next to a broadcast; it packs in its own layout and loads in its own reload window, without our CPU
+tied-head refresh or checksum; it gathers handles over the trainer's default (NCCL) group; and it has no CPU path,
+so no test here could run it. `NCCLWeightTransferEngine` and `SparseNCCLWeightTransferEngine` broadcast with
+PyNccl (CUDA only), where our sync group runs gloo and nccl through one code path.
+
+`choose_transports` decides per engine worker from where the processes run; `check_broadcast_group` refuses a
+group that would still put two members on one GPU.
 """
 
 from __future__ import annotations
 
+import collections
 import os
 import uuid
 from dataclasses import dataclass
@@ -29,7 +40,8 @@ import torch
 from openppo.errors import UserError
 
 BROADCAST, SHARED_MEMORY, CUDA_IPC, OBJECT_STORE = "broadcast", "shm", "cuda_ipc", "object_store"
-SHM_DIR = "/dev/shm"
+LOCAL = (SHARED_MEMORY, CUDA_IPC)  # the hand-overs on one device
+IN_FLIGHT = 2  # buckets handed over and not yet loaded, at most: bounds the shared memory / GPU copies
 
 
 @dataclass(frozen=True)
@@ -50,22 +62,79 @@ class Where:
         return bool(set(self.gpus) & set(other.gpus)) if on_gpu else True
 
 
-def choose_transports(sender: Where, engines: Sequence[Where], *, colocated: bool, on_gpu: bool) -> list[str]:
-    """The transport of each engine: handed over when it shares the sender's device (on CPU: the hybrid engine's
-    engines on the sender's node), else the broadcast group (gloo/nccl)."""
+@dataclass(frozen=True)
+class SyncPlan:
+    """How a sync reaches each engine: `transports[i]`, and for an engine that is handed its buckets the actor rank
+    that hands them to each of its workers (`sources[i][w]`; () for the other engines)."""
+
+    transports: tuple[str, ...]
+    sources: tuple[tuple[int, ...], ...]
+
+    @classmethod
+    def of(cls, transports: Sequence[str]) -> "SyncPlan":
+        """Rank 0 hands the buckets to every worker of a handed-over engine (one trainer process, as in tests)."""
+        return cls(tuple(transports), tuple((0,) if t in LOCAL else () for t in transports))
+
+    @property
+    def local_kind(self) -> str | None:
+        """The hand-over transport of this plan (SHARED_MEMORY or CUDA_IPC), None when every engine is broadcast to."""
+        kinds = {t for t in self.transports if t in LOCAL}
+        assert len(kinds) <= 1, f"one hand-over transport per sync, got {sorted(kinds)}"
+        return next(iter(kinds), None)
+
+    @property
+    def exporters(self) -> tuple[int, ...]:
+        """The actor ranks that export buckets for the engines, ascending."""
+        return tuple(sorted({r for ranks in self.sources for r in ranks}))
+
+    @property
+    def exchange_ranks(self) -> tuple[int, ...]:
+        """Rank 0 (the only rank that calls the engines) and the other exporters, whose handles it gathers every
+        bucket; () when rank 0 exports alone or nothing is handed over."""
+        others = [r for r in self.exporters if r != 0]
+        return (0, *others) if others else ()
+
+
+def choose_transports(ranks: Sequence[Where], engines: Sequence[Sequence[Where]], *, colocated: bool,
+                      on_gpu: bool) -> SyncPlan:
+    """The transport of each engine, from where actor rank r (`ranks[r]`) and worker w of engine i (`engines[i][w]`)
+    run. Only the hybrid engine (`colocated`) is handed its buckets: each worker by an actor rank on its device (GPU:
+    the same GPU; CPU: the same node), the g-th worker over all engines by rank g when it qualifies (the rank whose
+    bundle it shares), else by the first rank that does. An engine with a worker that no rank shares a device with
+    is broadcast to, so a placement may mix both."""
     local = CUDA_IPC if on_gpu else SHARED_MEMORY
-    return [local if colocated and sender.shares_device(e, on_gpu) else BROADCAST for e in engines]
+    transports, sources = [], []
+    first = 0  # index of the engine's first worker over all engines
+    for workers in engines:
+        picks = [_source(ranks, where, first + w, on_gpu) for w, where in enumerate(workers)]
+        first += len(workers)
+        handed = colocated and bool(picks) and all(p is not None for p in picks)
+        transports.append(local if handed else BROADCAST)
+        sources.append(tuple(picks) if handed else ())
+    return SyncPlan(tuple(transports), tuple(sources))
 
 
-def describe(transports: Sequence[str], backend: str) -> str:
-    """One log line: which engines get which transport."""
+def _source(ranks: Sequence[Where], where: Where, preferred: int, on_gpu: bool) -> int | None:
+    if preferred < len(ranks) and ranks[preferred].shares_device(where, on_gpu):
+        return preferred
+    return next((r for r, rank in enumerate(ranks) if rank.shares_device(where, on_gpu)), None)
+
+
+def describe(plan: SyncPlan | Sequence[str], backend: str) -> str:
+    """One log line: which engines get which transport, and from which actor ranks."""
+    plan = plan if isinstance(plan, SyncPlan) else SyncPlan.of(plan)
     groups: dict[str, list[int]] = {}
-    for i, t in enumerate(transports):
+    for i, t in enumerate(plan.transports):
         groups.setdefault(t, []).append(i)
     names = {BROADCAST: f"{backend} broadcast", SHARED_MEMORY: "shared memory", CUDA_IPC: "CUDA IPC",
              OBJECT_STORE: "Ray's object store"}
-    return "weight sync: " + "; ".join(f"engine(s) {','.join(map(str, idx))} via {names[t]}"
-                                       for t, idx in groups.items())
+    parts = []
+    for t, idx in groups.items():
+        part = f"engine(s) {','.join(map(str, idx))} via {names[t]}"
+        if t in LOCAL:
+            part += " from actor rank(s) " + ",".join(map(str, sorted({r for i in idx for r in plan.sources[i]})))
+        parts.append(part)
+    return "weight sync: " + "; ".join(parts)
 
 
 def check_broadcast_group(members: Sequence[tuple[str, Where]], backend: str) -> None:
@@ -78,82 +147,160 @@ def check_broadcast_group(members: Sequence[tuple[str, Where]], backend: str) ->
             other = seen.setdefault((where.node, gpu), name)
             if other != name:
                 raise UserError(f"the nccl weight-sync group would hold {other} and {name} on GPU {gpu} of node "
-                                f"{where.node}, which NCCL refuses: drop --vllm_sync_backend nccl (use gloo) or give "
-                                f"the engines their own GPUs (without --colocate_all_models)")
+                                f"{where.node}, which NCCL refuses (--vllm_sync_backend nccl): pass "
+                                f"--vllm_sync_backend gloo, or put the engines on GPUs of their own, or on the "
+                                f"actor's with --colocate_all_models (those get the weights by CUDA IPC, in no group)")
+
+
+# -- the exporting rank's side -------------------------------------------------------------------------------------
+
+
+class LocalExporter:
+    """One actor rank's half of the hand-over: bucket k of a sync -> a handle its colocated engine worker opens.
+
+    The buffer behind the handle of bucket k stays valid until bucket k + IN_FLIGHT + 1 is exported: the sender
+    (`sender.py`) exports bucket k only once every bucket up to k - IN_FLIGHT - 1 is loaded by the engines."""
+
+    def __init__(self, kind: str):
+        assert kind in LOCAL, f"not a hand-over transport: {kind}"
+        self.kind = kind
+        self.device = torch.device("cuda", torch.cuda.current_device()) if kind == CUDA_IPC else torch.device("cpu")
+        self._alive: collections.deque = collections.deque(maxlen=IN_FLIGHT + 1)  # CUDA: the exported buckets
+
+    def export(self, index: int, buffer: torch.Tensor) -> tuple:
+        """A handle of bucket `index` of this sync (a uint8 buffer on `self.device`): small, picklable."""
+        if self.kind == SHARED_MEMORY:
+            return (SHARED_MEMORY, *shared_slots().write(index % (IN_FLIGHT + 1), buffer))
+        self._alive.append(buffer)  # an IPC handle does not keep its tensor alive
+        return ipc_handle(buffer)
+
+    def close(self, failed: bool) -> None:
+        """After a sync: CUDA frees the exported buckets; shared memory keeps its slots for the next sync unless this
+        one failed."""
+        self._alive.clear()
+        if self.kind == CUDA_IPC:
+            torch.cuda.ipc_collect()
+        elif failed:
+            shared_slots().release()
+
+
+def open_local(handle: tuple, nbytes: int) -> torch.Tensor:
+    """The engine worker's half: a copy of the first `nbytes` of the bucket behind a `LocalExporter` handle (on this
+    worker's GPU for CUDA IPC). A copy, because vLLM's layer-wise reload may keep views of a bucket until its layer
+    is complete while the exporter reuses the buffer (measured 0.17 nats off without it)."""
+    if handle[0] == SHARED_MEMORY:
+        _, path, name = handle
+        return read_shared(path, nbytes, name).clone()
+    _, gpu, args = handle
+    return open_ipc(gpu, args)[:nbytes].clone()
 
 
 # -- CPU: shared memory --------------------------------------------------------------------------------------------
 
 
 class SharedSlots:
-    """Shared-memory files the sender reuses bucket after bucket and sync after sync (slot k of each sync).
+    """This process's shared-memory buffers, reused bucket after bucket and sync after sync (slot k of each sync).
 
-    A new tmpfs file per bucket pays for fresh zeroed pages on every write (measured: SmolLM2 syncs 1.35x slower
-    than the gloo broadcast that way); reused files are already resident, so a bucket costs one copy on each side.
-    A slot too small for a bucket is replaced by a larger file under a new name (receivers cache mappings by
-    name). `release` unlinks them all; the sender calls it when a sync fails and at exit."""
+    A fresh buffer per bucket pays for new zeroed pages on every write (measured: SmolLM2 synced 1.35x slower than
+    the gloo broadcast that way); a reused one is resident, so a bucket costs one copy on each side. The buffers are
+    anonymous files (memfd) another process of this node opens as /proc/<pid>/fd/<fd>: the kernel frees one when
+    the last process holding it is gone, however it ended (Ray kills its actors without running atexit, which left
+    named /dev/shm files behind). A slot too small for a bucket gets a new, larger file; `release` closes them all.
+    """
 
     def __init__(self):
-        self._slots: list[tuple[str, torch.Tensor]] = []
+        self._slots: list[tuple[str, int, torch.Tensor]] = []  # (unique name, fd, this process's mapping)
 
-    def write(self, slot: int, buffer: torch.Tensor) -> str:
-        """Copy a CPU uint8 bucket into slot `slot`; returns the file's path."""
+    def write(self, slot: int, buffer: torch.Tensor) -> tuple[str, str]:
+        """Copy a CPU uint8 bucket into slot `slot`; returns the path another process opens and the file's name."""
         while len(self._slots) <= slot:
-            self._slots.append(("", torch.empty(0, dtype=torch.uint8)))
-        path, mapped = self._slots[slot]
+            self._slots.append(("", -1, torch.empty(0, dtype=torch.uint8)))
+        name, fd, mapped = self._slots[slot]
         if mapped.numel() < buffer.numel():
-            if path:
-                unlink_quietly(path)
-            base = SHM_DIR if os.path.isdir(SHM_DIR) else "/tmp"
-            path = os.path.join(base, f"openppo-sync-{os.getpid()}-{uuid.uuid4().hex}")
-            mapped = torch.from_file(path, shared=True, size=max(1, buffer.numel()), dtype=torch.uint8)
-            self._slots[slot] = (path, mapped)
+            self._close(slot)
+            name = f"openppo-sync-{uuid.uuid4().hex}"
+            fd = os.memfd_create(name)  # close-on-exec: vLLM's worker processes do not inherit it
+            size = max(1, buffer.numel())
+            os.ftruncate(fd, size)
+            mapped = torch.from_file(_fd_path(os.getpid(), fd), shared=True, size=size, dtype=torch.uint8)
+            self._slots[slot] = (name, fd, mapped)
         mapped[: buffer.numel()].copy_(buffer)
-        return path
+        return _fd_path(os.getpid(), fd), name
 
     def paths(self) -> list[str]:
-        return [path for path, _ in self._slots if path]
+        return [_fd_path(os.getpid(), fd) for _, fd, _ in self._slots if fd >= 0]
+
+    def _close(self, slot: int) -> None:
+        name, fd, _ = self._slots[slot]
+        self._slots[slot] = ("", -1, torch.empty(0, dtype=torch.uint8))
+        if fd >= 0:
+            os.close(fd)
 
     def release(self) -> None:
-        for path in self.paths():
-            unlink_quietly(path)
+        for slot in range(len(self._slots)):
+            self._close(slot)
         self._slots = []
 
 
-_MAPPED: dict[str, torch.Tensor] = {}  # receiver side: path -> mapping, the few newest kept
+def _fd_path(pid: int, fd: int) -> str:
+    return f"/proc/{pid}/fd/{fd}"
+
+
+_SLOTS: SharedSlots | None = None
+
+
+def shared_slots() -> SharedSlots:
+    """This process's slots (one set per process: an exporting rank, or a test acting as one)."""
+    global _SLOTS
+    if _SLOTS is None:
+        _SLOTS = SharedSlots()
+    return _SLOTS
+
+
+_MAPPED: dict[str, tuple[str, torch.Tensor]] = {}  # receiver side: path -> (file name, mapping), the newest few
 _MAPPED_MAX = 8
 
 
-def read_shared(path: str, nbytes: int) -> torch.Tensor:
-    """The first `nbytes` of a slot file (no copy). Mappings are cached by path: a slot is rewritten in place."""
-    mapped = _MAPPED.pop(path, None)
-    if mapped is None or mapped.numel() < nbytes:
+def read_shared(path: str, nbytes: int, name: str) -> torch.Tensor:
+    """The first `nbytes` of a slot (no copy). Mappings are cached, since a slot is rewritten in place; `name` tells a
+    new file from an old one whose fd number was reused."""
+    cached_name, mapped = _MAPPED.pop(path, ("", None))
+    if mapped is None or cached_name != name or mapped.numel() < nbytes:
         mapped = torch.from_file(path, shared=True, size=max(1, nbytes), dtype=torch.uint8)
-    _MAPPED[path] = mapped
+    _MAPPED[path] = (name, mapped)
     while len(_MAPPED) > _MAPPED_MAX:
         _MAPPED.pop(next(iter(_MAPPED)))
     return mapped[:nbytes]
 
 
-def unlink_quietly(path: str) -> None:
-    try:
-        os.unlink(path)
-    except FileNotFoundError:
-        pass
-
-
 # -- GPU: CUDA IPC -------------------------------------------------------------------------------------------------
 
 
+def gpu_uuid(index: int) -> str:
+    """The physical identity of this process's GPU `index` (indices depend on CUDA_VISIBLE_DEVICES; UUIDs do not)."""
+    return str(torch.cuda.get_device_properties(index).uuid)
+
+
 def ipc_handle(buffer: torch.Tensor) -> tuple:
-    """A picklable handle of a CUDA tensor another process of this node can open (`open_ipc`). The sender must keep
-    `buffer` alive until every receiver has copied it."""
+    """A picklable handle of a CUDA tensor that another process on the same GPU opens with `open_ipc`. The sender
+    keeps `buffer` alive until every receiver has copied it. No stream sync is needed: `reduce_tensor` records an
+    IPC event on the current stream, and the receiver's rebuild waits for it."""
     from torch.multiprocessing.reductions import reduce_tensor
 
-    return reduce_tensor(buffer)
+    _, args = reduce_tensor(buffer)
+    return (CUDA_IPC, gpu_uuid(buffer.device.index), args)
 
 
-def open_ipc(handle: tuple, device: torch.device) -> torch.Tensor:
-    """The tensor behind `ipc_handle`, copied onto `device` (the mapping is released when the view goes)."""
-    rebuild, args = handle
-    return rebuild(*args).to(device, copy=True)
+def open_ipc(gpu: str, args: tuple) -> torch.Tensor:
+    """The tensor behind `ipc_handle`'s (`gpu`, `args`) on this process's current GPU, which must be that GPU."""
+    from torch.multiprocessing.reductions import rebuild_cuda_tensor
+
+    index = torch.cuda.current_device()
+    mine = gpu_uuid(index)
+    if gpu != mine:
+        raise RuntimeError(f"a CUDA IPC weight bucket from GPU {gpu} reached an engine worker on GPU {mine}: the "
+                           f"weight-sync plan assumed the engine's workers on the GPUs of the actor ranks that hand "
+                           f"them their weights")
+    args = list(args)
+    args[6] = index  # the storage's device: the sender's index of this GPU, which may differ here (as vLLM does)
+    return rebuild_cuda_tensor(*args)

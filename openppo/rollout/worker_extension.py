@@ -96,22 +96,14 @@ class WorkerExtension:
                   else torch.empty(0, dtype=torch.uint8))
         self._openppo_load(unpack_bucket(meta, buffer))
 
-    def openppo_load_bucket_from_shared_memory(self, meta: BucketMeta | dict, path: str) -> None:
-        """Load one bucket the sender wrote to a shared-memory file on this node (CPU; no collective)."""
-        from openppo.rollout.transport import read_shared
+    def openppo_load_bucket_local(self, meta: BucketMeta | dict, handles: list) -> None:
+        """Load one bucket handed over on this worker's device (shared memory or CUDA IPC, see `transport.py`):
+        `handles[w]` comes from the actor rank on worker w's device; a single handle serves every worker."""
+        from openppo.rollout.transport import open_local
 
         meta = BucketMeta.coerce(meta)
-        # a copy: the layerwise reload may keep views of a bucket until its layer is complete, and the sender
-        # rewrites this file with the bucket after next (measured 0.17 nats off without the copy)
-        self._openppo_load(unpack_bucket(meta, read_shared(path, meta.nbytes).clone()))
-
-    def openppo_load_bucket_from_ipc(self, meta: BucketMeta | dict, handle: tuple) -> None:
-        """Load one bucket from a CUDA IPC handle of the sender's bucket tensor (a GPU of this node)."""
-        from openppo.rollout.transport import open_ipc
-
-        meta = BucketMeta.coerce(meta)
-        device = torch.device("cuda", torch.cuda.current_device())
-        self._openppo_load(unpack_bucket(meta, open_ipc(handle, device)))
+        handle = handles[self.rank] if len(handles) > 1 else handles[0]
+        self._openppo_load(unpack_bucket(meta, open_local(handle, meta.nbytes)))
 
     def openppo_finish_reload(self) -> int:
         """Close the reload window (processes what is left, restores untouched layers); returns #params loaded."""

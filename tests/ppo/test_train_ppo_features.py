@@ -50,8 +50,9 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     log = proc.stdout + proc.stderr
     assert "colocated (hybrid): actor, reference, engines share 2 device(s)" in log
     assert "--vllm_enable_sleep is a no-op on CPU" in log
-    # both engines share the CPU with actor rank 0: buckets go through shared memory, no gloo group
-    assert "weight sync: engine(s) 0,1 via shared memory" in log and "weight sync group ready" not in log
+    # engine i sits on actor rank i's bundle: each rank hands it the buckets through shared memory, no gloo group
+    assert "weight sync: engine(s) 0,1 via shared memory from actor rank(s) 0,1" in log
+    assert "weight sync group ready" not in log
 
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2, 3]

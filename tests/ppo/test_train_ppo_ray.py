@@ -105,8 +105,8 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
 def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
     """REINFORCE++-baseline scored by a running serve_rm (a reward .py served over HTTP on localhost), training
     LoRA adapters: the engines get base + adapter weights, so their log-probs equal the trainer's after a sync.
-    The hybrid engine (--colocate_all_models) with one engine of TP 2 on the 2 actor ranks' devices: the merged
-    weights reach both of its workers through shared memory, with no gloo group."""
+    The hybrid engine (--colocate_all_models) with one engine of TP 2 on the 2 actor ranks' devices: each rank hands
+    the merged weights to the worker on its device through shared memory, with no gloo group."""
     from tests.rewards.conftest import start_servers
 
     # label "mixed": rewards 0.25/0.75 by response parity, so advantages are non-zero and the adapters train
@@ -118,7 +118,8 @@ def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
         "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3", "--lora_rank", "8", "--lora_alpha", "16",
         "--actor_learning_rate", "2e-2", "--lr_warmup_ratio", "0", "--colocate_all_models",
         "--vllm_tensor_parallel_size", "2", "--ref_num_gpus_per_node", "2"], nproc=1, timeout=600)
-    assert "weight sync: engine(s) 0 via shared memory" in proc.stdout and "weight sync group ready" not in proc.stdout
+    assert "weight sync: engine(s) 0 via shared memory from actor rank(s) 0,1" in proc.stdout
+    assert "weight sync group ready" not in proc.stdout
     records = read_metrics(save)
     assert len(records) == 2 and all("reward" in r and "loss/kl" in r for r in records)
     # Step 2 samples come from the synced engine. The trained adapters moved the policy away from the reference

@@ -1,40 +1,60 @@
-"""Which transport each engine gets, the guard against two NCCL ranks on one GPU (fake GPUs), and the shared-memory
-hand-over with real engines: exact, mixed with a gloo broadcast in one sync, reusing two files and leaving none
-behind after a failure."""
+"""Which transport each engine gets and from which actor rank, the guard against two NCCL ranks on one GPU (fake
+GPUs), the CUDA IPC handle's plumbing (CUDA mocked), and the shared-memory hand-over with real engines: exact,
+mixed with a gloo broadcast in one sync, reusing its buffers and leaving none behind after a failure."""
 
 from __future__ import annotations
 
 import glob
-import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
 
 from openppo.errors import UserError
+from openppo.rollout import transport
 from openppo.rollout.sender import broadcast_weights, connect_engines, iter_full_weights, sync_weights
-from openppo.rollout.transport import (BROADCAST, CUDA_IPC, SHARED_MEMORY, Where, check_broadcast_group,
-                                       choose_transports, describe, read_shared, SharedSlots)
+from openppo.rollout.transport import (BROADCAST, CUDA_IPC, SHARED_MEMORY, SharedSlots, SyncPlan, Where,
+                                       check_broadcast_group, choose_transports, describe, open_local, read_shared,
+                                       shared_slots)
 from tests.engines import logprob_gap
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
 PROMPT = [300 + (53 * i) % 9000 for i in range(30)]
+REPO = Path(__file__).resolve().parents[2]
+
+
+def _shm_files() -> set[str]:
+    """Named shared-memory files of any weight sync (the hand-over makes none)."""
+    return set(glob.glob("/dev/shm/openppo-sync-*"))
 
 
 def test_transport_per_engine_from_the_placement():
-    rank0 = Where("10.0.0.1", ("0",))
-    # seed 004's hybrid engine on one node: engine 0 shares rank 0's GPU, the others are on GPUs of their own
-    engines = [Where("10.0.0.1", (str(g),)) for g in range(4)]
-    assert choose_transports(rank0, engines, colocated=True, on_gpu=True) == [CUDA_IPC] + [BROADCAST] * 3
-    # a TP-2 engine spanning GPUs 0 and 1, and one on another node
-    mixed = [Where("10.0.0.1", ("0", "1")), Where("10.0.0.2", ("0", "1"))]
-    assert choose_transports(rank0, mixed, colocated=True, on_gpu=True) == [CUDA_IPC, BROADCAST]
-    # CPU: the hybrid engine's engines on rank 0's node share its memory; separate engines keep gloo
-    cpu = [Where("10.0.0.1"), Where("10.0.0.1"), Where("10.0.0.2")]
-    assert choose_transports(Where("10.0.0.1"), cpu, colocated=True, on_gpu=False) == [SHARED_MEMORY] * 2 + [BROADCAST]
-    assert choose_transports(Where("10.0.0.1"), cpu, colocated=False, on_gpu=False) == [BROADCAST] * 3
-    assert describe([SHARED_MEMORY, SHARED_MEMORY, BROADCAST], "gloo") == (
-        "weight sync: engine(s) 0,1 via shared memory; engine(s) 2 via gloo broadcast")
+    ranks = [Where("10.0.0.1", (str(g),)) for g in range(4)]
+    # the hybrid engine on one node: worker w of engine i on actor rank i*tp + w's GPU, each fed by that rank
+    plan = choose_transports(ranks, [[r] for r in ranks], colocated=True, on_gpu=True)
+    assert plan == SyncPlan((CUDA_IPC,) * 4, ((0,), (1,), (2,), (3,)))
+    assert plan.exchange_ranks == (0, 1, 2, 3) and plan.local_kind == CUDA_IPC
+    tp2 = choose_transports(ranks, [ranks[:2], ranks[2:]], colocated=True, on_gpu=True)
+    assert tp2.sources == ((0, 1), (2, 3))
+    # mixed: an engine on another node, one on a GPU no actor rank has; rank 0 then hands over alone
+    mixed = choose_transports(ranks[:1], [[ranks[0]], [Where("10.0.0.2", ("0",))], [ranks[3]]], colocated=True,
+                              on_gpu=True)
+    assert mixed == SyncPlan((CUDA_IPC, BROADCAST, BROADCAST), ((0,), (), ()))
+    assert mixed.exporters == (0,) and mixed.exchange_ranks == ()
+    # a worker on another rank's GPU than its own index: fed by the rank that shares it
+    assert choose_transports(ranks, [[ranks[2]]], colocated=True, on_gpu=True).sources == ((2,),)
+    # CPU: every process of a node shares its memory; the hybrid engine's workers are fed by their bundle's rank
+    cpu = [Where("10.0.0.1"), Where("10.0.0.1")]
+    engines = [[Where("10.0.0.1")], [Where("10.0.0.1")], [Where("10.0.0.2")]]
+    plan = choose_transports(cpu, engines, colocated=True, on_gpu=False)
+    assert plan == SyncPlan((SHARED_MEMORY, SHARED_MEMORY, BROADCAST), ((0,), (1,), ()))
+    assert choose_transports(cpu, engines, colocated=False, on_gpu=False).transports == (BROADCAST,) * 3
+    assert describe(plan, "gloo") == (
+        "weight sync: engine(s) 0,1 via shared memory from actor rank(s) 0,1; engine(s) 2 via gloo broadcast")
+    assert SyncPlan.of([SHARED_MEMORY, BROADCAST]) == SyncPlan((SHARED_MEMORY, BROADCAST), ((0,), ()))
 
 
 def test_nccl_group_with_two_members_on_one_gpu_is_refused():
@@ -42,7 +62,8 @@ def test_nccl_group_with_two_members_on_one_gpu_is_refused():
           ("vLLM engine 2", Where("m", ("0",)))]
     check_broadcast_group(ok, "nccl")
     clash = ok + [("vLLM engine 0", Where("n", ("0",)))]
-    with pytest.raises(UserError, match="actor rank 0 and vLLM engine 0 on GPU 0.*--vllm_sync_backend nccl"):
+    with pytest.raises(UserError,
+                       match="actor rank 0 and vLLM engine 0 on GPU 0.*--vllm_sync_backend nccl.*--colocate_all_models"):
         check_broadcast_group(clash, "nccl")
     check_broadcast_group(clash, "gloo")  # gloo does not care
 
@@ -76,7 +97,9 @@ def test_guard_reads_fake_gpu_placement():
         with pytest.raises(UserError, match="--vllm_sync_backend nccl"):
             check_broadcast_group([("actor rank 0", wheres[0]), ("vLLM engine 0", wheres[1])], "nccl")
         check_broadcast_group([("actor rank 0", wheres[0]), ("vLLM engine 1", wheres[2])], "nccl")
-        assert choose_transports(wheres[0], wheres[1:], colocated=True, on_gpu=True) == [CUDA_IPC, BROADCAST]
+        # engine 0 shares rank 0's GPU: handed over; engine 1's GPU has no actor rank: broadcast
+        plan = choose_transports(wheres[:1], [[wheres[1]], [wheres[2]]], colocated=True, on_gpu=True)
+        assert plan == SyncPlan((CUDA_IPC, BROADCAST), ((0,), ()))
     finally:
         ray.shutdown()
 
@@ -84,20 +107,51 @@ def test_guard_reads_fake_gpu_placement():
 def test_shared_memory_slots_are_reused_and_released():
     slots = SharedSlots()
     try:
-        first = slots.write(0, torch.arange(100, dtype=torch.uint8))
-        assert torch.equal(read_shared(first, 100), torch.arange(100, dtype=torch.uint8))
-        assert slots.write(0, torch.full((50,), 7, dtype=torch.uint8)) == first  # rewritten in place
-        assert torch.equal(read_shared(first, 50), torch.full((50,), 7, dtype=torch.uint8))
-        bigger = slots.write(0, torch.ones(200, dtype=torch.uint8))  # too small: a new file, the old one gone
-        assert bigger != first and not os.path.exists(first) and slots.paths() == [bigger]
-        assert torch.equal(read_shared(bigger, 200), torch.ones(200, dtype=torch.uint8))
+        first, name = slots.write(0, torch.arange(100, dtype=torch.uint8))
+        assert torch.equal(read_shared(first, 100, name), torch.arange(100, dtype=torch.uint8))
+        assert slots.write(0, torch.full((50,), 7, dtype=torch.uint8)) == (first, name)  # rewritten in place
+        assert torch.equal(read_shared(first, 50, name), torch.full((50,), 7, dtype=torch.uint8))
+        bigger, new_name = slots.write(0, torch.ones(200, dtype=torch.uint8))  # too small: a new file
+        assert new_name != name and slots.paths() == [bigger]
+        assert torch.equal(read_shared(bigger, 200, new_name), torch.ones(200, dtype=torch.uint8))
+        # another process opens the slot by its path, as an engine worker does
+        code = f"import torch; print(torch.from_file({bigger!r}, shared=True, size=200, dtype=torch.uint8).sum())"
+        out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0 and "200" in out.stdout, out.stderr
     finally:
         slots.release()
-    assert not os.path.exists(bigger) and slots.paths() == []
+    assert slots.paths() == []
 
 
-def _files() -> set[str]:
-    return set(glob.glob(f"/dev/shm/openppo-sync-{os.getpid()}-*"))
+def test_shared_memory_outlives_no_killed_process():
+    """A slot is an anonymous memfd, not a /dev/shm file: a sender killed without clean-up (Ray kills its actors)
+    leaves nothing behind."""
+    code = ("import os, signal, torch; from openppo.rollout.transport import shared_slots; "
+            "path, name = shared_slots().write(0, torch.ones(4096, dtype=torch.uint8)); "
+            "print(os.readlink(path), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    before = _shm_files()
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
+    assert out.returncode == -9 and out.stdout.startswith("/memfd:openppo-sync-"), out.stderr
+    assert _shm_files() == before
+
+
+def test_cuda_ipc_handle_opens_on_this_processes_index_of_the_gpu(monkeypatch):
+    """The CUDA-only steps of `open_local`, with CUDA mocked (this box has none): the receiver checks the bucket
+    comes from its own GPU (by UUID) and rebuilds it on its own index of that GPU, not the sender's."""
+    rebuilt = []
+
+    def fake_rebuild(*args):  # stands in for torch's rebuild_cuda_tensor: records the device index it got
+        rebuilt.append(args[6])
+        return torch.arange(8, dtype=torch.uint8)
+
+    monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", fake_rebuild)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the GPU is cuda:0 in the worker's process...
+    monkeypatch.setattr(transport, "gpu_uuid", lambda index: "GPU-aaaa")
+    args = (None,) * 6 + (3,) + (None,) * 8  # ...and cuda:3 in the sender's (index 6: reduce_tensor's device)
+    assert torch.equal(open_local((CUDA_IPC, "GPU-aaaa", args), 8), torch.arange(8, dtype=torch.uint8))
+    assert rebuilt == [0]
+    with pytest.raises(RuntimeError, match="from GPU GPU-bbbb reached an engine worker on GPU GPU-aaaa"):
+        open_local((CUDA_IPC, "GPU-bbbb", args), 8)
 
 
 @pytest.mark.slow
@@ -106,7 +160,6 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
     from transformers import AutoModelForCausalLM
 
     from openppo.rollout import VLLMEngine
-    from openppo.rollout.sender import shared_slots
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
@@ -116,19 +169,18 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
                    for i in range(2)]
         ray.get([e.ready.remote() for e in engines], timeout=300)
         group = connect_engines(engines[1:], backend="gloo", master_addr="127.0.0.1", timeout_s=120)
-        transports = [SHARED_MEMORY, BROADCAST]
-        before = _files()
+        plan = [SHARED_MEMORY, BROADCAST]
+        before = _shm_files()
         try:
             g = torch.Generator().manual_seed(3)
             for sync in range(3):
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=g) * 0.02)
-                stats = sync_weights(model, group, engines, bucket_bytes=64 << 10, timeout_s=120,
-                                     transports=transports, verify=sync == 0)
-                assert stats["num_buckets"] > 3  # more buckets than the two kept in flight
-                # the sender's two reused slots, nothing else
-                assert _files() - before == set(shared_slots().paths()) and len(shared_slots().paths()) == 2
+                stats = sync_weights(model, group, engines, bucket_bytes=64 << 10, timeout_s=120, plan=plan,
+                                     verify=sync == 0)
+                assert stats["num_buckets"] > 3  # more buckets than the three buffers kept valid
+                assert len(shared_slots().paths()) == 3 and _shm_files() == before  # reused, and nothing named
                 for engine in engines:
                     [[sample]] = ray.get(engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0,
                                                                 top_p=1.0), timeout=120)
@@ -147,8 +199,8 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
                     yield item
 
             with pytest.raises(RuntimeError, match="mid-sync"):
-                broadcast_weights(failing(), None, engines[:1], bucket_bytes=64 << 10, transports=[SHARED_MEMORY])
-            assert _files() == before, "a failed sync left shared-memory files behind"
+                broadcast_weights(failing(), None, engines[:1], bucket_bytes=64 << 10, plan=[SHARED_MEMORY])
+            assert shared_slots().paths() == [], "a failed sync kept its shared memory"
         finally:
             group.destroy()
     finally:
