@@ -13,7 +13,8 @@ Runs `openppo.cli.train_ppo_ray` up to three times in this invocation on the tes
 then the rollout (generation + reward) dominates the step, which is the case async training is for. The step
 time is `timing/step` from metrics.jsonl (generation included; for async the wait for the next batch),
 averaged over steps 2..N (step 1 of an async run has nothing to overlap with). The last line printed is one JSON
-object with the per-run numbers and the ratios.
+object with the per-run numbers, the ratios and the device it ran on (CPU model and PyTorch's CPU capability, or
+the GPU name; `bench/record.py`).
 """
 
 from __future__ import annotations
@@ -80,6 +81,7 @@ def main() -> None:
                         help="seconds each reward call waits, as a remote verifier or judge would (0 = none)")
     add_dtype_option(parser)
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)  # auto -> bf16/fp32 here, named in the record
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
     from tests.model_cache import tiny_model_dir
@@ -101,13 +103,13 @@ def main() -> None:
             "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2", "--packing_samples",
             "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(512 << 20),
             "--generate_max_len", str(args.generate_max_len), "--prompt_max_len", "128", "--init_kl_coef", "0",
-            "--zero_stage", "2", "--param_dtype", resolve_dtype(args.dtype), "--max_steps", str(args.steps),
+            "--zero_stage", "2", "--param_dtype", args.dtype, "--max_steps", str(args.steps),
             "--actor_learning_rate", "1e-5", "--seed", "0", "--disable_ds_ckpt"]
         configs = {"sync_1t": ([], 1), "sync_2t": ([], 2),
                    "async_1t": (["--async_train", "--async_queue_size", "1"], 1)}
         results = {name: run(name, common + configs[name][0], configs[name][1], workdir)
                    for name in args.runs.split(",")}
-    out = {"bench": "async_train", "steps": args.steps, "samples_per_step": samples,
+    out = {"bench": "async_train", "dtype": args.dtype, "steps": args.steps, "samples_per_step": samples,
            "generate_max_len": args.generate_max_len, "reward_latency_s": args.reward_latency_s, **results}
     if "async_1t" in results:
         for base in ("sync_1t", "sync_2t"):

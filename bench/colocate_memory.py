@@ -6,7 +6,8 @@
 Runs `train_ppo_ray` twice with the same GRPO job, every model on the same device(s): once plain, once with
 `--vllm_enable_sleep --deepspeed_enable_sleep`. While each runs, the resident memory of the whole process tree
 (driver, Ray workers, vLLM engine) is sampled every 0.2 s; on a GPU box the peak of `nvidia-smi`'s used memory is
-sampled as well. The last line printed is one JSON object with both peaks and their difference.
+sampled as well. The last line printed is one JSON object with both peaks, their difference and the device it ran
+on (CPU model and PyTorch's CPU capability, or the GPU name; `bench/record.py`).
 """
 
 from __future__ import annotations
@@ -89,6 +90,7 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=3)
     add_dtype_option(parser)
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)  # auto -> bf16/fp32 here, named in the record
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
     from tests.model_cache import smollm2_dir, tiny_model_dir
@@ -103,11 +105,11 @@ def main() -> None:
                   "--train_batch_size", "16", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
                   "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--colocate_all_models",
                   "--vllm_kv_cache_bytes", str(256 << 20), "--generate_max_len", "32", "--prompt_max_len", "128",
-                  "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", resolve_dtype(args.dtype), "--max_steps",
+                  "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", args.dtype, "--max_steps",
                   str(args.steps), "--actor_learning_rate", "1e-6", "--seed", "0", "--disable_ds_ckpt"]
         results = {"plain": run("plain", common, workdir),
                    "sleep": run("sleep", common + ["--vllm_enable_sleep", "--deepspeed_enable_sleep"], workdir)}
-    out = {"bench": "colocate_memory", "model": args.model, "steps": args.steps, **results,
+    out = {"bench": "colocate_memory", "model": args.model, "dtype": args.dtype, "steps": args.steps, **results,
            "peak_rss_saved_gib": round(results["plain"]["peak_rss_gib"] - results["sleep"]["peak_rss_gib"], 3)}
     emit(out)
 

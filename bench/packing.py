@@ -7,10 +7,11 @@ The batch looks like a rollout batch: prompts of 16-48 tokens, right-padded to t
 1 to --max_response tokens, either uniform (`--lengths uniform`) or long-tailed as RL responses usually are
 (`--lengths longtail`: log-normal with a median of --max_response / 6, those longer cut at --max_response as the
 engine would truncate them). Each variant runs the trainer's own code on a real DeepSpeed engine (1 rank,
-ZeRO-0, --dtype auto): the forward-only pass is the old-log-prob pass (`forward_in_chunks`), the training step is the actor
-update (`fit_experience` with the PPO loss). Baseline: padded micro-batches of --micro rows, each trimmed to its
-longest row (what runs without --packing_samples). Best of --repeats after one warm-up; the variants are timed
-interleaved, in the same process. The last line printed is one JSON object with the times and speed-ups.
+ZeRO-0, --dtype auto): the forward-only pass is the old-log-prob pass (`forward_in_chunks`), the training step is
+the actor update (`fit_experience` with the PPO loss). Baseline: padded micro-batches of --micro rows, each trimmed
+to its longest row (what runs without --packing_samples). Best of --repeats after one warm-up; the variants are
+timed interleaved, in the same process. The last line printed is one JSON object with the times, the speed-ups and the
+device it ran on (CPU model and PyTorch's CPU capability, or the GPU name; `bench/record.py`).
 """
 
 from __future__ import annotations
@@ -69,6 +70,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)
 
     import torch
 
@@ -84,7 +86,7 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype=resolve_dtype(args.dtype), dist_timeout=600),
+    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype=args.dtype, dist_timeout=600),
                                  train_batch_size=args.rows, micro_batch_size=args.micro, max_norm=1.0, seed=0)
     strategy.setup_distributed()
     model = Actor.from_pretrained(model_dir, dtype=strategy.torch_dtype)
@@ -138,7 +140,8 @@ def main() -> None:
            "max_row_tokens": int(lengths.max()),
            # the speed-up if padding cost nothing and all work were proportional to tokens
            "ceiling": round(1 / (1 - results["padded"]["padding_share"]), 2),
-           "token_budget": budget, "threads": torch.get_num_threads(), "max_logprob_diff": max_diff, "dtype": resolve_dtype(args.dtype)}
+           "token_budget": budget, "threads": torch.get_num_threads(), "max_logprob_diff": max_diff,
+           "dtype": args.dtype}
     for name in variants:
         out[name] = {"forward_s": round(best[name]["forward"], 3), "train_s": round(best[name]["train"], 3),
                      **results[name]}

@@ -8,7 +8,8 @@ calls, the weight-sync buckets, health probes). This isolates what Ray itself ke
 trivial method, called and awaited N times from this process, which samples its own RSS every `--every` calls
 after a gc. The growth is reported per window, in bytes per call, so a growth that levels off (allocator pools
 and Ray's internal tables reaching their steady size) is told apart from a leak (a constant rate). The last line
-printed is one JSON object.
+printed is one JSON object, with the device it ran on (CPU model and PyTorch's CPU capability, or the GPU
+name; `bench/record.py`).
 """
 
 from __future__ import annotations

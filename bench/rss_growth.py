@@ -10,7 +10,8 @@ after the warm-ups, allocator pools and first checkpoint have settled) against t
 the least-squares slope over steps 11..N and over its second half (a growth that levels off, as allocator pools and
 Ray's own tables settle, has a second-half slope near 0), and the early window's spread (max - min) as the noise
 level. A series is flat when its growth is within max(2 x spread, 2 % of its level). The last line printed is one
-JSON object.
+JSON object, with the device it ran on (CPU model and PyTorch's CPU capability, or the GPU name;
+`bench/record.py`).
 """
 
 from __future__ import annotations
@@ -78,6 +79,7 @@ def main() -> None:
     parser.add_argument("--keep_metrics", type=Path, default=None, help="copy the run's metrics.jsonl here")
     add_dtype_option(parser)
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)  # auto -> bf16/fp32 here, named in the record
     if args.steps < WARM[1] + LAST:
         raise SystemExit(f"--steps must be >= {WARM[1] + LAST} (an early window of steps {WARM[0]}-{WARM[1]} and "
                          f"the last {LAST} steps)")
@@ -96,8 +98,9 @@ def main() -> None:
                  "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "2",
                  "--train_batch_size", "8", "--micro_train_batch_size", "4", "--packing_samples",
                  "--vllm_kv_cache_bytes", str(128 << 20), "--generate_max_len", "16", "--prompt_max_len", "64",
-                 "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", resolve_dtype(args.dtype), "--max_steps", str(args.steps),
-                 "--actor_learning_rate", "1e-6", "--seed", "0", "--save_steps", "50", "--max_ckpt_num", "1",
+                 "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", args.dtype,
+                 "--max_steps", str(args.steps), "--actor_learning_rate", "1e-6", "--seed", "0",
+                 "--save_steps", "50", "--max_ckpt_num", "1",
                  "--ckpt_path", str(workdir / "ckpt"), "--save_path", str(save)]
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
         start = time.perf_counter()
@@ -124,7 +127,7 @@ def main() -> None:
         if args.keep_metrics:
             args.keep_metrics.write_text((save / "metrics.jsonl").read_text())
     wall = time.perf_counter() - start
-    out = {"bench": "rss_growth", "steps": len(records), "wall_s": round(wall, 1),
+    out = {"bench": "rss_growth", "dtype": args.dtype, "steps": len(records), "wall_s": round(wall, 1),
            "step_s": round(statistics.fmean(r["timing/step"] for r in records[1:]), 2)}
     for name, key in (("driver", "perf/driver_rss_gib"), ("actor", "perf/actor_rss_gib")):
         out[name] = series_verdict([(r["step"], r[key] * 1024) for r in records])

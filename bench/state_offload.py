@@ -7,7 +7,8 @@ One rank, the trainer's own strategy (`DeepSpeedStrategy.prepare_train`) and rol
 optimizer step materialises the Adam states, then the states are offloaded and reloaded. On a GPU the numbers are
 `torch.cuda.memory_allocated` (what the colocated vLLM engines could use while the trainer sleeps); on CPU, where
 the device *is* host memory, they are the process RSS, and offloading can only move bytes within it. The last line
-printed is one JSON object.
+printed is one JSON object, with the device it ran on (CPU model and PyTorch's CPU capability, or the GPU
+name; `bench/record.py`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,7 @@ def main() -> None:
     parser.add_argument("--zero_stage", type=int, choices=(1, 2, 3), default=2)
     add_dtype_option(parser)
     args = parser.parse_args()
+    args.dtype = resolve_dtype(args.dtype)  # auto -> bf16/fp32 here, named in the record
 
     import psutil
     import torch
@@ -51,7 +53,7 @@ def main() -> None:
             return torch.cuda.memory_allocated() / 2**30
         return psutil.Process().memory_info().rss / 2**30
 
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=resolve_dtype(args.dtype),
+    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=args.dtype,
                                                  dist_timeout=600),
                                  train_batch_size=2, micro_batch_size=2, max_norm=1.0, seed=0)
     strategy.setup_distributed()
@@ -64,8 +66,7 @@ def main() -> None:
     out = engine(ids, torch.ones_like(ids))
     engine.backward(out.log_probs.mean())
     engine.step()
-    result = {"bench": "state_offload", "model": args.model, "zero_stage": args.zero_stage,
-              "device": torch.cuda.get_device_name() if on_gpu else "cpu",
+    result = {"bench": "state_offload", "model": args.model, "zero_stage": args.zero_stage, "dtype": args.dtype,
               "measure": "cuda.memory_allocated" if on_gpu else "process RSS"}
     result["trained_gib"] = round(held_gib(), 3)
     t0 = time.perf_counter()

@@ -17,7 +17,8 @@ Step time is the mean wall time of steps 2..N (step 1 pays the allocator and ker
 trainer's own `perf/actor_mfu` uses. MFU is reported twice: against the device's data-sheet dense peak when it is
 listed (`throughput.peak_flops`: H100, H200, A100...; none for CPUs), and against a large matmul in the same dtype
 timed in this process (the device's practical peak), which also gives CPU runs a ratio. The last line printed is
-one JSON object.
+one JSON object, with the device it ran on (CPU model and PyTorch's CPU capability, or the GPU name;
+`bench/record.py`).
 """
 
 from __future__ import annotations

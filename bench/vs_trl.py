@@ -17,7 +17,8 @@ environment for torch and transformers, so the project environment itself is nev
 
 Step time = the mean wall time of steps 2..N (step 1 pays the warm-ups): `timing/step` for openppo, the time
 between TRL's step-begin and step-end callbacks for TRL. Reward = mean reward of the last 2 steps. The last line
-printed is one JSON object with both runs and the ratio openppo / TRL.
+printed is one JSON object with both runs, the ratio openppo / TRL and the device it ran on (CPU model and
+PyTorch's CPU capability, or the GPU name; `bench/record.py`).
 """
 
 from __future__ import annotations
