@@ -66,7 +66,9 @@ class VLLMConfig:
     vllm_kv_cache_bytes: int = opt(None, "KV cache of each engine worker in bytes (CPU); default on CPU: the "
                                          "rollout batch's sequences at full length x 1.25, within the share above "
                                          "(logged)")
-    vllm_sync_backend: str = opt("nccl", "collective for weight sync; gloo is used on CPU",
+    vllm_sync_backend: str = opt("nccl", "collective that broadcasts weights to engines on devices of their own "
+                                         "(gloo on CPU); engines on actor ranks' devices (--colocate_all_models) "
+                                         "get them by CUDA IPC / shared memory, in no group",
                                  choices=("nccl", "gloo"))
     vllm_sync_bucket_mb: int = opt(256, "weights per sync message (MiB): many tensors travel in one bucket")
     enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)")
