@@ -21,7 +21,7 @@ import torch
 
 from openppo.algorithms.masking import bool_mask, check_choice, check_same_shape, float_mask, masked_sum
 
-LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+LOSS_AGG_MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 
 
 def loss_normalizers(mask: torch.Tensor) -> torch.Tensor:
@@ -46,6 +46,8 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, mode: str =
 
         token-mean               sum_i S_i / N                 DAPO, arXiv:2503.14476; verl/TRL "token-mean"/"dapo"
         seq-mean-token-mean      sum_i (S_i / n_i) / M         original GRPO, arXiv:2402.03300; GSPO
+        seq-mean-token-sum       sum_i S_i / M                 verl "seq-mean-token-sum": each response's summed
+                                                               loss, averaged over responses
         seq-mean-token-sum-norm  sum_i S_i / (M * norm_len)    Dr. GRPO, arXiv:2503.20783: a constant
                                                                normaliser per response (norm_len = max_new_tokens)
 
@@ -64,6 +66,8 @@ def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, mode: str =
         seq_sums = masked_sum(per_token_loss, mask, dim=-1)
         seq_lens = float_mask(mask, per_token_loss).sum(dim=-1).clamp(min=1)
         return (seq_sums / seq_lens).sum() / num_seqs
+    if mode == "seq-mean-token-sum":
+        return masked_sum(per_token_loss, mask) / num_seqs
     if norm_len is None or norm_len <= 0:
         raise ValueError(f"aggregate_loss: seq-mean-token-sum-norm needs norm_len > 0 (max_new_tokens), got {norm_len}")
     return masked_sum(per_token_loss, mask) / (num_seqs * norm_len)

@@ -29,11 +29,13 @@ def _reference(batches, mode, norm_len=None):
         return torch.cat(seqs).mean()
     if mode == "seq-mean-token-mean":
         return torch.stack([s.mean() for s in seqs]).mean()
+    if mode == "seq-mean-token-sum":
+        return torch.stack([s.sum() for s in seqs]).mean()
     return torch.stack([s.sum() for s in seqs]).sum() / (len(seqs) * norm_len)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
-@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum-norm"])
+@pytest.mark.parametrize("mode", ["token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm"])
 def test_contributions_sum_to_global_value(mode, dtype):
     batches = _micro_batches(dtype)
     # per rank: sum over its micro-batches; then the all-reduce (sum over ranks)
@@ -68,12 +70,14 @@ def test_deepspeed_scaling_recovers_global_gradient():
 def test_local_fallback_and_empty_batch():
     loss = torch.tensor([[1.0, 2.0, 3.0], [4.0, 0.0, 0.0]])
     mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
-    # token-mean: (1 + 2 + 3 + 4) / 4 = 2.5; seq-mean-token-mean: (2 + 4) / 2 = 3; sum-norm: 10 / (2 * 5) = 1
+    # token-mean: (1 + 2 + 3 + 4) / 4 = 2.5; seq-mean-token-mean: (2 + 4) / 2 = 3; seq-mean-token-sum: (6 + 4) / 2
+    # = 5; sum-norm: 10 / (2 * 5) = 1
     assert aggregate_loss(loss, mask).item() == 2.5
     assert aggregate_loss(loss, mask, "seq-mean-token-mean").item() == 3.0
+    assert aggregate_loss(loss, mask, "seq-mean-token-sum").item() == 5.0
     assert aggregate_loss(loss, mask, "seq-mean-token-sum-norm", norm_len=5).item() == 1.0
     empty = torch.zeros(2, 3, dtype=torch.bool)
-    for mode in ("token-mean", "seq-mean-token-mean"):
+    for mode in ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum"):
         assert aggregate_loss(loss, empty, mode).item() == 0.0
     with pytest.raises(UserError, match="--loss_agg_mode: unknown value 'sum'"):
         aggregate_loss(loss, mask, "sum")

@@ -1,0 +1,213 @@
+"""The gradient DeepSpeed applies on 2 data-parallel ranks is the gradient of the global loss.
+
+Two spawned gloo ranks (one module fixture), fp32, max_norm 0. The step's 8 rows are split 4 + 4, and the ranks'
+rows hold different numbers of tokens (61 against 45, one response fully masked), so any per-rank or
+per-micro-batch normaliser shows. For ZeRO-2 and ZeRO-3, each micro-batch layout (padded rows, packed rows,
+token-budget micro-batches of a different count on each rank) and each `--loss_agg_mode`, plus the critic's value
+loss, `fit_experience` runs one optimizer step and the fully reduced gradient of every parameter is read at the
+accumulation boundary (`deepspeed.utils.safe_get_full_grad`, before the optimizer uses it).
+
+The reference is independent of the code under test: one process, one padded forward of all 8 rows through a plain
+copy of the same weights, the per-token loss and its global reduction written out below from the papers' formulas,
+and `torch.autograd`. The learning rate is 0, so the engine's weights stay those of the reference throughout.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.spawn import run_ranks
+
+WORLD = 2
+TIMEOUT_S = 600
+LENGTHS = [5, 17, 9, 30, 12, 3, 22, 8]  # rows 0-3 on rank 0 (61 tokens), rows 4-7 on rank 1 (45 tokens)
+EMPTY_ROW = 6  # a response with no kept token: no sample of the step in any mode
+EPS = 0.2
+VALUE_CLIP = 0.2
+NORM_LEN = 32
+MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
+LAYOUTS = {"padded": dict(rows=2), "packed": dict(packed=True, rows=2),
+           "token_budget": dict(packed=True, rows=4, max_tokens=40)}
+
+
+def _global_batch(vocab: int) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    width = max(LENGTHS)
+    seqs = torch.randint(10, vocab, (len(LENGTHS), width), generator=gen)
+    attn = torch.zeros_like(seqs)
+    mask = torch.zeros(len(LENGTHS), width - 1, dtype=torch.long)
+    for row, n in enumerate(LENGTHS):
+        attn[row, :n] = 1
+        mask[row, 1: n - 1] = int(row != EMPTY_ROW)  # token 0 is the prompt
+    seqs[attn == 0] = 0
+    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
+            "advantages": torch.randn(mask.shape, generator=gen) * mask,
+            "returns": torch.randn(mask.shape, generator=gen) * mask,
+            "noise": 0.05 * torch.randn(mask.shape, generator=gen)}
+
+
+def reduce_global(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
+    """The step loss over every row of the step, by the formulas of docs/algorithms.md (S_i = a response's summed
+    loss, n_i its kept tokens, N = all kept tokens, M = responses with a kept token)."""
+    m = mask.to(per_token.dtype)
+    sums, counts = (per_token * m).sum(-1), m.sum(-1)
+    kept = counts > 0
+    if mode == "token-mean":
+        return sums.sum() / m.sum()
+    if mode == "seq-mean-token-mean":
+        return (sums[kept] / counts[kept]).sum() / kept.sum()
+    if mode == "seq-mean-token-sum":
+        return sums.sum() / kept.sum()
+    return sums.sum() / (kept.sum() * NORM_LEN)  # Dr. GRPO
+
+
+def _ppo_per_token(log_probs, old, adv):
+    ratio = (log_probs - old).exp()
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - EPS, 1 + EPS) * adv)
+
+
+def _value_per_token(values, old_values, returns):
+    clipped = old_values + (values - old_values).clamp(-VALUE_CLIP, VALUE_CLIP)
+    return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+
+
+def _full_grads(engine) -> dict[str, torch.Tensor]:
+    """Every parameter's reduced fp32 gradient (collective under ZeRO-3: every rank calls it, in one order)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    return {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
+
+
+class GradsAtBoundary:
+    """The engine, recording the full gradients just before each optimizer step."""
+
+    def __init__(self, engine):
+        self.engine, self.grads = engine, []
+
+    def __getattr__(self, name):
+        return getattr(self.engine, name)
+
+    def __call__(self, *args, **kwargs):
+        return self.engine(*args, **kwargs)
+
+    def step(self):
+        if self.engine.is_gradient_accumulation_boundary():
+            self.grads.append(_full_grads(self.engine))
+        self.engine.step()
+
+
+def _plain_copy(strategy, engine, plain) -> None:
+    """Load the engine's full weights into the plain model (the critic's value head starts random)."""
+    import deepspeed
+
+    params = list(engine.module.parameters())
+    with deepspeed.zero.GatheredParameters(params, enabled=strategy.cfg.zero_stage == 3):
+        state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    result = plain.load_state_dict(state, strict=False)
+    assert not result.unexpected_keys and not set(result.missing_keys) & {n for n, _ in plain.named_parameters()}
+
+
+def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
+    return ((a - b).abs().max() / b.abs().max().clamp_min(1e-12)).item()
+
+
+def _worker(rank: int, out_dir: str, port: int) -> None:
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    torch.set_num_threads(1)
+    from openppo.models.actor import Actor
+    from openppo.models.scalar import ScalarModel
+    from openppo.ppo.config import AlgoConfig
+    from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
+    from openppo.ppo.micro_batches import Batching
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+    from tests.model_cache import tiny_model_dir
+
+    path = str(tiny_model_dir())
+    results: dict[str, float] = {}
+    for zero in (2, 3):
+        strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=zero, param_dtype="fp32", dist_timeout=120),
+                                     train_batch_size=8, micro_batch_size=2, max_norm=0.0, seed=0)
+        strategy.setup_distributed()
+        for role in ("actor", "critic"):
+            load = (lambda dtype: Actor.from_pretrained(path, dtype=dtype)) if role == "actor" else (
+                lambda dtype: ScalarModel.from_pretrained(path, dtype=dtype, flag="--critic_pretrain"))
+            with strategy.zero3_init():
+                model = load(torch.float32)
+            engine = GradsAtBoundary(strategy.prepare_train(
+                model, lr=0.0, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant", warmup_ratio=0.0,
+                min_lr_ratio=0.1, num_training_steps=64))
+            plain = load(torch.float32)
+            _plain_copy(strategy, engine, plain)
+            data = _global_batch(plain.config.vocab_size)
+            mask = data["action_mask"]
+            if role == "actor":
+                with torch.no_grad():
+                    data["old_log_probs"] = plain(data["sequences"], data["attention_mask"]).log_probs + data["noise"]
+            else:
+                with torch.no_grad():
+                    data["old_values"] = plain(data["sequences"], data["attention_mask"])[:, :-1] + data["noise"]
+            mine = {k: v[rank * 4:(rank + 1) * 4] for k, v in data.items() if k != "noise"}
+            for mode in MODES if role == "actor" else ("token-mean",):
+                # the reference: plain autograd over the whole step in one process
+                plain.zero_grad()
+                if role == "actor":
+                    log_probs = plain(data["sequences"], data["attention_mask"]).log_probs
+                    per_token = _ppo_per_token(log_probs, data["old_log_probs"], data["advantages"])
+                else:
+                    values = plain(data["sequences"], data["attention_mask"])[:, :-1]
+                    per_token = _value_per_token(values, data["old_values"], data["returns"])
+                reference_loss = reduce_global(per_token, mask, mode)
+                reference_loss.backward()
+                expected = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
+                for layout, kwargs in LAYOUTS.items():
+                    batching = Batching(**kwargs)
+                    if role == "actor":
+                        algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS,
+                                          loss_agg_mode=mode)
+                        loss_fn = actor_loss(engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=NORM_LEN,
+                                             is_correction=None, is_threshold=(0.5, 5.0), pack=batching.packed)
+                    else:
+                        loss_fn = critic_loss(engine, AlgoConfig(value_clip=VALUE_CLIP), pack=batching.packed)
+                    engine.grads.clear()
+                    metrics = fit_experience(engine, mine, loss_fn, batching=batching, rows_per_step=4, epochs=1,
+                                             world_size=WORLD, seed=0, device=strategy.device)
+                    assert len(engine.grads) == 1, len(engine.grads)
+                    got = engine.grads[0]
+                    key = f"zero{zero}/{role}/{mode}/{layout}"
+                    results[key + "/grad"] = max(_rel(got[n], g) for n, g in expected.items())
+                    results[key + "/untouched"] = float(all(got[n].abs().max() == 0 for n in got if n not in expected))
+                    # the logged step loss: this rank's contributions, times the ranks, then averaged by the caller
+                    loss_key = "loss/policy" if role == "actor" else "loss/value"
+                    results[key + "/loss_rank"] = metrics[loss_key]
+                    results[key + "/loss_expected"] = reference_loss.item()
+            del engine
+    Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
+    torch.distributed.destroy_process_group()
+
+
+@pytest.fixture(scope="module")
+def dp_results(tmp_path_factory) -> list[dict]:
+    return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("dp"), TIMEOUT_S, "data-parallel gradient")
+
+
+CASES = [(zero, "actor", mode, layout) for zero in (2, 3) for mode in MODES for layout in LAYOUTS] + \
+        [(zero, "critic", "token-mean", layout) for zero in (2, 3) for layout in LAYOUTS]
+
+
+@pytest.mark.parametrize("zero,role,mode,layout", CASES, ids=["-".join(map(str, c)) for c in CASES])
+def test_applied_gradient_is_the_global_loss_gradient(dp_results, zero, role, mode, layout):
+    key = f"zero{zero}/{role}/{mode}/{layout}"
+    for r in dp_results:
+        # a per-rank normaliser would be off by the ranks' token ratio (61 / 45); a missing rank scale by 2x
+        assert r[key + "/grad"] <= 1e-5, (key, r[key + "/grad"])
+        assert r[key + "/untouched"] == 1.0, key
+    # the logged loss, averaged over the ranks as the caller does, is the global loss
+    mean_loss = sum(r[key + "/loss_rank"] for r in dp_results) / WORLD
+    assert mean_loss == pytest.approx(dp_results[0][key + "/loss_expected"], rel=1e-5, abs=1e-7), key
