@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import os
 import platform
 import time
 from dataclasses import dataclass
@@ -42,6 +43,17 @@ def cpu_model() -> str:
     except OSError:
         pass
     return platform.processor() or platform.machine() or "unknown CPU"
+
+
+# Environment variables that cap the vector instructions PyTorch's, oneDNN's and MKL's kernels use. Set, they make a
+# bf16 CPU behave like one without bf16 (`ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2
+# MKL_ENABLE_INSTRUCTIONS=AVX2` is how an AVX2-only CPU is checked on a newer one); the probe then measures that.
+ISA_CAP_VARIABLES = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")
+
+
+def isa_caps() -> str:
+    """The instruction-set caps in force, as "NAME=value ..." ("" when none is set)."""
+    return " ".join(f"{name}={os.environ[name]}" for name in ISA_CAP_VARIABLES if os.environ.get(name))
 
 
 def cpu_bf16_instructions() -> list[str]:
@@ -93,7 +105,9 @@ def bf16_support() -> Bf16Support:
         return Bf16Support(torch.cuda.get_device_name(), True, torch.cuda.is_bf16_supported(), None)
     instructions = cpu_bf16_instructions()
     capability = torch.backends.cpu.get_cpu_capability()
-    device = f"{cpu_model()} ({capability}{', ' + '+'.join(instructions) if instructions else ''})"
+    caps = isa_caps()
+    device = (f"{cpu_model()} ({capability}{', ' + '+'.join(instructions) if instructions else ''}"
+              f"{'; capped by ' + caps if caps else ''})")
     return Bf16Support(device, False, bool(instructions), probe_bf16_slowdown())
 
 
@@ -146,5 +160,8 @@ def device_record() -> dict[str, str]:
     if torch.cuda.is_available():
         return {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     instructions = cpu_bf16_instructions()
-    return {"device": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-            "cpu_bf16_instructions": "+".join(instructions) or "none", "torch": torch.__version__}
+    record = {"device": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+              "cpu_bf16_instructions": "+".join(instructions) or "none", "torch": torch.__version__}
+    if isa_caps():
+        record["isa_caps"] = isa_caps()
+    return record

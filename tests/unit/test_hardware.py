@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.utils.hardware import (NATIVE_BF16_MAX_SLOWDOWN, Bf16Support, bf16_support, device_record,
+from openppo.utils.hardware import (NATIVE_BF16_MAX_SLOWDOWN, Bf16Support, bf16_support, device_record, isa_caps,
                                     probe_bf16_slowdown, resolve_param_dtype)
 
 AVX2 = Bf16Support("AMD EPYC 7B13 (AVX2)", on_gpu=False, native=False, slowdown=52.0)
@@ -46,8 +46,19 @@ def test_this_machine_probe_agrees_with_its_instructions():
         pytest.skip("CPU probe only")
     slowdown = probe_bf16_slowdown()
     assert slowdown > 0
-    if support.native:
+    if support.native and not isa_caps():  # with the kernels capped (see ISA_CAP_VARIABLES) bf16 may be emulated
         assert slowdown < NATIVE_BF16_MAX_SLOWDOWN, slowdown
     record = device_record()
     assert record["device"] and record["cpu_capability"] == __import__("torch").backends.cpu.get_cpu_capability()
     assert (record["cpu_bf16_instructions"] != "none") == support.native
+
+
+def test_isa_caps_reach_the_device_name_and_record(monkeypatch):
+    """An AVX2-only CPU is checked on a newer one by capping the kernels' instruction sets: the cap is named."""
+    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+        monkeypatch.delenv(name, raising=False)
+    assert isa_caps() == "" and "isa_caps" not in device_record()
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    monkeypatch.setenv("MKL_ENABLE_INSTRUCTIONS", "AVX2")
+    assert isa_caps() == "ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2"
+    assert device_record()["isa_caps"] == isa_caps()
