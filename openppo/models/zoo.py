@@ -46,7 +46,7 @@ MARKER = "openppo_build.json"
 _RECIPE_VERSION = 1
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_ARCHS = ("qwen2", "llama")
+TINY_ARCHS = ("qwen2", "llama", "qwen3", "mistral")
 TINY_TOKENIZERS = ("qwen3", "gpt2")
 TINY_DTYPES = ("float32", "bfloat16")
 _TINY_MAX_POSITIONS = 4096
@@ -246,11 +246,13 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", num_layers: in
 
     def make(tmp: Path) -> dict[str, Any]:
         import torch
-        from transformers import GenerationConfig, LlamaConfig, LlamaForCausalLM, Qwen2Config, Qwen2ForCausalLM
+        import transformers
+        from transformers import GenerationConfig
 
         tok = _tiny_tokenizer(tokenizer)
-        config_cls, model_cls = {"qwen2": (Qwen2Config, Qwen2ForCausalLM),
-                                 "llama": (LlamaConfig, LlamaForCausalLM)}[arch]
+        prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
+        config_cls = getattr(transformers, f"{prefix}Config")
+        model_cls = getattr(transformers, f"{prefix}ForCausalLM")
         config = config_cls(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
                             num_hidden_layers=num_layers, num_attention_heads=num_heads,
                             num_key_value_heads=num_heads, head_dim=hidden_size // num_heads,
