@@ -15,12 +15,13 @@ and `torch.autograd`. The learning rate is 0, so the engine's weights stay those
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.ppo.rank_helpers import (GradAtBoundary, fp32_strategy, full_grads, full_weights, join_gloo_group,
+                                    load_model, ragged_rows)
 from tests.spawn import run_ranks
 
 WORLD = 2
@@ -36,19 +37,7 @@ LAYOUTS = {"padded": dict(rows=2), "packed": dict(packed=True, rows=2),
 
 
 def _global_batch(vocab: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    width = max(LENGTHS)
-    seqs = torch.randint(10, vocab, (len(LENGTHS), width), generator=gen)
-    attn = torch.zeros_like(seqs)
-    mask = torch.zeros(len(LENGTHS), width - 1, dtype=torch.long)
-    for row, n in enumerate(LENGTHS):
-        attn[row, :n] = 1
-        mask[row, 1: n - 1] = int(row != EMPTY_ROW)  # token 0 is the prompt
-    seqs[attn == 0] = 0
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
-            "advantages": torch.randn(mask.shape, generator=gen) * mask,
-            "returns": torch.randn(mask.shape, generator=gen) * mask,
-            "noise": 0.05 * torch.randn(mask.shape, generator=gen)}
+    return ragged_rows(LENGTHS, vocab, torch.Generator().manual_seed(0), empty_rows=(EMPTY_ROW,))
 
 
 def reduce_global(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
@@ -76,39 +65,9 @@ def _value_per_token(values, old_values, returns):
     return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
 
 
-def _full_grads(engine) -> dict[str, torch.Tensor]:
-    """Every parameter's reduced fp32 gradient (collective under ZeRO-3: every rank calls it, in one order)."""
-    from deepspeed.utils import safe_get_full_grad
-
-    return {n: safe_get_full_grad(p).detach().clone() for n, p in engine.module.named_parameters()}
-
-
-class GradsAtBoundary:
-    """The engine, recording the full gradients just before each optimizer step."""
-
-    def __init__(self, engine):
-        self.engine, self.grads = engine, []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def __call__(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
-
-    def step(self):
-        if self.engine.is_gradient_accumulation_boundary():
-            self.grads.append(_full_grads(self.engine))
-        self.engine.step()
-
-
 def _plain_copy(strategy, engine, plain) -> None:
     """Load the engine's full weights into the plain model (the critic's value head starts random)."""
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=strategy.cfg.zero_stage == 3):
-        state = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    result = plain.load_state_dict(state, strict=False)
+    result = plain.load_state_dict(full_weights(strategy, engine), strict=False)
     assert not result.unexpected_keys and not set(result.missing_keys) & {n for n, _ in plain.named_parameters()}
 
 
@@ -117,33 +76,22 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worker(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    from openppo.models.actor import Actor
-    from openppo.models.scalar import ScalarModel
+    join_gloo_group(rank, port, WORLD)
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
     from openppo.ppo.micro_batches import Batching
-    from openppo.strategy.config import DeepSpeedConfig
-    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import tiny_model_dir
 
     path = str(tiny_model_dir())
     results: dict[str, float] = {}
     for zero in (2, 3):
-        strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=zero, param_dtype="fp32", dist_timeout=120),
-                                     train_batch_size=8, micro_batch_size=2, max_norm=0.0, seed=0)
-        strategy.setup_distributed()
+        strategy = fp32_strategy(zero, max_norm=0.0)
         for role in ("actor", "critic"):
-            load = (lambda dtype: Actor.from_pretrained(path, dtype=dtype)) if role == "actor" else (
-                lambda dtype: ScalarModel.from_pretrained(path, dtype=dtype, flag="--critic_pretrain"))
-            with strategy.zero3_init():
-                model = load(torch.float32)
-            engine = GradsAtBoundary(strategy.prepare_train(
+            model = load_model(role, path, strategy)
+            engine = GradAtBoundary(strategy.prepare_train(
                 model, lr=0.0, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant", warmup_ratio=0.0,
-                min_lr_ratio=0.1, num_training_steps=64))
-            plain = load(torch.float32)
+                min_lr_ratio=0.1, num_training_steps=64), read=full_grads)
+            plain = load_model(role, path)
             _plain_copy(strategy, engine, plain)
             data = _global_batch(plain.config.vocab_size)
             mask = data["action_mask"]

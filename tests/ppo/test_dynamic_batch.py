@@ -17,6 +17,7 @@ from openppo.ppo.micro_batches import Batching
 from openppo.strategy.config import DeepSpeedConfig
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from tests.model_cache import tiny_model_dir
+from tests.ppo.rank_helpers import GradAtBoundary
 
 LENGTHS = [5, 17, 9, 30, 12, 3, 22, 8]  # ragged rows: prompt + response
 
@@ -34,24 +35,6 @@ def _experience() -> dict[str, torch.Tensor]:
     return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
             "advantages": torch.randn(len(LENGTHS), width - 1) * mask,
             "returns": torch.randn(len(LENGTHS), width - 1) * mask}
-
-
-class GradAtBoundary:
-    """The engine, recording the accumulated gradient each time an optimizer step is about to be taken."""
-
-    def __init__(self, engine):
-        self.engine, self.grads = engine, []
-
-    def __getattr__(self, name):
-        return getattr(self.engine, name)
-
-    def __call__(self, *args, **kwargs):
-        return self.engine(*args, **kwargs)
-
-    def step(self):
-        if self.engine.is_gradient_accumulation_boundary():
-            self.grads.append({n: p.grad.detach().clone() for n, p in self.engine.module.named_parameters()})
-        self.engine.step()
 
 
 def _engine(model_cls):

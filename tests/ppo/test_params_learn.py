@@ -12,12 +12,12 @@ is exactly zero and only B moves; from the second step on both do. The base weig
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.ppo.rank_helpers import fp32_strategy, full_weights, join_gloo_group, load_model, ragged_rows
 from tests.spawn import run_ranks
 
 WORLD = 2
@@ -28,19 +28,7 @@ LENGTHS = [9, 14, 6, 11, 12, 7, 10, 13]  # 4 rows per rank
 
 
 def _batch(vocab: int, rank: int) -> dict[str, torch.Tensor]:
-    gen = torch.Generator().manual_seed(rank)
-    rows = LENGTHS[rank * 4:(rank + 1) * 4]
-    width = max(LENGTHS)
-    seqs = torch.randint(10, vocab, (len(rows), width), generator=gen)
-    attn = torch.zeros_like(seqs)
-    mask = torch.zeros(len(rows), width - 1, dtype=torch.long)
-    for row, n in enumerate(rows):
-        attn[row, :n] = 1
-        mask[row, 2: n - 1] = 1
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
-            "advantages": torch.randn(mask.shape, generator=gen) * mask,
-            "returns": torch.randn(mask.shape, generator=gen) * mask,
-            "noise": 0.05 * torch.randn(mask.shape, generator=gen)}
+    return ragged_rows(LENGTHS[rank * 4:(rank + 1) * 4], vocab, torch.Generator().manual_seed(rank), first_action=2)
 
 
 def _model_dir(tiny_model_dir, arch: str):
@@ -48,39 +36,20 @@ def _model_dir(tiny_model_dir, arch: str):
     return tiny_model_dir() if arch == "qwen2" else tiny_model_dir(arch=arch)
 
 
-def _full_params(strategy, engine) -> dict[str, torch.Tensor]:
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=strategy.cfg.zero_stage == 3):
-        return {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-
-
 def _worker(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    from openppo.models.actor import Actor
-    from openppo.models.scalar import ScalarModel
+    join_gloo_group(rank, port, WORLD)
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
     from openppo.ppo.micro_batches import Batching
-    from openppo.strategy.config import DeepSpeedConfig
-    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import tiny_model_dir
 
     results: dict[str, dict] = {}
     for arch in ARCHS:
         path = str(_model_dir(tiny_model_dir, arch))
         for zero in (2, 3):
-            strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=zero, param_dtype="fp32", dist_timeout=120),
-                                         train_batch_size=8, micro_batch_size=2, max_norm=1.0, seed=0)
-            strategy.setup_distributed()
+            strategy = fp32_strategy(zero)
             for role in ROLES:
-                lora = dict(lora_rank=4, lora_alpha=8) if role == "lora" else {}
-                with strategy.zero3_init():
-                    model = (ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain")
-                             if role == "critic" else Actor.from_pretrained(path, dtype=torch.float32, **lora))
+                model = load_model(role, path, strategy, **(dict(lora_rank=4, lora_alpha=8) if role == "lora" else {}))
                 trainable = {n for n, p in model.named_parameters() if p.requires_grad}
                 engine = strategy.prepare_train(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
                                                 scheduler="constant", warmup_ratio=0.0, min_lr_ratio=0.1,
@@ -99,11 +68,11 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0),
                                          kl_coef=0.0, temperature=1.0, generate_max_len=16, is_correction=None,
                                          is_threshold=(0.5, 5.0))
-                before = _full_params(strategy, engine)
+                before = full_weights(strategy, engine)
                 metrics = fit_experience(engine, data, loss_fn, batching=Batching(rows=2),
                                          rows_per_step=2 if role == "lora" else 4, epochs=1, world_size=WORLD,
                                          seed=0, device=strategy.device)
-                after = _full_params(strategy, engine)
+                after = full_weights(strategy, engine)
                 moved = {n for n in before if not torch.equal(before[n], after[n])}
                 results[f"{arch}/zero{zero}/{role}"] = {
                     "loss": metrics["loss/value" if role == "critic" else "loss/policy"],

@@ -11,12 +11,12 @@ train one more step on the same rows: the weights must still be equal, so the re
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.ppo.rank_helpers import fp32_strategy, full_weights, join_gloo_group, load_model, ragged_rows
 from tests.spawn import run_ranks
 
 WORLD = 2
@@ -27,19 +27,9 @@ LENGTHS = [9, 14, 6, 11, 12, 7, 10, 13]
 
 def _batch(vocab: int, rank: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * seed + rank)
-    rows = LENGTHS[rank * 4:(rank + 1) * 4]
-    width = max(LENGTHS)
-    seqs = torch.randint(10, vocab, (len(rows), width), generator=gen)
-    attn = torch.zeros_like(seqs)
-    mask = torch.zeros(len(rows), width - 1, dtype=torch.long)
-    for row, n in enumerate(rows):
-        attn[row, :n] = 1
-        mask[row, 2: n - 1] = 1
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
-            "advantages": torch.randn(mask.shape, generator=gen) * mask,
-            "returns": torch.randn(mask.shape, generator=gen) * mask,
-            "old_log_probs": -3.0 + 0.1 * torch.randn(mask.shape, generator=gen),
-            "old_values": 0.1 * torch.randn(mask.shape, generator=gen)}
+    data = ragged_rows(LENGTHS[rank * 4:(rank + 1) * 4], vocab, gen, first_action=2)
+    noise = data.pop("noise")
+    return {**data, "old_log_probs": -3.0 + 2 * noise, "old_values": 2 * noise}
 
 
 def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
@@ -56,12 +46,7 @@ def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def _snapshot(strategy, engine) -> dict[str, dict[str, torch.Tensor]]:
-    import deepspeed
-
-    params = list(engine.module.parameters())
-    with deepspeed.zero.GatheredParameters(params, enabled=strategy.cfg.zero_stage == 3):
-        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
-    return {"weights": weights, "optimizer": _tensors(engine.optimizer.state_dict()),
+    return {"weights": full_weights(strategy, engine), "optimizer": _tensors(engine.optimizer.state_dict()),
             "scheduler": _tensors(engine.lr_scheduler.state_dict()),
             "steps": {"global_steps": torch.tensor(engine.global_steps), "lr": torch.tensor(engine.get_lr()[0])}}
 
@@ -77,30 +62,19 @@ def _differences(a: dict, b: dict) -> dict[str, list[str]]:
 
 
 def _worker(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
-    from openppo.models.actor import Actor
-    from openppo.models.scalar import ScalarModel
+    join_gloo_group(rank, port, WORLD)
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
     from openppo.ppo.micro_batches import Batching
-    from openppo.strategy.config import DeepSpeedConfig
-    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import tiny_model_dir
 
     path = str(tiny_model_dir())
     results: dict[str, dict] = {}
     for zero in (2, 3):
-        strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=zero, param_dtype="fp32", dist_timeout=120),
-                                     train_batch_size=8, micro_batch_size=2, max_norm=1.0, seed=0)
-        strategy.setup_distributed()
+        strategy = fp32_strategy(zero)
         for role in ROLES:
             def build():
-                lora = dict(lora_rank=4, lora_alpha=8) if role == "lora" else {}
-                with strategy.zero3_init():
-                    model = (ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain")
-                             if role == "critic" else Actor.from_pretrained(path, dtype=torch.float32, **lora))
+                model = load_model(role, path, strategy, **(dict(lora_rank=4, lora_alpha=8) if role == "lora" else {}))
                 return strategy.prepare_train(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01,
                                               scheduler="cosine_with_min_lr", warmup_ratio=0.5, min_lr_ratio=0.1,
                                               num_training_steps=8)

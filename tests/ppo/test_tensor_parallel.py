@@ -11,13 +11,13 @@ read.
 from __future__ import annotations
 
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.ppo.test_dynamic_batch import GradAtBoundary, _experience
+from tests.ppo.rank_helpers import GradAtBoundary, join_gloo_group
+from tests.ppo.test_dynamic_batch import _experience
 from tests.spawn import run_ranks
 
 WORLD = 2
@@ -60,9 +60,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 def _worker(rank: int, out_dir: str, port: int) -> None:
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(WORLD), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
-    torch.set_num_threads(1)
+    join_gloo_group(rank, port, WORLD)
     from openppo.models.actor import Actor
     from openppo.models.loading import load_tokenizer
     from openppo.ppo.config import AlgoConfig
