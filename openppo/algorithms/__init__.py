@@ -41,6 +41,10 @@ from openppo.algorithms.kl import (
 )
 from openppo.algorithms.losses import (
     IS_CORRECTION_TYPES,
+    check_dual_clip,
+    check_is_threshold,
+    check_value_clip,
+    clip_bounds,
     gspo_sequence_log_ratio,
     importance_weights,
     policy_loss,
@@ -50,6 +54,8 @@ from openppo.algorithms.masking import masked_mean, masked_sum
 from openppo.algorithms.rewards import (
     GRPO_STD_EPS,
     apply_truncation_penalty,
+    check_overlong,
+    check_truncation_penalty,
     clip_rewards,
     normalize_reward,
     overlong_penalty,
@@ -64,8 +70,9 @@ __all__ = [
     "compute_approx_kl", "kl_loss", "sequence_kl", "FixedKLController", "AdaptiveKLController", "build_kl_controller",
     "compute_gae", "compute_returns", "compute_advantages", "advantage_moments", "whiten_advantages",
     "shape_group_rewards", "shape_sequence_rewards", "normalize_reward", "clip_rewards", "overlong_penalty",
-    "apply_truncation_penalty", "token_level_rewards",
-    "policy_loss", "value_loss", "gspo_sequence_log_ratio", "importance_weights",
+    "apply_truncation_penalty", "token_level_rewards", "check_overlong", "check_truncation_penalty",
+    "policy_loss", "value_loss", "gspo_sequence_log_ratio", "importance_weights", "clip_bounds", "check_dual_clip",
+    "check_is_threshold", "check_value_clip",
     "aggregate_loss", "loss_normalizers", "default_loss_agg_mode", "needs_critic", "whitens_by_default",
     "entropy_from_logits", "log_probs_and_entropy", "log_probs_from_logits", "masked_mean", "masked_sum",
 ]

@@ -85,6 +85,22 @@ def clip_rewards(rewards: torch.Tensor, clip_range: tuple[float, float]) -> torc
     return rewards.detach().clamp(low, high)
 
 
+def check_overlong(buffer_len: int, max_new_tokens: int, factor: float) -> None:
+    """The rules of `overlong_penalty`'s options (also checked by the CLIs' validation before anything starts)."""
+    if not 0 < buffer_len <= max_new_tokens:
+        raise UserError(f"--overlong_buffer_len: must be in (0, --generate_max_len={max_new_tokens}], got "
+                        f"{buffer_len}")
+    if factor < 0:
+        raise UserError(f"--overlong_penalty_factor: must be >= 0, got {factor}")
+
+
+def check_truncation_penalty(coef: float) -> None:
+    """The rule of `apply_truncation_penalty`'s coefficient (also checked by the CLIs' validation)."""
+    if coef > 1:
+        raise UserError(f"--stop_properly_penalty_coef: must be <= 1 (a factor in [0, 1] or a negative fixed "
+                        f"reward), got {coef}")
+
+
 def overlong_penalty(response_lengths: torch.Tensor, *, max_new_tokens: int, buffer_len: int,
                      factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476), <= 0, to add to the reward.
@@ -95,10 +111,7 @@ def overlong_penalty(response_lengths: torch.Tensor, *, max_new_tokens: int, buf
     0 up to max_new_tokens - buffer_len, linear down to -factor at max_new_tokens (and beyond).
     Shapes: response_lengths [B] (token counts) -> [B] in `dtype`.
     """
-    if not 0 < buffer_len <= max_new_tokens:
-        raise UserError(f"--overlong_buffer_len: must be in (0, max_new_tokens={max_new_tokens}], got {buffer_len}")
-    if factor < 0:
-        raise UserError(f"--overlong_penalty_factor: must be >= 0, got {factor}")
+    check_overlong(buffer_len, max_new_tokens, factor)
     exceed = (response_lengths.to(dtype) - (max_new_tokens - buffer_len)).clamp(0, buffer_len)
     return -factor * exceed / buffer_len
 
@@ -109,9 +122,7 @@ def apply_truncation_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coe
     coef in [0, 1]: r <- coef * r for truncated responses; coef < 0: r <- coef (a fixed penalty).
     Shapes: rewards [B], truncated [B] (bool or 0/1) -> [B].
     """
-    if coef > 1:
-        raise UserError(f"--stop_properly_penalty_coef: must be <= 1 (a factor in [0, 1] or a negative fixed "
-                        f"reward), got {coef}")
+    check_truncation_penalty(coef)
     rewards = rewards.detach()
     penalised = torch.full_like(rewards, coef) if coef < 0 else rewards * coef
     return torch.where(bool_mask(truncated), penalised, rewards)

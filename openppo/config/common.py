@@ -8,7 +8,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from openppo.config.schema import opt
-from openppo.errors import require
+from openppo.errors import UserError, require
 from openppo.utils.paths import check_output_dir
 
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
@@ -103,7 +103,11 @@ def validate_schedule(*, min_lr_ratio: float, max_norm: float) -> None:
 
 
 def validate_outputs(ckpt: CheckpointConfig, logging: LoggingConfig) -> None:
-    """The folders a run writes can be created: checked before anything is written to --save_path."""
+    """The folders a run writes can be created, and a resume has checkpoints to read: checked before anything is
+    written to --save_path."""
+    if ckpt.load_checkpoint and ckpt.disable_ds_ckpt:
+        raise UserError("--load_checkpoint resumes from DeepSpeed checkpoints, which --disable_ds_ckpt turns off: "
+                        "drop one of them")
     check_output_dir(ckpt.save_path, "--save_path")
     if ckpt.ckpt_path is not None:
         check_output_dir(ckpt.ckpt_path, "--ckpt_path")

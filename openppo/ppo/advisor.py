@@ -165,9 +165,11 @@ def _memory(cfg: PPOConfig, means: dict[str, float], host_memory_gib: float) -> 
         flags.append("--gradient_checkpointing")
     if cfg.ds.zero_stage < 3:
         flags.append("--zero_stage 3")
-    if not cfg.ds.adam_offload and not cfg.ds.deepspeed_enable_sleep:
+    on_gpu = peak is not None and bool(total)
+    # offloading moves states from device to host memory: on a CPU run they already live there
+    if on_gpu and not cfg.ds.adam_offload and not cfg.ds.deepspeed_enable_sleep:
         flags.append("--adam_offload")
-    if not cfg.model.ref_reward_offload:
+    if on_gpu and not cfg.model.ref_reward_offload:
         flags.append("--ref_reward_offload")
     flags.append("a smaller --train_max_tokens_per_gpu / --micro_train_batch_size")
     return Advice("memory-bound", f"{where} is {used:.1f} of {of:.1f} GiB ({used / of:.0%})", flags)

@@ -177,7 +177,8 @@ class AlgoConfig:
                                           "reinforce; reinforce_baseline = REINFORCE++-baseline",
                                    choices=ADVANTAGE_ESTIMATORS)
     init_kl_coef: float = opt(0.01, "KL coefficient beta; 0 = no reference model")
-    kl_target: float = opt(None, "adaptive KL controller target (None = fixed coefficient)")
+    kl_target: float = opt(None, "adaptive KL controller target in nats per response, the summed KL of one "
+                                  "response (Ziegler et al.; None = fixed coefficient)")
     kl_horizon: int = opt(10000, "adaptive KL controller horizon (samples)")
     use_kl_loss: bool = opt(False, "KL as a loss term (GRPO style) instead of a per-token reward penalty")
     kl_estimator: str = opt("k1", "KL estimator: k1 for the reward penalty, k2/k3 for the loss",

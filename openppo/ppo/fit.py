@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from openppo.algorithms import (aggregate_loss, default_loss_agg_mode, kl_loss, loss_normalizers, masked_mean,
-                                policy_loss, value_loss)
+from openppo.algorithms import (aggregate_loss, clip_bounds, default_loss_agg_mode, kl_loss, loss_normalizers,
+                                masked_mean, policy_loss, value_loss)
 from openppo.models.packing import trim_padding
 from openppo.ppo.config import AlgoConfig
 from openppo.ppo.micro_batches import Batching, equalize
@@ -146,7 +146,7 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
 def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, generate_max_len: int,
                is_correction: str | None, is_threshold: tuple[float, float], pack: bool = False) -> LossFn:
     """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss."""
-    low, high = algo.eps_clip_low_high or (algo.eps_clip, algo.eps_clip)
+    low, high = clip_bounds(algo.eps_clip, algo.eps_clip_low_high)
     mode = algo.loss_agg_mode or default_loss_agg_mode(algo.advantage_estimator, algo.policy_loss_type)
     # The entropy is always logged; it carries a gradient only when it is a loss term.
     entropy_in_loss = bool(algo.entropy_loss_coef)

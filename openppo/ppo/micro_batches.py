@@ -66,19 +66,30 @@ def equalize(micros: list[list[int]], lengths: list[int], count: int, packed: bo
     return micros
 
 
+def shard_sizes(size: int, num_shards: int) -> list[int]:
+    """Rows per rank when `size` rows are dealt to `num_shards` ranks: equal, or one more for the first ranks.
+
+    Training batches always split evenly (validation sees to it); forward-only batches (log-probs, values,
+    scores, eval) may not, and every rank runs as many micro-batches as the busiest one anyway."""
+    if size < num_shards:
+        raise ValueError(f"a batch of {size} rows cannot be dealt to {num_shards} ranks (each needs one)")
+    per, extra = divmod(size, num_shards)
+    return [per + (k < extra) for k in range(num_shards)]
+
+
 def balanced_shards(lengths: list[int], num_shards: int) -> list[list[int]]:
-    """Deal rows to `num_shards` data-parallel ranks, the same number each, evening out their token totals.
+    """Deal rows to `num_shards` data-parallel ranks, as many each as `shard_sizes` gives, evening out their token
+    totals.
 
     Longest first, each row to the shard with the fewest tokens that still has room (greedy LPT). Each shard's
     indices are returned sorted, so a shard keeps the batch's order.
     """
     size = len(lengths)
-    assert size % num_shards == 0, f"batch of {size} does not split over {num_shards} ranks"
-    per_shard = size // num_shards
+    room = shard_sizes(size, num_shards)
     shards: list[list[int]] = [[] for _ in range(num_shards)]
     totals = [0] * num_shards
     for i in sorted(range(size), key=lambda k: -lengths[k]):
-        s = min((k for k in range(num_shards) if len(shards[k]) < per_shard), key=lambda k: totals[k])
+        s = min((k for k in range(num_shards) if len(shards[k]) < room[k]), key=lambda k: totals[k])
         shards[s].append(i)
         totals[s] += lengths[i]
     return [sorted(s) for s in shards]

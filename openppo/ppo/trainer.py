@@ -23,11 +23,11 @@ import torch
 from tqdm import tqdm
 
 from openppo.agents.rollout import rows_by_budget
-from openppo.algorithms import build_kl_controller, masked_mean
+from openppo.algorithms import build_kl_controller, masked_mean, sequence_kl
 from openppo.errors import UserError
 from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
 from openppo.ppo.config import PPOConfig, ranks_per_shard
-from openppo.ppo.dispatch import Groups, replicated, shard_rows, shards
+from openppo.ppo.dispatch import Groups, in_batch_order, replicated, shard_rows, shards
 from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
@@ -39,10 +39,12 @@ from openppo.ppo.validate import engine_dtype, needs_old_logprob_pass
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
 from openppo.utils.resources import rss_gib
-from openppo.utils.tracking import MetricsTracker
+from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
 logger = logging.getLogger(__name__)
 _PROGRESS_KEYS = ("reward", "kl", "policy_loss", "response_length", "rollout/logprob_diff")
+_SHORT_NAMES = {"rollout/logprob_diff": "policy/rollout_logprob_diff", "policy_loss": "loss/policy",
+                "value_loss": "loss/value", "clip_ratio": "policy/clip_ratio", "entropy": "policy/entropy"}
 
 
 class PPOTrainer:
@@ -229,10 +231,7 @@ class PPOTrainer:
         replicas = self._replicas(group)
         shards = shard_rows(data, group.num_workers // replicas, self._balance)
         # the ranks of a ring or a tensor-parallel group return the same values
-        results = torch.cat(group.run_sharded(method, replicated(data, shards, replicas))[::replicas])
-        out = torch.empty_like(results)
-        out[torch.tensor([i for rows in shards for i in rows])] = results
-        return out
+        return in_batch_order(group.run_sharded(method, replicated(data, shards, replicas))[::replicas], shards)
 
     def sync_weights(self) -> dict[str, float]:
         cfg = self.cfg
@@ -293,20 +292,25 @@ class PPOTrainer:
             self.swap.engine_weights()
         self.swap.to_engines()
         kl = masked_mean(adv["kl"], mask).item()
-        self.kl_ctl.update(kl, len(samples))
+        # The adaptive controller's target is in nats per response (Ziegler et al.), not per token.
+        kl_response = sequence_kl(adv["kl"], mask).mean().item()
+        self.kl_ctl.update(kl_response, len(samples))
         response_len = batch["response_length"].float()
         metrics.update({
             "rollout/reward": scores.mean().item(), "reward": scores.mean().item(), "kl": kl,
+            "rollout/kl_per_response": kl_response,
             "rollout/kl_coef": self.kl_ctl.value, "response_length": response_len.mean().item(),
             "rollout/truncated_ratio": batch["truncated"].float().mean().item(),
-            "rollout/logprob_diff": masked_mean((batch["rollout_log_probs"] - old_log_probs).abs(), mask).item()
-            if old_log_probs is not None else metrics.get("policy/rollout_logprob_diff", float("nan")),
             "rollout/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
-            "policy_loss": metrics.get("loss/policy", float("nan")),
-            "value_loss": metrics.get("loss/value", float("nan")),
-            "clip_ratio": metrics.get("policy/clip_ratio", float("nan")),
-            "entropy": metrics.get("policy/entropy", float("nan")),
             "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode, **lag, **reward_logs})
+        if old_log_probs is not None:
+            metrics["rollout/logprob_diff"] = masked_mean((batch["rollout_log_probs"] - old_log_probs).abs(),
+                                                          mask).item()
+        # Short names of the headline metrics, only where the step produced them: a placeholder NaN would now be
+        # logged (non-finite values are kept) and read as a diverged run.
+        for short, name in _SHORT_NAMES.items():
+            if name in metrics:
+                metrics[short] = metrics[name]
         timing = {**self._timing, "timing/step": time.perf_counter() - start}
         timing["timing/idle"] = idle_seconds(timing, timing["timing/step"])
         trained = int(batch["attention_mask"].sum()) * cfg.train.max_epochs
@@ -362,6 +366,12 @@ class PPOTrainer:
         """Every trained model saves its part of this step, then the controller commits the step (see
         `openppo.strategy.checkpoint`): a crash before the commit leaves the previous step the one to resume."""
         c = self.cfg.ckpt
+        if c.save_hf_ckpt:
+            hf_dir = ckpt.hf_export_dir(self.ckpt_dir, self.global_step)
+            self.groups.policy.run("save_hf", str(hf_dir), self.cfg.model.pretrain)
+            removed = ckpt.rotate_hf(self.ckpt_dir, c.max_ckpt_num)
+            logger.info("HF model of step %d saved to %s%s", self.global_step, hf_dir,
+                        f"; removed {', '.join(removed)}" if removed else "")
         if c.disable_ds_ckpt:
             return
         state = {"global_step": self.global_step, "prompt_stream": self._data_position,
@@ -395,6 +405,11 @@ class PPOTrainer:
         self.stream.load_state_dict(state["prompt_stream"])
         self._data_position = self.stream.state_dict()
         self.kl_ctl.load_state_dict(state["kl_controller"])
+        for log in ("metrics.jsonl", "rollouts.jsonl"):
+            aside = set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
+            if aside is not None:
+                logger.info("resume at step %d: the rows of %s after it were moved to %s", self.global_step, log,
+                            aside.name)
         self.sync_weights()
         self.policy_version = self.global_step
         logger.info("resumed from %s at step %d (prompt %d of %d); engines re-synced", self.ckpt_dir,

@@ -6,12 +6,13 @@ for options that are accepted but cannot take effect here. It never rewrites the
 
 from __future__ import annotations
 
-from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
+from openppo.algorithms import (GROUP_ESTIMATORS, check_dual_clip, check_is_threshold, check_overlong,
+                                check_truncation_penalty, check_value_clip, clip_bounds, needs_critic)
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
-from openppo.ppo.config import PPOConfig
-from openppo.strategy.config import state_offload_supported, validate_ds_settings
+from openppo.ppo.config import PPOConfig, ranks_per_shard
+from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
 from openppo.utils.profiling import parse_profile_steps
 
@@ -43,7 +44,19 @@ def engine_dtype(cfg: PPOConfig) -> str:
 
 
 def actor_world_size(cfg: PPOConfig) -> int:
-    return cfg.resources.actor_num_nodes * cfg.resources.actor_num_gpus_per_node
+    return role_ranks(cfg, "actor")
+
+
+def used_roles(cfg: PPOConfig) -> list[str]:
+    """The model roles this run starts: the actor, and the reference, critic and reward model where needed."""
+    used = {"actor": True, "ref": needs_reference(cfg), "critic": needs_critic_group(cfg),
+            "reward": bool(cfg.model.reward_pretrain)}
+    return [role for role, present in used.items() if present]
+
+
+def role_ranks(cfg: PPOConfig, role: str) -> int:
+    """The ranks of a role's worker group: --<role>_num_nodes x --<role>_num_gpus_per_node."""
+    return getattr(cfg.resources, f"{role}_num_nodes") * getattr(cfg.resources, f"{role}_num_gpus_per_node")
 
 
 def _positive(value, flag: str) -> None:
@@ -88,11 +101,11 @@ def _algorithm(cfg: PPOConfig) -> None:
     if algo.kl_target is not None:
         _positive(algo.kl_target, "--kl_target")
         require(algo.init_kl_coef > 0, "--kl_target adapts the KL coefficient: set --init_kl_coef > 0")
-    _positive(algo.eps_clip, "--eps_clip")
-    if algo.eps_clip_low_high is not None:
-        low, high = algo.eps_clip_low_high
-        require(low > 0 and high > 0, f"--eps_clip_low_high must be two positive numbers, got {low} {high}")
-    require(algo.dual_clip is None or algo.dual_clip > 1, f"--dual_clip must be > 1, got {algo.dual_clip}")
+    # the losses' own rules (algorithms/losses.py), checked here so that they fail before Ray starts
+    clip_bounds(algo.eps_clip, algo.eps_clip_low_high)
+    check_dual_clip(algo.dual_clip)
+    check_value_clip(algo.value_clip)
+    check_is_threshold(tuple(cfg.vllm.vllm_is_truncated_threshold))
     require(0 < algo.gamma <= 1, f"--gamma must be in (0, 1], got {algo.gamma}")
     require(0 <= algo.lambd <= 1, f"--lambd must be in [0, 1], got {algo.lambd}")
     if algo.advantage_estimator in GROUP_ESTIMATORS and algo.gamma != 1.0:
@@ -103,8 +116,9 @@ def _algorithm(cfg: PPOConfig) -> None:
     require(algo.entropy_loss_coef is None or algo.entropy_loss_coef >= 0,
             f"--entropy_loss_coef must be >= 0, got {algo.entropy_loss_coef}")
     if algo.overlong_buffer_len is not None:
-        require(0 < algo.overlong_buffer_len < cfg.data.generate_max_len,
-                f"--overlong_buffer_len must be in (0, --generate_max_len={cfg.data.generate_max_len})")
+        check_overlong(algo.overlong_buffer_len, cfg.data.generate_max_len, algo.overlong_penalty_factor)
+    if algo.stop_properly_penalty_coef is not None:
+        check_truncation_penalty(algo.stop_properly_penalty_coef)
     lo, hi = r.dynamic_filtering_reward_range
     require(lo < hi, f"--dynamic_filtering_reward_range needs low < high, got {lo} {hi}")
 
@@ -124,11 +138,20 @@ def _batches(cfg: PPOConfig) -> None:
     if samples % t.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "
                         f"multiple of --train_batch_size {t.train_batch_size}; pick sizes so that it is")
-    world = actor_world_size(cfg) // max(r.ring_attn_size * cfg.ds.ds_tensor_parallel_size, 1)
-    if t.train_batch_size % (t.micro_train_batch_size * world):
-        raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
-                        f"{t.micro_train_batch_size} x {world} data-parallel actor ranks; pick a --train_batch_size "
-                        f"that is")
+    # Forward-only passes deal the rollout batch over a role's ranks, unevenly if need be, but each rank needs a row.
+    for role in used_roles(cfg):
+        world = role_ranks(cfg, role) // max(ranks_per_shard(cfg, role), 1)
+        if samples < world:
+            raise UserError(f"{samples} samples per step cannot feed {world} data-parallel {role} ranks "
+                            f"(--{role}_num_nodes x --{role}_num_gpus_per_node): use fewer ranks or a larger "
+                            f"--rollout_batch_size")
+    trained = {"actor": True, "critic": needs_critic_group(cfg)}
+    for role in (role for role, used in trained.items() if used):
+        world = role_ranks(cfg, role) // max(ranks_per_shard(cfg, role), 1)
+        if t.train_batch_size % (t.micro_train_batch_size * world):
+            raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
+                            f"{t.micro_train_batch_size} x {world} data-parallel {role} ranks (--{role}_num_nodes x "
+                            f"--{role}_num_gpus_per_node); pick a --train_batch_size that is")
     if d.eval_dataset:
         _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
         _positive(d.eval_temperature, "--eval_temperature")
@@ -152,7 +175,7 @@ def _batches(cfg: PPOConfig) -> None:
 
 
 def _sequence_parallel(cfg: PPOConfig) -> None:
-    r, res = cfg.rollout, cfg.resources
+    r = cfg.rollout
     _positive(r.ring_attn_size, "--ring_attn_size")
     require(r.ring_head_stride >= 0, f"--ring_head_stride must be >= 0 (0 = all KV heads at once), got "
                                      f"{r.ring_head_stride}")
@@ -160,11 +183,9 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
         return
     if not r.packing_samples:
         raise UserError("--ring_attn_size shards packed rows over ranks: add --packing_samples")
-    used = {"actor": True, "ref": needs_reference(cfg), "critic": needs_critic_group(cfg),
-            "reward": bool(cfg.model.reward_pretrain)}
-    for role, present in used.items():
-        ranks = getattr(res, f"{role}_num_nodes") * getattr(res, f"{role}_num_gpus_per_node")
-        if present and ranks % r.ring_attn_size:
+    for role in used_roles(cfg):
+        ranks = role_ranks(cfg, role)
+        if ranks % r.ring_attn_size:
             raise UserError(f"--ring_attn_size {r.ring_attn_size} must divide the {role} ranks (--{role}_num_nodes x "
                             f"--{role}_num_gpus_per_node = {ranks})")
 
@@ -254,13 +275,34 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
     if ds.deepcompile and ds.zero_stage == 0:
         notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
     validate_precision(ds.param_dtype, on_gpu)
+    notices.extend(ds_notices(ds, on_gpu))
+    if cfg.model.ref_reward_offload and ds.zero_stage != 3:
+        notices.append(f"--ref_reward_offload has no effect with --zero_stage {ds.zero_stage}: the reference and "
+                       f"reward models' parameters are offloaded by ZeRO-3 only (use --zero_stage 3)")
     if not on_gpu:
-        notices.append("no GPU: *_num_gpus_per_node count worker processes; weight sync uses gloo (shared memory for "
-                       "engines colocated by --colocate_all_models)")
+        notices.append("no GPU: *_num_gpus_per_node count worker processes; vLLM runs eager (CUDA graphs and "
+                       "--enforce_eager do not apply); weight sync uses gloo (shared memory for engines colocated "
+                       "by --colocate_all_models)")
         if v.vllm_enable_sleep:
             notices.append("--vllm_enable_sleep is a no-op on CPU (vLLM cannot sleep there)")
         if v.vllm_sync_backend == "nccl":
             notices.append("--vllm_sync_backend nccl needs GPUs: gloo is used instead")
+
+
+def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
+    """Options that are accepted, and valid, but do nothing (or not what their name says) in this run."""
+    algo, m = cfg.algo, cfg.model
+    if algo.normalize_reward and not m.reward_pretrain:
+        source = "--agent_func_path" if cfg.rollout.agent_func_path else "--remote_rm_url"
+        notices.append(f"--normalize_reward has no effect with {source}: it applies the mean/std stored with a "
+                       f"--reward_pretrain model; scale the rewards in the reward function instead")
+    if cfg.logging.logging_steps > 1:
+        notices.append(f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "
+                       f"metrics.jsonl, TensorBoard and W&B get every step")
+    if algo.kl_estimator != "k1" and not algo.use_kl_loss and needs_reference(cfg):
+        notices.append(f"--kl_estimator {algo.kl_estimator} as a reward penalty: its expectation is the KL, but as "
+                       f"a reward its policy gradient is not the KL's (k1's is); {algo.kl_estimator} is meant for "
+                       f"--use_kl_loss")
 
 
 def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
@@ -274,5 +316,6 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     _tensor_parallel(cfg)
     _batches(cfg)
     _resources(cfg, on_gpu, notices)
+    _no_effect(cfg, notices)
     validate_outputs(cfg.ckpt, cfg.logging)
     return notices

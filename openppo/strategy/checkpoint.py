@@ -164,6 +164,26 @@ def rotate(ckpt_dir: str | Path, keep: int, current: int, parts: list[str]) -> l
     return sorted((t for t in removed if TAG_PATTERN.match(t)), key=step_of)
 
 
+HF_PATTERN = re.compile(r"^global_step(\d+)_hf$")
+
+
+def hf_export_dir(ckpt_dir: str | Path, step: int) -> Path:
+    """Where `--save_hf_ckpt` puts the HF folder of `step`: next to its checkpoint, as OpenRLHF does."""
+    return Path(ckpt_dir) / f"{tag_for_step(step)}_hf"
+
+
+def rotate_hf(ckpt_dir: str | Path, keep: int) -> list[str]:
+    """Keep the newest `keep` HF folders of `--save_hf_ckpt` in `ckpt_dir` (all with `keep <= 0`); delete the
+    others. Returns the deleted folder names."""
+    ckpt_dir = Path(ckpt_dir)
+    found = sorted((int(m.group(1)), p.name) for p in (ckpt_dir.iterdir() if ckpt_dir.is_dir() else [])
+                   if (m := HF_PATTERN.match(p.name)) and p.is_dir())
+    removed = [name for _, name in (found[:-keep] if keep > 0 else [])]
+    for name in removed:
+        shutil.rmtree(ckpt_dir / name, ignore_errors=True)
+    return removed
+
+
 def write_json_atomic(path: str | Path, data: dict) -> None:
     """Write JSON via a temp file, fsync and rename, so readers (and a crash) never see half a file."""
     path = Path(path)

@@ -38,6 +38,18 @@ def validate_ds_settings(cfg: DeepSpeedConfig) -> None:
                                           f"got {cfg.max_nonfinite_steps}")
 
 
+def ds_notices(cfg: DeepSpeedConfig, on_gpu: bool) -> list[str]:
+    """One line for each DeepSpeed option that is accepted but has no effect with these settings or here."""
+    notices = []
+    if cfg.zpg > 1 and cfg.zero_stage != 3:
+        notices.append(f"--zpg {cfg.zpg} has no effect with --zero_stage {cfg.zero_stage}: ZeRO++ hierarchical "
+                       f"partitioning splits ZeRO-3's parameter shards (use --zero_stage 3)")
+    if cfg.adam_offload and not on_gpu:
+        notices.append("--adam_offload saves no memory on CPU: the optimizer states already live in host memory "
+                       "(DeepSpeed's offload path still runs)")
+    return notices
+
+
 def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, world_size: int,
                     max_norm: float, on_gpu: bool, tensor_parallel_size: int = 1) -> dict:
     """The DeepSpeed JSON for a trained model. Batch sizes must already be validated to divide.

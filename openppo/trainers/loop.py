@@ -23,8 +23,9 @@ from tqdm import tqdm
 
 from openppo.config.common import CheckpointConfig, LoggingConfig, OptimConfig
 from openppo.errors import UserError
+from openppo.strategy.checkpoint import hf_export_dir, rotate_hf
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-from openppo.utils.tracking import MetricsTracker
+from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
 logger = logging.getLogger(__name__)
 
@@ -113,6 +114,10 @@ class SupervisedTrainer:
             return 0, 0, 0
         step = int(state["global_step"])
         logger.info("resumed from %s at step %d", self.ckpt_dir, step)
+        aside = set_aside_rows_after(Path(self.ckpt.save_path) / "metrics.jsonl", step) \
+            if self.strategy.is_rank0 else None
+        if aside is not None:
+            logger.info("resume at step %d: the rows of metrics.jsonl after it were moved to %s", step, aside.name)
         return step, step // self.steps_per_epoch, step % self.steps_per_epoch
 
     def fit(self) -> dict[str, float]:
@@ -206,5 +211,7 @@ class SupervisedTrainer:
         state = {"global_step": step, "epoch": epoch, "trainer": self.name}
         self.strategy.save_committed(self.engine, self.ckpt_dir, step, state, self.ckpt.max_ckpt_num)
         if self.ckpt.save_hf_ckpt:
-            self.strategy.save_hf(self.engine, self.tokenizer, Path(self.ckpt_dir) / f"global_step{step}_hf",
+            self.strategy.save_hf(self.engine, self.tokenizer, hf_export_dir(self.ckpt_dir, step),
                                   self.final_config())
+            if self.strategy.is_rank0:
+                rotate_hf(self.ckpt_dir, self.ckpt.max_ckpt_num)

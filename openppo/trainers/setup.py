@@ -6,6 +6,7 @@ and leaves the save path untouched.
 
 from __future__ import annotations
 
+import logging
 import os
 import time
 from typing import Any
@@ -15,13 +16,15 @@ import torch
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.config.schema import to_dict
 from openppo.datasets import load_blended_dataset, require_columns
-from openppo.errors import UserError, require
+from openppo.errors import require
 from openppo.models.loading import resolve_model_path
-from openppo.strategy.config import validate_ds_settings
+from openppo.strategy.config import ds_notices, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
 from openppo.trainers.configs import DataConfig
 from openppo.utils.run_info import log_run_info, run_info
 from openppo.utils.tracking import MetricsTracker
+
+logger = logging.getLogger(__name__)
 
 
 def launcher_world_size() -> int:
@@ -43,8 +46,8 @@ def validate_common(cfg: Any) -> None:
     validate_build(cfg.model)
     validate_schedule(min_lr_ratio=cfg.optim.min_lr_ratio, max_norm=cfg.optim.max_norm)
     validate_ds_settings(cfg.ds)
-    if cfg.ckpt.load_checkpoint and cfg.ckpt.disable_ds_ckpt:
-        raise UserError("--load_checkpoint needs DeepSpeed checkpoints; drop --disable_ds_ckpt")
+    for notice in ds_notices(cfg.ds, torch.cuda.is_available()):
+        logger.info("note: %s", notice)
     validate_outputs(cfg.ckpt, cfg.logging)
 
 

@@ -25,6 +25,7 @@ class MetricsTracker:
     def __init__(self, *, save_dir: str | None, tensorboard_dir: str | None, wandb: str | None,
                  wandb_project: str, run_name: str, config: dict[str, Any], enabled: bool = True):
         self.enabled = enabled
+        self._warned: set[str] = set()
         self._jsonl = None
         self._tb = None
         self._wandb = None
@@ -41,13 +42,21 @@ class MetricsTracker:
             self._wandb = _start_wandb(wandb, wandb_project, run_name, config, save_dir)
 
     def log(self, step: int, metrics: dict[str, float], *, echo: bool = True) -> None:
+        """Every sink gets every value, NaN and Inf included: a diverged loss must show, not vanish. In
+        metrics.jsonl they are the strings "nan", "inf" and "-inf" (strict JSON has no such numbers)."""
         if not self.enabled:
             return
-        clean = {k: float(v) for k, v in metrics.items() if v is not None and math.isfinite(float(v))}
+        clean = {k: float(v) for k, v in metrics.items() if v is not None}
+        bad = sorted(k for k, v in clean.items() if not math.isfinite(v) and k not in self._warned)
+        if bad:
+            self._warned.update(bad)
+            logger.warning("step %d: non-finite metric(s) %s (logged as such; warned once per metric)", step,
+                           ", ".join(f"{k}={clean[k]}" for k in bad))
         if echo:
             logger.info("step %d | %s", step, " ".join(f"{k}={_format(v)}" for k, v in sorted(clean.items())))
         if self._jsonl:
-            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **clean}) + "\n")
+            row = {k: v if math.isfinite(v) else str(v) for k, v in clean.items()}
+            self._jsonl.write(json.dumps({"step": step, "time": time.time(), **row}) + "\n")
         if self._tb:
             for key, value in clean.items():
                 self._tb.add_scalar(key, value, step)
@@ -61,6 +70,30 @@ class MetricsTracker:
             self._tb.close()
         if self._wandb:
             self._wandb.finish()
+
+
+def set_aside_rows_after(path: str | Path, step: int) -> Path | None:
+    """A resumed run rewinds to `step`: the rows of the JSONL log `path` whose "step" is later (written by the run
+    that crashed after its last checkpoint) move to `<stem>.after_step<step>.jsonl` beside it, so the log holds each
+    step once. In place, so a writer that holds `path` open for appending keeps writing to it. Returns the file the
+    rows went to, or None when there were none."""
+    path = Path(path)
+    if not path.is_file():
+        return None
+    kept, later = [], []
+    with open(path, "r+", encoding="utf-8") as f:
+        for line in f:
+            if line.strip():
+                (later if json.loads(line).get("step", 0) > step else kept).append(line)
+        if not later:
+            return None
+        f.seek(0)
+        f.writelines(kept)
+        f.truncate()
+    aside = path.with_name(f"{path.stem}.after_step{step}.jsonl")
+    with open(aside, "a", encoding="utf-8") as f:
+        f.writelines(later)
+    return aside
 
 
 def _start_wandb(value: str, project: str, run_name: str, config: dict[str, Any], save_dir: str | None):

@@ -94,3 +94,46 @@ def test_adaptive_controller_hand_values():
         AdaptiveKLController(0.1, 0.0)
     with pytest.raises(UserError, match="--kl_horizon"):
         AdaptiveKLController(0.1, 1.0, 0)
+
+
+def test_adaptive_controller_is_fed_nats_per_response():
+    # Two responses of 3 and 1 tokens; k1 per token [0.5, 0.5, 0.5] and [1.0]. Per response: 1.5 and 1.0, batch
+    # mean 1.25 nats (what --kl_target counts); the per-token mean would be 2.5 / 4 = 0.625.
+    kl = torch.tensor([[0.5, 0.5, 0.5], [1.0, 9.0, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0]])
+    per_response = sequence_kl(kl, mask).mean().item()
+    assert per_response == pytest.approx(1.25)
+    # target 1 nat: e = 1.25 - 1 = 0.25 -> clipped 0.2; beta = 0.1 * (1 + 0.2 * 2 / 10) = 0.104
+    ctl = AdaptiveKLController(0.1, kl_target=1.0, kl_horizon=10)
+    ctl.update(per_response, 2)
+    assert ctl.value == pytest.approx(0.104)
+    # target 2 nats: e = 1.25 / 2 - 1 = -0.375 -> -0.2; beta = 0.104 * (1 - 0.2 * 2 / 10) = 0.09984
+    ctl.target = 2.0
+    ctl.update(per_response, 2)
+    assert ctl.value == pytest.approx(0.09984)
+
+
+@pytest.mark.parametrize("estimator,x_values,expected", [
+    # x = log pi - log pi_ref on the kept tokens [0.5, -1.0]
+    ("k1", [0.5, -1.0], [0.5, -1.0]),
+    ("k2", [0.5, -1.0], [0.125, 0.5]),
+    ("k3", [0.5, -1.0], [math.exp(-0.5) - 0.5, math.e - 2.0]),
+])
+def test_each_estimator_as_reward_penalty_and_as_loss(estimator, x_values, expected):
+    from openppo.algorithms import aggregate_loss, token_level_rewards
+
+    ref = torch.tensor([[-1.0, -1.0, -1.0]], dtype=torch.float64)
+    log_probs = (ref + torch.tensor([[*x_values, 3.0]], dtype=torch.float64)).requires_grad_()
+    mask = torch.tensor([[1, 1, 0]])
+    # reward penalty: R_t = r 1[t last] - beta k_t, beta 0.1, reward 1 on the last kept token (index 1)
+    kl = compute_approx_kl(log_probs.detach(), ref, estimator, mask=mask)
+    rewards = token_level_rewards(torch.tensor([1.0], dtype=torch.float64), mask, kl, kl_coef=0.1)
+    torch.testing.assert_close(rewards, torch.tensor([[-0.1 * expected[0], 1.0 - 0.1 * expected[1], 0.0]],
+                                                     dtype=torch.float64))
+    # loss term: token-mean of k over the 2 kept tokens; d/dx of k1 = 1, k2 = x, k3 = 1 - exp(-x), / 2 tokens
+    loss = aggregate_loss(kl_loss(log_probs, ref, mask, estimator), mask, "token-mean")
+    torch.testing.assert_close(loss, torch.tensor(sum(expected) / 2, dtype=torch.float64))
+    loss.backward()
+    slope = {"k1": lambda x: 1.0, "k2": lambda x: x, "k3": lambda x: 1.0 - math.exp(-x)}[estimator]
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[slope(x_values[0]) / 2, slope(x_values[1]) / 2, 0.0]],
+                                                            dtype=torch.float64))

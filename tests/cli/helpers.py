@@ -35,9 +35,14 @@ def run_cli(module: str, args: list[str], *, nproc: int = 2, timeout: int = 600,
     return proc
 
 
+_NON_FINITE = {"nan", "inf", "-inf"}
+
+
 def read_metrics(save_path: Path) -> list[dict]:
+    """metrics.jsonl rows, with the tracker's "nan"/"inf"/"-inf" strings read back as floats."""
     lines = (Path(save_path) / "metrics.jsonl").read_text().splitlines()
-    return [json.loads(line) for line in lines if line.strip()]
+    rows = [json.loads(line) for line in lines if line.strip()]
+    return [{k: float(v) if isinstance(v, str) and v in _NON_FINITE else v for k, v in row.items()} for row in rows]
 
 
 def series(records: list[dict], key: str) -> list[tuple[int, float]]:

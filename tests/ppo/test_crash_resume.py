@@ -1,6 +1,7 @@
 """A driver killed with SIGKILL in the middle of a checkpoint save resumes at the last committed step, ignoring the
 half-written folder (and a hand-made truncated marker and corrupt tag), and the steps after the resume draw the same
-prompts as the unbroken run. Real Ray + DeepSpeed (ZeRO-2) + vLLM CPU, 1 actor rank, 1 engine, tiny model."""
+prompts as the unbroken run. The resume writes into the crashed run's --save_path: its logs then hold each step once.
+Real Ray + DeepSpeed (ZeRO-2) + vLLM CPU, 1 actor rank, 1 engine, tiny model."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import uuid
 from pathlib import Path
 
 import pytest
+import torch
+from safetensors.torch import load_file
 
 from openppo.ppo.prompt_stream import PromptStream
 from openppo.strategy import checkpoint as ckpt
@@ -52,7 +55,7 @@ def _expected_prompts() -> dict[int, list[int]]:
 def test_kill_mid_save_then_resume(tmp_path):
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(NUM_PROMPTS, seed=6)],
                           tmp_path / "prompts.jsonl")
-    ckpt_dir, crashed, resumed = tmp_path / "ckpt", tmp_path / "crashed", tmp_path / "resumed"
+    ckpt_dir, crashed = tmp_path / "ckpt", tmp_path / "crashed"
     tag = f"OPENPPO_CRASH_TEST={uuid.uuid4().hex}"
     env = {**cli_env(), tag.split("=")[0]: tag.split("=")[1]}
     cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *_args(prompts, crashed, ckpt_dir)]
@@ -84,19 +87,29 @@ def test_kill_mid_save_then_resume(tmp_path):
     ckpt.marker_path(ckpt_dir, k + 1).write_text('{"global_step": %d, "tag": "global_st' % (k + 1))
     assert ckpt.resolve(ckpt_dir).step == k
 
-    proc2 = run_cli("train_ppo_ray", _args(prompts, resumed, ckpt_dir) + ["--load_checkpoint"], nproc=1,
-                    timeout=600)
+    before, logged = _rollouts(crashed), read_metrics(crashed)
+    assert [r["step"] for r in logged] == list(range(1, KILL_AT + 1))
+    proc2 = run_cli("train_ppo_ray", _args(prompts, crashed, ckpt_dir) + ["--load_checkpoint", "--save_hf_ckpt"],
+                    nproc=1, timeout=600)
     text = proc2.stdout + proc2.stderr
     assert f"resumed from {ckpt_dir} at step {k} (prompt {k * ROLLOUT_BATCH} of" in text, text[-4000:]
     assert "global_step%d.json: unreadable" % (k + 1) in text  # the truncated marker was seen and skipped
-    records = read_metrics(resumed)
-    assert [r["step"] for r in records] == list(range(k + 1, MAX_STEPS + 1))
-    assert records[0]["rollout/logprob_diff"] < 1e-4  # the engine was re-synced to the checkpoint's weights
+    # Each step once in the shared logs: rows the crashed run wrote after step k were moved aside, and said so.
+    records = read_metrics(crashed)
+    assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
+    assert records[:k] == logged[:k]
+    assert records[k]["rollout/logprob_diff"] < 1e-4  # the engine was re-synced to the checkpoint's weights
+    for log, stem in (("metrics.jsonl", "metrics"), ("rollouts.jsonl", "rollouts")):
+        aside = crashed / f"{stem}.after_step{k}.jsonl"
+        moved = [json.loads(line)["step"] for line in aside.read_text().splitlines()] if aside.exists() else []
+        assert moved == list(range(k + 1, KILL_AT + 1)), (log, moved)
+        assert (f"the rows of {log} after it were moved to {aside.name}" in text) == bool(moved)
 
     # The prompts of every step: the killed run up to its last step, the resumed run after k, as one unbroken run.
-    expected, before, after = _expected_prompts(), _rollouts(crashed), _rollouts(resumed)
+    expected, after = _expected_prompts(), _rollouts(crashed)
     assert max(before) == KILL_AT  # killed while saving step KILL_AT, before step KILL_AT + 1 drew prompts
-    assert list(after) == list(range(k + 1, MAX_STEPS + 1))
+    assert list(after) == list(range(1, MAX_STEPS + 1))
+    after = {step: row for step, row in after.items() if step > k}
     for step, row in before.items():
         assert row["taken"] == expected[step], (step, row, expected)
     for step, row in after.items():
@@ -110,3 +123,9 @@ def test_kill_mid_save_then_resume(tmp_path):
     assert sorted(p.name for p in (ckpt_dir / "committed").iterdir()) == [
         f"{ckpt.tag_for_step(s)}.json" for s in (MAX_STEPS - 1, MAX_STEPS)]
     assert (ckpt_dir / "actor" / "latest").read_text().strip() == ckpt.tag_for_step(MAX_STEPS)
+    # --save_hf_ckpt: an HF folder beside each checkpoint, rotated with them; the last one is the final model
+    kept = [ckpt.hf_export_dir(ckpt_dir, s).name for s in (MAX_STEPS - 1, MAX_STEPS)]
+    assert sorted(p.name for p in ckpt_dir.glob("*_hf")) == kept
+    last = load_file(ckpt_dir / f"{ckpt.tag_for_step(MAX_STEPS)}_hf" / "model.safetensors")
+    final = load_file(crashed / "model.safetensors")
+    assert last.keys() == final.keys() and all(torch.equal(last[name], final[name]) for name in final)

@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import random
 
+import pytest
+import torch
+
 from openppo.ppo.micro_batches import Batching, balanced_shards, cost, equalize, split_by_tokens
 
 
@@ -47,3 +50,23 @@ def test_balanced_shards_even_out_tokens():
     contiguous = [sum(lengths[i * 16:(i + 1) * 16]) for i in range(4)]
     assert max(totals) - min(totals) <= max(lengths)
     assert max(totals) - min(totals) < max(contiguous) - min(contiguous)
+
+
+def test_forward_batches_that_do_not_divide_are_dealt_unevenly_and_reassembled():
+    from openppo.ppo.dispatch import in_batch_order, shard_rows, shards
+
+    # 10 rows over 3 reference ranks: 4, 3, 3 rows; contiguous and by tokens
+    data = {"sequences": torch.arange(10).unsqueeze(1).repeat(1, 4),
+            "attention_mask": torch.tensor([[1, 1, 1, 1]] * 3 + [[1, 0, 0, 0]] * 7)}
+    for balance in (False, True):
+        rows = shard_rows(data, 3, balance)
+        assert sorted(len(r) for r in rows) == [3, 3, 4] and sorted(i for r in rows for i in r) == list(range(10))
+        # each rank returns a per-row value computed from its own rows: back in batch order it is the row index
+        results = [data["sequences"][torch.tensor(r)][:, 0].float() * 2 for r in rows]
+        assert in_batch_order(results, rows).tolist() == [2.0 * i for i in range(10)]
+    with pytest.raises(ValueError, match="cannot be dealt to 11 ranks"):
+        shard_rows(data, 11, False)
+    # training shards stay equal: a batch that does not divide is a bug upstream of validation
+    with pytest.raises(ValueError, match="does not split over 3 data-parallel ranks"):
+        shards(data, 3)
+    assert [len(s["sequences"]) for s in shards(data, 4, replicas=2)] == [5, 5, 5, 5]

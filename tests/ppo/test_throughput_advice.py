@@ -110,6 +110,10 @@ def test_memory_bound_on_gpu_and_on_cpu():
     assert "--gradient_checkpointing" in rules["memory-bound"] and "--zero_stage 3" in rules["memory-bound"]
     cpu = _history(generate=3.0, actor_train=3.0, perf_actor_rss_gib=20.0, perf_driver_rss_gib=2.5)
     assert "memory-bound" in _rules(cpu, host=24.0) and "memory-bound" not in _rules(cpu, host=64.0)
+    # offloading to host memory helps a GPU run only: a CPU run's states are already there
+    assert "--adam_offload" in rules["memory-bound"] and "--ref_reward_offload" in rules["memory-bound"]
+    on_cpu = _rules(cpu, host=24.0)["memory-bound"]
+    assert "--adam_offload" not in on_cpu and "--ref_reward_offload" not in on_cpu and "--zero_stage 3" in on_cpu
 
 
 def test_profile_steps_parse():

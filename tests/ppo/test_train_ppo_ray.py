@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -76,7 +77,8 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     2 devices (--colocate_actor_ref), critic and reward model share one (--colocate_critic_reward). Every forward
     and training step runs packed, with token-budget micro-batches (ZeRO-3: ranks must agree on their count),
     gradient checkpointing (its recompute must see the packed rows again), optimizer states on CPU
-    (--adam_offload), frozen models' parameters offloaded (--ref_reward_offload) and --overlap_comm."""
+    (--adam_offload), frozen models' parameters offloaded (--ref_reward_offload) and --overlap_comm. The KL
+    coefficient adapts (--kl_target, in nats per response)."""
     prompts = write_jsonl(make_rows(16, seed=2), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     proc = run_cli("train_ppo_ray", _common(prompts, save) + [
@@ -85,7 +87,8 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
         "--reward_num_gpus_per_node", "1", "--critic_learning_rate", "1e-4", "--normalize_reward",
         "--colocate_actor_ref", "--colocate_critic_reward", "--packing_samples", "--use_dynamic_batch",
         "--train_max_tokens_per_gpu", "60", "--rollout_max_tokens_per_gpu", "90", "--gradient_checkpointing",
-        "--adam_offload", "--ref_reward_offload", "--overlap_comm"], nproc=1, timeout=600)
+        "--adam_offload", "--ref_reward_offload", "--overlap_comm", "--kl_target", "6", "--kl_horizon", "100"],
+        nproc=1, timeout=600)
     log = proc.stdout + proc.stderr
     assert "colocated (actor_ref): actor, reference share 2 device(s), 0.5 of each" in log
     assert "colocated (critic_reward): critic, reward share 1 device(s), 0.5 of each" in log
@@ -93,7 +96,15 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     assert len(records) == 2
     for key in STEP_METRICS + ["value_loss", "timing/values", "timing/ref_logprob", "timing/critic_train"]:
         assert all(key in r for r in records), key
-    assert all(r["value_loss"] == r["value_loss"] for r in records)  # not NaN: the critic trained
+    # a NaN would be logged as such (never dropped): finite means the critic trained
+    assert all(math.isfinite(r["value_loss"]) for r in records), series(records, "value_loss")
+    # The adaptive controller sees nats per response: the per-token mean x the mean response length. Each step it
+    # moves beta by clip(KL / 6 - 1, +-0.2) x 8 samples / 100 (Ziegler et al.), from --init_kl_coef 0.01.
+    beta = 0.01
+    for r in records:
+        assert r["rollout/kl_per_response"] == pytest.approx(r["kl"] * r["response_length"], rel=1e-4, abs=1e-9)
+        beta *= 1 + min(max(r["rollout/kl_per_response"] / 6 - 1, -0.2), 0.2) * 8 / 100
+        assert r["rollout/kl_coef"] == pytest.approx(beta, rel=1e-9)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
     assert records[1]["kl"] != 0.0  # after one update the policy has moved away from the reference
     # packed log-probs equal the engine's; no padding was computed; 4 rows of ~40 tokens per rank and step do not

@@ -70,6 +70,7 @@ BAD = [
     (["--eval_steps", "0"], ["--eval_steps"]),
     (["--eval_dataset", "e.jsonl", "--eval_n_samples_per_prompt", "0"], ["--eval_n_samples_per_prompt"]),
     (["--dynamic_filtering_reward_range", "1", "0"], ["--dynamic_filtering_reward_range"]),
+    (["--load_checkpoint", "--disable_ds_ckpt"], ["--load_checkpoint", "--disable_ds_ckpt"]),
 ]
 
 
@@ -134,3 +135,75 @@ def test_old_log_prob_pass_only_when_the_policy_moves_or_a_reference_measures_kl
     assert not needs_old_logprob_pass(_cfg(base, ["--train_batch_size", "16"]))
     assert needs_old_logprob_pass(_cfg(base, ["--train_batch_size", "16", "--max_epochs", "2"]))
     assert needs_old_logprob_pass(_cfg(base, ["--train_batch_size", "16", "--init_kl_coef", "0.01"]))
+
+
+# Accepted, valid, and without effect in that run: each says so in one line at start (flags, what the line names).
+NO_EFFECT = [
+    (["--normalize_reward"], "--normalize_reward has no effect with --remote_rm_url"),
+    (["--ref_reward_offload", "--init_kl_coef", "0.01", "--zero_stage", "2"],
+     "--ref_reward_offload has no effect with --zero_stage 2"),
+    (["--zpg", "2", "--zero_stage", "2"], "--zpg 2 has no effect with --zero_stage 2"),
+    (["--adam_offload"], "--adam_offload saves no memory on CPU"),
+    (["--logging_steps", "5"], "--logging_steps 5 thins only the progress lines on stdout"),
+    (["--init_kl_coef", "0.01", "--kl_estimator", "k3"], "--kl_estimator k3 as a reward penalty"),
+    (["--init_kl_coef", "0.01", "--kl_estimator", "k2"], "--kl_estimator k2 as a reward penalty"),
+    (["--enforce_eager"], "vLLM runs eager (CUDA graphs and --enforce_eager do not apply)"),
+]
+
+
+@pytest.mark.parametrize("extra,line", NO_EFFECT, ids=[e[0] for e, _ in NO_EFFECT])
+def test_options_without_effect_say_so_in_one_line(base, extra, line):
+    notices = validate(_cfg(base, extra), on_gpu=False)
+    said = [n for n in notices if line in n]
+    assert len(said) == 1 and "\n" not in said[0], notices
+    # without the option (or where it acts) nothing is said
+    assert not any(line.split(" ")[0] in n for n in validate(_cfg(base, []), on_gpu=False)
+                   if not line.startswith("vLLM"))
+
+
+def test_options_with_effect_say_nothing(base):
+    model = base[1]
+    quiet = {
+        "--normalize_reward": ["--normalize_reward", "--reward_pretrain", model, "--remote_rm_url", ""],
+        "--ref_reward_offload": ["--ref_reward_offload", "--init_kl_coef", "0.01", "--zero_stage", "3"],
+        "--zpg": ["--zpg", "2", "--zero_stage", "3"],
+        "--kl_estimator": ["--init_kl_coef", "0.01", "--kl_estimator", "k3", "--use_kl_loss"],
+    }
+    for flag, extra in quiet.items():
+        notices = validate(_cfg(base, extra), on_gpu=False)
+        assert not any(n.startswith(flag) for n in notices), (flag, notices)
+    assert not any("--adam_offload" in n for n in validate(_cfg(base, ["--adam_offload"]), on_gpu=True))
+
+
+LOSS_RULES = [
+    # values the loss functions would reject inside the actor, after the first rollout; validation stops them first
+    (["--eps_clip", "1.0"], "--eps_clip"),
+    (["--eps_clip", "0"], "--eps_clip"),
+    (["--eps_clip_low_high", "1.0", "0.28"], "--eps_clip_low_high"),
+    (["--value_clip", "0", "--advantage_estimator", "gae", "--n_samples_per_prompt", "1",
+      "--train_batch_size", "4"], "--value_clip"),
+    (["--vllm_is_truncated_threshold", "2", "1"], "--vllm_is_truncated_threshold"),
+    (["--overlong_buffer_len", "4", "--overlong_penalty_factor", "-1"], "--overlong_penalty_factor"),
+    (["--stop_properly_penalty_coef", "2"], "--stop_properly_penalty_coef"),
+]
+
+
+@pytest.mark.parametrize("extra,flag", LOSS_RULES, ids=[" ".join(e[:2]) for e, _ in LOSS_RULES])
+def test_what_the_losses_reject_fails_validation(base, extra, flag):
+    with pytest.raises(UserError, match=re.escape(flag) + r"\b") as err:
+        validate(_cfg(base, extra), on_gpu=False)
+    assert "\n" not in str(err.value)
+
+
+def test_role_ranks_against_the_batch(base):
+    # a reference on 3 ranks takes 16 samples dealt 6/5/5 (forward only): accepted
+    validate(_cfg(base, ["--init_kl_coef", "0.01", "--ref_num_gpus_per_node", "3"]), on_gpu=False)
+    # a critic trains: --train_batch_size 8 over 3 critic ranks of micro-batches of 2 does not divide
+    gae = ["--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--rollout_batch_size", "16"]
+    with pytest.raises(UserError, match=r"--train_batch_size 8 .* 3 data-parallel critic ranks .*"
+                                        r"--critic_num_gpus_per_node"):
+        validate(_cfg(base, gae + ["--critic_num_gpus_per_node", "3"]), on_gpu=False)
+    # more reward-model ranks than samples: one would get no row
+    with pytest.raises(UserError, match=r"16 samples per step cannot feed 32 data-parallel reward ranks"):
+        validate(_cfg(base, ["--reward_pretrain", base[1], "--remote_rm_url", "", "--reward_num_gpus_per_node",
+                             "32"]), on_gpu=False)

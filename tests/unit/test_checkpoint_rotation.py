@@ -54,3 +54,12 @@ def test_rotation_single_part_layout_keeps_other_files(tmp_path):
     assert ckpt.rotate(tmp_path, keep=2, current=12, parts=[ckpt.SINGLE_PART]) == ["global_step4"]
     assert ckpt.list_tags(tmp_path) == ["global_step8", "global_step12"]
     assert (tmp_path / "global_step4_hf").is_dir() and (tmp_path / "latest").is_file()
+
+
+def test_hf_exports_rotate_with_the_newest_kept(tmp_path):
+    for step in (2, 10, 4):
+        (ckpt.hf_export_dir(tmp_path, step)).mkdir()
+    (tmp_path / "global_step3").mkdir()  # a checkpoint tag, not an export: not touched
+    assert ckpt.rotate_hf(tmp_path, keep=2) == ["global_step2_hf"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10_hf", "global_step3", "global_step4_hf"]
+    assert ckpt.rotate_hf(tmp_path, keep=0) == []
