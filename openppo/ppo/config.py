@@ -167,6 +167,9 @@ class PPOTrainConfig:
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
     freezing_actor_steps: int = opt(-1, "train only the critic for the first N steps (critic warm-up)")
     seed: int = opt(42, "random seed")
+    full_determinism: bool = opt(False, "reseed the engines' sampling at every generation round from --seed and "
+                                        "the prompt position, so a resumed run repeats the unbroken one step for "
+                                        "step (fp32); without it the engines' RNG restarts at a resume")
 
 
 @dataclass

@@ -12,6 +12,7 @@ generate) is in `MemorySwap`; generating ahead of training (--async_train) in `R
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import threading
@@ -101,8 +102,9 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ rollout
     def _engine_generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float,
-                         max_new_tokens: int | list[int]) -> list[list[dict]]:
-        """Prompts spread round-robin over the engines (one request per engine); results in prompt order."""
+                         max_new_tokens: int | list[int], seed: int | None = None) -> list[list[dict]]:
+        """Prompts spread round-robin over the engines (one request per engine); results in prompt order. With a
+        `seed`, each request reseeds its engine's sampling with its own number derived from it."""
         import ray
 
         engines, r = self.groups.engines, self.cfg.rollout
@@ -113,8 +115,9 @@ class PPOTrainer:
                 idx = list(range(e, len(prompt_ids), len(engines)))
                 for budget, rows in rows_by_budget([per_prompt[i] for i in idx]):
                     chunk = [idx[j] for j in rows]
+                    request_seed = None if seed is None else seed + 1_000 * len(refs)
                     refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
-                                                       temperature=temperature, top_p=r.top_p))
+                                                       temperature=temperature, top_p=r.top_p, seed=request_seed))
                     slots.append(chunk)
             results = ray.get(refs, timeout=self.cfg.ds.dist_timeout)
         outputs: list[list[dict]] = [[] for _ in prompt_ids]
@@ -123,18 +126,21 @@ class PPOTrainer:
                 outputs[i] = completions
         return outputs
 
-    def generate(self, items: list[dict], *, n: int, temperature: float) -> list[Sample]:
+    def generate(self, items: list[dict], *, n: int, temperature: float, seed: int | None = None) -> list[Sample]:
         """n samples per prompt, grouped: the n samples of a prompt are consecutive, prompts in order. Each sample
-        records the weight version at the start of its generation (the oldest that can have produced it)."""
+        records the weight version at the start of its generation (the oldest that can have produced it).
+        `seed` (--full_determinism) reseeds the engines' sampling; each agent turn gets its own."""
         version = self.policy_version
         if self.agent_rollout is not None:
+            turns = itertools.count()
             samples = self.agent_rollout(lambda ids, budgets: [c[0] for c in self._engine_generate(
-                ids, n=1, temperature=temperature, max_new_tokens=budgets)], items, n)
+                ids, n=1, temperature=temperature, max_new_tokens=budgets,
+                seed=None if seed is None else seed + next(turns))], items, n)
             for s in samples:
                 s.policy_version = version
             return samples
         outputs = self._engine_generate([it["prompt_ids"] for it in items], n=n, temperature=temperature,
-                                        max_new_tokens=self.cfg.data.generate_max_len)
+                                        max_new_tokens=self.cfg.data.generate_max_len, seed=seed)
         return [Sample(prompt_ids=list(item["prompt_ids"]), response_ids=c["token_ids"],
                        rollout_log_probs=c["logprobs"], finish_reason=c["finish_reason"], group=item["index"],
                        label=item["label"], prompt_text=item["prompt"], policy_version=version)
@@ -174,13 +180,15 @@ class PPOTrainer:
         taken: list[int] = []
         rounds = 0
         while len(samples) < r.rollout_batch_size * n:
+            # --full_determinism: the round's seed follows from the prompt position, which a resume restores
+            seed = self._round_seed(self.stream.cursor) if self.cfg.train.full_determinism else None
             indices = self.stream.take(r.rollout_batch_size - len(samples) // n)
             if not indices:
                 return None
             taken += [self.prompts[j]["index"] for j in indices]
             rounds += 1
             items = [self.prompts[j] for j in indices]
-            new = self._timed("generate", self.generate, items, n=n, temperature=r.temperature)
+            new = self._timed("generate", self.generate, items, n=n, temperature=r.temperature, seed=seed)
             new_scores, logs = self._timed("reward", self.score, new)
             generated.append(new_scores)
             if r.dynamic_filtering:
@@ -194,6 +202,11 @@ class PPOTrainer:
                          "rollout/filtered_ratio": 1.0 - len(samples) / all_scores.numel(),
                          "rollout/reward_before_filter": all_scores.mean().item()})
         return Rollout(samples, torch.cat(scores), logs, taken, self.stream.state_dict(), dict(self._timing))
+
+    def _round_seed(self, cursor: int) -> int:
+        """The sampling seed of the generation round that starts at prompt position `cursor` (each request of the
+        round adds its own offset, each agent turn one more)."""
+        return (self.cfg.train.seed * 1_000_003 + cursor) * 1_000_000 % 2**62
 
     def next_rollout(self) -> Rollout | None:
         """This step's batch: collected now, or (--async_train) taken from the batches generated ahead."""

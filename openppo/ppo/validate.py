@@ -296,6 +296,9 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
         source = "--agent_func_path" if cfg.rollout.agent_func_path else "--remote_rm_url"
         notices.append(f"--normalize_reward has no effect with {source}: it applies the mean/std stored with a "
                        f"--reward_pretrain model; scale the rewards in the reward function instead")
+    if cfg.train.full_determinism and cfg.rollout.async_train:
+        notices.append("--full_determinism with --async_train: every batch is seeded, but which weights generate it "
+                       "depends on timing, so runs are not reproducible step for step")
     if cfg.logging.logging_steps > 1:
         notices.append(f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "
                        f"metrics.jsonl, TensorBoard and W&B get every step")

@@ -170,7 +170,7 @@ class VLLMEngine:
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
                  top_p: float, top_k: int = -1, min_new_tokens: int = 1,
-                 stop_token_ids: Sequence[int] | None = None) -> list[list[dict]]:
+                 stop_token_ids: Sequence[int] | None = None, seed: int | None = None) -> list[list[dict]]:
         """Sample `n` responses per prompt.
 
         Returns, per prompt in order, `n` dicts: `token_ids` (list[int], the response only), `logprobs`
@@ -181,6 +181,9 @@ class VLLMEngine:
         With "processed_logprobs", the log-probs are of the distribution after every vLLM logits processor:
         temperature, top-k/top-p, and `min_new_tokens`, which masks EOS/stop tokens for the first
         `min_new_tokens` positions (so those positions differ slightly from a plain softmax of logits / T).
+
+        `seed`: reseed the workers' sampling RNG first (`--full_determinism`), so that the same prompts and weights
+        draw the same samples whatever this engine generated before (a resumed run, an evaluation in between).
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -192,6 +195,8 @@ class VLLMEngine:
                                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                                 logprobs=0, detokenize=False)
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
+        if seed is not None:
+            self.llm.collective_rpc("openppo_reseed", args=(seed,))
         outputs = self.llm.generate(prompts, params, use_tqdm=False)
         results = []
         for request in outputs:

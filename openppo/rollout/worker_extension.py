@@ -31,6 +31,16 @@ logger = logging.getLogger(__name__)
 class WorkerExtension:
     """Weight-sync endpoints of one vLLM worker (one per tensor-parallel rank)."""
 
+    # -- sampling --------------------------------------------------------------------------------------------------
+
+    def openppo_reseed(self, seed: int) -> None:
+        """Reseed this worker's torch RNG, which vLLM's sampler draws from for requests without a seed of their own
+        (on CPU: the per-row seeds of its fused Gumbel-argmax kernel). Every tensor-parallel worker gets the same
+        seed, as at start-up, so they keep sampling the same tokens."""
+        import torch
+
+        torch.manual_seed(seed)
+
     # -- sync group ------------------------------------------------------------------------------------------------
 
     def openppo_init_sync_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,

@@ -148,6 +148,7 @@ NO_EFFECT = [
     (["--init_kl_coef", "0.01", "--kl_estimator", "k3"], "--kl_estimator k3 as a reward penalty"),
     (["--init_kl_coef", "0.01", "--kl_estimator", "k2"], "--kl_estimator k2 as a reward penalty"),
     (["--enforce_eager"], "vLLM runs eager (CUDA graphs and --enforce_eager do not apply)"),
+    (["--full_determinism", "--async_train"], "--full_determinism with --async_train"),
 ]
 
 
