@@ -77,11 +77,17 @@ def normalize_reward(rewards: torch.Tensor, mean: float, std: float) -> torch.Te
     return (rewards.detach() - mean) / std
 
 
-def clip_rewards(rewards: torch.Tensor, clip_range: tuple[float, float]) -> torch.Tensor:
-    """Clamp to [low, high] (`--reward_clip_range`). [B] -> [B]."""
+def check_reward_clip_range(clip_range: tuple[float, float]) -> None:
+    """The rule of `clip_rewards`' range (also checked by the CLIs' validation)."""
     low, high = clip_range
     if not low < high:
         raise UserError(f"--reward_clip_range: low must be < high, got {low} {high}")
+
+
+def clip_rewards(rewards: torch.Tensor, clip_range: tuple[float, float]) -> torch.Tensor:
+    """Clamp to [low, high] (`--reward_clip_range`). [B] -> [B]."""
+    check_reward_clip_range(clip_range)
+    low, high = clip_range
     return rewards.detach().clamp(low, high)
 
 

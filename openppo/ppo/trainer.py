@@ -419,10 +419,7 @@ class PPOTrainer:
         self._data_position = self.stream.state_dict()
         self.kl_ctl.load_state_dict(state["kl_controller"])
         for log in ("metrics.jsonl", "rollouts.jsonl"):
-            aside = set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
-            if aside is not None:
-                logger.info("resume at step %d: the rows of %s after it were moved to %s", self.global_step, log,
-                            aside.name)
+            set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
         self.sync_weights()
         self.policy_version = self.global_step
         logger.info("resumed from %s at step %d (prompt %d of %d); engines re-synced", self.ckpt_dir,

@@ -7,7 +7,8 @@ for options that are accepted but cannot take effect here. It never rewrites the
 from __future__ import annotations
 
 from openppo.algorithms import (GROUP_ESTIMATORS, check_dual_clip, check_is_threshold, check_overlong,
-                                check_truncation_penalty, check_value_clip, clip_bounds, needs_critic)
+                                check_reward_clip_range, check_truncation_penalty, check_value_clip, clip_bounds,
+                                needs_critic)
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
@@ -111,8 +112,7 @@ def _algorithm(cfg: PPOConfig) -> None:
     if algo.advantage_estimator in GROUP_ESTIMATORS and algo.gamma != 1.0:
         raise UserError(f"--gamma {algo.gamma} with --advantage_estimator {algo.advantage_estimator}: group "
                         f"estimators score whole responses; use --gamma 1")
-    low, high = algo.reward_clip_range
-    require(low < high, f"--reward_clip_range needs low < high, got {low} {high}")
+    check_reward_clip_range(tuple(algo.reward_clip_range))
     require(algo.entropy_loss_coef is None or algo.entropy_loss_coef >= 0,
             f"--entropy_loss_coef must be >= 0, got {algo.entropy_loss_coef}")
     if algo.overlong_buffer_len is not None:

@@ -114,10 +114,8 @@ class SupervisedTrainer:
             return 0, 0, 0
         step = int(state["global_step"])
         logger.info("resumed from %s at step %d", self.ckpt_dir, step)
-        aside = set_aside_rows_after(Path(self.ckpt.save_path) / "metrics.jsonl", step) \
-            if self.strategy.is_rank0 else None
-        if aside is not None:
-            logger.info("resume at step %d: the rows of metrics.jsonl after it were moved to %s", step, aside.name)
+        if self.strategy.is_rank0:
+            set_aside_rows_after(Path(self.ckpt.save_path) / "metrics.jsonl", step)
         return step, step // self.steps_per_epoch, step % self.steps_per_epoch
 
     def fit(self) -> dict[str, float]:

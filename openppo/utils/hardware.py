@@ -162,6 +162,7 @@ def device_record() -> dict[str, str]:
     instructions = cpu_bf16_instructions()
     record = {"device": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
               "cpu_bf16_instructions": "+".join(instructions) or "none", "torch": torch.__version__}
-    if isa_caps():
-        record["isa_caps"] = isa_caps()
+    caps = isa_caps()
+    if caps:
+        record["isa_caps"] = caps
     return record

@@ -75,24 +75,27 @@ class MetricsTracker:
 def set_aside_rows_after(path: str | Path, step: int) -> Path | None:
     """A resumed run rewinds to `step`: the rows of the JSONL log `path` whose "step" is later (written by the run
     that crashed after its last checkpoint) move to `<stem>.after_step<step>.jsonl` beside it, so the log holds each
-    step once. In place, so a writer that holds `path` open for appending keeps writing to it. Returns the file the
-    rows went to, or None when there were none."""
+    step once; one log line says so. The moved rows are written (and flushed) before `path` is cut, so a crash in
+    between duplicates rows rather than losing them. `path` is rewritten in place, so a writer that holds it open
+    for appending keeps writing to it. Returns the file the rows went to, or None when there were none."""
     path = Path(path)
     if not path.is_file():
         return None
-    kept, later = [], []
-    with open(path, "r+", encoding="utf-8") as f:
-        for line in f:
-            if line.strip():
-                (later if json.loads(line).get("step", 0) > step else kept).append(line)
-        if not later:
-            return None
-        f.seek(0)
-        f.writelines(kept)
-        f.truncate()
+    with open(path, encoding="utf-8") as f:
+        rows = [line for line in f if line.strip()]
+    is_later = [json.loads(line).get("step", 0) > step for line in rows]
+    later = [line for line, moved in zip(rows, is_later) if moved]
+    if not later:
+        return None
     aside = path.with_name(f"{path.stem}.after_step{step}.jsonl")
     with open(aside, "a", encoding="utf-8") as f:
         f.writelines(later)
+        f.flush()
+        os.fsync(f.fileno())
+    with open(path, "r+", encoding="utf-8") as f:
+        f.writelines(line for line, moved in zip(rows, is_later) if not moved)
+        f.truncate()
+    logger.info("resume at step %d: the rows of %s after it were moved to %s", step, path.name, aside.name)
     return aside
 
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.utils.hardware import (NATIVE_BF16_MAX_SLOWDOWN, Bf16Support, bf16_support, device_record, isa_caps,
-                                    probe_bf16_slowdown, resolve_param_dtype)
+from openppo.utils.hardware import (ISA_CAP_VARIABLES, NATIVE_BF16_MAX_SLOWDOWN, Bf16Support, bf16_support,
+                                    device_record, isa_caps, probe_bf16_slowdown, resolve_param_dtype)
 
 AVX2 = Bf16Support("AMD EPYC 7B13 (AVX2)", on_gpu=False, native=False, slowdown=52.0)
 SAPPHIRE = Bf16Support("Intel Xeon (AVX512, AVX512_BF16+AMX)", on_gpu=False, native=True, slowdown=0.4)
@@ -55,7 +55,7 @@ def test_this_machine_probe_agrees_with_its_instructions():
 
 def test_isa_caps_reach_the_device_name_and_record(monkeypatch):
     """An AVX2-only CPU is checked on a newer one by capping the kernels' instruction sets: the cap is named."""
-    for name in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS"):
+    for name in ISA_CAP_VARIABLES:
         monkeypatch.delenv(name, raising=False)
     assert isa_caps() == "" and "isa_caps" not in device_record()
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
