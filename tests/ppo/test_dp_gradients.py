@@ -7,6 +7,10 @@ token-budget micro-batches of a different count on each rank) and each `--loss_a
 loss, `fit_experience` runs one optimizer step and the fully reduced gradient of every parameter is read at the
 accumulation boundary (`deepspeed.utils.safe_get_full_grad`, before the optimizer uses it).
 
+The same comparison runs for a ring (`--ring_attn_size 2`, ZeRO-2): both ranks form one ring and hold all 8 rows,
+each computes half of every packed row, and the normalisers, counted on both ranks, must be divided by the ring
+(the replicas) once. AutoTP, whose ranks also replicate rows, has its own check in test_tensor_parallel.py.
+
 The reference is independent of the code under test: one process, one padded forward of all 8 rows through a plain
 copy of the same weights, the per-token loss and its global reduction written out below from the papers' formulas,
 and `torch.autograd`. The learning rate is 0, so the engine's weights stay those of the reference throughout.
@@ -34,6 +38,11 @@ NORM_LEN = 32
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
 LAYOUTS = {"padded": dict(rows=2), "packed": dict(packed=True, rows=2),
            "token_budget": dict(packed=True, rows=4, max_tokens=40)}
+CONFIGS = [(2, 1), (3, 1), (2, 2)]  # (ZeRO stage, ring size): data-parallel ZeRO-2 and ZeRO-3, one ring of 2
+
+
+def _config_name(zero: int, ring: int) -> str:
+    return f"zero{zero}" if ring == 1 else f"ring{ring}-zero{zero}"
 
 
 def _global_batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -79,15 +88,18 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
+    from openppo.models.sequence_parallel import setup_sequence_parallel
     from openppo.ppo.micro_batches import Batching
     from tests.model_cache import tiny_model_dir
 
     path = str(tiny_model_dir())
     results: dict[str, float] = {}
-    for zero in (2, 3):
+    for zero, ring in CONFIGS:
         strategy = fp32_strategy(zero, max_norm=0.0)
         for role in ("actor", "critic"):
             model = load_model(role, path, strategy)
+            if ring > 1:
+                setup_sequence_parallel(model, model.model, ring, head_stride=1)
             engine = GradAtBoundary(strategy.prepare_train(
                 model, lr=0.0, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant", warmup_ratio=0.0,
                 min_lr_ratio=0.1, num_training_steps=64), read=full_grads)
@@ -101,7 +113,9 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             else:
                 with torch.no_grad():
                     data["old_values"] = plain(data["sequences"], data["attention_mask"])[:, :-1] + data["noise"]
-            mine = {k: v[rank * 4:(rank + 1) * 4] for k, v in data.items() if k != "noise"}
+            # data-parallel: 4 rows a rank; one ring: every rank holds all 8 rows
+            rows = slice(rank * 4, (rank + 1) * 4) if ring == 1 else slice(None)
+            mine = {k: v[rows] for k, v in data.items() if k != "noise"}
             for mode in MODES if role == "actor" else ("token-mean",):
                 # the reference: plain autograd over the whole step in one process
                 plain.zero_grad()
@@ -115,6 +129,8 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 reference_loss.backward()
                 expected = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
                 for layout, kwargs in LAYOUTS.items():
+                    if ring > 1 and not kwargs.get("packed"):
+                        continue  # a ring shards packed rows only
                     batching = Batching(**kwargs)
                     if role == "actor":
                         algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS,
@@ -124,11 +140,12 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     else:
                         loss_fn = critic_loss(engine, AlgoConfig(value_clip=VALUE_CLIP), pack=batching.packed)
                     engine.grads.clear()
-                    metrics = fit_experience(engine, mine, loss_fn, batching=batching, rows_per_step=4, epochs=1,
-                                             world_size=WORLD, seed=0, device=strategy.device)
+                    metrics = fit_experience(engine, mine, loss_fn, batching=batching,
+                                             rows_per_step=mine["sequences"].size(0), epochs=1, world_size=WORLD,
+                                             seed=0, device=strategy.device, ring_size=ring)
                     assert len(engine.grads) == 1, len(engine.grads)
                     got = engine.grads[0]
-                    key = f"zero{zero}/{role}/{mode}/{layout}"
+                    key = f"{_config_name(zero, ring)}/{role}/{mode}/{layout}"
                     results[key + "/grad"] = max(_rel(got[n], g) for n, g in expected.items())
                     results[key + "/untouched"] = float(all(got[n].abs().max() == 0 for n in got if n not in expected))
                     # the logged step loss: this rank's contributions, times the ranks, then averaged by the caller
@@ -145,13 +162,16 @@ def dp_results(tmp_path_factory) -> list[dict]:
     return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("dp"), TIMEOUT_S, "data-parallel gradient")
 
 
-CASES = [(zero, "actor", mode, layout) for zero in (2, 3) for mode in MODES for layout in LAYOUTS] + \
-        [(zero, "critic", "token-mean", layout) for zero in (2, 3) for layout in LAYOUTS]
+CASES = [(_config_name(zero, ring), role, mode, layout)
+         for zero, ring in CONFIGS
+         for role in ("actor", "critic")
+         for mode in (MODES if role == "actor" else ("token-mean",))
+         for layout, kwargs in LAYOUTS.items() if ring == 1 or kwargs.get("packed")]
 
 
-@pytest.mark.parametrize("zero,role,mode,layout", CASES, ids=["-".join(map(str, c)) for c in CASES])
-def test_applied_gradient_is_the_global_loss_gradient(dp_results, zero, role, mode, layout):
-    key = f"zero{zero}/{role}/{mode}/{layout}"
+@pytest.mark.parametrize("config,role,mode,layout", CASES, ids=["-".join(c) for c in CASES])
+def test_applied_gradient_is_the_global_loss_gradient(dp_results, config, role, mode, layout):
+    key = f"{config}/{role}/{mode}/{layout}"
     for r in dp_results:
         # a per-rank normaliser would be off by the ranks' token ratio (61 / 45); a missing rank scale by 2x
         assert r[key + "/grad"] <= 1e-5, (key, r[key + "/grad"])
