@@ -51,6 +51,12 @@ from openppo.algorithms.losses import (
     value_loss,
 )
 from openppo.algorithms.masking import masked_mean, masked_sum
+from openppo.algorithms.sampling import (
+    SamplingFilter,
+    check_sampling_filter,
+    engine_gap,
+    sampling_log_probs,
+)
 from openppo.algorithms.rewards import (
     GRPO_STD_EPS,
     apply_truncation_penalty,
@@ -77,4 +83,5 @@ __all__ = [
     "check_is_threshold", "check_value_clip",
     "aggregate_loss", "loss_normalizers", "default_loss_agg_mode", "needs_critic", "whitens_by_default",
     "entropy_from_logits", "log_probs_and_entropy", "log_probs_from_logits", "masked_mean", "masked_sum",
+    "SamplingFilter", "check_sampling_filter", "engine_gap", "sampling_log_probs",
 ]

@@ -117,7 +117,8 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
                 mask: torch.Tensor, *, eps_clip_low: float = 0.2, eps_clip_high: float = 0.2,
                 dual_clip: float | None = None, loss_type: str = "ppo",
                 rollout_log_probs: torch.Tensor | None = None, is_correction: str | None = None,
-                is_threshold: tuple[float, float] = (0.5, 5.0)) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                is_threshold: tuple[float, float] = (0.5, 5.0),
+                old_sampling_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss of PPO (Schulman et al. 2017, arXiv:1707.06347) and GSPO, per token.
 
         r_t   = pi(t) / pi_old(t)                         ppo
@@ -127,7 +128,10 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         dual clip (`--dual_clip` c > 1, Ye et al. 2020, arXiv:1912.09729), only where A_t < 0:
               l_t = min(l_t, -c A_t)   bounds the loss when r_t is far above 1 on a bad action
         IS correction (`--vllm_is_correction_type`, needs `rollout_log_probs`): l_t <- w_t l_t,
-              w from `importance_weights`, for both loss types.
+              w from `importance_weights`, for both loss types. The engine sampled from a top-k/top-p truncation
+              of its policy; `old_sampling_log_probs` is pi_old under the same truncation
+              (`openppo.algorithms.sampling`), so that w compares one distribution. Default: `old_log_probs`
+              (no truncation).
 
     Shapes: log_probs, old_log_probs, advantages, mask (and rollout_log_probs) [B, T] -> (loss [B, T], no
     reduction, 0 where masked; metrics). Gradient flows to `log_probs` only. For GSPO, writing the sequence ratio
@@ -139,7 +143,7 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     """
     check_choice("--policy_loss_type", loss_type, POLICY_LOSS_TYPES)
     check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, mask=mask,
-                     rollout_log_probs=rollout_log_probs)
+                     rollout_log_probs=rollout_log_probs, old_sampling_log_probs=old_sampling_log_probs)
     check_clip_low_high(eps_clip_low, eps_clip_high)
     check_dual_clip(dual_clip)
     keep = bool_mask(mask)
@@ -164,7 +168,9 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     if is_correction is not None:
         if rollout_log_probs is None:
             raise ValueError("policy_loss: IS correction needs rollout_log_probs (the rollout engine's log-probs)")
-        weights, is_metrics = importance_weights(old_log_probs, rollout_log_probs, mask, is_correction, is_threshold)
+        behaviour_comparable = old_log_probs if old_sampling_log_probs is None else old_sampling_log_probs
+        weights, is_metrics = importance_weights(behaviour_comparable, rollout_log_probs, mask, is_correction,
+                                                 is_threshold)
         loss = loss * weights
         metrics.update(is_metrics)
     loss = torch.where(keep, loss, _zero(loss))

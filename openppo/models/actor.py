@@ -13,7 +13,13 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from openppo.algorithms import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
+from openppo.algorithms import (
+    SamplingFilter,
+    entropy_from_logits,
+    log_probs_and_entropy,
+    log_probs_from_logits,
+    sampling_log_probs,
+)
 from openppo.models.loading import finish_model, resolve_model_path
 from openppo.models.packing import next_token_values, prepare_inputs, unpack_rows
 from openppo.models.varlen_attention import enable_varlen_attention
@@ -25,6 +31,8 @@ class ActorOutput(NamedTuple):
     log_probs: torch.Tensor  # [B, T-1]: log p(token t+1 | tokens <= t)
     entropy: torch.Tensor | None  # [B, T-1] or None
     logits: torch.Tensor | None  # [B, T, V] only when asked for
+    # [B, T-1] under the rollout engine's top-k/top-p truncation, no gradient; only when a `sampling` filter is given
+    sampling_log_probs: torch.Tensor | None = None
 
 
 class Actor(nn.Module):
@@ -62,7 +70,7 @@ class Actor(nn.Module):
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
                 position_ids: torch.Tensor | None = None, *, temperature: float = 1.0,
                 return_entropy: bool | str = False, return_logits: bool = False, pack: bool = False,
-                score_mask: torch.Tensor | None = None) -> ActorOutput:
+                score_mask: torch.Tensor | None = None, sampling: SamplingFilter | None = None) -> ActorOutput:
         """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
         (logging only: no graph is kept through the full-vocabulary softmax).
 
@@ -72,6 +80,9 @@ class Actor(nn.Module):
 
         `pack=True` runs a right-padded batch as one packed row (`--packing_samples`) and returns the same padded
         [B, T-1] outputs: the padding is never computed, the numbers are those of the padded forward.
+
+        `sampling` (an active top-k/top-p filter): also score the tokens under the engine's truncated distribution,
+        from the same logits (`openppo.algorithms.sampling`), for comparisons with the engine's log-probs.
         """
         input_ids, attention_mask, position_ids, packed = prepare_inputs(input_ids, attention_mask, position_ids, pack)
         ring = self.sequence_parallel if packed is not None else None
@@ -101,20 +112,25 @@ class Actor(nn.Module):
             log_probs = log_probs_from_logits(logits, labels, temperature)
             if return_entropy:
                 entropy = entropy_from_logits(logits, temperature)
-        if ring is not None:  # whole-row values again
-            log_probs = ring.gather(log_probs, num_tokens)
-            entropy = None if entropy is None else ring.gather(entropy, num_tokens)
-        if keep is not None:  # back on the row's positions, zeros where nothing was scored
-            log_probs = scatter_positions(log_probs, keep, input_ids.size(1))
-            entropy = None if entropy is None else scatter_positions(entropy, keep, input_ids.size(1))
-        log_probs = log_probs[:, :-1]
-        entropy = None if entropy is None else entropy[:, :-1]
+        behaviour = sampling_log_probs(logits, labels, temperature, sampling) \
+            if sampling is not None and sampling.active else None
+
+        def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
+            """Row values of the scored positions -> [B, T-1] on the caller's (padded) grid."""
+            if values is None:
+                return None
+            if ring is not None:  # whole-row values again
+                values = ring.gather(values, num_tokens)
+            if keep is not None:  # back on the row's positions, zeros where nothing was scored
+                values = scatter_positions(values, keep, input_ids.size(1))
+            values = values[:, :-1]
+            return next_token_values(values, packed.token_mask) if packed is not None else values
+
         full_logits = out.logits if return_logits else None
-        if packed is not None:
-            log_probs = next_token_values(log_probs, packed.token_mask)
-            entropy = None if entropy is None else next_token_values(entropy, packed.token_mask)
-            full_logits = None if full_logits is None else unpack_rows(full_logits, packed.token_mask)
-        return ActorOutput(log_probs=log_probs, entropy=entropy, logits=full_logits)
+        if packed is not None and full_logits is not None:
+            full_logits = unpack_rows(full_logits, packed.token_mask)
+        return ActorOutput(log_probs=per_token(log_probs), entropy=per_token(entropy), logits=full_logits,
+                           sampling_log_probs=per_token(behaviour))
 
 
 def scored_positions(score_mask: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from openppo.algorithms import (ADVANTAGE_ESTIMATORS, IS_CORRECTION_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES,
-                                POLICY_LOSS_TYPES)
+                                POLICY_LOSS_TYPES, SamplingFilter)
 from openppo.config.common import LR_SCHEDULERS, CheckpointConfig, LoggingConfig, ModelBuildConfig
 from openppo.config.schema import opt
 from openppo.strategy.config import DeepSpeedConfig
@@ -129,7 +129,9 @@ class RolloutConfig:
     n_samples_per_prompt: int = opt(1, "responses per prompt (the group size of group estimators)")
     micro_rollout_batch_size: int = opt(8, "samples per forward when scoring rollouts (log-probs, values)")
     temperature: float = opt(1.0, "sampling temperature (the trainer scores at the same temperature)")
-    top_p: float = opt(1.0, "nucleus sampling")
+    top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass (the "
+                            "trainer recomputes the truncation for importance weights, docs/algorithms.md)")
+    top_k: int = opt(-1, "sample among the k most likely tokens; -1 = off (recomputed by the trainer as --top_p)")
     dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: drop groups whose mean score is outside the range "
                                          "and refill with new prompts")
     dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "keep a group when lo < mean score < hi")
@@ -148,6 +150,11 @@ class RolloutConfig:
                                      "environment gives the reward, feedback tokens are masked out of the loss",
                                metavar="FILE")
     agent_max_turns: int = opt(4, "most model turns per agent episode")
+
+    @property
+    def sampling(self) -> SamplingFilter:
+        """The engine's truncation after the temperature, as the trainer recomputes it."""
+        return SamplingFilter(top_k=self.top_k, top_p=self.top_p)
 
 
 @dataclass

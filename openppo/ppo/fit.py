@@ -18,8 +18,8 @@ from typing import Callable
 
 import torch
 
-from openppo.algorithms import (aggregate_loss, clip_bounds, default_loss_agg_mode, kl_loss, loss_normalizers,
-                                masked_mean, policy_loss, value_loss)
+from openppo.algorithms import (SamplingFilter, aggregate_loss, clip_bounds, default_loss_agg_mode, engine_gap, kl_loss,
+                                loss_normalizers, masked_mean, policy_loss, value_loss)
 from openppo.models.packing import trim_padding
 from openppo.ppo.config import AlgoConfig
 from openppo.ppo.micro_batches import Batching, equalize
@@ -144,8 +144,13 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
 
 
 def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, generate_max_len: int,
-               is_correction: str | None, is_threshold: tuple[float, float], pack: bool = False) -> LossFn:
-    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss."""
+               is_correction: str | None, is_threshold: tuple[float, float], pack: bool = False,
+               sampling: SamplingFilter | None = None) -> LossFn:
+    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss.
+
+    `sampling`: the engine's top-k/top-p truncation. Engine log-probs are compared (IS weights, the log-prob gap)
+    with the old policy under that truncation: the batch's `old_sampling_log_probs`, or, without an old-policy pass,
+    this forward's own."""
     low, high = clip_bounds(algo.eps_clip, algo.eps_clip_low_high)
     mode = algo.loss_agg_mode or default_loss_agg_mode(algo.advantage_estimator, algo.policy_loss_type)
     # The entropy is always logged; it carries a gradient only when it is a loss term.
@@ -153,27 +158,31 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
+        on_policy = "old_log_probs" not in batch  # no separate pass scored the batch: this forward is pi_old
         out = engine(batch["sequences"], batch["attention_mask"], temperature=temperature,
-                     return_entropy=True if entropy_in_loss else "log", pack=pack, score_mask=mask)
+                     return_entropy=True if entropy_in_loss else "log", pack=pack, score_mask=mask,
+                     sampling=sampling if on_policy and "rollout_log_probs" in batch else None)
 
         def agg(per_token):
             return aggregate_loss(per_token, mask, mode, num_tokens_global=normalizers[0],
                                   num_seqs_global=normalizers[1], norm_len=generate_max_len)
 
-        old = batch.get("old_log_probs")
-        if old is None:  # one on-policy step per batch (see validate.needs_old_logprob_pass): old = current
+        if on_policy:  # one on-policy step per batch (see validate.needs_old_logprob_pass): old = current
             old = out.log_probs.detach()
+            old_sampling = out.sampling_log_probs
+        else:
+            old, old_sampling = batch["old_log_probs"], batch.get("old_sampling_log_probs")
         per_token, pg_metrics = policy_loss(
             out.log_probs, old, batch["advantages"], mask, eps_clip_low=low, eps_clip_high=high,
             dual_clip=algo.dual_clip, loss_type=algo.policy_loss_type,
             rollout_log_probs=batch.get("rollout_log_probs") if is_correction else None, is_correction=is_correction,
-            is_threshold=is_threshold)
+            is_threshold=is_threshold, old_sampling_log_probs=old_sampling)
         loss = agg(per_token)
         metrics = {"loss/policy": loss.item(), **{f"policy/{k}": float(v) for k, v in pg_metrics.items()}}
-        if "old_log_probs" not in batch and "rollout_log_probs" in batch:
+        if on_policy and "rollout_log_probs" in batch:
             # the engine-vs-trainer log-prob gap, measured here since no separate pass measured it
-            metrics["policy/rollout_logprob_diff"] = masked_mean(
-                (batch["rollout_log_probs"] - old).abs(), mask).item()
+            metrics.update({f"policy/rollout_{k}": v for k, v in engine_gap(
+                batch["rollout_log_probs"], old if old_sampling is None else old_sampling, mask).items()})
         if algo.use_kl_loss and "ref_log_probs" in batch:
             kl_term = agg(kl_loss(out.log_probs, batch["ref_log_probs"], mask, algo.kl_estimator))
             loss = loss + kl_coef * kl_term

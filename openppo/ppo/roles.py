@@ -175,6 +175,19 @@ class PolicyRole(_TrainedRole):
                                  lambda e, b: e(b["sequences"], b["attention_mask"], temperature=temperature,
                                                 pack=pack, score_mask=b.get("action_mask")).log_probs)
 
+    def log_probs_and_sampling(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """[B, T-1, 2]: `log_probs`, and from the same forwards the log-probs under the engine's top-k/top-p
+        truncation (`openppo.algorithms.sampling`), which compare with the engine's own."""
+        r = self.cfg.rollout
+        sampling = r.sampling
+
+        def both(e, b):
+            out = e(b["sequences"], b["attention_mask"], temperature=r.temperature, pack=r.packing_samples,
+                    score_mask=b.get("action_mask"), sampling=sampling)
+            return torch.stack([out.log_probs, out.sampling_log_probs], dim=-1)
+
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), both)
+
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         cfg = self.cfg
         # async samples come from an older policy than the one scoring them: always importance-weighted
@@ -183,7 +196,7 @@ class PolicyRole(_TrainedRole):
         loss_fn = actor_loss(self.engine, cfg.algo, kl_coef=kl_coef, temperature=cfg.rollout.temperature,
                              generate_max_len=cfg.data.generate_max_len, is_correction=is_correction,
                              is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
-                             pack=cfg.rollout.packing_samples)
+                             pack=cfg.rollout.packing_samples, sampling=cfg.rollout.sampling)
         start = time.perf_counter()
         metrics = fit_experience(self.engine, data, loss_fn, batching=train_batching(cfg),
                                  rows_per_step=_rows_per_step(cfg, self.strategy, "actor"),

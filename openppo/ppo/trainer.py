@@ -24,7 +24,7 @@ import torch
 from tqdm import tqdm
 
 from openppo.agents.rollout import rows_by_budget
-from openppo.algorithms import build_kl_controller, masked_mean, sequence_kl
+from openppo.algorithms import build_kl_controller, engine_gap, masked_mean, sequence_kl
 from openppo.errors import UserError
 from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
 from openppo.ppo.config import PPOConfig, ranks_per_shard
@@ -117,7 +117,8 @@ class PPOTrainer:
                     chunk = [idx[j] for j in rows]
                     request_seed = None if seed is None else seed + 1_000 * len(refs)
                     refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
-                                                       temperature=temperature, top_p=r.top_p, seed=request_seed))
+                                                       temperature=temperature, top_p=r.top_p, top_k=r.top_k,
+                                                       seed=request_seed))
                     slots.append(chunk)
             results = ray.get(refs, timeout=self.cfg.ds.dist_timeout)
         outputs: list[list[dict]] = [[] for _ in prompt_ids]
@@ -268,8 +269,14 @@ class PPOTrainer:
         self.swap.to_trainer()
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
         model_in = {k: batch[k] for k in ("sequences", "attention_mask", "action_mask")}
-        old_log_probs = self._timed("old_logprob", self.forward, g.policy, "log_probs", model_in) \
-            if self._old_logprob_pass else None
+        # the old policy's log-probs; with --top_k/--top_p also under the engine's truncation, to compare with the
+        # engine's (IS weights, rollout/logprob_diff; openppo.algorithms.sampling)
+        old_log_probs = old_sampling = None
+        if self._old_logprob_pass and cfg.rollout.sampling.active:
+            both = self._timed("old_logprob", self.forward, g.policy, "log_probs_and_sampling", model_in)
+            old_log_probs, old_sampling = both[..., 0], both[..., 1]
+        elif self._old_logprob_pass:
+            old_log_probs = old_sampling = self._timed("old_logprob", self.forward, g.policy, "log_probs", model_in)
         ref_log_probs = self._timed("ref_logprob", self.forward, g.reference, "log_probs", model_in) \
             if g.reference is not None else None
         values = self._timed("values", self.forward, g.critic, "values", model_in) if g.critic is not None else None
@@ -283,6 +290,8 @@ class PPOTrainer:
                       "rollout_log_probs": batch["rollout_log_probs"]}
         if old_log_probs is not None:
             train_data["old_log_probs"] = old_log_probs
+        if old_sampling is not old_log_probs:
+            train_data["old_sampling_log_probs"] = old_sampling
         if ref_log_probs is not None and cfg.algo.use_kl_loss:
             train_data["ref_log_probs"] = ref_log_probs
         self.global_step += 1
@@ -316,9 +325,9 @@ class PPOTrainer:
             "rollout/truncated_ratio": batch["truncated"].float().mean().item(),
             "rollout/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
             "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode, **lag, **reward_logs})
-        if old_log_probs is not None:
-            metrics["rollout/logprob_diff"] = masked_mean((batch["rollout_log_probs"] - old_log_probs).abs(),
-                                                          mask).item()
+        if old_sampling is not None:
+            metrics.update({f"rollout/{k}": v for k, v in engine_gap(batch["rollout_log_probs"], old_sampling,
+                                                                      mask).items()})
         # Short names of the headline metrics, only where the step produced them: a placeholder NaN would now be
         # logged (non-finite values are kept) and read as a diverged run.
         for short, name in _SHORT_NAMES.items():

@@ -7,8 +7,8 @@ for options that are accepted but cannot take effect here. It never rewrites the
 from __future__ import annotations
 
 from openppo.algorithms import (GROUP_ESTIMATORS, check_dual_clip, check_is_threshold, check_overlong,
-                                check_reward_clip_range, check_truncation_penalty, check_value_clip, clip_bounds,
-                                needs_critic)
+                                check_reward_clip_range, check_sampling_filter, check_truncation_penalty,
+                                check_value_clip, clip_bounds, needs_critic)
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
@@ -133,7 +133,7 @@ def _batches(cfg: PPOConfig) -> None:
                         (d.generate_max_len, "--generate_max_len"), (r.temperature, "--temperature"),
                         (cfg.vllm.vllm_num_engines, "--vllm_num_engines")):
         _positive(value, flag)
-    require(0 < r.top_p <= 1, f"--top_p must be in (0, 1], got {r.top_p}")
+    check_sampling_filter(r.top_k, r.top_p)
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     if samples % t.train_batch_size:
         raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "

@@ -43,6 +43,9 @@ class PolicyWorker(_TrainedWorker):
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         return self.role.log_probs(data)
 
+    def log_probs_and_sampling(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.role.log_probs_and_sampling(data)
+
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         return self.role.train(data, kl_coef, global_step)
 

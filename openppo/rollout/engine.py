@@ -169,7 +169,7 @@ class VLLMEngine:
     # -- generation ------------------------------------------------------------------------------------------------
 
     def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float, top_k: int = -1, min_new_tokens: int = 1,
+                 top_p: float, top_k: int = -1, min_new_tokens: int = 0,
                  stop_token_ids: Sequence[int] | None = None, seed: int | None = None) -> list[list[dict]]:
         """Sample `n` responses per prompt.
 
@@ -179,8 +179,9 @@ class VLLMEngine:
         `max_new_tokens` or `max_model_len`).
 
         With "processed_logprobs", the log-probs are of the distribution after every vLLM logits processor:
-        temperature, top-k/top-p, and `min_new_tokens`, which masks EOS/stop tokens for the first
-        `min_new_tokens` positions (so those positions differ slightly from a plain softmax of logits / T).
+        temperature, then top-k/top-p (which the trainer recomputes: `openppo.algorithms.sampling`). No other
+        processor runs by default; `min_new_tokens` > 0 masks EOS/stop tokens for the first `min_new_tokens`
+        positions, which the trainer does not recompute (those positions then differ from its distribution).
 
         `seed`: reseed the workers' sampling RNG first (`--full_determinism`), so that the same prompts and weights
         draw the same samples whatever this engine generated before (a resumed run, an evaluation in between).

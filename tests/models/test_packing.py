@@ -61,6 +61,33 @@ def test_actor_packed_equals_padded():
     _assert_close(grads, grads_p)
 
 
+def test_actor_sampling_log_probs_on_every_layout():
+    """The engine-distribution log-probs (top-k/top-p) of padded, response-only (`score_mask`) and packed forwards
+    equal the formula applied to the full logits; the plain log-probs are unchanged by asking for them."""
+    from openppo.algorithms import SamplingFilter, sampling_log_probs
+
+    seqs, attn = _batch()
+    model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
+    sampling = SamplingFilter(top_k=100_000, top_p=0.8)
+    score = attn[:, 1:].clone()
+    score[:, :3] = 0  # a "prompt" of 3 tokens per row is not scored
+    with torch.no_grad():
+        logits = model(seqs, attn, return_logits=True).logits[:, :-1]
+        expected = sampling_log_probs(logits, seqs[:, 1:], 0.7, sampling)
+        plain = model(seqs, attn, temperature=0.7).log_probs
+    valid = score.bool()
+    assert not torch.isneginf(expected[valid]).all() and torch.isneginf(expected[valid]).any()
+    for kwargs in ({}, {"score_mask": score}, {"pack": True}, {"pack": True, "score_mask": score}):
+        with torch.no_grad():
+            out = model(seqs, attn, temperature=0.7, sampling=sampling, **kwargs)
+        got = out.sampling_log_probs
+        assert torch.equal(torch.isneginf(got[valid]), torch.isneginf(expected[valid])), kwargs
+        finite = valid & ~torch.isneginf(expected)
+        assert (got - expected)[finite].abs().max() <= 1e-5, kwargs
+        assert (out.log_probs - plain)[valid].abs().max() <= 1e-5, kwargs
+        assert (got[finite] > out.log_probs[finite]).all()  # renormalised over fewer tokens: more likely
+
+
 def test_scalar_model_packed_equals_padded():
     seqs, attn = _batch()
     model = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--critic_pretrain")

@@ -20,7 +20,7 @@ STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "respons
 
 
 def test_grpo_with_py_reward(tmp_path):
-    """GRPO with a Python reward and the default KV cache; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
+    """GRPO with a Python reward, the default KV cache, top-k/top-p sampling and IS correction; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
     between them and attention runs across the halves, and the log-probs still equal those of the engine, which is
     tensor-parallel (2 worker processes, each holding half of every layer, both synced). Step 2 is traced by the
     torch profiler; the run ends with the stage table and the bottleneck advice."""
@@ -35,7 +35,7 @@ def test_grpo_with_py_reward(tmp_path):
         "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len", "64", "--zero_stage", "3",
         "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save),
         "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1", "--profile_steps", "2",
-        "--vllm_tensor_parallel_size", "2"],
+        "--vllm_tensor_parallel_size", "2", "--top_p", "0.9", "--top_k", "1000", "--enable_vllm_is_correction"],
         nproc=1, timeout=600)
     # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 80 tokens, one 128-token block each; a TP-2
     # worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged in one line
@@ -55,8 +55,11 @@ def test_grpo_with_py_reward(tmp_path):
     assert json.loads((save / "profile" / "step2" / "actor_rank0.json").read_text())["traceEvents"]
     summary = (save / "summary.txt").read_text()
     assert "actor_train" in summary and "bottleneck advice" in summary
-    # fp32 engine and trainer agree on the sampled tokens before and after a weight sync
+    # fp32 engine and trainer agree on the sampled tokens before and after a weight sync, under the engine's top-k
+    # and top-p truncation, which the trainer recomputes through the ring: IS weights 1
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
+    assert all(r["rollout/outside_support"] == 0.0 for r in records), series(records, "rollout/outside_support")
+    assert all(abs(r["policy/is_ratio_mean"] - 1) < 1e-4 for r in records), series(records, "policy/is_ratio_mean")
     # each rank ran half of every row (plus at most one pad token per row) through the model
     assert all(0.5 <= r["perf/ring_token_share"] < 0.52 for r in records), series(records, "perf/ring_token_share")
     assert (save / "model.safetensors").is_file()
@@ -178,12 +181,14 @@ def test_async_grpo(tmp_path):
     proc = run_cli("train_ppo_ray", _common(prompts, save) + [
         "--remote_rm_url", str(REPO / "tests/ppo/label_reward.py"), "--advantage_estimator", "group_norm",
         "--n_samples_per_prompt", "2", "--init_kl_coef", "0", "--max_steps", "3", "--async_train",
-        "--async_queue_size", "1"], nproc=1, timeout=600)
+        "--async_queue_size", "1", "--top_p", "0.9"], nproc=1, timeout=600)
     assert "--async_train: samples from older weights are importance-weighted" in proc.stdout + proc.stderr
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0], records
     assert all("timing/wait_rollout" in r and "policy/is_ratio_mean" in r for r in records), records[0].keys()
-    # fresh engine == trainer at step 1; later the samples' log-probs are those of the previous weights
+    # fresh engine == trainer at step 1 (under the engine's top-p truncation, recomputed in the update: weights 1);
+    # later the samples' log-probs are those of the previous weights
     assert records[0]["rollout/logprob_diff"] < 1e-4
+    assert abs(records[0]["policy/is_ratio_mean"] - 1) < 1e-4 and records[0]["policy/rollout_outside_support"] == 0
     assert all(r["rollout/logprob_diff"] > 1e-4 for r in records[1:]), series(records, "rollout/logprob_diff")

@@ -47,6 +47,7 @@ BAD = [
     (["--overlong_buffer_len", "5000"], ["--overlong_buffer_len", "--generate_max_len"]),
     (["--reward_clip_range", "1", "-1"], ["--reward_clip_range"]),
     (["--top_p", "0"], ["--top_p"]),
+    (["--top_k", "0"], ["--top_k"]),
     (["--kl_target", "0.1"], ["--kl_target", "--init_kl_coef"]),
     (["--async_train", "--colocate_all_models", "--vllm_num_engines", "2"], ["--async_train", "--colocate_all_models"]),
     (["--async_train", "--async_queue_size", "0"], ["--async_queue_size"]),

@@ -140,3 +140,101 @@ def test_seeded_generation_repeats_whatever_ran_before(engine):
     assert draw(seed=7) == first
     assert draw(seed=8) != first
     assert draw() != draw()  # unseeded draws go on (6 random 12-token samples twice in a row)
+
+
+def _engine_batch(samples_per_prompt: list[list[dict]]) -> tuple[torch.Tensor, ...]:
+    """(sequences [N, T], attention mask [N, T], response mask [N, T-1], engine log-probs [N, T-1]) of the samples,
+    right-padded."""
+    rows = [(prompt, s) for prompt, samples in zip(PROMPTS, samples_per_prompt) for s in samples]
+    width = max(len(p) + len(s["token_ids"]) for p, s in rows)
+    seqs = torch.zeros(len(rows), width, dtype=torch.long)
+    attn = torch.zeros(len(rows), width, dtype=torch.long)
+    mask = torch.zeros(len(rows), width - 1)
+    engine_lp = torch.zeros(len(rows), width - 1)
+    for i, (prompt, s) in enumerate(rows):
+        n = len(s["token_ids"])
+        seqs[i, :len(prompt) + n] = torch.tensor(prompt + s["token_ids"])
+        attn[i, :len(prompt) + n] = 1
+        mask[i, len(prompt) - 1:len(prompt) - 1 + n] = 1
+        engine_lp[i, len(prompt) - 1:len(prompt) - 1 + n] = torch.tensor(s["logprobs"])
+    return seqs, attn, mask, engine_lp
+
+
+def _warped_log_probs(model, seqs: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """log q(token) with transformers' own TopK/TopP warpers on the HF model's logits / T (an independent route)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    with torch.no_grad():
+        scores = model(seqs, use_cache=False).logits[:, :-1].float() / temperature
+    flat = scores.reshape(-1, scores.size(-1))
+    if top_k > 0:
+        flat = TopKLogitsWarper(top_k)(None, flat)
+    if top_p < 1:
+        flat = TopPLogitsWarper(top_p)(None, flat)
+    return flat.log_softmax(-1).gather(1, seqs[:, 1:].reshape(-1, 1)).reshape(seqs.size(0), -1)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("top_k,top_p", [(-1, 0.9), (64, 0.9)])
+def test_on_policy_importance_weights_are_one_under_top_p(engine, hf_model, top_k, top_p):
+    """Same weights on both sides, fp32, --top_p 0.9 (and --top_k): the trainer's ratio and IS weight are 1 +- 1e-4 on
+    every sampled token, because the trainer scores them under the engine's truncation. Against the plain softmax
+    the engine's log-probs sit above the trainer's on every token (weights = the kept mass < 1)."""
+    import ray
+
+    from openppo.algorithms import SamplingFilter, importance_weights, policy_loss
+    from openppo.models.actor import Actor
+
+    out = ray.get(engine.generate.remote(PROMPTS, n=4, max_new_tokens=12, temperature=0.8, top_p=top_p,
+                                         top_k=top_k), timeout=120)
+    seqs, attn, mask, engine_lp = _engine_batch(out)
+    valid = mask.bool()
+    with torch.no_grad():
+        scored = Actor(hf_model)(seqs, attn, temperature=0.8, score_mask=mask, sampling=SamplingFilter(top_k, top_p))
+    band = (0.0, 100.0)
+    loss, metrics = policy_loss(scored.log_probs, scored.log_probs, torch.ones_like(mask), mask,
+                                rollout_log_probs=engine_lp, is_correction="tis", is_threshold=band,
+                                old_sampling_log_probs=scored.sampling_log_probs)
+    weights, _ = importance_weights(scored.sampling_log_probs, engine_lp, mask, "tis", band)
+    print(f"top_k {top_k} top_p {top_p}: {int(valid.sum())} tokens, |w - 1| max "
+          f"{(weights[valid] - 1).abs().max():.2e}")
+    torch.testing.assert_close(weights[valid], torch.ones(int(valid.sum())), rtol=0, atol=1e-4)
+    torch.testing.assert_close(loss[valid], -torch.ones(int(valid.sum())), rtol=0, atol=1e-4)  # ratio x weight
+    assert float(metrics["is_ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+    plain, _ = importance_weights(scored.log_probs, engine_lp, mask, "tis", band)
+    assert (plain[valid] < 1 - 1e-3).all(), "the plain softmax should not match a truncated engine"
+
+
+@pytest.mark.slow
+def test_one_step_stale_importance_weights_are_the_policy_ratio(engine, hf_model):
+    """The engine samples with checkpoint A (its weights); the trainer holds B, A after one SGD step. The IS weights
+    the trainer computes from the engine's log-probs equal q_B / q_A per token, both computed independently with
+    transformers' warpers on the two checkpoints (top_p 0.9, fp32)."""
+    import copy
+
+    import ray
+
+    from openppo.algorithms import SamplingFilter, importance_weights
+    from openppo.models.actor import Actor
+
+    out = ray.get(engine.generate.remote(PROMPTS, n=4, max_new_tokens=12, temperature=1.0, top_p=0.9),
+                  timeout=120)
+    seqs, attn, mask, engine_lp = _engine_batch(out)
+    valid = mask.bool()
+    stepped = copy.deepcopy(hf_model).train()  # B: one step of SGD on the sampled responses' likelihood
+    optimizer = torch.optim.SGD(stepped.parameters(), lr=2.0)
+    logits = stepped(seqs, attention_mask=attn, use_cache=False).logits[:, :-1]
+    nll = -(logits.log_softmax(-1).gather(-1, seqs[:, 1:].unsqueeze(-1)).squeeze(-1) * mask).sum() / mask.sum()
+    nll.backward()
+    optimizer.step()
+    stepped.eval()
+
+    with torch.no_grad():
+        trainer = Actor(stepped)(seqs, attn, score_mask=mask, sampling=SamplingFilter(top_p=0.9)).sampling_log_probs
+    weights, _ = importance_weights(trainer, engine_lp, mask, "tis", (0.0, 100.0))
+
+    expected = (_warped_log_probs(stepped, seqs, 1.0, -1, 0.9) - _warped_log_probs(hf_model, seqs, 1.0, -1, 0.9)).exp()
+    log_w = expected[valid].log()
+    print(f"stale batch: {int(valid.sum())} tokens, log(q_B / q_A) in [{log_w.min():.3f}, {log_w.max():.3f}]")
+    assert log_w.abs().max() > 0.05  # the step moved the policy far beyond the tolerance
+    torch.testing.assert_close(weights[valid], expected[valid], rtol=1e-4, atol=1e-6)

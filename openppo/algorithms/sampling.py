@@ -1,0 +1,105 @@
+"""The rollout engine's sampling distribution, recomputed by the trainer: top-k and top-p truncation.
+
+With `--top_k` or `--top_p < 1` the engine samples from a truncated, renormalised softmax and reports the
+log-probs of that distribution (vLLM's `processed_logprobs`). The trainer's policy is the plain softmax of
+logits / T. To compare the two sides (importance weights of `--enable_vllm_is_correction` and `--async_train`,
+`rollout/logprob_diff`) the trainer scores the sampled tokens under the same truncation, applied to its own logits:
+
+    z      = logits / T
+    top-k: keep the tokens whose z is >= the k-th largest z (ties kept)
+    top-p: sort the kept tokens by z ascending, p_i = softmax; drop the prefix whose cumulative sum is <= 1 - top_p
+           (the largest token is always kept)
+    log q(a) = z_a - logsumexp(z over the kept tokens),   -inf when a was not kept
+
+This is vLLM's rule (`apply_top_k_top_p`: top-k first, then top-p on the top-k distribution). A token the engine
+sampled can fall outside the trainer's kept set: at the boundary through rounding, or because the policy moved
+(a stale batch). Its probability under the trainer's truncated policy is then 0, and -inf says so; the importance
+weights clamp log-ratios, so such a token gets a weight of about e^-20 (dropped), and `engine_gap` counts them
+(`rollout/outside_support`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from openppo.errors import UserError
+
+# positions per chunk: a sort of chunk x V values (plus int64 indices) is the extra memory, ~60 MB at V = 150k
+_CHUNK_ROWS = 64
+
+
+@dataclass(frozen=True)
+class SamplingFilter:
+    """The truncation the engine applies after dividing by the temperature; -1 / 1.0 switch a part off."""
+
+    top_k: int = -1
+    top_p: float = 1.0
+
+    def __post_init__(self):
+        check_sampling_filter(self.top_k, self.top_p)
+
+    @property
+    def active(self) -> bool:
+        return self.top_k > 0 or self.top_p < 1.0
+
+
+def check_sampling_filter(top_k: int, top_p: float) -> None:
+    if top_k == 0 or top_k < -1:
+        raise UserError(f"--top_k: must be -1 (off) or >= 1, got {top_k}")
+    if not 0.0 < top_p <= 1.0:
+        raise UserError(f"--top_p: must be in (0, 1], got {top_p}")
+
+
+def _kept(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+    """[N, V] temperature-scaled logits -> the same with -inf on the tokens the filter drops."""
+    vocab = z.size(-1)
+    if 0 < top_k < vocab:
+        kth = z.topk(top_k, dim=-1).values[:, -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        ascending = z.sort(dim=-1).values
+        cumulative = ascending.softmax(dim=-1).cumsum(dim=-1)
+        dropped = cumulative <= 1.0 - top_p
+        dropped[:, -1] = False
+        # the cumulative sum only grows, so the dropped tokens are a prefix: the first kept value is the threshold
+        threshold = ascending.gather(1, dropped.sum(dim=-1, keepdim=True))
+        z = z.masked_fill(z < threshold, float("-inf"))
+    return z
+
+
+@torch.no_grad()
+def sampling_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
+                       sampling: SamplingFilter) -> torch.Tensor:
+    """log q(label) under the engine's sampling distribution (see the module docstring); no gradient.
+
+    Shapes: logits [..., V], labels [...] -> [...] fp32 (fp64 for fp64 logits). Walks the positions in chunks of
+    64, so the extra memory is one chunk's sort whatever the batch is.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    flat_logits = logits.reshape(-1, logits.size(-1))
+    flat_labels = labels.reshape(-1).long()
+    out = torch.empty(flat_labels.shape, dtype=dtype, device=logits.device)
+    for start in range(0, flat_labels.numel(), _CHUNK_ROWS):
+        rows = slice(start, start + _CHUNK_ROWS)
+        z = flat_logits[rows].to(dtype) / temperature
+        label = flat_labels[rows].unsqueeze(1)
+        z_label = z.gather(1, label).squeeze(1)
+        kept = _kept(z, sampling.top_k, sampling.top_p) if sampling.active else z
+        inside = kept.gather(1, label).squeeze(1) > float("-inf")
+        out[rows] = torch.where(inside, z_label - kept.logsumexp(dim=-1), float("-inf"))
+    return out.reshape(labels.shape)
+
+
+def engine_gap(rollout_log_probs: torch.Tensor, comparable_log_probs: torch.Tensor,
+               mask: torch.Tensor) -> dict[str, float]:
+    """How far the engine's log-probs are from the trainer's under the same distribution, over the masked tokens:
+    `logprob_diff`, the mean |difference| over the tokens inside the trainer's support, and `outside_support`, the
+    share of tokens the engine sampled that the trainer's truncation excludes (log-prob -inf)."""
+    keep = mask.bool()
+    outside = torch.isneginf(comparable_log_probs) & keep
+    inside = keep & ~outside
+    diff = (rollout_log_probs - comparable_log_probs).abs()
+    return {"logprob_diff": (torch.where(inside, diff, 0.0).sum() / inside.sum().clamp(min=1)).item(),
+            "outside_support": (outside.sum() / keep.sum().clamp(min=1)).item()}
