@@ -71,6 +71,9 @@ class VLLMConfig:
                                          "get them by CUDA IPC / shared memory, in no group",
                                  choices=("nccl", "gloo"))
     vllm_sync_bucket_mb: int = opt(256, "weights per sync message (MiB): many tensors travel in one bucket")
+    vllm_sync_check: bool = opt(False, "after the run's first weight sync, read every engine's weights back as its "
+                                       "kernels use them and compare each tensor with the trainer's; stop naming "
+                                       "the tensor that differs (one extra copy of the weights on actor rank 0)")
     enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)")
     enable_prefix_caching: bool = opt(False, "reuse prompt KV across the n samples of a prompt; reset on every sync")
     vllm_enable_sleep: bool = opt(False, "engines release memory while the trainer runs (needs "

@@ -67,6 +67,7 @@ class PPOTrainer:
             self.total_steps = min(self.total_steps, cfg.train.max_steps)
         self.global_step = 0
         self.policy_version = 0  # weight syncs done: the version the engines generate with
+        self._sync_checked = False  # --vllm_sync_check ran
         self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
         self._local = threading.local()  # stage timings per thread (--async_train collects on its own thread)
         self._engine_lock = threading.Lock()  # engines never generate while their weights are replaced
@@ -253,7 +254,22 @@ class PPOTrainer:
             stats = self.groups.policy.run("sync_weights", self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
                                            engine_dtype(cfg), float(cfg.ds.dist_timeout))[0]
             self.policy_version += 1
+            if cfg.vllm.vllm_sync_check and not self._sync_checked:
+                self._check_engine_weights()
         return stats
+
+    def _check_engine_weights(self) -> None:
+        """--vllm_sync_check: the engines compute with the trainer's weights, tensor by tensor (the first sync after
+        an update is the one where a dropped name or an unmerged LoRA shows; before it, both sides hold the
+        checkpoint)."""
+        checks = self.groups.policy.run("check_engine_weights", self.groups.engines, float(self.cfg.ds.dist_timeout))[0]
+        bad = [f"engine {i}: {summary}" for i, (ok, summary) in enumerate(checks) if not ok]
+        if bad:
+            raise RuntimeError("--vllm_sync_check: after the weight sync the engines compute with other weights than "
+                               "the trainer's, so rollouts would not come from the trained policy: " + "; ".join(bad))
+        logger.info("--vllm_sync_check: %d engine(s) compute with the trainer's weights: %s", len(checks),
+                    checks[0][1])
+        self._sync_checked = True
 
     def step(self) -> dict[str, float] | None:
         """One RL step on the next rollout batch; None when the prompts ran out before the batch was full."""

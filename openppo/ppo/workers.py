@@ -76,6 +76,14 @@ class PolicyWorker(_TrainedWorker):
         trim_host_heap()  # the buckets just freed
         return out
 
+    def check_engine_weights(self, engines: list[Any], timeout_s: float) -> list[tuple[bool, str]]:
+        """Every rank enters (the gathers are collectives); rank 0 returns per engine (equal, summary): each tensor
+        the engine computes with against this trainer's gathered copy (`openppo.rollout.readback`)."""
+        from openppo.rollout.readback import engine_weight_checks
+
+        checks = engine_weight_checks(self.role.engine.module, engines, self.role.strategy.rank, timeout_s)
+        return [(c.ok(), c.summary()) for c in checks]
+
     def save_hf(self, out_dir: str, tokenizer_path: str) -> None:
         from openppo.models.loading import load_tokenizer
 

@@ -34,6 +34,7 @@ import torch
 
 from openppo.errors import UserError, require
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketMeta, pack_buckets
+from openppo.rollout.readback import Shard, from_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -275,13 +276,10 @@ class VLLMEngine:
         self.reset_prefix_cache()
         return loaded[0]
 
-    def weight_checksum(self) -> float:
-        """float64 sum of the parameters vLLM holds as tensors, over all workers (debugging).
-
-        A replicated tensor counts once per TP worker. On CPU the linear-layer weights live in packed kernel
-        buffers and are not included; compare `last_sync_checksum` with the sender's sum to check a whole sync.
-        """
-        return float(sum(self.llm.collective_rpc("openppo_weight_checksum")))
+    def read_weights(self) -> list[list[Shard]]:
+        """Per tensor-parallel worker, the weights its kernels compute with, as slices of the checkpoint's tensors
+        (`openppo.rollout.readback`; compare with `check_engine_weights`). One copy of the weights, on the CPU."""
+        return [from_bytes(payload) for payload in self.llm.collective_rpc("openppo_read_weights")]
 
     def last_sync_checksum(self) -> float | None:
         """float64 sum of every tensor the first worker received in the last sync (None before any sync, or when it

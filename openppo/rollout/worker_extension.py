@@ -155,17 +155,12 @@ class WorkerExtension:
 
     # -- debugging -------------------------------------------------------------------------------------------------
 
-    def openppo_weight_checksum(self) -> float:
-        """float64 sum of the parameters this worker holds as tensors (vocab padding rows are zero).
+    def openppo_read_weights(self) -> bytes:
+        """This worker's weights as its kernels compute with them, as checkpoint-named slices
+        (`openppo.rollout.readback`), serialised."""
+        from openppo.rollout.readback import to_bytes, worker_shards
 
-        On CPU, vLLM repacks linear-layer weights into kernel-owned buffers and leaves an empty `weight`, so the
-        sum covers embeddings, norms and biases only there; `openppo_last_sync_checksum` covers everything sent.
-        """
-        total = 0.0
-        with torch.no_grad():
-            for param in self.model_runner.get_model().parameters():
-                total += param.detach().to(torch.float64).sum().item()
-        return total
+        return to_bytes(worker_shards(self.model_runner.get_model(), self.model_runner.model_config.dtype))
 
     def openppo_last_sync_checksum(self) -> float | None:
         """float64 sum of every tensor received by the last completed sync (as received); None before any sync or

@@ -46,8 +46,10 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         "--vllm_kv_cache_bytes", str(128 * 2**20), "--generate_max_len", "12", "--prompt_max_len", "64",
         "--param_dtype", "fp32", "--max_steps", "3", "--save_steps", "2", "--actor_learning_rate", "1e-4",
         "--seed", "7", "--ds_tensor_parallel_size", "2"]
-    proc = run_cli("train_ppo_ray", args + ["--save_path", str(save)], nproc=1, timeout=800)
+    proc = run_cli("train_ppo_ray", args + ["--save_path", str(save), "--vllm_sync_check"], nproc=1, timeout=800)
     log = proc.stdout + proc.stderr
+    # both engines hold the AutoTP-gathered weights, tensor by tensor, after the first update
+    assert "--vllm_sync_check: 2 engine(s) compute with the trainer's weights" in log
     assert "colocated (hybrid): actor, reference, engines share 2 device(s)" in log
     assert "--vllm_enable_sleep is a no-op on CPU" in log
     # engine i sits on actor rank i's bundle: each rank hands it the buckets through shared memory, no gloo group

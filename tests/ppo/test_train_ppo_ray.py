@@ -13,6 +13,7 @@ from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
+SYNC_CHECKED = "--vllm_sync_check: 1 engine(s) compute with the trainer's weights: "
 STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "response_length", "rollout/logprob_diff",
                 "timing/generate", "timing/reward", "timing/old_logprob", "timing/actor_train", "timing/weight_sync",
                 "timing/idle", "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "perf/samples_per_s",
@@ -20,10 +21,12 @@ STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "respons
 
 
 def test_grpo_with_py_reward(tmp_path):
-    """GRPO with a Python reward, the default KV cache, top-k/top-p sampling and IS correction; the 2 actor ranks form one ring (--ring_attn_size 2): each packed row is split
-    between them and attention runs across the halves, and the log-probs still equal those of the engine, which is
-    tensor-parallel (2 worker processes, each holding half of every layer, both synced). Step 2 is traced by the
-    torch profiler; the run ends with the stage table and the bottleneck advice."""
+    """GRPO with a Python reward, the default KV cache, top-k/top-p sampling and IS correction; the 2 actor ranks
+    form one ring (--ring_attn_size 2): each packed row is split between them and attention runs across the halves,
+    and the log-probs still equal those of the engine, which is tensor-parallel (2 worker processes, each holding
+    half of every layer, both synced; --vllm_sync_check reads both halves back after the first sync and compares
+    them with the ZeRO-3 gathered weights). Step 2 is traced by the torch profiler; the run ends with the stage
+    table and the bottleneck advice."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     proc = run_cli("train_ppo_ray", [
@@ -35,8 +38,9 @@ def test_grpo_with_py_reward(tmp_path):
         "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len", "64", "--zero_stage", "3",
         "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save),
         "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1", "--profile_steps", "2",
-        "--vllm_tensor_parallel_size", "2", "--top_p", "0.9", "--top_k", "1000", "--enable_vllm_is_correction"],
-        nproc=1, timeout=600)
+        "--vllm_tensor_parallel_size", "2", "--top_p", "0.9", "--top_k", "1000", "--enable_vllm_is_correction",
+        "--vllm_sync_check"], nproc=1, timeout=600)
+    assert SYNC_CHECKED in proc.stdout
     # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 80 tokens, one 128-token block each; a TP-2
     # worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged in one line
     sized = [line for line in proc.stdout.splitlines() if "vLLM KV cache per engine:" in line]
@@ -131,8 +135,11 @@ def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
         "--remote_rm_url", server.url, "--advantage_estimator", "reinforce_baseline", "--n_samples_per_prompt", "2",
         "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3", "--lora_rank", "8", "--lora_alpha", "16",
         "--actor_learning_rate", "2e-2", "--lr_warmup_ratio", "0", "--colocate_all_models",
-        "--vllm_tensor_parallel_size", "2", "--ref_num_gpus_per_node", "2"], nproc=1, timeout=600)
+        "--vllm_tensor_parallel_size", "2", "--ref_num_gpus_per_node", "2", "--vllm_sync_check"], nproc=1,
+        timeout=600)
     assert "weight sync: engine(s) 0 via shared memory from actor rank(s) 0,1" in proc.stdout
+    # both engine workers compute with base + adapters, tensor by tensor (after step 1's update)
+    assert SYNC_CHECKED in proc.stdout
     assert "weight sync group ready" not in proc.stdout
     records = read_metrics(save)
     assert len(records) == 2 and all("reward" in r and "loss/kl" in r for r in records)

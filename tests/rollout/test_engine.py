@@ -14,6 +14,7 @@ import torch
 from openppo.rollout.buckets import pack_bucket, plan_buckets
 from openppo.rollout.sender import (broadcast_weights, connect_engines, iter_full_weights, sync_weights,
                                     tensors_checksum)
+from openppo.rollout.readback import WeightCheck, check_engine_weights
 from tests.engines import logprob_gap, tiny_engine_actor
 from tests.model_cache import tiny_model_dir
 
@@ -83,12 +84,18 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
         with torch.no_grad():
             for p in hf_model.parameters():
                 p.add_(torch.randn(p.shape, generator=g) * 0.02)
+        stale = engine_weights(engine, hf_model)
+        assert not stale.ok() and min(stale.rel_diff.values()) > 0, stale.summary()  # every tensor differs
         # 64 KiB buckets: the 39 MB embedding alone, the rest split over several buckets, q/k/v of a layer apart.
         stats = sync_weights(hf_model, group, [engine], bucket_bytes=64 << 10, timeout_s=60, verify=True)
         print(f"sync (tiny model, 64 KiB buckets): {stats}")
         assert stats["num_buckets"] >= 4
         assert ray.get(engine.last_sync_checksum.remote()) == pytest.approx(
             tensors_checksum(iter_full_weights(hf_model, rank=0)), rel=1e-12)
+        # what the engine's kernels compute with, per tensor (the tied LM head's GEMM included): exactly the model's
+        synced = engine_weights(engine, hf_model)
+        assert synced.ok() and max(synced.rel_diff.values()) == 0.0, synced.summary()
+        assert "lm_head.weight" in synced.rel_diff
         check(hf_model, "after syncing perturbed weights")  # stale prefix-cache KV would show here
 
         with torch.no_grad():
@@ -122,6 +129,40 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
         with torch.no_grad():
             for n, p in hf_model.named_parameters():
                 p.copy_(original[n])
+
+
+def engine_weights(engine, model) -> WeightCheck:
+    """The engine's weights, read back as its kernels use them, against `model`'s own parameters."""
+    import ray
+
+    return check_engine_weights(model.named_parameters(), ray.get(engine.read_weights.remote(), timeout=60))
+
+
+@pytest.mark.slow
+def test_lora_sync_puts_the_merged_weights_in_the_engine(engine, hf_model):
+    """A LoRA actor's sync (object store): the engine computes with W + B A alpha / r in every adapted layer, per
+    tensor equal to peft's own merge of a copy, and with the base weights elsewhere."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    lora = get_peft_model(copy.deepcopy(hf_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    g = torch.Generator().manual_seed(3)
+    with torch.no_grad():
+        for name, p in lora.named_parameters():
+            if "lora_B" in name:  # PEFT starts B at 0: give the adapters a delta
+                p.copy_(torch.randn(p.shape, generator=g) * 0.1)
+    merged = copy.deepcopy(lora).merge_and_unload()
+    try:
+        sync_weights(lora, None, [engine], timeout_s=60)
+        check = engine_weights(engine, merged)
+        assert check.ok() and max(check.rel_diff.values()) == 0.0, check.summary()
+        against_base = engine_weights(engine, hf_model)
+        adapted = {n for n, d in against_base.rel_diff.items() if d > 0}
+        assert adapted and all("q_proj" in n or "down_proj" in n for n in adapted), sorted(adapted)
+        assert len(adapted) == 2 * hf_model.config.num_hidden_layers  # every adapted weight reached the engine
+    finally:
+        sync_weights(hf_model, None, [engine], timeout_s=60)  # the module's other tests expect the base weights
 
 
 @pytest.mark.slow

