@@ -97,3 +97,31 @@ def load_model(role: str, path: str, strategy=None, **lora):
         if role == "critic":
             return ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain")
         return Actor.from_pretrained(path, dtype=torch.float32, **lora)
+
+
+# -- the step loss written out from the formulas (docs/algorithms.md), the independent side of gradient parity tests
+
+def ppo_per_token(log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps: float) -> torch.Tensor:
+    ratio = (log_probs - old).exp()
+    return -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
+
+
+def value_per_token(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
+                    clip: float) -> torch.Tensor:
+    clipped = old_values + (values - old_values).clamp(-clip, clip)
+    return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
+
+
+def reduce_global(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm_len: int) -> torch.Tensor:
+    """The step loss over every row of the step (S_i = a response's summed loss, n_i its kept tokens, N = all kept
+    tokens, M = responses with a kept token)."""
+    m = mask.to(per_token.dtype)
+    sums, counts = (per_token * m).sum(-1), m.sum(-1)
+    kept = counts > 0
+    if mode == "token-mean":
+        return sums.sum() / m.sum()
+    if mode == "seq-mean-token-mean":
+        return (sums[kept] / counts[kept]).sum() / kept.sum()
+    if mode == "seq-mean-token-sum":
+        return sums.sum() / kept.sum()
+    return sums.sum() / (kept.sum() * norm_len)  # Dr. GRPO

@@ -25,7 +25,7 @@ import pytest
 import torch
 
 from tests.ppo.rank_helpers import (GradAtBoundary, fp32_strategy, full_grads, full_weights, join_gloo_group,
-                                    load_model, ragged_rows)
+                                    load_model, ppo_per_token, ragged_rows, reduce_global, value_per_token)
 from tests.spawn import run_ranks
 
 WORLD = 2
@@ -47,31 +47,6 @@ def _config_name(zero: int, ring: int) -> str:
 
 def _global_batch(vocab: int) -> dict[str, torch.Tensor]:
     return ragged_rows(LENGTHS, vocab, torch.Generator().manual_seed(0), empty_rows=(EMPTY_ROW,))
-
-
-def reduce_global(per_token: torch.Tensor, mask: torch.Tensor, mode: str) -> torch.Tensor:
-    """The step loss over every row of the step, by the formulas of docs/algorithms.md (S_i = a response's summed
-    loss, n_i its kept tokens, N = all kept tokens, M = responses with a kept token)."""
-    m = mask.to(per_token.dtype)
-    sums, counts = (per_token * m).sum(-1), m.sum(-1)
-    kept = counts > 0
-    if mode == "token-mean":
-        return sums.sum() / m.sum()
-    if mode == "seq-mean-token-mean":
-        return (sums[kept] / counts[kept]).sum() / kept.sum()
-    if mode == "seq-mean-token-sum":
-        return sums.sum() / kept.sum()
-    return sums.sum() / (kept.sum() * NORM_LEN)  # Dr. GRPO
-
-
-def _ppo_per_token(log_probs, old, adv):
-    ratio = (log_probs - old).exp()
-    return -torch.minimum(ratio * adv, ratio.clamp(1 - EPS, 1 + EPS) * adv)
-
-
-def _value_per_token(values, old_values, returns):
-    clipped = old_values + (values - old_values).clamp(-VALUE_CLIP, VALUE_CLIP)
-    return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
 
 
 def _plain_copy(strategy, engine, plain) -> None:
@@ -121,11 +96,11 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 plain.zero_grad()
                 if role == "actor":
                     log_probs = plain(data["sequences"], data["attention_mask"]).log_probs
-                    per_token = _ppo_per_token(log_probs, data["old_log_probs"], data["advantages"])
+                    per_token = ppo_per_token(log_probs, data["old_log_probs"], data["advantages"], EPS)
                 else:
                     values = plain(data["sequences"], data["attention_mask"])[:, :-1]
-                    per_token = _value_per_token(values, data["old_values"], data["returns"])
-                reference_loss = reduce_global(per_token, mask, mode)
+                    per_token = value_per_token(values, data["old_values"], data["returns"], VALUE_CLIP)
+                reference_loss = reduce_global(per_token, mask, mode, NORM_LEN)
                 reference_loss.backward()
                 expected = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
                 for layout, kwargs in LAYOUTS.items():

@@ -3,9 +3,9 @@
 One spawn of two workers (a module fixture) holding one tensor-parallel group (data-parallel size 1). Each rank
 builds the tiny model twice: as a real DeepSpeed AutoTP engine (ZeRO-0, fp32) and as a plain `Actor`. It checks
 the weight gather the sync and the HF export use, the log-probs, and one optimizer step of `fit_experience`
-(the loss and the gradient at the boundary: each rank's weight slice against the same slice of the plain model's
-gradient, which catches a wrong backward scale), then writes the measured errors to a JSON file that the tests
-read.
+(the loss and the gradient at the boundary: each rank's weight slice against the same slice of the gradient plain
+autograd gives the step loss written from the formulas, which catches a wrong backward scale or a normaliser
+counted once per replica), then writes the measured errors to a JSON file that the tests read.
 """
 
 from __future__ import annotations
@@ -16,34 +16,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ppo.rank_helpers import GradAtBoundary, join_gloo_group
+from tests.ppo.rank_helpers import GradAtBoundary, join_gloo_group, ppo_per_token, reduce_global
 from tests.ppo.test_dynamic_batch import _experience
 from tests.spawn import run_ranks
 
 WORLD = 2
 TIMEOUT_S = 300
-
-
-class PlainEngine:
-    """What `fit_experience` needs of an engine, for a module trained by plain autograd in one process."""
-
-    def __init__(self, module):
-        self.module = module
-
-    def __call__(self, *args, **kwargs):
-        return self.module(*args, **kwargs)
-
-    def train(self):
-        self.module.train()
-
-    def set_gradient_accumulation_boundary(self, boundary: bool) -> None:
-        self.boundary = boundary
-
-    def backward(self, loss, scale_wrt_gas: bool = True):
-        loss.backward()
-
-    def step(self):
-        pass
+EPS = 0.2
 
 
 def _slice_like(full: torch.Tensor, shard: torch.Tensor, rank: int) -> torch.Tensor:
@@ -103,15 +82,19 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     results["log_probs"] = (ours - theirs)[mask].abs().max().item()
     data["old_log_probs"] = theirs + 0.05 * torch.randn(theirs.shape, generator=torch.Generator().manual_seed(1))
 
-    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0)
-    metrics = {}
-    for name, eng, world, tp in (("tp", engine, WORLD, WORLD), ("plain", PlainEngine(plain), 1, 1)):
-        loss_fn = actor_loss(eng, algo, kl_coef=0.0, temperature=1.0, generate_max_len=32, is_correction=None,
-                             is_threshold=(0.5, 5.0), pack=True)
-        metrics[name] = fit_experience(eng, data, loss_fn, batching=Batching(packed=True, rows=2, max_tokens=40),
-                                       rows_per_step=8, epochs=1, world_size=world, seed=0,
-                                       device=strategy.device, tensor_parallel_size=tp)
-    results["loss"] = abs(metrics["tp"]["loss/policy"] - metrics["plain"]["loss/policy"])
+    # The reference: plain autograd of the step's token-mean PPO loss over all rows, written from the formulas. The
+    # two ranks hold the same rows: the step's token count, all-reduced over both, must be divided by the replicas.
+    per_token = ppo_per_token(plain(data["sequences"], data["attention_mask"]).log_probs, data["old_log_probs"],
+                              data["advantages"], EPS)
+    reference_loss = reduce_global(per_token, data["action_mask"], "token-mean", 32)
+    reference_loss.backward()
+    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS, loss_agg_mode="token-mean")
+    loss_fn = actor_loss(engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=32, is_correction=None,
+                         is_threshold=(0.5, 5.0), pack=True)
+    metrics = fit_experience(engine, data, loss_fn, batching=Batching(packed=True, rows=2, max_tokens=40),
+                             rows_per_step=8, epochs=1, world_size=WORLD, seed=0, device=strategy.device,
+                             tensor_parallel_size=WORLD)
+    results["loss"] = abs(metrics["loss/policy"] - reference_loss.item())
     grads, reference = engine.grads[0], dict(plain.named_parameters())
     results["grads_rel"] = max(_rel(g, _slice_like(reference[n].grad, g, rank)) for n, g in grads.items())
 
