@@ -5,7 +5,8 @@ WORLD_SIZE, LOCAL_RANK, MASTER_ADDR, MASTER_PORT), logs with a `[group rankN]` p
 lines in memory so the driver can show them when something goes wrong. Subclasses add the real work (a DeepSpeed
 engine, a reward model...) and must call `super().__init__()`.
 
-torch and DeepSpeed are imported only when used, so a light worker starts in about a second.
+torch, DeepSpeed and Ray are imported only when used: a light worker starts in about a second, and a model worker
+runs in-process where Ray is not installed (the GPU check suite).
 """
 
 from __future__ import annotations
@@ -15,10 +16,6 @@ import logging
 import os
 import socket
 from typing import Any
-
-import ray
-
-from openppo.distributed.logs import actor_location
 
 logger = logging.getLogger(__name__)
 
@@ -67,12 +64,15 @@ class BaseWorker:
         self.world_size = int(os.environ.get("WORLD_SIZE", "1"))
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.group_name = os.environ.get(GROUP_NAME_ENV, type(self).__name__)
-        self.strategy: Any = None
-        self._log_ring = _setup_worker_logging(self.group_name, self.rank)
+        # Set up at the group's first call (`ping`), not here: a worker built in-process (tests) keeps the host
+        # process's logging as it is.
+        self._log_ring: _RingHandler | None = None
         self._profiler: Any = None  # a StepProfiler while a --profile_steps step is traced
 
     # --------------------------------------------------------------------------------------- remote helpers
     def node_ip(self) -> str:
+        import ray
+
         return ray.util.get_node_ip_address()
 
     def free_port(self) -> int:
@@ -82,13 +82,18 @@ class BaseWorker:
             return s.getsockname()[1]
 
     def ping(self) -> dict[str, Any]:
-        """Where this worker runs: answers once the constructor has finished."""
+        """Where this worker runs: answers once the constructor has finished. The group's first call: from here on
+        the rank logs with its `[group rankN]` prefix and keeps its last lines."""
+        from openppo.distributed.logs import actor_location
+
+        if self._log_ring is None:
+            self._log_ring = _setup_worker_logging(self.group_name, self.rank)
         return {"rank": self.rank, **actor_location(),
                 "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def last_log_lines(self, n: int = 20) -> list[str]:
         """The last `n` lines this process logged through `logging` (every level from INFO, on every rank)."""
-        lines = self._log_ring.lines
+        lines = self._log_ring.lines if self._log_ring is not None else []
         return list(lines)[-n:] if n > 0 else []
 
     def set_dist_env(self, env: dict[str, str]) -> None:
@@ -114,20 +119,3 @@ class BaseWorker:
             return None
         profiler, self._profiler = self._profiler, None
         return profiler.stop(f"{out_dir}/{self.group_name}_rank{self.rank}.json")
-
-    # --------------------------------------------------------------------------------------- training set-up
-    def setup_strategy(self, ds_cfg, *, train_batch_size: int, micro_batch_size: int, max_norm: float = 1.0,
-                       seed: int = 42):
-        """Build a `DeepSpeedStrategy` for this rank and join the group's process group (gloo on CPU, nccl on GPU).
-
-        Every rank of the group must call it at the same time: the process-group start is a rendezvous at
-        MASTER_ADDR:MASTER_PORT that waits `ds_cfg.dist_timeout` seconds for the others.
-        """
-        from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-
-        self.strategy = DeepSpeedStrategy(ds_cfg, train_batch_size=train_batch_size,
-                                          micro_batch_size=micro_batch_size, max_norm=max_norm, seed=seed)
-        self.strategy.setup_distributed()
-        logger.info("process group ready: rank %d of %d, master %s:%s", self.strategy.rank,
-                    self.strategy.world_size, os.environ.get("MASTER_ADDR"), os.environ.get("MASTER_PORT"))
-        return self.strategy

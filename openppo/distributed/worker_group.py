@@ -22,7 +22,7 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
@@ -34,6 +34,8 @@ from openppo.distributed.placement import make_placement_group
 from openppo.distributed.worker import GROUP_NAME_ENV, BaseWorker
 
 logger = logging.getLogger(__name__)
+
+Method = Callable | str  # a worker-class method, or its name
 
 # Bound on the extra calls made while reporting a failure (reading a log tail, asking a live actor for its lines).
 _DIAGNOSE_TIMEOUT_S = 10.0
@@ -140,16 +142,20 @@ class WorkerGroup:
         """What each rank reported at start-up: pid, node_ip, node_id, actor_id, log_files, cuda_visible_devices."""
         return [dict(info or {}) for info in self._infos]
 
-    def run(self, method_name: str, *args, **kwargs) -> list:
-        """Call `method_name(*args, **kwargs)` on every rank; the results in rank order."""
-        return self.get(self.run_async(method_name, *args, **kwargs))
+    def run(self, method: Method, *args, **kwargs) -> list:
+        """Call `method(*args, **kwargs)` on every rank; the results in rank order.
 
-    def run_async(self, method_name: str, *args, **kwargs) -> list[ray.ObjectRef]:
-        """Start `method_name` on every rank without waiting; pass the refs to `get`."""
-        return self._submit(method_name, args=args, kwargs=kwargs)
+        `method` is a method of the worker class (`group.run(ActorWorker.sync_weights, ...)`, which an editor
+        follows to its code) or its name."""
+        return self.get(self.run_async(method, *args, **kwargs))
 
-    def run_sharded(self, method_name: str, shards: Sequence[Any], **kwargs) -> list:
-        """Call `method_name(shards[i], **kwargs)` on rank i; each shard is put in the object store once."""
+    def run_async(self, method: Method, *args, **kwargs) -> list[ray.ObjectRef]:
+        """Start `method` on every rank without waiting; pass the refs to `get`."""
+        return self._submit(self._name(method), args=args, kwargs=kwargs)
+
+    def run_sharded(self, method: Method, shards: Sequence[Any], **kwargs) -> list:
+        """Call `method(shards[i], **kwargs)` on rank i; each shard is put in the object store once."""
+        method_name = self._name(method)
         if len(shards) != self.num_workers:
             raise ValueError(f"worker group {self.name!r}: {len(shards)} shards for {self.num_workers} ranks; "
                              f"give exactly one shard per rank")
@@ -194,6 +200,16 @@ class WorkerGroup:
         return f"WorkerGroup({self.name!r}, {self.num_workers} x {self.worker_cls.__name__}, {state})"
 
     # --------------------------------------------------------------------------------------- internals
+    def _name(self, method: Method) -> str:
+        """The name to call on the actors; a function must be the worker class's own method (or inherited)."""
+        if isinstance(method, str):
+            return method
+        name = getattr(method, "__name__", None)
+        if name is None or getattr(self.worker_cls, name, None) is not method:
+            raise AttributeError(f"worker group {self.name!r}: {method!r} is not a method of "
+                                 f"{self.worker_cls.__name__}")
+        return name
+
     def _check_open(self, method_name: str) -> None:
         if self._closed:
             raise RuntimeError(f"worker group {self.name!r} is shut down (after an earlier failure or shutdown()); "

@@ -7,7 +7,7 @@ import time
 import pytest
 import ray
 
-from openppo.distributed import WorkerGroup, WorkerGroupError
+from openppo.distributed.worker_group import WorkerGroup, WorkerGroupError
 from tests.distributed.workers import CollectiveWorker, TrainWorker
 from tests.model_cache import tiny_model_dir
 

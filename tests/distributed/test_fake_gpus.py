@@ -8,7 +8,8 @@ from __future__ import annotations
 import pytest
 import ray
 
-from openppo.distributed import WorkerGroup, colocated_fraction, device_resources, make_placement_group
+from openppo.distributed.placement import colocated_fraction, device_resources, make_placement_group
+from openppo.distributed.worker_group import WorkerGroup
 from tests.distributed.workers import ProbeWorker
 
 

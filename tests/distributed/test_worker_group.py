@@ -7,8 +7,8 @@ import time
 import pytest
 import ray
 
-from openppo.distributed import (PlacementError, WorkerGroup, WorkerGroupError, colocated_fraction,
-                                 device_resources, make_placement_group)
+from openppo.distributed.placement import PlacementError, colocated_fraction, device_resources, make_placement_group
+from openppo.distributed.worker_group import WorkerGroup, WorkerGroupError
 from openppo.distributed.logs import format_log_tail, read_log_tail, tail_file
 from tests.distributed.workers import BrokenWorker, ProbeWorker
 
@@ -49,6 +49,15 @@ def test_run_sharded_gives_rank_i_shard_i(probes):
     assert probes.run_sharded("echo", shards, tag="t") == [(0, shards[0], "t"), (1, shards[1], "t")]
     with pytest.raises(ValueError, match="3 shards for 2 ranks"):
         probes.run_sharded("echo", [1, 2, 3])
+
+
+def test_methods_by_reference(probes):
+    """The typed form the RL driver uses: the worker class's method itself (an editor follows it to the code)."""
+    shards = [{"rows": [1, 2]}, {"rows": [3]}]
+    assert probes.run_sharded(ProbeWorker.echo, shards, tag="t") == [(0, shards[0], "t"), (1, shards[1], "t")]
+    assert probes.run(ProbeWorker.echo, "x") == [(0, "x", ""), (1, "x", "")]
+    with pytest.raises(AttributeError, match="is not a method of ProbeWorker"):
+        probes.run(BrokenWorker.__init__)  # a method of another worker class
 
 
 def test_run_async_then_get(probes):

@@ -11,9 +11,22 @@ import time
 
 import ray
 
-from openppo.distributed import BaseWorker
+from openppo.distributed.worker import BaseWorker
 
 logger = logging.getLogger("tests.distributed")
+
+
+def setup_strategy(ds_cfg, *, train_batch_size: int, micro_batch_size: int,
+                   max_norm: float = 1.0, seed: int = 42):
+    """A `DeepSpeedStrategy` for this rank, joined to the group's process group (every rank at once: the start is a
+    rendezvous at MASTER_ADDR:MASTER_PORT)."""
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(ds_cfg, train_batch_size=train_batch_size, micro_batch_size=micro_batch_size,
+                                 max_norm=max_norm, seed=seed)
+    strategy.setup_distributed()
+    logger.info("process group ready: rank %d of %d", strategy.rank, strategy.world_size)
+    return strategy
 
 DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
             "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
@@ -77,9 +90,9 @@ class TrainWorker(BaseWorker):
         from openppo.strategy.config import DeepSpeedConfig
 
         t0 = time.monotonic()
-        strategy = self.setup_strategy(DeepSpeedConfig(zero_stage=3, param_dtype="fp32", dist_timeout=120),
-                                       train_batch_size=2 * self.world_size, micro_batch_size=2, max_norm=1.0,
-                                       seed=0)
+        strategy = setup_strategy(DeepSpeedConfig(zero_stage=3, param_dtype="fp32", dist_timeout=120),
+                                  train_batch_size=2 * self.world_size, micro_batch_size=2, max_norm=1.0,
+                                  seed=0)
         t_dist = time.monotonic()
         with strategy.zero3_init():
             actor = Actor.from_pretrained(model_dir, dtype=torch.float32)
@@ -109,8 +122,8 @@ class CollectiveWorker(BaseWorker):
 
         from openppo.strategy.config import DeepSpeedConfig
 
-        self.setup_strategy(DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=300),
-                            train_batch_size=self.world_size, micro_batch_size=1)
+        setup_strategy(DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=300),
+                       train_batch_size=self.world_size, micro_batch_size=1)
         if self.rank == exit_rank:
             print(f"rank {self.rank} exiting before the all-reduce", flush=True)
             os._exit(3)

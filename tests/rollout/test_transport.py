@@ -73,7 +73,7 @@ def test_guard_reads_fake_gpu_placement():
     and the guard refuses them in one nccl group; on separate GPUs it passes."""
     import ray
 
-    from openppo.distributed import colocated_fraction, make_placement_group
+    from openppo.distributed.placement import colocated_fraction, make_placement_group
     from openppo.distributed.logs import actor_location
 
     @ray.remote
