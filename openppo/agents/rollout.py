@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable
 
 from openppo.agents.base import AgentEnv, AgentError, StepResult
-from openppo.ppo.experience import Sample
+from openppo.rollout.pool import Sample, rows_by_budget
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[dict]]
 """(prompt token ids per request, max_new_tokens per request) -> one {token_ids, logprobs, finish_reason} each"""
@@ -130,12 +130,6 @@ def _to_sample(ep: _Episode, tokenizer) -> Sample:
                   response_text=tokenizer.decode(ep.response_ids, skip_special_tokens=True),
                   action_mask=ep.action_mask, reward=ep.reward,
                   extra={"agent/turns": float(ep.num_turns), **ep.extra})
-
-
-def rows_by_budget(budgets: list[int]) -> list[tuple[int, list[int]]]:
-    """`(budget, row indices)` per distinct budget, smallest first: vLLM takes one max_tokens per request batch, so
-    requests are grouped to keep each prompt's own budget."""
-    return [(b, [i for i, x in enumerate(budgets) if x == b]) for b in sorted(set(budgets))]
 
 
 def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampling: Any) -> GenerateFn:

@@ -59,7 +59,7 @@ def train(cfg: PPOConfig) -> None:
         except Exception as exc:
             launch.raise_if_an_engine_died(groups, exc)  # the root cause, whatever failed first
             raise
-        groups.policy.run("save_hf", cfg.ckpt.save_path, cfg.model.pretrain)
+        groups.actor.save_hf(cfg.ckpt.save_path, cfg.model.pretrain)
         summary = f"{summary_table(history)}\n\n{advice_text(advise(history, cfg, host_memory_gib()))}"
         logger.info("run summary\n%s", summary)
         (Path(cfg.ckpt.save_path) / "summary.txt").write_text(summary + "\n")

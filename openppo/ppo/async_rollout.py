@@ -17,7 +17,7 @@ from typing import Callable
 
 import torch
 
-from openppo.ppo.experience import Sample
+from openppo.rollout.pool import Sample
 
 
 @dataclass

@@ -8,37 +8,12 @@ Environment feedback inside a multi-turn response is kept in the sequence with `
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Any
-
 import torch
 
 from openppo.algorithms import (compute_advantages, compute_approx_kl, shape_sequence_rewards,
                                 token_level_rewards)
 from openppo.ppo.config import AlgoConfig
-
-
-@dataclass
-class Sample:
-    """One generated response, as it comes back from an engine."""
-
-    prompt_ids: list[int]
-    response_ids: list[int]
-    rollout_log_probs: list[float]  # sampled-token log-probs from the engine, one per response token
-    finish_reason: str  # "stop" or "length"
-    group: int  # index of the prompt; the n samples of one prompt share it and must be consecutive
-    label: Any = None
-    prompt_text: str = ""
-    response_text: str = ""
-    policy_version: int = 0  # the weight version that generated it (for async staleness)
-    action_mask: list[int] | None = None  # per response token; None = all ones (single turn)
-    reward: float | None = None
-    score: float | None = None
-    extra: dict[str, float] = field(default_factory=dict)
-
-    @property
-    def truncated(self) -> bool:
-        return self.finish_reason == "length"
+from openppo.rollout.pool import Sample
 
 
 def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:

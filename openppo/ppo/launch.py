@@ -10,9 +10,9 @@ import datasets
 import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
-from openppo.ppo.config import PPOConfig
+from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.ppo.colocation import colocation_pools, engine_placement
-from openppo.ppo.dispatch import Groups
+from openppo.ppo.groups import Groups
 from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_group, needs_reference
 
 logger = logging.getLogger(__name__)
@@ -140,8 +140,10 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
     from openppo.distributed.actor_health import actor_infos
     from openppo.distributed.placement import make_placement_group
     from openppo.distributed.worker_group import WorkerGroup
-    from openppo.ppo.workers import CriticWorker, PolicyWorker, ReferenceWorker, RewardWorker
+    from openppo.ppo.groups import ActorGroup, CriticGroup, ReferenceGroup, RewardGroup
+    from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
     from openppo.rollout import VLLMEngine
+    from openppo.rollout.pool import EnginePool
 
     res, timeout = cfg.resources, float(cfg.ds.dist_timeout)
     steps = num_training_steps(cfg, num_prompts)
@@ -156,24 +158,27 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
                                   name=f"{pool.name}-pg")
         shared.update({role: (pg, pool.fraction) for role in pool.members})
         logger.info("colocated (%s): %s", pool.name, pool.describe())
+    # deal rows by tokens when micro-batches are costed by tokens (packing, token budgets)
+    balance = cfg.rollout.packing_samples or cfg.rollout.use_dynamic_batch
 
-    def group(worker, nodes, per_node, role):
+    def group(handle, worker, nodes, per_node, role):
         pg, share = shared.get(role, (None, 1.0))
-        return WorkerGroup(worker, nodes * per_node, placement_group=pg, num_cpus_per_worker=share,
-                           num_gpus_per_worker=gpu * share, env=env, name=role, timeout_s=timeout)
+        workers = WorkerGroup(worker, nodes * per_node, placement_group=pg, num_cpus_per_worker=share,
+                              num_gpus_per_worker=gpu * share, env=env, name=role, timeout_s=timeout)
+        return handle(workers, replicas=ranks_per_shard(cfg, role), balance=balance)
 
-    policy = group(PolicyWorker, res.actor_num_nodes, res.actor_num_gpus_per_node, "actor")
-    pending = [(policy, policy.run_async("init_role", cfg, steps))]
+    actor = group(ActorGroup, ActorWorker, res.actor_num_nodes, res.actor_num_gpus_per_node, "actor")
+    pending = [(actor, actor.workers.run_async(ActorWorker.setup, cfg, steps))]
     reference = critic = reward = None
     if "reference" in present:
-        reference = group(ReferenceWorker, res.ref_num_nodes, res.ref_num_gpus_per_node, "reference")
-        pending.append((reference, reference.run_async("init_role", cfg)))
+        reference = group(ReferenceGroup, ReferenceWorker, res.ref_num_nodes, res.ref_num_gpus_per_node, "reference")
+        pending.append((reference, reference.workers.run_async(ReferenceWorker.setup, cfg)))
     if "critic" in present:
-        critic = group(CriticWorker, res.critic_num_nodes, res.critic_num_gpus_per_node, "critic")
-        pending.append((critic, critic.run_async("init_role", cfg, steps)))
+        critic = group(CriticGroup, CriticWorker, res.critic_num_nodes, res.critic_num_gpus_per_node, "critic")
+        pending.append((critic, critic.workers.run_async(CriticWorker.setup, cfg, steps)))
     if "reward" in present:
-        reward = group(RewardWorker, res.reward_num_nodes, res.reward_num_gpus_per_node, "reward")
-        pending.append((reward, reward.run_async("init_role", cfg)))
+        reward = group(RewardGroup, RewardWorker, res.reward_num_nodes, res.reward_num_gpus_per_node, "reward")
+        pending.append((reward, reward.workers.run_async(RewardWorker.setup, cfg)))
     engine_cls = ray.remote(VLLMEngine)
     engines = []
     for i in range(cfg.vllm.vllm_num_engines):
@@ -193,17 +198,17 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
             tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size, enable_sleep=cfg.vllm.vllm_enable_sleep,
             executor=place.executor))
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
-    engine_infos = actor_infos(engines, timeout)
-    for i, info in enumerate(engine_infos):
+    pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout)
+    for i, info in enumerate(pool.infos):
         logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
-    results = {id(g): g.get(refs) for g, refs in pending}
-    normalization = results[id(reward)][0] if reward is not None else None
+    results = {id(g): g.workers.get(refs) for g, refs in pending}
+    if reward is not None:
+        reward.normalization = results[id(reward)][0]
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
-    plan = sync_plan(cfg, policy.worker_infos, engine_infos, backend, on_gpu=bool(gpu))
-    policy.run("connect_engines", engines, plan, backend, cfg.vllm.vllm_tensor_parallel_size, timeout)
-    return Groups(policy=policy, engines=engines, engine_infos=engine_infos, critic=critic, reference=reference,
-                  reward=reward,
-                  reward_source=reward_source, reward_normalization=normalization)
+    plan = sync_plan(cfg, actor.worker_infos, pool.infos, backend, on_gpu=bool(gpu))
+    actor.connect_engines(pool, plan, backend, cfg.vllm.vllm_tensor_parallel_size)
+    return Groups(actor=actor, engines=pool, critic=critic, reference=reference, reward=reward,
+                  reward_source=reward_source)
 
 
 def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], backend: str, *,
@@ -231,8 +236,8 @@ def raise_if_an_engine_died(groups: Groups | None, error: BaseException) -> None
     """After `error` stopped the run: if a vLLM engine is dead, raise the error naming it (the root cause)."""
     from openppo.distributed.actor_health import find_dead
 
-    if groups is not None and groups.engines:
-        dead = find_dead(groups.engines, groups.engine_infos, "vLLM engine")
+    if groups is not None and len(groups.engines):
+        dead = find_dead(groups.engines.engines, groups.engines.infos, "vLLM engine")
         if dead is not None:
             raise dead from error
 
@@ -241,8 +246,7 @@ def shutdown(groups: Groups | None) -> None:
     import ray
 
     if groups is not None:
-        for g in (groups.policy, groups.critic, groups.reference, groups.reward):
-            if g is not None:
-                g.shutdown()
+        for g in groups.models():
+            g.shutdown()
     if ray.is_initialized():
         ray.shutdown()

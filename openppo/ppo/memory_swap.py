@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from typing import Callable, ContextManager
 
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.dispatch import Groups
+from openppo.ppo.groups import Groups
 
 
 class MemorySwap:
@@ -16,39 +16,40 @@ class MemorySwap:
     parameter states are offloaded (`--deepspeed_enable_sleep`) while the engines generate. Each switch is timed.
     """
 
-    def __init__(self, cfg: PPOConfig, groups: Groups, timing: Callable[[str, Callable], Any]):
+    def __init__(self, cfg: PPOConfig, groups: Groups, timer: Callable[[str], ContextManager]):
         self.engines_sleep = cfg.vllm.vllm_enable_sleep
         self.trainer_sleep = cfg.ds.deepspeed_enable_sleep
         self.groups = groups
-        self.timeout = float(cfg.ds.dist_timeout)
-        self.timed = timing
-
-    def _engines(self, method: str, *args) -> None:
-        import ray
-
-        ray.get([getattr(e, method).remote(*args) for e in self.groups.engines], timeout=self.timeout)
+        self.timer = timer  # `with timer("swap"):` adds to the step's timing/swap
 
     def to_trainer(self) -> None:
         """After generation: engines release their memory, the trainer takes its states back."""
         if self.engines_sleep:
-            self.timed("swap", lambda: self._engines("sleep"))
+            with self.timer("swap"):
+                self.groups.engines.sleep()
         if self.trainer_sleep:
-            self.timed("swap", lambda: [g.run("reload_states") for g in self.groups.trained()])
+            with self.timer("swap"):
+                for g in self.groups.trained():
+                    g.reload_states()
 
     def engine_weights(self) -> None:
         """Before the weight sync: engine weights back in memory (the trainer still holds its own)."""
         if self.engines_sleep:
-            self.timed("swap", lambda: self._engines("wake_up", ["weights"]))
+            with self.timer("swap"):
+                self.groups.engines.wake_up(["weights"])
 
     def start(self) -> None:
         """Before the first generation: the engines are awake; the trainer's states go out of their way."""
         if self.trainer_sleep:
             for g in self.groups.trained():
-                g.run("offload_states")
+                g.offload_states()
 
     def to_engines(self) -> None:
         """After the sync: the trainer offloads, then the engines re-allocate their KV cache."""
         if self.trainer_sleep:
-            self.timed("swap", lambda: [g.run("offload_states") for g in self.groups.trained()])
+            with self.timer("swap"):
+                for g in self.groups.trained():
+                    g.offload_states()
         if self.engines_sleep:
-            self.timed("swap", lambda: self._engines("wake_up", ["kv_cache"]))
+            with self.timer("swap"):
+                self.groups.engines.wake_up(["kv_cache"])

@@ -1,36 +1,47 @@
-"""The single controller of RL training: one PPO step, top to bottom.
+"""The single controller of RL training: one PPO step, top to bottom (`PPOTrainer.step`).
 
-    collect (vLLM engines generate, the reward source scores; with dynamic filtering, refill dropped groups)
-    -> old/ref log-probs, values (DeepSpeed groups) -> advantages (openppo.algorithms) -> critic and actor
-    updates -> weight sync to the engines
+    generate -> score -> old / ref / value forwards -> advantages -> critic and actor updates -> weight sync
+
+Where each call goes (driver: this process; ranks and engines: Ray actors):
+
+    step - EnginePool.generate ---------------> VLLMEngine.generate (rollout/engine.py) --> vLLM LLM.generate
+         |                                        +- worker_extension.py inside each vLLM worker (weights, seeds)
+         + RewardSource.score / RewardGroup.scores (reward function, HTTP server, or reward-model ranks)
+         + ActorGroup.log_probs / ReferenceGroup.log_probs / CriticGroup.values     (ppo/groups.py: deal rows)
+         |    +-> ActorWorker.log_probs ... (ppo/workers.py, one per rank) --> DeepSpeed engine --> Actor.forward
+         + compute_advantages_for_batch (ppo/experience.py --> algorithms/: pure tensor math)
+         + CriticGroup.train / ActorGroup.train
+         |    +-> CriticWorker.train / ActorWorker.train --> fit_experience (ppo/fit.py) --> engine.backward, step
+         + ActorGroup.sync_weights --> ActorWorker.sync_weights --> rollout/sender.py --> the engines' workers
 
 The controller holds no model: it owns the prompt order (`PromptStream`), the KL controller, checkpoints of its
-own state and the metrics, and calls the worker groups on shards of the batch (`openppo.ppo.dispatch`). Memory
-swapping for colocated runs (engines asleep while the trainer works, trainer states offloaded while the engines
-generate) is in `MemorySwap`; generating ahead of training (--async_train) in `RolloutProducer`.
+own state and the metrics. Memory swapping for colocated runs (engines asleep while the trainer works, trainer
+states offloaded while the engines generate) is in `MemorySwap`; generating ahead of training (--async_train) in
+`RolloutProducer`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 import json
 import logging
 import threading
 import time
 from pathlib import Path
-from typing import Callable
+from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
 
-from openppo.agents.rollout import rows_by_budget
 from openppo.algorithms import build_kl_controller, engine_gap, masked_mean, sequence_kl
 from openppo.errors import UserError
 from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
-from openppo.ppo.config import PPOConfig, ranks_per_shard
-from openppo.ppo.dispatch import Groups, in_batch_order, replicated, shard_rows, shards
+from openppo.ppo.config import PPOConfig
 from openppo.ppo.evaluation import eval_metrics
-from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
+from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
+from openppo.rollout.pool import Sample
+from openppo.ppo.groups import Groups, TrainedGroup
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.prompt_stream import PromptStream
@@ -70,7 +81,6 @@ class PPOTrainer:
         self._sync_checked = False  # --vllm_sync_check ran
         self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
         self._local = threading.local()  # stage timings per thread (--async_train collects on its own thread)
-        self._engine_lock = threading.Lock()  # engines never generate while their weights are replaced
         # a reward-model group runs collectives: calls from the rollout thread and from eval must not interleave
         self._reward_lock = threading.Lock()
         self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
@@ -80,7 +90,7 @@ class PPOTrainer:
         if not self._old_logprob_pass:
             logger.info("one on-policy optimizer step per batch and no reference model: the update's own "
                         "log-probs are the old log-probs (no separate old-log-prob pass)")
-        self.swap = MemorySwap(cfg, groups, self._timed)
+        self.swap = MemorySwap(cfg, groups, self.timer)
         Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
         self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
 
@@ -94,40 +104,18 @@ class PPOTrainer:
     def _timing(self, value: dict[str, float]) -> None:
         self._local.timing = value
 
-    def _timed(self, name: str, fn: Callable, *args, **kwargs):
+    @contextlib.contextmanager
+    def timer(self, stage: str) -> Iterator[None]:
+        """Adds the block's wall time to `timing/<stage>` of this step (per thread: --async_train generates on its
+        own)."""
         start = time.perf_counter()
-        out = fn(*args, **kwargs)
-        key = f"timing/{name}"
-        self._timing[key] = self._timing.get(key, 0.0) + time.perf_counter() - start
-        return out
+        try:
+            yield
+        finally:
+            key = f"timing/{stage}"
+            self._timing[key] = self._timing.get(key, 0.0) + time.perf_counter() - start
 
     # ------------------------------------------------------------------------------------------------ rollout
-    def _engine_generate(self, prompt_ids: list[list[int]], *, n: int, temperature: float,
-                         max_new_tokens: int | list[int], seed: int | None = None) -> list[list[dict]]:
-        """Prompts spread round-robin over the engines (one request per engine); results in prompt order. With a
-        `seed`, each request reseeds its engine's sampling with its own number derived from it."""
-        import ray
-
-        engines, r = self.groups.engines, self.cfg.rollout
-        per_prompt = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
-        refs, slots = [], []
-        with self._engine_lock:
-            for e, engine in enumerate(engines):
-                idx = list(range(e, len(prompt_ids), len(engines)))
-                for budget, rows in rows_by_budget([per_prompt[i] for i in idx]):
-                    chunk = [idx[j] for j in rows]
-                    request_seed = None if seed is None else seed + 1_000 * len(refs)
-                    refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
-                                                       temperature=temperature, top_p=r.top_p, top_k=r.top_k,
-                                                       seed=request_seed))
-                    slots.append(chunk)
-            results = ray.get(refs, timeout=self.cfg.ds.dist_timeout)
-        outputs: list[list[dict]] = [[] for _ in prompt_ids]
-        for chunk, out in zip(slots, results):
-            for i, completions in zip(chunk, out):
-                outputs[i] = completions
-        return outputs
-
     def generate(self, items: list[dict], *, n: int, temperature: float, seed: int | None = None) -> list[Sample]:
         """n samples per prompt, grouped: the n samples of a prompt are consecutive, prompts in order. Each sample
         records the weight version at the start of its generation (the oldest that can have produced it).
@@ -135,18 +123,22 @@ class PPOTrainer:
         version = self.policy_version
         if self.agent_rollout is not None:
             turns = itertools.count()
-            samples = self.agent_rollout(lambda ids, budgets: [c[0] for c in self._engine_generate(
+            samples = self.agent_rollout(lambda ids, budgets: [c[0] for c in self._generate(
                 ids, n=1, temperature=temperature, max_new_tokens=budgets,
                 seed=None if seed is None else seed + next(turns))], items, n)
             for s in samples:
                 s.policy_version = version
             return samples
-        outputs = self._engine_generate([it["prompt_ids"] for it in items], n=n, temperature=temperature,
-                                        max_new_tokens=self.cfg.data.generate_max_len, seed=seed)
+        outputs = self._generate([it["prompt_ids"] for it in items], n=n, temperature=temperature,
+                                 max_new_tokens=self.cfg.data.generate_max_len, seed=seed)
         return [Sample(prompt_ids=list(item["prompt_ids"]), response_ids=c["token_ids"],
                        rollout_log_probs=c["logprobs"], finish_reason=c["finish_reason"], group=item["index"],
                        label=item["label"], prompt_text=item["prompt"], policy_version=version)
                 for item, completions in zip(items, outputs) for c in completions]
+
+    def _generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[dict]]:
+        r = self.cfg.rollout
+        return self.groups.engines.generate(prompt_ids, top_p=r.top_p, top_k=r.top_k, **kwargs)
 
     def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
         """Raw rewards [B]: the agent's episode rewards, the reward source (on text) or the reward model."""
@@ -164,7 +156,7 @@ class PPOTrainer:
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
         data = {k: batch[k] for k in ("sequences", "attention_mask")}
         with self._reward_lock:
-            return self.forward(self.groups.reward, "scores", data), {}
+            return self.groups.reward.scores(data), {}
 
     def collect(self) -> Rollout | None:
         """One rollout batch of `--rollout_batch_size` groups, or None when the prompts ran out first.
@@ -190,8 +182,10 @@ class PPOTrainer:
             taken += [self.prompts[j]["index"] for j in indices]
             rounds += 1
             items = [self.prompts[j] for j in indices]
-            new = self._timed("generate", self.generate, items, n=n, temperature=r.temperature, seed=seed)
-            new_scores, logs = self._timed("reward", self.score, new)
+            with self.timer("generate"):
+                new = self.generate(items, n=n, temperature=r.temperature, seed=seed)
+            with self.timer("reward"):
+                new_scores, logs = self.score(new)
             generated.append(new_scores)
             if r.dynamic_filtering:
                 keep = expand_to_samples(keep_groups(new_scores, n, tuple(r.dynamic_filtering_reward_range)), n)
@@ -232,37 +226,20 @@ class PPOTrainer:
                                             "example": example}) + "\n")
 
     # ------------------------------------------------------------------------------------------------ one step
-    @property
-    def _balance(self) -> bool:
-        """Deal rows to ranks by tokens when micro-batches are costed by tokens (packing, token budgets)."""
-        r = self.cfg.rollout
-        return r.packing_samples or r.use_dynamic_batch
-
-    def _replicas(self, group) -> int:
-        return ranks_per_shard(self.cfg, "actor" if group is self.groups.policy else "other")
-
-    def forward(self, group, method: str, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """A forward-only pass of `group` over the batch; the result in the batch's row order."""
-        replicas = self._replicas(group)
-        shards = shard_rows(data, group.num_workers // replicas, self._balance)
-        # the ranks of a ring or a tensor-parallel group return the same values
-        return in_batch_order(group.run_sharded(method, replicated(data, shards, replicas))[::replicas], shards)
-
     def sync_weights(self) -> dict[str, float]:
         cfg = self.cfg
-        with self._engine_lock:
-            stats = self.groups.policy.run("sync_weights", self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
-                                           engine_dtype(cfg), float(cfg.ds.dist_timeout))[0]
-            self.policy_version += 1
-            if cfg.vllm.vllm_sync_check and not self._sync_checked:
-                self._check_engine_weights()
+        stats = self.groups.actor.sync_weights(self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
+                                               engine_dtype(cfg))
+        self.policy_version += 1
+        if cfg.vllm.vllm_sync_check and not self._sync_checked:
+            self._check_engine_weights()
         return stats
 
     def _check_engine_weights(self) -> None:
         """--vllm_sync_check: the engines compute with the trainer's weights, tensor by tensor (the first sync after
         an update is the one where a dropped name or an unmerged LoRA shows; before it, both sides hold the
         checkpoint)."""
-        checks = self.groups.policy.run("check_engine_weights", self.groups.engines, float(self.cfg.ds.dist_timeout))[0]
+        checks = self.groups.actor.check_engine_weights(self.groups.engines)
         bad = [f"engine {i}: {summary}" for i, (ok, summary) in enumerate(checks) if not ok]
         if bad:
             raise RuntimeError("--vllm_sync_check: after the weight sync the engines compute with other weights than "
@@ -275,72 +252,81 @@ class PPOTrainer:
         """One RL step on the next rollout batch; None when the prompts ran out before the batch was full."""
         cfg, g = self.cfg, self.groups
         start = time.perf_counter()
+        # generate + score: n responses per prompt from the engines, rewards from the reward source or model
+        # (--async_train: generated ahead by older weights while the last step trained)
         rollout = self.next_rollout()
         if rollout is None:
             return None
         self._timing = dict(rollout.timing)
-        samples, scores, reward_logs = rollout.samples, rollout.scores, rollout.logs
         self._data_position = rollout.stream_state
-        lag = staleness(samples, self.policy_version)
         self.swap.to_trainer()
-        batch = collate_samples(samples, self.tokenizer.pad_token_id)
+        batch = collate_samples(rollout.samples, self.tokenizer.pad_token_id)
         model_in = {k: batch[k] for k in ("sequences", "attention_mask", "action_mask")}
-        # the old policy's log-probs; with --top_k/--top_p also under the engine's truncation, to compare with the
-        # engine's (IS weights, rollout/logprob_diff; openppo.algorithms.sampling)
-        old_log_probs = old_sampling = None
-        if self._old_logprob_pass and cfg.rollout.sampling.active:
-            both = self._timed("old_logprob", self.forward, g.policy, "log_probs_and_sampling", model_in)
-            old_log_probs, old_sampling = both[..., 0], both[..., 1]
-        elif self._old_logprob_pass:
-            old_log_probs = old_sampling = self._timed("old_logprob", self.forward, g.policy, "log_probs", model_in)
-        ref_log_probs = self._timed("ref_logprob", self.forward, g.reference, "log_probs", model_in) \
-            if g.reference is not None else None
-        values = self._timed("values", self.forward, g.critic, "values", model_in) if g.critic is not None else None
-        adv = self._timed("advantages", lambda: compute_advantages_for_batch(
-            batch, scores, algo=cfg.algo, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-            generate_max_len=cfg.data.generate_max_len, kl_coef=self.kl_ctl.value, log_probs=old_log_probs,
-            ref_log_probs=ref_log_probs, values=values, reward_mean_std=g.reward_normalization))
-        mask = batch["action_mask"]
-        train_data = {"sequences": batch["sequences"], "attention_mask": batch["attention_mask"],
-                      "action_mask": mask, "advantages": adv["advantages"],
-                      "rollout_log_probs": batch["rollout_log_probs"]}
-        if old_log_probs is not None:
-            train_data["old_log_probs"] = old_log_probs
-        if old_sampling is not old_log_probs:
-            train_data["old_sampling_log_probs"] = old_sampling
-        if ref_log_probs is not None and cfg.algo.use_kl_loss:
-            train_data["ref_log_probs"] = ref_log_probs
+
+        # forwards: pi_old for the PPO ratio (none when the update is a single on-policy step), with --top_k/--top_p
+        # also under the engines' truncation (the distribution their log-probs are of); pi_ref for the KL; V for GAE
+        old = old_sampling = None
+        if self._old_logprob_pass:
+            with self.timer("old_logprob"):
+                if cfg.rollout.sampling.active:
+                    old, old_sampling = g.actor.log_probs_and_sampling(model_in)
+                else:
+                    old = old_sampling = g.actor.log_probs(model_in)
+        ref = values = None
+        if g.reference is not None:
+            with self.timer("ref_logprob"):
+                ref = g.reference.log_probs(model_in)
+        if g.critic is not None:
+            with self.timer("values"):
+                values = g.critic.values(model_in)
+
+        # advantages: rewards (KL-penalised where the KL is not a loss term) -> per-token advantages and returns
+        with self.timer("advantages"):
+            adv = compute_advantages_for_batch(
+                batch, rollout.scores, algo=cfg.algo, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                generate_max_len=cfg.data.generate_max_len, kl_coef=self.kl_ctl.value, log_probs=old,
+                ref_log_probs=ref, values=values, reward_mean_std=g.reward.normalization if g.reward else None)
         self.global_step += 1
         self._log_rollout(rollout)
-        metrics: dict[str, float] = {}
+
+        # update: the critic first (it needs the old values, not the new policy), then the actor
+        metrics = staleness(rollout.samples, self.policy_version)  # versions behind the weights being trained
         if g.critic is not None:
-            critic_data = {**{k: train_data[k] for k in ("sequences", "attention_mask", "action_mask")},
-                           "old_values": values, "returns": adv["returns"]}
-            metrics.update(self._timed("critic_train", lambda: g.critic.run_sharded(
-                "train", shards(critic_data, g.critic.num_workers, self._balance, self._replicas(g.critic)),
-                global_step=self.global_step)[0]))
+            critic_data = {**model_in, "old_values": values, "returns": adv["returns"]}
+            with self.timer("critic_train"):
+                metrics.update(g.critic.train(critic_data, self.global_step))
         if self.global_step > cfg.train.freezing_actor_steps:
-            metrics.update(self._timed("actor_train", lambda: g.policy.run_sharded(
-                "train", shards(train_data, g.policy.num_workers, self._balance, self._replicas(g.policy)),
-                kl_coef=self.kl_ctl.value, global_step=self.global_step)[0]))
+            train_data = {**model_in, "advantages": adv["advantages"], "rollout_log_probs": batch["rollout_log_probs"]}
+            optional = {"old_log_probs": old, "old_sampling_log_probs": None if old_sampling is old else old_sampling,
+                        "ref_log_probs": ref if cfg.algo.use_kl_loss else None}
+            train_data.update({k: v for k, v in optional.items() if v is not None})
+            with self.timer("actor_train"):
+                metrics.update(g.actor.train(train_data, self.kl_ctl.value, self.global_step))
+            # sync: the engines generate the next batch with the weights just trained
             self.swap.engine_weights()
-            sync = self._timed("weight_sync", self.sync_weights)
-            metrics["perf/weight_sync_mb"] = sync["num_bytes"] / 2**20
+            with self.timer("weight_sync"):
+                metrics["perf/weight_sync_mb"] = self.sync_weights()["num_bytes"] / 2**20
         else:
             self.swap.engine_weights()
         self.swap.to_engines()
+        return self._step_metrics(rollout, batch, adv, old_sampling, metrics, start)
+
+    def _step_metrics(self, rollout: Rollout, batch: dict[str, torch.Tensor], adv: dict[str, torch.Tensor],
+                      old_sampling: torch.Tensor | None, metrics: dict[str, float], start: float) -> dict[str, float]:
+        """The step's rollout, KL, timing and throughput metrics around the updates' own; moves the KL controller."""
+        cfg, mask, scores = self.cfg, batch["action_mask"], rollout.scores
         kl = masked_mean(adv["kl"], mask).item()
         # The adaptive controller's target is in nats per response (Ziegler et al.), not per token.
         kl_response = sequence_kl(adv["kl"], mask).mean().item()
-        self.kl_ctl.update(kl_response, len(samples))
-        response_len = batch["response_length"].float()
+        self.kl_ctl.update(kl_response, len(rollout.samples))
         metrics.update({
             "rollout/reward": scores.mean().item(), "reward": scores.mean().item(), "kl": kl,
             "rollout/kl_per_response": kl_response,
-            "rollout/kl_coef": self.kl_ctl.value, "response_length": response_len.mean().item(),
+            "rollout/kl_coef": self.kl_ctl.value, "response_length": batch["response_length"].float().mean().item(),
             "rollout/truncated_ratio": batch["truncated"].float().mean().item(),
             "rollout/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
-            "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode, **lag, **reward_logs})
+            "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode,
+            **rollout.logs})
         if old_sampling is not None:
             metrics.update({f"rollout/{k}": v for k, v in engine_gap(batch["rollout_log_probs"], old_sampling,
                                                                       mask).items()})
@@ -354,24 +340,22 @@ class PPOTrainer:
         trained = int(batch["attention_mask"].sum()) * cfg.train.max_epochs
         metrics.update(timing)
         metrics.update(step_throughput(generated_tokens=int(batch["response_length"].sum()), trained_tokens=trained,
-                                       samples=len(samples), timing=timing))
+                                       samples=len(rollout.samples), timing=timing))
         metrics["perf/driver_rss_gib"] = rss_gib()
         return metrics
 
     def _profile(self, action: str) -> None:
         """--profile_steps: start, or stop and write, a torch profiler trace on the driver and every model rank."""
-        groups = [g for g in (self.groups.policy, self.groups.critic, self.groups.reference, self.groups.reward)
-                  if g is not None]
         if action == "start":
             self._profiler = StepProfiler()
             self._profiler.start()
-            for g in groups:
-                g.run("start_profile")
+            for g in self.groups.models():
+                g.start_profile()
             return
         out = Path(self.cfg.ckpt.save_path) / "profile" / f"step{self.global_step}"
         self._profiler.stop(out / "driver.json")
-        for g in groups:
-            g.run("stop_profile", str(out))
+        for g in self.groups.models():
+            g.stop_profile(str(out))
         logger.info("profile of step %d: Chrome traces in %s", self.global_step, out)
 
     # ------------------------------------------------------------------------------------------------ eval
@@ -395,9 +379,9 @@ class PPOTrainer:
         return self.global_step % every == 0 if every > 0 else (every == -1 and episode_end)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
-    def _ckpt_parts(self) -> dict[str, object]:
+    def _ckpt_parts(self) -> dict[str, TrainedGroup]:
         """The trained models of a checkpoint, by the subfolder of --ckpt_path each one saves into."""
-        return {name: group for name, group in (("actor", self.groups.policy), ("critic", self.groups.critic))
+        return {name: group for name, group in (("actor", self.groups.actor), ("critic", self.groups.critic))
                 if group is not None}
 
     def save_checkpoint(self) -> None:
@@ -406,7 +390,7 @@ class PPOTrainer:
         c = self.cfg.ckpt
         if c.save_hf_ckpt:
             hf_dir = ckpt.hf_export_dir(self.ckpt_dir, self.global_step)
-            self.groups.policy.run("save_hf", str(hf_dir), self.cfg.model.pretrain)
+            self.groups.actor.save_hf(str(hf_dir), self.cfg.model.pretrain)
             removed = ckpt.rotate_hf(self.ckpt_dir, c.max_ckpt_num)
             logger.info("HF model of step %d saved to %s%s", self.global_step, hf_dir,
                         f"; removed {', '.join(removed)}" if removed else "")
@@ -418,7 +402,7 @@ class PPOTrainer:
         parts = self._ckpt_parts()
         ckpt.begin_save(self.ckpt_dir, self.global_step, list(parts))
         for name, group in parts.items():
-            group.run("save_checkpoint", str(self.ckpt_dir / name), self.global_step, state)
+            group.save_checkpoint(str(self.ckpt_dir / name), self.global_step, state)
         ckpt.commit(self.ckpt_dir, self.global_step, list(parts), state)
         removed = ckpt.rotate(self.ckpt_dir, c.max_ckpt_num, self.global_step, list(parts))
         logger.info("checkpoint of step %d saved to %s in %.1f s%s", self.global_step, self.ckpt_dir,
@@ -437,7 +421,7 @@ class PPOTrainer:
                             f"{' or '.join(missing)} (it was saved by a run without one); resume with the same "
                             f"models, or delete {self.ckpt_dir} to start fresh")
         for name, group in parts.items():
-            group.run("load_checkpoint", str(self.ckpt_dir / name), commit.step)
+            group.load_checkpoint(str(self.ckpt_dir / name), commit.step)
         state = commit.state
         self.global_step = int(state["global_step"])
         self.stream.load_state_dict(state["prompt_stream"])

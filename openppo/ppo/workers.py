@@ -1,53 +1,228 @@
-"""Ray-hosted ranks of the RL model groups: thin shells that build a role and forward the controller's calls."""
+"""The ranks of the RL model groups: each Ray actor of a `WorkerGroup` is one of these workers.
+
+A worker owns its DeepSpeed engine and answers the driver's calls on this rank's share of the batch (the driver's
+typed handles are in `openppo.ppo.groups`):
+- `ActorWorker`: the trained policy; old log-probs, PPO update, weight sync to the engines, checkpoints, HF export.
+- `CriticWorker`: the trained value model (gae only); values, value update.
+- `ReferenceWorker`: frozen actor copy; reference log-probs for the KL term.
+- `RewardWorker`: frozen reward model; one score per sequence.
+`setup` builds the model once the group's process group can form (the driver calls it on every rank at once); a
+worker also runs in-process, without Ray (tests), by calling `setup` itself. Calls take and return CPU tensors.
+"""
 
 from __future__ import annotations
 
-from typing import Any
+import os
+import time
+from pathlib import Path
+from typing import Any, Callable
 
 import torch
 
 from openppo.distributed.worker import BaseWorker
-from openppo.ppo.config import PPOConfig
-from openppo.utils.resources import trim_host_heap
+from openppo.models.actor import Actor
+from openppo.models.packing import pad_to_width
+from openppo.models.scalar import ScalarModel, last_token_index
+from openppo.ppo.config import PPOConfig, ranks_per_shard
+from openppo.ppo.fit import actor_loss, critic_loss, fit_experience, plan_on_all_ranks, row_lengths, select_rows
+from openppo.ppo.micro_batches import Batching
+from openppo.ppo.throughput import mfu, peak_flops, train_flops
+from openppo.strategy.config import state_offload_supported
+from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+from openppo.utils.resources import device_name, device_stats, trim_host_heap
+
+
+def make_strategy(cfg: PPOConfig, *, trained: bool, role: str = "critic") -> DeepSpeedStrategy:
+    """A strategy whose batch arithmetic is the training one (frozen models only use the micro size)."""
+    t = cfg.train
+    if trained:
+        # DeepSpeed counts every rank as a replica; the ranks of a ring or a tensor-parallel group share their rows.
+        tp = cfg.ds.ds_tensor_parallel_size if role == "actor" else 1
+        return DeepSpeedStrategy(cfg.ds, train_batch_size=t.train_batch_size * ranks_per_shard(cfg, role),
+                                 micro_batch_size=t.micro_train_batch_size, max_norm=t.max_norm, seed=t.seed,
+                                 tensor_parallel_size=tp)
+    # Frozen models never step an optimizer; DeepSpeed still wants batch sizes that divide over the ranks.
+    micro = cfg.rollout.micro_rollout_batch_size
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    return DeepSpeedStrategy(cfg.ds, train_batch_size=micro * world, micro_batch_size=micro, max_norm=t.max_norm,
+                             seed=t.seed)
+
+
+def train_batching(cfg: PPOConfig) -> Batching:
+    r = cfg.rollout
+    return Batching(packed=r.packing_samples, rows=cfg.train.micro_train_batch_size,
+                    max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None)
+
+
+def forward_batching(cfg: PPOConfig) -> Batching:
+    """Forward-only passes keep no activations for a backward, so their micro-batches may be larger."""
+    r = cfg.rollout
+    budget = r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu
+    return Batching(packed=r.packing_samples, rows=r.micro_rollout_batch_size,
+                    max_tokens=budget if r.use_dynamic_batch else None)
+
+
+@torch.no_grad()
+def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], batching: Batching,
+                      fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+    """`fn(engine, micro_batch)` (tensors on the device) over micro-batches (each trimmed to its longest row),
+    re-padded to the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
+    busiest one (ZeRO-3 gathers parameters collectively); the extra ones are thrown away."""
+    engine.eval()
+    width = data["sequences"].size(1)
+    plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device)[0]
+    out = []
+    for rows in plan:
+        batch = select_rows(data, rows or [0])
+        result = fn(engine, {k: v.to(strategy.device) for k, v in batch.items()})
+        if rows:
+            result = result.float().cpu()
+            if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
+                result = pad_to_width(result, result.size(1) + width - batch["sequences"].size(1))
+            out.append(result)
+    return torch.cat(out)
+
+
+def _rows_per_step(cfg: PPOConfig, strategy: DeepSpeedStrategy, role: str) -> int:
+    """Rows of one optimizer step on one rank: --train_batch_size over the data-parallel ranks (a ring or a
+    tensor-parallel group is one data-parallel rank)."""
+    return cfg.train.train_batch_size * ranks_per_shard(cfg, role) // strategy.world_size
+
+
+def _sequence_parallel(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
+    """--ring_attn_size K: shard every packed row over K consecutive ranks (collective: all ranks call it)."""
+    if cfg.rollout.ring_attn_size > 1:
+        from openppo.models.sequence_parallel import setup_sequence_parallel
+
+        setup_sequence_parallel(model, model.model, cfg.rollout.ring_attn_size, cfg.rollout.ring_head_stride)
+
+
+def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
+    t = cfg.train
+    return dict(lr=lr, betas=cfg.ds.adam_betas, weight_decay=cfg.ds.l2, scheduler=t.lr_scheduler,
+                warmup_ratio=t.lr_warmup_ratio, min_lr_ratio=t.min_lr_ratio, num_training_steps=num_training_steps)
+
+
+def _num_params(model) -> int:
+    """Parameters of the whole model (ZeRO-3 keeps only a shard in each tensor and the full size in ds_numel)."""
+    return sum(getattr(p, "ds_numel", p.numel()) for p in model.parameters())
 
 
 class _TrainedWorker(BaseWorker):
-    """Checkpoints and state offload, shared by the actor and critic ranks (all ranks call each: collectives)."""
+    """Checkpoints, HF export, state offload and update throughput, shared by the actor and critic ranks (every
+    rank calls each: they are collectives)."""
 
-    role: Any
+    strategy: DeepSpeedStrategy
+    engine: object
+    cfg: PPOConfig
+    num_params: int
+
+    def _perf(self, name: str, data: dict[str, torch.Tensor], seconds: float, replicas: int) -> dict[str, float]:
+        """perf/<name>_*: this rank's memory, and on a known GPU the MFU of the update (averaged over the ranks by
+        the caller: each rank counts 1/replicas of the tokens it shares with its ring or tensor-parallel group)."""
+        trim_host_heap()  # at most once a minute: the update's freed host memory goes back before the RSS is read
+        out = {f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in device_stats().items()}
+        tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / replicas
+        peak = peak_flops(device_name(), self.cfg.ds.param_dtype) if torch.cuda.is_available() else None
+        value = mfu(train_flops(self.num_params, tokens, self.cfg.model.gradient_checkpointing), seconds, peak)
+        if value is not None:
+            out[f"perf/{name}_mfu"] = value
+        return out
 
     def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict) -> None:
-        self.role.save_checkpoint(ckpt_dir, step, client_state)
+        self.strategy.save_checkpoint(self.engine, ckpt_dir, step, client_state)
 
     def load_checkpoint(self, ckpt_dir: str, step: int) -> None:
-        self.role.load_checkpoint(ckpt_dir, step)
+        self.strategy.load_checkpoint(self.engine, ckpt_dir, step)
+
+    def save_hf(self, out_dir: str | Path, tokenizer_path: str) -> None:
+        from openppo.models.loading import load_tokenizer
+
+        self.strategy.save_hf(self.engine, load_tokenizer(tokenizer_path), out_dir)
+
+    def _can_offload(self) -> bool:
+        return state_offload_supported(self.strategy.cfg.zero_stage, torch.cuda.is_available())
 
     def offload_states(self) -> bool:
-        return self.role.offload_states()
+        """Move optimizer, gradient and parameter states off the device (--deepspeed_enable_sleep); False where
+        DeepSpeed cannot (see `state_offload_supported`)."""
+        if self._can_offload():
+            self.engine.offload_states(pin_memory=torch.cuda.is_available())
+        return self._can_offload()
 
     def reload_states(self) -> bool:
-        return self.role.reload_states()
+        if self._can_offload():
+            self.engine.reload_states()
+        return self._can_offload()
 
 
-class PolicyWorker(_TrainedWorker):
-    """One rank of the actor group; rank 0 also sends weights to the engines."""
+class ActorWorker(_TrainedWorker):
+    """One rank of the actor group; rank 0 (and, in the hybrid engine, the ranks on engine workers' devices) also
+    sends the weights to the engines."""
 
-    def init_role(self, cfg: PPOConfig, num_training_steps: int) -> None:
-        from openppo.ppo.roles import PolicyRole
+    sync_group = None  # rank 0's broadcast group with the engines that get buckets by broadcast
+    sync_plan = None  # openppo.rollout.transport.SyncPlan, set by connect_engines
+    exchange = None  # the hand-over exchange with the other exporting ranks, when there is one
 
-        self.role = PolicyRole(cfg, num_training_steps)
-        self.sync_group = None
-        self.sync_plan = None  # openppo.rollout.transport.SyncPlan, set by connect_engines
-        self.exchange = None  # the hand-over exchange with the other exporting ranks, when there is one
+    def setup(self, cfg: PPOConfig, num_training_steps: int) -> None:
+        self.cfg = cfg
+        self.strategy = make_strategy(cfg, trained=True, role="actor")
+        self.strategy.setup_distributed()
+        with self.strategy.zero3_init():
+            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype,
+                                          **cfg.model.build_kwargs())
+        _sequence_parallel(cfg, model)
+        self.num_params = _num_params(model)
+        self.engine = self.strategy.prepare_train(
+            model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
+        self.guard = self.strategy.step_guard(self.engine, "actor", "policy/skipped_steps")
+        # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
+        self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(self.num_params, 1)
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.role.log_probs(data)
+        """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
+        temperature, pack = self.cfg.rollout.temperature, self.cfg.rollout.packing_samples
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
+                                 lambda e, b: e(b["sequences"], b["attention_mask"], temperature=temperature,
+                                                pack=pack, score_mask=b.get("action_mask")).log_probs)
 
     def log_probs_and_sampling(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.role.log_probs_and_sampling(data)
+        """[B, T-1, 2]: `log_probs`, and from the same forwards the log-probs under the engine's top-k/top-p
+        truncation (`openppo.algorithms.sampling`), which compare with the engine's own."""
+        r = self.cfg.rollout
+        sampling = r.sampling
+
+        def both(e, b):
+            out = e(b["sequences"], b["attention_mask"], temperature=r.temperature, pack=r.packing_samples,
+                    score_mask=b.get("action_mask"), sampling=sampling)
+            return torch.stack([out.log_probs, out.sampling_log_probs], dim=-1)
+
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), both)
 
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
-        return self.role.train(data, kl_coef, global_step)
+        cfg = self.cfg
+        # async samples come from an older policy than the one scoring them: always importance-weighted
+        is_correction = cfg.vllm.vllm_is_correction_type if (cfg.vllm.enable_vllm_is_correction
+                                                              or cfg.rollout.async_train) else None
+        loss_fn = actor_loss(self.engine, cfg.algo, kl_coef=kl_coef, temperature=cfg.rollout.temperature,
+                             generate_max_len=cfg.data.generate_max_len, is_correction=is_correction,
+                             is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
+                             pack=cfg.rollout.packing_samples, sampling=cfg.rollout.sampling)
+        start = time.perf_counter()
+        metrics = fit_experience(self.engine, data, loss_fn, batching=train_batching(cfg),
+                                 rows_per_step=_rows_per_step(cfg, self.strategy, "actor"),
+                                 epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
+                                 seed=cfg.train.seed + 1000 * global_step, device=self.strategy.device,
+                                 ring_size=cfg.rollout.ring_attn_size,
+                                 tensor_parallel_size=cfg.ds.ds_tensor_parallel_size, guard=self.guard)
+        metrics["policy/lr"] = self.engine.get_lr()[0]
+        ring = self.engine.module.sequence_parallel
+        if ring is not None:
+            metrics["perf/ring_token_share"] = ring.token_share()
+        if self.strategy.tensor_parallel_size > 1:
+            metrics["perf/actor_weight_share"] = self.weight_share
+        metrics.update(self._perf("actor", data, time.perf_counter() - start, ranks_per_shard(cfg, "actor")))
+        return self.strategy.all_reduce_mean(metrics)
 
     def connect_engines(self, engines: list[Any], plan: Any, backend: str, tensor_parallel_size: int,
                         timeout_s: float) -> None:
@@ -60,7 +235,7 @@ class PolicyWorker(_TrainedWorker):
         if plan.exchange_ranks:
             self.exchange = HandleExchange(plan.exchange_ranks, timeout_s)
         broadcast = [e for e, t in zip(engines, plan.transports) if t == "broadcast"]
-        if self.role.strategy.rank == 0 and broadcast:
+        if self.strategy.rank == 0 and broadcast:
             self.sync_group = connect_engines(broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size,
                                               timeout_s=timeout_s)
 
@@ -70,9 +245,8 @@ class PolicyWorker(_TrainedWorker):
         from openppo.rollout.sender import sync_weights
 
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[engine_dtype]
-        out = sync_weights(self.role.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
-                           timeout_s=timeout_s, rank=self.role.strategy.rank, plan=self.sync_plan,
-                           exchange=self.exchange)
+        out = sync_weights(self.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
+                           timeout_s=timeout_s, rank=self.strategy.rank, plan=self.sync_plan, exchange=self.exchange)
         trim_host_heap()  # the buckets just freed
         return out
 
@@ -81,44 +255,80 @@ class PolicyWorker(_TrainedWorker):
         the engine computes with against this trainer's gathered copy (`openppo.rollout.readback`)."""
         from openppo.rollout.readback import engine_weight_checks
 
-        checks = engine_weight_checks(self.role.engine.module, engines, self.role.strategy.rank, timeout_s)
+        checks = engine_weight_checks(self.engine.module, engines, self.strategy.rank, timeout_s)
         return [(c.ok(), c.summary()) for c in checks]
-
-    def save_hf(self, out_dir: str, tokenizer_path: str) -> None:
-        from openppo.models.loading import load_tokenizer
-
-        self.role.save_hf(load_tokenizer(tokenizer_path), out_dir)
 
 
 class CriticWorker(_TrainedWorker):
-    def init_role(self, cfg: PPOConfig, num_training_steps: int) -> None:
-        from openppo.ppo.roles import CriticRole
-
-        self.role = CriticRole(cfg, num_training_steps)
+    def setup(self, cfg: PPOConfig, num_training_steps: int) -> None:
+        self.cfg = cfg
+        self.strategy = make_strategy(cfg, trained=True)
+        self.strategy.setup_distributed()
+        path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
+        with self.strategy.zero3_init():
+            model = ScalarModel.from_pretrained(path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain",
+                                                **cfg.model.build_kwargs())
+        _sequence_parallel(cfg, model)
+        self.num_params = _num_params(model)
+        self.engine = self.strategy.prepare_train(
+            model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
+        self.guard = self.strategy.step_guard(self.engine, "critic", "critic/skipped_steps")
 
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.role.values(data)
+        """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
+        pack = self.cfg.rollout.packing_samples
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
+                                 lambda e, b: e(b["sequences"], b["attention_mask"], pack=pack)[:, :-1])
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
-        return self.role.train(data, global_step)
+        cfg = self.cfg
+        start = time.perf_counter()
+        metrics = fit_experience(self.engine, data, critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
+                                 batching=train_batching(cfg),
+                                 rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
+                                 epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
+                                 seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device,
+                                 ring_size=cfg.rollout.ring_attn_size, guard=self.guard)
+        metrics.update(self._perf("critic", data, time.perf_counter() - start, ranks_per_shard(cfg, "critic")))
+        return self.strategy.all_reduce_mean(metrics)
 
 
-class ReferenceWorker(BaseWorker):
-    def init_role(self, cfg: PPOConfig) -> None:
-        from openppo.ppo.roles import ReferenceRole
+class _FrozenWorker(BaseWorker):
+    """A model that only runs forward passes (reference, reward): ZeRO-3 sharded and optionally offloaded."""
 
-        self.role = ReferenceRole(cfg)
+    def _build(self, cfg: PPOConfig, build: Callable[[torch.dtype], Any]) -> None:
+        self.cfg = cfg
+        self.strategy = make_strategy(cfg, trained=False)
+        self.strategy.setup_distributed()
+        offload = cfg.model.ref_reward_offload
+        with self.strategy.zero3_init(for_training=False, offload=offload):
+            self.model = build(self.strategy.torch_dtype)
+        _sequence_parallel(cfg, self.model)
+        self.engine = self.strategy.prepare_eval(self.model, offload=offload)
 
-    def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.role.log_probs(data)
+
+class ReferenceWorker(_FrozenWorker):
+    def setup(self, cfg: PPOConfig) -> None:
+        self._build(cfg, lambda dtype: Actor.from_pretrained(
+            cfg.model.pretrain, dtype=dtype, attn_implementation=cfg.model.attn_implementation))
+
+    log_probs = ActorWorker.log_probs
 
 
-class RewardWorker(BaseWorker):
-    def init_role(self, cfg: PPOConfig) -> tuple[float, float]:
-        from openppo.ppo.roles import RewardRole
-
-        self.role = RewardRole(cfg)
-        return self.role.normalization
+class RewardWorker(_FrozenWorker):
+    def setup(self, cfg: PPOConfig) -> tuple[float, float]:
+        """Returns the reward model's normalisation (mean, std) saved with it."""
+        self._build(cfg, lambda dtype: ScalarModel.from_pretrained(
+            cfg.model.reward_pretrain, dtype=dtype, flag="--reward_pretrain",
+            attn_implementation=cfg.model.attn_implementation))
+        return self.model.normalization()
 
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        return self.role.scores(data)
+        """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
+        pack = self.cfg.rollout.packing_samples
+
+        def last_score(engine, b):
+            attn = b["attention_mask"]
+            return engine(b["sequences"], attn, pack=pack).gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1)
+
+        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), last_score)

@@ -83,11 +83,11 @@ def test_zero3_bf16_update_changes_every_parameter(single_rank, gpu_model_dir, a
 def test_zero3_state_offload_frees_and_restores_gpu_memory(single_rank, gpu_model_dir):
     """--deepspeed_enable_sleep on ZeRO-3: offloading frees at least the fp32 master weights and Adam moments
     (12 bytes a parameter), reloading brings the same memory back, and training goes on."""
-    from openppo.ppo.roles import _TrainedRole
+    from openppo.ppo.workers import _TrainedWorker
 
     strategy, engine = _train_engine(gpu_model_dir, zero_stage=3)
     _update(strategy, engine)
-    role = _TrainedRole()
+    role = _TrainedWorker()
     role.strategy, role.engine = strategy, engine
     params = sum(p.ds_numel for p in engine.module.parameters())
     torch.cuda.synchronize()

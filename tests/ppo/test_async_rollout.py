@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
-from openppo.ppo.experience import Sample
+from openppo.rollout.pool import Sample
 
 
 def _sample(version: int) -> Sample:

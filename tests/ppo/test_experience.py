@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from openppo.ppo.config import AlgoConfig
-from openppo.ppo.experience import Sample, collate_samples, compute_advantages_for_batch
+from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
+from openppo.rollout.pool import Sample
 
 
 def _sample(prompt, response, group, finish="stop", action_mask=None):

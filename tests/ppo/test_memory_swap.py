@@ -4,12 +4,15 @@ vLLM's sleep is a no-op on CPU and DeepSpeed's ZeRO-2 state offload is real)."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 
 from openppo.config.schema import parse_config
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.dispatch import Groups
+from openppo.ppo.groups import Groups
 from openppo.ppo.memory_swap import MemorySwap
+from openppo.rollout.pool import EnginePool
 
 
 class _Method:
@@ -32,8 +35,11 @@ class _Group:
     def __init__(self, log, tag):
         self.log, self.tag = log, tag
 
-    def run(self, method):
-        self.log.append((f"{self.tag}.{method}",))
+    def offload_states(self):
+        self.log.append((f"{self.tag}.offload_states",))
+
+    def reload_states(self):
+        self.log.append((f"{self.tag}.reload_states",))
 
 
 @pytest.fixture(scope="module")
@@ -45,10 +51,10 @@ def ray_local():
     ray.shutdown()
 
 
-def _swap(flags, log, timed=None):
+def _swap(flags, log, timer=None):
     cfg = parse_config(PPOConfig, ["--pretrain", "m", *flags], "t")
-    groups = Groups(policy=_Group(log, "actor"), critic=_Group(log, "critic"), engines=[_Engine(log, "e0")])
-    return MemorySwap(cfg, groups, timed or (lambda name, fn: fn()))
+    groups = Groups(actor=_Group(log, "actor"), critic=_Group(log, "critic"), engines=EnginePool([_Engine(log, "e0")]))
+    return MemorySwap(cfg, groups, timer or (lambda name: contextlib.nullcontext()))
 
 
 def test_hand_over_order_with_both_sleeps(ray_local):

@@ -53,7 +53,7 @@ def test_balanced_shards_even_out_tokens():
 
 
 def test_forward_batches_that_do_not_divide_are_dealt_unevenly_and_reassembled():
-    from openppo.ppo.dispatch import in_batch_order, shard_rows, shards
+    from openppo.ppo.groups import in_batch_order, shard_rows, shards
 
     # 10 rows over 3 reference ranks: 4, 3, 3 rows; contiguous and by tokens
     data = {"sequences": torch.arange(10).unsqueeze(1).repeat(1, 4),

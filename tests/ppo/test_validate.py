@@ -93,7 +93,7 @@ def test_valid_config_gives_cpu_notices(base):
 
 
 def test_tensor_parallel_reaches_the_deepspeed_config_of_the_actor_only(base):
-    from openppo.ppo.roles import make_strategy
+    from openppo.ppo.workers import make_strategy
 
     cfg = _cfg(base, ["--ds_tensor_parallel_size", "2"])
     validate(cfg, on_gpu=False)

@@ -1,5 +1,5 @@
-"""The RL model roles on real DeepSpeed (1 rank, ZeRO-3): reference equals the untrained policy, training moves
-the policy, the critic and reward model give per-token values and per-sequence scores."""
+"""The RL model workers in-process, without Ray, on real DeepSpeed (1 rank, ZeRO-3): reference equals the untrained
+policy, training moves the policy, the critic and reward model give per-token values and per-sequence scores."""
 
 from __future__ import annotations
 
@@ -8,8 +8,9 @@ import torch
 
 from openppo.config.schema import parse_config
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.experience import Sample, collate_samples
-from openppo.ppo.roles import CriticRole, PolicyRole, ReferenceRole, RewardRole
+from openppo.ppo.experience import collate_samples
+from openppo.rollout.pool import Sample
+from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 from tests.model_cache import tiny_model_dir
 
 
@@ -31,10 +32,15 @@ def batch():
     return collate_samples(samples, pad_token_id=0)
 
 
-def test_roles(cfg, batch):
+def _ready(worker, *args):
+    worker.setup(*args)
+    return worker
+
+
+def test_workers(cfg, batch):
     data = {k: batch[k] for k in ("sequences", "attention_mask")}
-    policy = PolicyRole(cfg, num_training_steps=4)
-    reference = ReferenceRole(cfg)
+    policy = _ready(ActorWorker(), cfg, 4)
+    reference = _ready(ReferenceWorker(), cfg)
     old = policy.log_probs(data)
     assert old.shape == batch["action_mask"].shape
     assert torch.allclose(old, reference.log_probs(data), atol=1e-6)
@@ -49,10 +55,10 @@ def test_roles(cfg, batch):
     mask = batch["action_mask"].bool()
     assert (new[mask] - old[mask]).mean() > 0  # positive advantages raise the log-probs of the taken tokens
 
-    critic = CriticRole(cfg, num_training_steps=4)
+    critic = _ready(CriticWorker(), cfg, 4)
     values = critic.values(data)
     assert values.shape == batch["action_mask"].shape
-    scores = RewardRole(cfg).scores(data)
+    scores = _ready(RewardWorker(), cfg).scores(data)
     assert scores.shape == (4,)
     # the reward role reads the critic-identical head at each row's last real token
     last = batch["attention_mask"].sum(-1) - 1

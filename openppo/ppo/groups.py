@@ -1,0 +1,197 @@
+"""The driver's typed handles on the model groups of a run, and how a batch is dealt to a group's ranks.
+
+    PPOTrainer.step  --(ActorGroup.log_probs: deal rows, one Ray call per rank)-->  ActorWorker.log_probs
+                     (openppo.ppo.workers, one per rank: micro-batches through the DeepSpeed engine -> Actor.forward)
+
+Each handle method names the worker method it runs (`ActorWorker.train`, not a string), so an editor follows a call
+from the step to the code that does the work. Rank i of a group gets the i-th shard: contiguous rows, or rows dealt
+by tokens when micro-batches are costed by tokens (packing, token budgets). The K consecutive ranks of a ring
+(--ring_attn_size) or of a tensor-parallel group (--ds_tensor_parallel_size) form one data-parallel rank and all
+receive its shard; forward passes keep one result per such group.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from openppo.distributed.worker import BaseWorker
+from openppo.distributed.worker_group import Method, WorkerGroup
+from openppo.ppo.micro_batches import balanced_shards, shard_sizes
+from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, _TrainedWorker
+from openppo.rollout.pool import EnginePool
+
+# -- dealing rows to ranks (pure) -------------------------------------------------------------------------------------
+
+
+def shard_rows(data: dict[str, torch.Tensor], n: int, balance: bool) -> list[list[int]]:
+    """Row indices per rank: contiguous shards, or (`balance`) shards with even token totals; sizes differ by at
+    most one row where the batch does not divide (forward-only passes)."""
+    if balance and n > 1:
+        return balanced_shards(data["attention_mask"].sum(-1).tolist(), n)
+    bounds = [0]
+    for rows in shard_sizes(data["sequences"].size(0), n):
+        bounds.append(bounds[-1] + rows)
+    return [list(range(start, end)) for start, end in zip(bounds, bounds[1:])]
+
+
+def take_rows(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    index = torch.tensor(rows, dtype=torch.long)
+    return {k: v[index] for k, v in data.items()}
+
+
+def in_batch_order(results: list[torch.Tensor], rows_per_shard: list[list[int]]) -> torch.Tensor:
+    """The shards' results (one tensor per shard, rows in the shard's order) put back in the batch's row order."""
+    stacked = torch.cat(results)
+    out = torch.empty_like(stacked)
+    out[torch.tensor([i for rows in rows_per_shard for i in rows], dtype=torch.long)] = stacked
+    return out
+
+
+def replicated(data: dict[str, torch.Tensor], rows_per_shard: list[list[int]],
+               replicas: int) -> list[dict[str, torch.Tensor]]:
+    """Each shard's rows, once for each of the `replicas` consecutive ranks (a ring, a tensor-parallel group) that
+    hold them."""
+    return [take_rows(data, rows) for rows in rows_per_shard for _ in range(replicas)]
+
+
+def shards(data: dict[str, torch.Tensor], n: int, balance: bool = False,
+           replicas: int = 1) -> list[dict[str, torch.Tensor]]:
+    """One shard per rank of a group of `n` ranks, for training: the shards hold equal numbers of rows (validation
+    makes --train_batch_size divide over the data-parallel ranks of the actor and the critic)."""
+    size, data_parallel = data["sequences"].size(0), n // replicas
+    if size % data_parallel:
+        raise ValueError(f"a training batch of {size} rows does not split over {data_parallel} data-parallel ranks")
+    return replicated(data, shard_rows(data, data_parallel, balance), replicas)
+
+
+# -- the handles ------------------------------------------------------------------------------------------------------
+
+
+class ModelGroup:
+    """One model's ranks (a `WorkerGroup`), seen from the driver."""
+
+    def __init__(self, workers: WorkerGroup, *, replicas: int = 1, balance: bool = False):
+        self.workers = workers
+        self.replicas = replicas  # consecutive ranks holding the same rows (a ring, a tensor-parallel group)
+        self.balance = balance  # deal rows by tokens (packing, token budgets)
+
+    @property
+    def num_workers(self) -> int:
+        return self.workers.num_workers
+
+    @property
+    def worker_infos(self) -> list[dict[str, Any]]:
+        return self.workers.worker_infos
+
+    def forward(self, method: Method, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """A forward-only pass over the whole batch; the result in the batch's row order."""
+        rows = shard_rows(data, self.num_workers // self.replicas, self.balance)
+        # the ranks of a ring or a tensor-parallel group return the same values: keep one per group
+        return in_batch_order(self.workers.run_sharded(method, replicated(data, rows, self.replicas))[::self.replicas],
+                              rows)
+
+    def start_profile(self) -> None:
+        self.workers.run(BaseWorker.start_profile)
+
+    def stop_profile(self, out_dir: str) -> None:
+        self.workers.run(BaseWorker.stop_profile, out_dir)
+
+    def shutdown(self) -> None:
+        self.workers.shutdown()
+
+
+class TrainedGroup(ModelGroup):
+    """A trained model's ranks: updates, checkpoints and state offload (every rank takes part in each)."""
+
+    def fit(self, method: Method, data: dict[str, torch.Tensor], **kwargs) -> dict[str, float]:
+        """One update on the batch: each data-parallel rank trains on its shard; the metrics, averaged over the
+        ranks by the workers, come from rank 0."""
+        return self.workers.run_sharded(method, shards(data, self.num_workers, self.balance, self.replicas),
+                                        **kwargs)[0]
+
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict) -> None:
+        self.workers.run(_TrainedWorker.save_checkpoint, ckpt_dir, step, client_state)
+
+    def load_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        self.workers.run(_TrainedWorker.load_checkpoint, ckpt_dir, step)
+
+    def offload_states(self) -> None:
+        self.workers.run(_TrainedWorker.offload_states)
+
+    def reload_states(self) -> None:
+        self.workers.run(_TrainedWorker.reload_states)
+
+    def save_hf(self, out_dir: str, tokenizer_path: str) -> None:
+        self.workers.run(_TrainedWorker.save_hf, out_dir, tokenizer_path)
+
+
+class ActorGroup(TrainedGroup):
+    def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """log pi(token t+1 | tokens <= t) [B, T-1] at the rollout temperature."""
+        return self.forward(ActorWorker.log_probs, data)
+
+    def log_probs_and_sampling(self, data: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        """(`log_probs`, the same under the engines' top-k/top-p truncation), from one pass."""
+        both = self.forward(ActorWorker.log_probs_and_sampling, data)
+        return both[..., 0], both[..., 1]
+
+    def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
+        return self.fit(ActorWorker.train, data, kl_coef=kl_coef, global_step=global_step)
+
+    def connect_engines(self, engines: EnginePool, plan: Any, backend: str, tensor_parallel_size: int) -> None:
+        self.workers.run(ActorWorker.connect_engines, engines.engines, plan, backend, tensor_parallel_size,
+                         engines.timeout_s)
+
+    def sync_weights(self, engines: EnginePool, bucket_bytes: int, engine_dtype: str) -> dict[str, float]:
+        """Every engine gets the current weights; no engine generates meanwhile. Rank 0's sync statistics."""
+        with engines.lock:
+            return self.workers.run(ActorWorker.sync_weights, engines.engines, bucket_bytes, engine_dtype,
+                                    engines.timeout_s)[0]
+
+    def check_engine_weights(self, engines: EnginePool) -> list[tuple[bool, str]]:
+        """Per engine (equal, summary): the weights it computes with against the actor's (`openppo.rollout.readback`)."""
+        with engines.lock:
+            return self.workers.run(ActorWorker.check_engine_weights, engines.engines, engines.timeout_s)[0]
+
+
+class CriticGroup(TrainedGroup):
+    def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """V(s_t) [B, T-1]."""
+        return self.forward(CriticWorker.values, data)
+
+    def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
+        return self.fit(CriticWorker.train, data, global_step=global_step)
+
+
+class ReferenceGroup(ModelGroup):
+    def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.forward(ReferenceWorker.log_probs, data)
+
+
+class RewardGroup(ModelGroup):
+    normalization: tuple[float, float] | None = None  # the reward model's saved (mean, std), set at start-up
+
+    def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        """The reward model's raw score per sequence [B]."""
+        return self.forward(RewardWorker.scores, data)
+
+
+@dataclass
+class Groups:
+    """The model groups and engines the controller drives (None where the run does not need one)."""
+
+    actor: ActorGroup
+    engines: EnginePool
+    critic: CriticGroup | None = None
+    reference: ReferenceGroup | None = None
+    reward: RewardGroup | None = None
+    reward_source: Any = None  # a RewardSource when scoring is not done by a reward model
+
+    def trained(self) -> list[TrainedGroup]:
+        return [g for g in (self.actor, self.critic) if g is not None]
+
+    def models(self) -> list[ModelGroup]:
+        return [g for g in (self.actor, self.critic, self.reference, self.reward) if g is not None]
