@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export RAY_AUTH_MODE ?= disabled
 PYTEST_ARGS ?=
 
-.PHONY: install test test-fast demo clean
+.PHONY: install lint format test test-fast demo clean
 
 install: $(VENV)/.installed
 
@@ -27,7 +27,16 @@ $(VENV)/.installed: requirements/cpu.txt setup.py
 	$(PY) -c "import torch, deepspeed, ray, vllm, transformers, peft, datasets; from transformers import Qwen2ForCausalLM"
 	touch $@
 
-test: install
+# ruff.toml: lint rules and 120 columns. `make format` rewrites the files; `make lint` only checks.
+lint: install
+	$(VENV)/bin/ruff check .
+	$(VENV)/bin/ruff format --check .
+
+format: install
+	$(VENV)/bin/ruff check --fix .
+	$(VENV)/bin/ruff format .
+
+test: install lint
 	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 --durations 25 $(PYTEST_ARGS)
 
 test-fast: install

@@ -32,7 +32,6 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
 
-
 SLOW_REWARD = """import time
 
 from openppo.tasks.arithmetic import reward
@@ -49,8 +48,14 @@ def run(name: str, flags: list[str], threads: int, workdir: Path) -> dict:
     save = workdir / name
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
-                          cwd=REPO, env=env, capture_output=True, text=True, timeout=3600)
+    proc = subprocess.run(
+        [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
     wall = time.perf_counter() - start
     if proc.returncode != 0:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
@@ -61,11 +66,17 @@ def run(name: str, flags: list[str], threads: int, workdir: Path) -> dict:
     def mean(key: str) -> float:
         return round(sum(r.get(key, 0.0) for r in later) / len(later), 3)
 
-    out = {"step_s": mean("timing/step"), "generate_s": mean("timing/generate"), "reward_s": mean("timing/reward"),
-           "actor_train_s": mean("timing/actor_train"), "old_logprob_s": mean("timing/old_logprob"),
-           "wait_rollout_s": mean("timing/wait_rollout"), "staleness_max": max(r.get("rollout/staleness_max", 0)
-                                                                               for r in records),
-           "process_wall_s": round(wall, 1), "reward_last": records[-1]["reward"]}
+    out = {
+        "step_s": mean("timing/step"),
+        "generate_s": mean("timing/generate"),
+        "reward_s": mean("timing/reward"),
+        "actor_train_s": mean("timing/actor_train"),
+        "old_logprob_s": mean("timing/old_logprob"),
+        "wait_rollout_s": mean("timing/wait_rollout"),
+        "staleness_max": max(r.get("rollout/staleness_max", 0) for r in records),
+        "process_wall_s": round(wall, 1),
+        "reward_last": records[-1]["reward"],
+    }
     print(f"{name}: {out}", flush=True)
     return out
 
@@ -77,8 +88,12 @@ def main() -> None:
     parser.add_argument("--n_samples_per_prompt", type=int, default=2)
     parser.add_argument("--generate_max_len", type=int, default=512)
     parser.add_argument("--runs", default="sync_1t,sync_2t,async_1t")
-    parser.add_argument("--reward_latency_s", type=float, default=0.0,
-                        help="seconds each reward call waits, as a remote verifier or judge would (0 = none)")
+    parser.add_argument(
+        "--reward_latency_s",
+        type=float,
+        default=0.0,
+        help="seconds each reward call waits, as a remote verifier or judge would (0 = none)",
+    )
     add_dtype_option(parser)
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)  # auto -> bf16/fp32 here, named in the record
@@ -95,22 +110,71 @@ def main() -> None:
             reward_file = workdir / "slow_reward.py"
             reward_file.write_text(SLOW_REWARD.format(latency=args.reward_latency_s))
         common = [
-            "--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--input_key", "input",
-            "--label_key", "label", "--apply_chat_template",
-            "--remote_rm_url", str(reward_file),
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", str(args.n_samples_per_prompt),
-            "--rollout_batch_size", str(args.rollout_batch_size), "--train_batch_size", str(samples),
-            "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "2", "--packing_samples",
-            "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(512 << 20),
-            "--generate_max_len", str(args.generate_max_len), "--prompt_max_len", "128", "--init_kl_coef", "0",
-            "--zero_stage", "2", "--param_dtype", args.dtype, "--max_steps", str(args.steps),
-            "--actor_learning_rate", "1e-5", "--seed", "0", "--disable_ds_ckpt"]
-        configs = {"sync_1t": ([], 1), "sync_2t": ([], 2),
-                   "async_1t": (["--async_train", "--async_queue_size", "1"], 1)}
-        results = {name: run(name, common + configs[name][0], configs[name][1], workdir)
-                   for name in args.runs.split(",")}
-    out = {"bench": "async_train", "dtype": args.dtype, "steps": args.steps, "samples_per_step": samples,
-           "generate_max_len": args.generate_max_len, "reward_latency_s": args.reward_latency_s, **results}
+            "--pretrain",
+            str(tiny_model_dir()),
+            "--prompt_data",
+            str(prompts),
+            "--input_key",
+            "input",
+            "--label_key",
+            "label",
+            "--apply_chat_template",
+            "--remote_rm_url",
+            str(reward_file),
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            str(args.n_samples_per_prompt),
+            "--rollout_batch_size",
+            str(args.rollout_batch_size),
+            "--train_batch_size",
+            str(samples),
+            "--micro_train_batch_size",
+            "2",
+            "--micro_rollout_batch_size",
+            "2",
+            "--packing_samples",
+            "--actor_num_gpus_per_node",
+            "1",
+            "--vllm_num_engines",
+            "1",
+            "--vllm_kv_cache_bytes",
+            str(512 << 20),
+            "--generate_max_len",
+            str(args.generate_max_len),
+            "--prompt_max_len",
+            "128",
+            "--init_kl_coef",
+            "0",
+            "--zero_stage",
+            "2",
+            "--param_dtype",
+            args.dtype,
+            "--max_steps",
+            str(args.steps),
+            "--actor_learning_rate",
+            "1e-5",
+            "--seed",
+            "0",
+            "--disable_ds_ckpt",
+        ]
+        configs = {
+            "sync_1t": ([], 1),
+            "sync_2t": ([], 2),
+            "async_1t": (["--async_train", "--async_queue_size", "1"], 1),
+        }
+        results = {
+            name: run(name, common + configs[name][0], configs[name][1], workdir) for name in args.runs.split(",")
+        }
+    out = {
+        "bench": "async_train",
+        "dtype": args.dtype,
+        "steps": args.steps,
+        "samples_per_step": samples,
+        "generate_max_len": args.generate_max_len,
+        "reward_latency_s": args.reward_latency_s,
+        **results,
+    }
     if "async_1t" in results:
         for base in ("sync_1t", "sync_2t"):
             if base in results:

@@ -26,6 +26,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+
 GIB = 2**30
 
 
@@ -44,8 +45,9 @@ def _tree_rss(root) -> int:
 def _gpu_used() -> int | None:
     if shutil.which("nvidia-smi") is None:
         return None
-    out = subprocess.run(["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"],
-                         capture_output=True, text=True).stdout.split()
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.used", "--format=csv,noheader,nounits"], capture_output=True, text=True
+    ).stdout.split()
     return sum(int(v) for v in out) * 2**20 if out else None
 
 
@@ -54,8 +56,14 @@ def run(name: str, flags: list[str], workdir: Path) -> dict:
 
     save = workdir / name
     env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    proc = subprocess.Popen([sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
-                            cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
+        cwd=REPO,
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     root, peaks, done = psutil.Process(proc.pid), {"rss": 0, "gpu": 0}, threading.Event()
 
     def sample():
@@ -76,8 +84,11 @@ def run(name: str, flags: list[str], workdir: Path) -> dict:
         sys.stderr.write(output[-4000:])
         raise SystemExit(f"{name}: train_ppo_ray exited with {proc.returncode}")
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    out = {"peak_rss_gib": round(peaks["rss"] / GIB, 3), "steps": len(records),
-           "swap_s": round(sum(r.get("timing/swap", 0.0) for r in records) / len(records), 3)}
+    out = {
+        "peak_rss_gib": round(peaks["rss"] / GIB, 3),
+        "steps": len(records),
+        "swap_s": round(sum(r.get("timing/swap", 0.0) for r in records) / len(records), 3),
+    }
     if peaks["gpu"]:
         out["peak_gpu_used_gib"] = round(peaks["gpu"] / GIB, 3)
     print(f"{name}: {out}", flush=True)
@@ -99,18 +110,67 @@ def main() -> None:
     with tempfile.TemporaryDirectory(prefix="openppo-colocate-bench-") as tmp:
         workdir = Path(tmp)
         prompts = write_jsonl(make_rows(4 * args.steps, seed=0), workdir / "prompts.jsonl")
-        common = ["--pretrain", model, "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label",
-                  "--apply_chat_template", "--remote_rm_url", str(REPO / "examples/reward_funcs/arithmetic.py"),
-                  "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
-                  "--train_batch_size", "16", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "8",
-                  "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1", "--colocate_all_models",
-                  "--vllm_kv_cache_bytes", str(256 << 20), "--generate_max_len", "32", "--prompt_max_len", "128",
-                  "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", args.dtype, "--max_steps",
-                  str(args.steps), "--actor_learning_rate", "1e-6", "--seed", "0", "--disable_ds_ckpt"]
-        results = {"plain": run("plain", common, workdir),
-                   "sleep": run("sleep", common + ["--vllm_enable_sleep", "--deepspeed_enable_sleep"], workdir)}
-    out = {"bench": "colocate_memory", "model": args.model, "dtype": args.dtype, "steps": args.steps, **results,
-           "peak_rss_saved_gib": round(results["plain"]["peak_rss_gib"] - results["sleep"]["peak_rss_gib"], 3)}
+        common = [
+            "--pretrain",
+            model,
+            "--prompt_data",
+            str(prompts),
+            "--input_key",
+            "input",
+            "--label_key",
+            "label",
+            "--apply_chat_template",
+            "--remote_rm_url",
+            str(REPO / "examples/reward_funcs/arithmetic.py"),
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "4",
+            "--rollout_batch_size",
+            "4",
+            "--train_batch_size",
+            "16",
+            "--micro_train_batch_size",
+            "4",
+            "--micro_rollout_batch_size",
+            "8",
+            "--actor_num_gpus_per_node",
+            "1",
+            "--vllm_num_engines",
+            "1",
+            "--colocate_all_models",
+            "--vllm_kv_cache_bytes",
+            str(256 << 20),
+            "--generate_max_len",
+            "32",
+            "--prompt_max_len",
+            "128",
+            "--init_kl_coef",
+            "0",
+            "--zero_stage",
+            "2",
+            "--param_dtype",
+            args.dtype,
+            "--max_steps",
+            str(args.steps),
+            "--actor_learning_rate",
+            "1e-6",
+            "--seed",
+            "0",
+            "--disable_ds_ckpt",
+        ]
+        results = {
+            "plain": run("plain", common, workdir),
+            "sleep": run("sleep", common + ["--vllm_enable_sleep", "--deepspeed_enable_sleep"], workdir),
+        }
+    out = {
+        "bench": "colocate_memory",
+        "model": args.model,
+        "dtype": args.dtype,
+        "steps": args.steps,
+        **results,
+        "peak_rss_saved_gib": round(results["plain"]["peak_rss_gib"] - results["sleep"]["peak_rss_gib"], 3),
+    }
     emit(out)
 
 

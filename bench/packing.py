@@ -27,6 +27,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -50,10 +51,14 @@ def ragged_batch(num_rows: int, max_response: int, vocab: int, seed: int, shape:
     mask = torch.zeros(num_rows, width - 1, dtype=torch.long)
     for row, (p, r) in enumerate(zip(prompts, responses)):
         attn[row, : p + r] = 1
-        mask[row, p - 1: p - 1 + r] = 1
+        mask[row, p - 1 : p - 1 + r] = 1
     seqs[attn == 0] = 0
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
-            "advantages": torch.randn(num_rows, width - 1, generator=gen) * mask}
+    return {
+        "sequences": seqs,
+        "attention_mask": attn,
+        "action_mask": mask,
+        "advantages": torch.randn(num_rows, width - 1, generator=gen) * mask,
+    }
 
 
 def main() -> None:
@@ -63,10 +68,15 @@ def main() -> None:
     parser.add_argument("--rows", type=int, default=16, help="samples in the batch")
     parser.add_argument("--micro", type=int, default=4, help="rows per padded micro-batch")
     parser.add_argument("--max_response", type=int, default=192)
-    parser.add_argument("--lengths", choices=("uniform", "longtail"), default="uniform",
-                        help="distribution of the response lengths")
-    parser.add_argument("--max_tokens", type=int, default=None,
-                        help="token budget of the dynamic variant (default: micro x mean row length)")
+    parser.add_argument(
+        "--lengths", choices=("uniform", "longtail"), default="uniform", help="distribution of the response lengths"
+    )
+    parser.add_argument(
+        "--max_tokens",
+        type=int,
+        default=None,
+        help="token budget of the dynamic variant (default: micro x mean row length)",
+    )
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--threads", type=int, default=None)
     args = parser.parse_args()
@@ -86,33 +96,70 @@ def main() -> None:
     if args.threads:
         torch.set_num_threads(args.threads)
     model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype=args.dtype, dist_timeout=600),
-                                 train_batch_size=args.rows, micro_batch_size=args.micro, max_norm=1.0, seed=0)
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=0, param_dtype=args.dtype, dist_timeout=600),
+        train_batch_size=args.rows,
+        micro_batch_size=args.micro,
+        max_norm=1.0,
+        seed=0,
+    )
     strategy.setup_distributed()
     model = Actor.from_pretrained(model_dir, dtype=strategy.torch_dtype)
-    engine = strategy.prepare_train(model, lr=1e-7, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                    warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=1000)
+    engine = strategy.prepare_train(
+        model,
+        lr=1e-7,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=1000,
+    )
     vocab = model.config.vocab_size
     data = ragged_batch(args.rows, args.max_response, vocab, seed=0, shape=args.lengths)
     lengths = data["attention_mask"].sum(-1)
     budget = args.max_tokens or int(args.micro * lengths.float().mean())
-    variants = {"padded": Batching(rows=args.micro), "packed": Batching(packed=True, rows=args.micro),
-                "packed_dynamic": Batching(packed=True, rows=args.micro, max_tokens=budget)}
+    variants = {
+        "padded": Batching(rows=args.micro),
+        "packed": Batching(packed=True, rows=args.micro),
+        "packed_dynamic": Batching(packed=True, rows=args.micro, max_tokens=budget),
+    }
 
     def forward(b: Batching) -> torch.Tensor:
-        return forward_in_chunks(engine, strategy, data, b,
-                                 lambda e, m: e(m["sequences"], m["attention_mask"], pack=b.packed,
-                                                score_mask=m["action_mask"]).log_probs)
+        return forward_in_chunks(
+            engine,
+            strategy,
+            data,
+            b,
+            lambda e, m: e(m["sequences"], m["attention_mask"], pack=b.packed, score_mask=m["action_mask"]).log_probs,
+        )
 
     with torch.no_grad():
         data["old_log_probs"] = forward(variants["padded"])
     algo = AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0)
 
     def train(b: Batching) -> dict:
-        loss_fn = actor_loss(engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=args.max_response,
-                             is_correction=None, is_threshold=(0.5, 5.0), pack=b.packed)
-        return fit_experience(engine, data, loss_fn, batching=b, rows_per_step=args.rows, epochs=1, world_size=1,
-                              seed=0, device=strategy.device)
+        loss_fn = actor_loss(
+            engine,
+            algo,
+            kl_coef=0.0,
+            temperature=1.0,
+            generate_max_len=args.max_response,
+            is_correction=None,
+            is_threshold=(0.5, 5.0),
+            pack=b.packed,
+        )
+        return fit_experience(
+            engine,
+            data,
+            loss_fn,
+            batching=b,
+            rows_per_step=args.rows,
+            epochs=1,
+            world_size=1,
+            seed=0,
+            device=strategy.device,
+        )
 
     times: dict[str, dict[str, list[float]]] = {name: {"forward": [], "train": []} for name in variants}
     results: dict[str, dict] = {}
@@ -129,22 +176,36 @@ def main() -> None:
             if repeat:
                 times[name]["forward"].append(t1 - t0)
                 times[name]["train"].append(t2 - t1)
-            results[name] = {"padding_share": metrics["perf/padding_share"],
-                             "micro_batches": metrics["perf/micro_batches"]}
+            results[name] = {
+                "padding_share": metrics["perf/padding_share"],
+                "micro_batches": metrics["perf/micro_batches"],
+            }
             if repeat == 0:  # same weights for every variant's forward (lr 1e-7 barely moves them later)
                 max_diff = max(max_diff, (lp - reference)[valid].abs().max().item())
             print(f"round {repeat} {name}: forward {t1 - t0:.2f} s, train step {t2 - t1:.2f} s", flush=True)
     best = {name: {k: min(v) for k, v in t.items()} for name, t in times.items()}
-    out = {"bench": "packing", "model": args.model, "vocab": vocab, "rows": args.rows, "micro": args.micro,
-           "lengths": args.lengths, "mean_row_tokens": round(lengths.float().mean().item(), 1),
-           "max_row_tokens": int(lengths.max()),
-           # the speed-up if padding cost nothing and all work were proportional to tokens
-           "ceiling": round(1 / (1 - results["padded"]["padding_share"]), 2),
-           "token_budget": budget, "threads": torch.get_num_threads(), "max_logprob_diff": max_diff,
-           "dtype": args.dtype}
+    out = {
+        "bench": "packing",
+        "model": args.model,
+        "vocab": vocab,
+        "rows": args.rows,
+        "micro": args.micro,
+        "lengths": args.lengths,
+        "mean_row_tokens": round(lengths.float().mean().item(), 1),
+        "max_row_tokens": int(lengths.max()),
+        # the speed-up if padding cost nothing and all work were proportional to tokens
+        "ceiling": round(1 / (1 - results["padded"]["padding_share"]), 2),
+        "token_budget": budget,
+        "threads": torch.get_num_threads(),
+        "max_logprob_diff": max_diff,
+        "dtype": args.dtype,
+    }
     for name in variants:
-        out[name] = {"forward_s": round(best[name]["forward"], 3), "train_s": round(best[name]["train"], 3),
-                     **results[name]}
+        out[name] = {
+            "forward_s": round(best[name]["forward"], 3),
+            "train_s": round(best[name]["train"], 3),
+            **results[name],
+        }
         if name != "padded":
             out[name]["forward_speedup"] = round(best["padded"]["forward"] / best[name]["forward"], 2)
             out[name]["train_speedup"] = round(best["padded"]["train"] / best[name]["train"], 2)

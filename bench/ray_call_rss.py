@@ -59,13 +59,22 @@ def main() -> None:
             samples.append((i, proc.memory_info().rss))
     ray.shutdown()
     # the first window holds the warm-up (imports, first serialization): rates start at the second
-    windows = [{"calls": f"{a}-{b}", "bytes_per_call": round((rb - ra) / (b - a), 1)}
-               for (a, ra), (b, rb) in zip(samples[1:], samples[2:])]
-    first, last = windows[: len(windows) // 2], windows[len(windows) // 2:]
-    emit({"bench": "ray_call_rss", "put": args.put, "calls": args.calls,
-          "rss_mib": {i: round(r / 2**20, 2) for i, r in samples}, "windows": windows,
-          "first_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in first) / len(first), 1),
-          "second_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in last) / len(last), 1)})
+    windows = [
+        {"calls": f"{a}-{b}", "bytes_per_call": round((rb - ra) / (b - a), 1)}
+        for (a, ra), (b, rb) in zip(samples[1:], samples[2:])
+    ]
+    first, last = windows[: len(windows) // 2], windows[len(windows) // 2 :]
+    emit(
+        {
+            "bench": "ray_call_rss",
+            "put": args.put,
+            "calls": args.calls,
+            "rss_mib": {i: round(r / 2**20, 2) for i, r in samples},
+            "windows": windows,
+            "first_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in first) / len(first), 1),
+            "second_half_bytes_per_call": round(sum(w["bytes_per_call"] for w in last) / len(last), 1),
+        }
+    )
 
 
 if __name__ == "__main__":

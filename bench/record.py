@@ -9,8 +9,12 @@ import json
 
 
 def add_dtype_option(parser: argparse.ArgumentParser, what: str = "training precision") -> None:
-    parser.add_argument("--dtype", choices=("auto", "bf16", "fp32"), default="auto",
-                        help=f"{what}; auto = bf16 where the device runs it fast, else fp32 (as --param_dtype auto)")
+    parser.add_argument(
+        "--dtype",
+        choices=("auto", "bf16", "fp32"),
+        default="auto",
+        help=f"{what}; auto = bf16 where the device runs it fast, else fp32 (as --param_dtype auto)",
+    )
 
 
 def resolve_dtype(value: str) -> str:

@@ -30,6 +30,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+
 MIB = 2**20
 WARM = (11, 30)  # steps of the early window (1-based, inclusive)
 LAST = 20
@@ -65,12 +66,16 @@ def series_verdict(points: list[tuple[int, float]]) -> dict:
     noise = max(warm) - min(warm)
     allowed = max(2 * noise, 0.02 * statistics.median(warm))
     every = max(1, len(points) // 8)  # a coarse view of the whole series
-    return {"series_mib": {s: round(v, 1) for s, v in points[::every]},
-            "early_mib": round(statistics.median(warm), 1), "last_mib": round(statistics.median(last), 1),
-            "growth_mib": round(growth, 1), "noise_mib": round(noise, 1),
-            "slope_mib_per_100_steps": round(100 * _slope(xs, ys), 2),
-            "second_half_slope_mib_per_100_steps": round(100 * _slope(xs[half:], ys[half:]), 2),
-            "flat": growth <= allowed}
+    return {
+        "series_mib": {s: round(v, 1) for s, v in points[::every]},
+        "early_mib": round(statistics.median(warm), 1),
+        "last_mib": round(statistics.median(last), 1),
+        "growth_mib": round(growth, 1),
+        "noise_mib": round(noise, 1),
+        "slope_mib_per_100_steps": round(100 * _slope(xs, ys), 2),
+        "second_half_slope_mib_per_100_steps": round(100 * _slope(xs[half:], ys[half:]), 2),
+        "flat": growth <= allowed,
+    }
 
 
 def main() -> None:
@@ -81,8 +86,10 @@ def main() -> None:
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)  # auto -> bf16/fp32 here, named in the record
     if args.steps < WARM[1] + LAST:
-        raise SystemExit(f"--steps must be >= {WARM[1] + LAST} (an early window of steps {WARM[0]}-{WARM[1]} and "
-                         f"the last {LAST} steps)")
+        raise SystemExit(
+            f"--steps must be >= {WARM[1] + LAST} (an early window of steps {WARM[0]}-{WARM[1]} and "
+            f"the last {LAST} steps)"
+        )
     import psutil
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
@@ -92,20 +99,66 @@ def main() -> None:
         workdir = Path(tmp)
         prompts = write_jsonl(make_rows(2 * args.steps, seed=0), workdir / "prompts.jsonl")
         save = workdir / "run"
-        flags = ["--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--input_key", "input",
-                 "--label_key", "label", "--apply_chat_template",
-                 "--remote_rm_url", str(REPO / "examples/reward_funcs/arithmetic.py"),
-                 "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "2",
-                 "--train_batch_size", "8", "--micro_train_batch_size", "4", "--packing_samples",
-                 "--vllm_kv_cache_bytes", str(128 << 20), "--generate_max_len", "16", "--prompt_max_len", "64",
-                 "--init_kl_coef", "0", "--zero_stage", "2", "--param_dtype", args.dtype,
-                 "--max_steps", str(args.steps), "--actor_learning_rate", "1e-6", "--seed", "0",
-                 "--save_steps", "50", "--max_ckpt_num", "1",
-                 "--ckpt_path", str(workdir / "ckpt"), "--save_path", str(save)]
+        flags = [
+            "--pretrain",
+            str(tiny_model_dir()),
+            "--prompt_data",
+            str(prompts),
+            "--input_key",
+            "input",
+            "--label_key",
+            "label",
+            "--apply_chat_template",
+            "--remote_rm_url",
+            str(REPO / "examples/reward_funcs/arithmetic.py"),
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "4",
+            "--rollout_batch_size",
+            "2",
+            "--train_batch_size",
+            "8",
+            "--micro_train_batch_size",
+            "4",
+            "--packing_samples",
+            "--vllm_kv_cache_bytes",
+            str(128 << 20),
+            "--generate_max_len",
+            "16",
+            "--prompt_max_len",
+            "64",
+            "--init_kl_coef",
+            "0",
+            "--zero_stage",
+            "2",
+            "--param_dtype",
+            args.dtype,
+            "--max_steps",
+            str(args.steps),
+            "--actor_learning_rate",
+            "1e-6",
+            "--seed",
+            "0",
+            "--save_steps",
+            "50",
+            "--max_ckpt_num",
+            "1",
+            "--ckpt_path",
+            str(workdir / "ckpt"),
+            "--save_path",
+            str(save),
+        ]
         env = {**os.environ, "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
         start = time.perf_counter()
-        proc = subprocess.Popen([sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags], cwd=REPO, env=env,
-                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags],
+            cwd=REPO,
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
         root, engine_samples, done = psutil.Process(proc.pid), [], threading.Event()
 
         def sample():
@@ -127,15 +180,21 @@ def main() -> None:
         if args.keep_metrics:
             args.keep_metrics.write_text((save / "metrics.jsonl").read_text())
     wall = time.perf_counter() - start
-    out = {"bench": "rss_growth", "dtype": args.dtype, "steps": len(records), "wall_s": round(wall, 1),
-           "step_s": round(statistics.fmean(r["timing/step"] for r in records[1:]), 2)}
+    out = {
+        "bench": "rss_growth",
+        "dtype": args.dtype,
+        "steps": len(records),
+        "wall_s": round(wall, 1),
+        "step_s": round(statistics.fmean(r["timing/step"] for r in records[1:]), 2),
+    }
     for name, key in (("driver", "perf/driver_rss_gib"), ("actor", "perf/actor_rss_gib")):
         out[name] = series_verdict([(r["step"], r[key] * 1024) for r in records])
     per_step: dict[int, list[float]] = {}
     for step, mib in engine_samples:  # samples taken while step `step + 1` ran
         per_step.setdefault(step + 1, []).append(mib)
-    out["engine"] = series_verdict([(s, statistics.median(v)) for s, v in sorted(per_step.items())]) \
-        if per_step else None
+    out["engine"] = (
+        series_verdict([(s, statistics.median(v)) for s, v in sorted(per_step.items())]) if per_step else None
+    )
     emit(out)
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
 
@@ -53,21 +54,38 @@ def main() -> None:
             return torch.cuda.memory_allocated() / 2**30
         return psutil.Process().memory_info().rss / 2**30
 
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=args.dtype,
-                                                 dist_timeout=600),
-                                 train_batch_size=2, micro_batch_size=2, max_norm=1.0, seed=0)
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=args.dtype, dist_timeout=600),
+        train_batch_size=2,
+        micro_batch_size=2,
+        max_norm=1.0,
+        seed=0,
+    )
     strategy.setup_distributed()
     model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
     with strategy.zero3_init():
         model = Actor.from_pretrained(model_dir, dtype=strategy.torch_dtype)
-    engine = strategy.prepare_train(model, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                    warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=10)
+    engine = strategy.prepare_train(
+        model,
+        lr=1e-6,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=10,
+    )
     ids = torch.randint(100, 1000, (2, 64), device=strategy.device)
     out = engine(ids, torch.ones_like(ids))
     engine.backward(out.log_probs.mean())
     engine.step()
-    result = {"bench": "state_offload", "model": args.model, "zero_stage": args.zero_stage, "dtype": args.dtype,
-              "measure": "cuda.memory_allocated" if on_gpu else "process RSS"}
+    result = {
+        "bench": "state_offload",
+        "model": args.model,
+        "zero_stage": args.zero_stage,
+        "dtype": args.dtype,
+        "measure": "cuda.memory_allocated" if on_gpu else "process RSS",
+    }
     result["trained_gib"] = round(held_gib(), 3)
     t0 = time.perf_counter()
     engine.offload_states(pin_memory=on_gpu)

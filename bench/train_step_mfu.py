@@ -33,8 +33,12 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
-MODELS = {"qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864},
-          "smollm2": {}, "tiny": {}}
+
+MODELS = {
+    "qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864},
+    "smollm2": {},
+    "tiny": {},
+}
 
 
 def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
@@ -64,10 +68,17 @@ def main() -> None:
     parser.add_argument("--micro", type=int, default=8, help="rows per micro-batch")
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--gradient_checkpointing", action="store_true")
-    parser.add_argument("--pack", action=argparse.BooleanOptionalAction, default=True,
-                        help="packed micro-batches (--packing_samples), or padded ones with --no-pack")
-    parser.add_argument("--trim", action="store_true",
-                        help="hand the freed heap back to the OS after every step (malloc_trim), to measure its cost")
+    parser.add_argument(
+        "--pack",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="packed micro-batches (--packing_samples), or padded ones with --no-pack",
+    )
+    parser.add_argument(
+        "--trim",
+        action="store_true",
+        help="hand the freed heap back to the OS after every step (malloc_trim), to measure its cost",
+    )
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)
     if args.steps < 2 or args.rows % args.micro or args.seq_len < 4:
@@ -90,35 +101,73 @@ def main() -> None:
     from tests.model_cache import smollm2_dir, tiny_model_dir
 
     shape = MODELS[args.model]
-    path = (build_tiny_model(REPO / ".cache" / "bench" / "models" / args.model, dtype="bfloat16", **shape)
-            if shape else smollm2_dir() if args.model == "smollm2" else tiny_model_dir())
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=args.dtype,
-                                                 dist_timeout=600),
-                                 train_batch_size=args.rows, micro_batch_size=args.micro, max_norm=1.0, seed=0)
+    path = (
+        build_tiny_model(REPO / ".cache" / "bench" / "models" / args.model, dtype="bfloat16", **shape)
+        if shape
+        else smollm2_dir()
+        if args.model == "smollm2"
+        else tiny_model_dir()
+    )
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=args.dtype, dist_timeout=600),
+        train_batch_size=args.rows,
+        micro_batch_size=args.micro,
+        max_norm=1.0,
+        seed=0,
+    )
     strategy.setup_distributed()
-    actor = Actor.from_pretrained(str(path), dtype=strategy.torch_dtype,
-                                  gradient_checkpointing=args.gradient_checkpointing)
+    actor = Actor.from_pretrained(
+        str(path), dtype=strategy.torch_dtype, gradient_checkpointing=args.gradient_checkpointing
+    )
     num_params = sum(p.numel() for p in actor.parameters())
-    engine = strategy.prepare_train(actor, lr=1e-6, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                    warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=args.steps)
+    engine = strategy.prepare_train(
+        actor,
+        lr=1e-6,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=args.steps,
+    )
     response = args.seq_len // 2
     vocab = actor.model.config.vocab_size
-    loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0), kl_coef=0.0,
-                         temperature=1.0, generate_max_len=response, is_correction=None, is_threshold=(0.5, 5.0),
-                         pack=args.pack)
+    loss_fn = actor_loss(
+        engine,
+        AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=response,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+        pack=args.pack,
+    )
     gen = torch.Generator().manual_seed(0)
     times = []
     for step in range(args.steps):
         seqs = torch.randint(100, vocab - 100, (args.rows, args.seq_len), generator=gen)
         mask = torch.zeros(args.rows, args.seq_len - 1)
-        mask[:, args.seq_len - response - 1:] = 1
-        data = {"sequences": seqs, "attention_mask": torch.ones_like(seqs), "action_mask": mask,
-                "advantages": torch.randn(args.rows, args.seq_len - 1, generator=gen) * mask}
+        mask[:, args.seq_len - response - 1 :] = 1
+        data = {
+            "sequences": seqs,
+            "attention_mask": torch.ones_like(seqs),
+            "action_mask": mask,
+            "advantages": torch.randn(args.rows, args.seq_len - 1, generator=gen) * mask,
+        }
         if strategy.device.type == "cuda":
             torch.cuda.synchronize()
         start = time.perf_counter()
-        fit_experience(engine, data, loss_fn, batching=Batching(packed=args.pack, rows=args.micro),
-                       rows_per_step=args.rows, epochs=1, world_size=1, seed=step, device=strategy.device)
+        fit_experience(
+            engine,
+            data,
+            loss_fn,
+            batching=Batching(packed=args.pack, rows=args.micro),
+            rows_per_step=args.rows,
+            epochs=1,
+            world_size=1,
+            seed=step,
+            device=strategy.device,
+        )
         if strategy.device.type == "cuda":
             torch.cuda.synchronize()
         if args.trim:
@@ -132,15 +181,28 @@ def main() -> None:
     name = torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
     measured_peak = matmul_peak(device, strategy.torch_dtype, 8192 if device.type == "cuda" else 1024)
     sheet = mfu(flops, step_s, peak_flops(name, args.dtype))
-    emit({
-        "bench": "train_step_mfu", "model": args.model, "params_m": round(num_params / 1e6, 1),
-        "dtype": args.dtype, "zero_stage": args.zero_stage, "rows": args.rows, "seq_len": args.seq_len,
-        "micro": args.micro, "packed": args.pack, "gradient_checkpointing": args.gradient_checkpointing,
-        "trim": args.trim, "step_times_s": [round(t, 3) for t in times], "step_s": round(step_s, 3),
-        "tokens_per_s": round(tokens / step_s, 1), "achieved_tflops": round(flops / step_s / 1e12, 3),
-        "matmul_peak_tflops": round(measured_peak / 1e12, 3),
-        "mfu_datasheet": None if sheet is None else round(sheet, 3),
-        "mfu_vs_matmul": round(flops / step_s / measured_peak, 3)})
+    emit(
+        {
+            "bench": "train_step_mfu",
+            "model": args.model,
+            "params_m": round(num_params / 1e6, 1),
+            "dtype": args.dtype,
+            "zero_stage": args.zero_stage,
+            "rows": args.rows,
+            "seq_len": args.seq_len,
+            "micro": args.micro,
+            "packed": args.pack,
+            "gradient_checkpointing": args.gradient_checkpointing,
+            "trim": args.trim,
+            "step_times_s": [round(t, 3) for t in times],
+            "step_s": round(step_s, 3),
+            "tokens_per_s": round(tokens / step_s, 1),
+            "achieved_tflops": round(flops / step_s / 1e12, 3),
+            "matmul_peak_tflops": round(measured_peak / 1e12, 3),
+            "mfu_datasheet": None if sheet is None else round(sheet, 3),
+            "mfu_vs_matmul": round(flops / step_s / measured_peak, 3),
+        }
+    )
 
 
 if __name__ == "__main__":

@@ -24,6 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import emit  # noqa: E402 (after the path set-up)
+
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -53,8 +54,9 @@ def main() -> None:
     result: dict = {"model": args.model, "dtype": dtype}
     try:
         t0 = time.perf_counter()
-        engine = ray.remote(num_cpus=1)(VLLMEngine).remote(model_dir, dtype=dtype, max_model_len=512,
-                                                           kv_cache_bytes=256 << 20)
+        engine = ray.remote(num_cpus=1)(VLLMEngine).remote(
+            model_dir, dtype=dtype, max_model_len=512, kv_cache_bytes=256 << 20
+        )
         ray.get(engine.ready.remote())
         result["actor_ready_s"] = time.perf_counter() - t0
         result["engine_start_s"] = ray.get(engine.__ray_call__.remote(lambda self: self.start_time_s))
@@ -62,12 +64,17 @@ def main() -> None:
         prompts = [[100 + 13 * i + j for j in range(32)] for i in range(args.num_prompts)]
         ray.get(engine.generate.remote(prompts[:1], n=1, max_new_tokens=4, temperature=1.0, top_p=1.0))  # warm-up
         t0 = time.perf_counter()
-        out = ray.get(engine.generate.remote(prompts, n=args.n, max_new_tokens=args.max_new_tokens,
-                                             temperature=1.0, top_p=1.0))
+        out = ray.get(
+            engine.generate.remote(prompts, n=args.n, max_new_tokens=args.max_new_tokens, temperature=1.0, top_p=1.0)
+        )
         seconds = time.perf_counter() - t0
         tokens = sum(len(s["token_ids"]) for samples in out for s in samples)
-        result["generate"] = {"sequences": args.num_prompts * args.n, "tokens": tokens, "seconds": seconds,
-                              "tokens_per_s": tokens / seconds}
+        result["generate"] = {
+            "sequences": args.num_prompts * args.n,
+            "tokens": tokens,
+            "seconds": seconds,
+            "tokens_per_s": tokens / seconds,
+        }
 
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=getattr(torch, dtype))
         expected = tensors_checksum(iter_full_weights(model, rank=0))
@@ -75,21 +82,30 @@ def main() -> None:
         group = connect_engines([engine], backend="gloo", master_addr="127.0.0.1", timeout_s=120)
         try:
             bucketed = int(args.bucket_mib * 2**20)
-            for label, bucket_bytes, transport in (("bucketed", bucketed, "broadcast"), ("per_tensor", 1, "broadcast"),
-                                                   ("shared_memory", bucketed, "shm")):
+            for label, bucket_bytes, transport in (
+                ("bucketed", bucketed, "broadcast"),
+                ("per_tensor", 1, "broadcast"),
+                ("shared_memory", bucketed, "shm"),
+            ):
                 times, stats = [], {}
                 for _ in range(args.repeats):  # timed without verification, as a training run syncs
-                    stats = sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600,
-                                         plan=[transport])
+                    stats = sync_weights(
+                        model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600, plan=[transport]
+                    )
                     times.append(stats["seconds"])
-                sync_weights(model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600, plan=[transport],
-                             verify=True)
+                sync_weights(
+                    model, group, [engine], bucket_bytes=bucket_bytes, timeout_s=600, plan=[transport], verify=True
+                )
                 got = ray.get(engine.last_sync_checksum.remote())
                 assert abs(got - expected) <= 1e-9 * max(1.0, abs(expected)), (got, expected)
-                result[f"sync_{label}"] = {"num_buckets": stats["num_buckets"],
-                                           "seconds_median": statistics.median(times), "seconds_all": times}
-            result["shared_memory_over_gloo_broadcast"] = (result["sync_shared_memory"]["seconds_median"]
-                                                           / result["sync_bucketed"]["seconds_median"])
+                result[f"sync_{label}"] = {
+                    "num_buckets": stats["num_buckets"],
+                    "seconds_median": statistics.median(times),
+                    "seconds_all": times,
+                }
+            result["shared_memory_over_gloo_broadcast"] = (
+                result["sync_shared_memory"]["seconds_median"] / result["sync_bucketed"]["seconds_median"]
+            )
         finally:
             group.destroy()
     finally:

@@ -9,8 +9,8 @@ from __future__ import annotations
 import json
 import socket
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 import pytest
 import torch.multiprocessing as mp
@@ -22,10 +22,10 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def run_ranks(worker: Callable[[int, str, int], None], world: int, out_dir: Path, timeout_s: float,
-              what: str) -> list[dict]:
-    procs = mp.start_processes(worker, args=(str(out_dir), free_port()), nprocs=world, start_method="spawn",
-                               join=False)
+def run_ranks(
+    worker: Callable[[int, str, int], None], world: int, out_dir: Path, timeout_s: float, what: str
+) -> list[dict]:
+    procs = mp.start_processes(worker, args=(str(out_dir), free_port()), nprocs=world, start_method="spawn", join=False)
     deadline = time.monotonic() + timeout_s
     try:
         while not procs.join(timeout=1):  # raises with the worker's traceback if one failed

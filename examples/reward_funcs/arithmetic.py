@@ -14,11 +14,14 @@ def response_of(query: str, prompt: str) -> str:
     # the question ("What is 3 + 4?") count as the answer when the response has none.
     if not query.startswith(prompt):
         raise ValueError(f"the query does not start with its prompt {prompt[:80]!r}")
-    return query[len(prompt):]
+    return query[len(prompt) :]
 
 
 def reward_func(queries, prompts, labels, **kwargs):
     responses = [response_of(q, p) for q, p in zip(queries, prompts)]
     rewards = [reward(r, label) for r, label in zip(responses, labels)]
-    return {"rewards": rewards, "scores": rewards,
-            "extra_logs": {"has_number": [float(last_number(r) is not None) for r in responses]}}
+    return {
+        "rewards": rewards,
+        "scores": rewards,
+        "extra_logs": {"has_number": [float(last_number(r) is not None) for r in responses]},
+    }

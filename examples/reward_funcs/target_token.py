@@ -14,7 +14,7 @@ _PUNCT = ".,;:!?\"'()[]{}"
 def response_of(query: str, prompt: str) -> str:
     if not query.startswith(prompt):
         raise ValueError(f"the query does not start with its prompt {prompt[:80]!r}")
-    return query[len(prompt):]
+    return query[len(prompt) :]
 
 
 def target_share(response: str, target: str) -> float:

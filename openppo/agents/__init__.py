@@ -8,5 +8,12 @@ turn, and returns `openppo.ppo.experience.Sample`s whose feedback tokens carry `
 from openppo.agents.base import AgentEnv, AgentError, StepResult, load_agent_env
 from openppo.agents.rollout import GenerateFn, engine_generate_fn, run_agent_episodes
 
-__all__ = ["AgentEnv", "AgentError", "GenerateFn", "StepResult", "engine_generate_fn", "load_agent_env",
-           "run_agent_episodes"]
+__all__ = [
+    "AgentEnv",
+    "AgentError",
+    "GenerateFn",
+    "StepResult",
+    "engine_generate_fn",
+    "load_agent_env",
+    "run_agent_episodes",
+]

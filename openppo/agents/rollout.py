@@ -16,8 +16,9 @@ min(max_new_tokens, room left); feedback that does not fit is cut to the room le
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 from openppo.agents.base import AgentEnv, AgentError, StepResult
 from openppo.rollout.pool import Sample, rows_by_budget
@@ -61,9 +62,18 @@ def _step(ep: _Episode, text: str, turn: int) -> StepResult:
     return result
 
 
-def run_agent_episodes(generate: GenerateFn, tokenizer, items: list[dict[str, Any]], *, n_samples_per_prompt: int,
-                       env_cls: type[AgentEnv], max_turns: int, max_new_tokens: int, max_total_len: int,
-                       feedback_template: str = "{}") -> list[Sample]:
+def run_agent_episodes(
+    generate: GenerateFn,
+    tokenizer,
+    items: list[dict[str, Any]],
+    *,
+    n_samples_per_prompt: int,
+    env_cls: type[AgentEnv],
+    max_turns: int,
+    max_new_tokens: int,
+    max_total_len: int,
+    feedback_template: str = "{}",
+) -> list[Sample]:
     """Run `n_samples_per_prompt` episodes per item, all episodes' turns batched, and return one Sample each.
 
     Args:
@@ -81,14 +91,19 @@ def run_agent_episodes(generate: GenerateFn, tokenizer, items: list[dict[str, An
     the episode hit `max_total_len` or its last model turn hit `max_new_tokens`.
     """
     if max_turns < 1 or max_new_tokens < 1 or n_samples_per_prompt < 1:
-        raise ValueError(f"max_turns, max_new_tokens, n_samples_per_prompt must be >= 1, got "
-                         f"{max_turns}, {max_new_tokens}, {n_samples_per_prompt}")
+        raise ValueError(
+            f"max_turns, max_new_tokens, n_samples_per_prompt must be >= 1, got "
+            f"{max_turns}, {max_new_tokens}, {n_samples_per_prompt}"
+        )
     for item in items:
         if len(item["prompt_ids"]) >= max_total_len:
-            raise ValueError(f"prompt index {item['index']} has {len(item['prompt_ids'])} tokens, which leaves no "
-                             f"room under max_total_len={max_total_len}")
-    episodes = [_Episode(item, env_cls(item["prompt"], item["label"]))
-                for item in items for _ in range(n_samples_per_prompt)]
+            raise ValueError(
+                f"prompt index {item['index']} has {len(item['prompt_ids'])} tokens, which leaves no "
+                f"room under max_total_len={max_total_len}"
+            )
+    episodes = [
+        _Episode(item, env_cls(item["prompt"], item["label"])) for item in items for _ in range(n_samples_per_prompt)
+    ]
     active = list(episodes)
     for turn in range(max_turns):
         if not active:
@@ -124,12 +139,19 @@ def run_agent_episodes(generate: GenerateFn, tokenizer, items: list[dict[str, An
 
 def _to_sample(ep: _Episode, tokenizer) -> Sample:
     item = ep.item
-    return Sample(prompt_ids=list(item["prompt_ids"]), response_ids=ep.response_ids,
-                  rollout_log_probs=ep.log_probs, finish_reason=ep.finish_reason, group=item["index"],
-                  label=item["label"], prompt_text=item["prompt"],
-                  response_text=tokenizer.decode(ep.response_ids, skip_special_tokens=True),
-                  action_mask=ep.action_mask, reward=ep.reward,
-                  extra={"agent/turns": float(ep.num_turns), **ep.extra})
+    return Sample(
+        prompt_ids=list(item["prompt_ids"]),
+        response_ids=ep.response_ids,
+        rollout_log_probs=ep.log_probs,
+        finish_reason=ep.finish_reason,
+        group=item["index"],
+        label=item["label"],
+        prompt_text=item["prompt"],
+        response_text=tokenizer.decode(ep.response_ids, skip_special_tokens=True),
+        action_mask=ep.action_mask,
+        reward=ep.reward,
+        extra={"agent/turns": float(ep.num_turns), **ep.extra},
+    )
 
 
 def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampling: Any) -> GenerateFn:
@@ -139,6 +161,7 @@ def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampl
     `max_total_len` get a smaller one), with n=1 and `sampling` (temperature, top_p, ...) passed through.
     For a Ray actor: `engine_generate_fn(lambda ids, **kw: ray.get(actor.generate.remote(ids, **kw)), ...)`.
     """
+
     def generate(prompt_ids: list[list[int]], budgets: list[int]) -> list[dict]:
         outputs: list[dict | None] = [None] * len(prompt_ids)
         for budget, rows in rows_by_budget(budgets):

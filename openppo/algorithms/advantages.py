@@ -26,8 +26,9 @@ def _zero(x: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def compute_gae(rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0,
-                lambd: float = 1.0) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_gae(
+    rewards: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, gamma: float = 1.0, lambd: float = 1.0
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Generalized Advantage Estimation (Schulman et al. 2016, arXiv:1506.02438).
 
         delta_t = r_t + gamma * V_{t+1} - V_t          (V after the last response token = 0)
@@ -93,8 +94,14 @@ def advantage_moments(advantages: torch.Tensor, mask: torch.Tensor) -> torch.Ten
 
 
 @torch.no_grad()
-def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, *, std_norm: bool = True,
-                      moments: torch.Tensor | None = None, eps: float = 1e-8) -> torch.Tensor:
+def whiten_advantages(
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    std_norm: bool = True,
+    moments: torch.Tensor | None = None,
+    eps: float = 1e-8,
+) -> torch.Tensor:
     """Global advantage normalisation: (A - mean) / sqrt(max(var, eps)), statistics over all kept tokens.
 
     Shapes: advantages, mask [B, T] -> [B, T]; detached; 0 where masked. `moments` are the (possibly all-reduced)
@@ -116,9 +123,17 @@ def whiten_advantages(advantages: torch.Tensor, mask: torch.Tensor, *, std_norm:
 
 
 @torch.no_grad()
-def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.Tensor, *,
-                       values: torch.Tensor | None = None, gamma: float = 1.0, lambd: float = 1.0,
-                       whiten: bool | None = None, std_norm: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+def compute_advantages(
+    estimator: str,
+    token_rewards: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    values: torch.Tensor | None = None,
+    gamma: float = 1.0,
+    lambd: float = 1.0,
+    whiten: bool | None = None,
+    std_norm: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Advantages and returns for any `--advantage_estimator`, from the per-token rewards of `token_level_rewards`.
 
     gae: `compute_gae(token_rewards, values, ...)`. Every other estimator: A_t = G_t = `compute_returns` (the group
@@ -129,8 +144,9 @@ def compute_advantages(estimator: str, token_rewards: torch.Tensor, mask: torch.
     """
     check_advantage_estimator(estimator)
     if estimator in GROUP_ESTIMATORS and gamma != 1.0:
-        raise UserError(f"--gamma: --advantage_estimator {estimator} needs gamma 1 (the reward is per response), "
-                        f"got {gamma}")
+        raise UserError(
+            f"--gamma: --advantage_estimator {estimator} needs gamma 1 (the reward is per response), got {gamma}"
+        )
     if estimator == "gae":
         if values is None:
             raise ValueError("compute_advantages: estimator 'gae' needs the critic's values")

@@ -34,10 +34,15 @@ def loss_normalizers(mask: torch.Tensor) -> torch.Tensor:
     return torch.stack([keep.sum(), keep.any(dim=-1).sum()]).to(torch.int64)
 
 
-def aggregate_loss(per_token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
-                   num_tokens_global: float | torch.Tensor | None = None,
-                   num_seqs_global: float | torch.Tensor | None = None,
-                   norm_len: int | None = None) -> torch.Tensor:
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    mode: str = "token-mean",
+    *,
+    num_tokens_global: float | torch.Tensor | None = None,
+    num_seqs_global: float | torch.Tensor | None = None,
+    norm_len: int | None = None,
+) -> torch.Tensor:
     """This micro-batch's contribution to the step loss (`--loss_agg_mode`; defaults per estimator in
     `estimators.default_loss_agg_mode`). Shapes: per_token_loss, mask [B, T] -> scalar; gradient flows to the loss.
 

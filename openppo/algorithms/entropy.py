@@ -17,7 +17,7 @@ no logarithm per vocabulary entry: H = logsumexp(z) - sum_v p_v z_v).
 
 from __future__ import annotations
 
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 from torch.autograd.function import once_differentiable
@@ -60,8 +60,9 @@ class _LogProbs(torch.autograd.Function):
     """log p(label) per position; with `with_entropy` also the entropy (no gradient) from the same chunk pass."""
 
     @staticmethod
-    def forward(ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int,
-                with_entropy: bool):
+    def forward(
+        ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int, with_entropy: bool
+    ):
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
         entropy = torch.empty(logits.shape[:-1] if with_entropy else (0,), dtype=dtype, device=logits.device)
@@ -132,8 +133,9 @@ def _as_3d(logits: torch.Tensor, temperature: float, chunk_size: int) -> torch.T
     return logits
 
 
-def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
-                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+def log_probs_from_logits(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
     """log softmax(logits / temperature)[label], chunked (see the module docstring).
 
     Shapes: logits [B, T, V] (or [N, V]), labels [B, T] (or [N]) int64 in [0, V) -> [B, T] (or [N]); no reduction.
@@ -147,8 +149,9 @@ def log_probs_from_logits(logits: torch.Tensor, labels: torch.Tensor, temperatur
     return out.squeeze(0) if logits.dim() == 2 else out
 
 
-def log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *,
-                          chunk_size: int = DEFAULT_CHUNK_SIZE) -> tuple[torch.Tensor, torch.Tensor]:
+def log_probs_and_entropy(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> tuple[torch.Tensor, torch.Tensor]:
     """`log_probs_from_logits` (with its gradient) and the entropy for logging (no gradient), in one pass."""
     logits3 = _as_3d(logits, temperature, chunk_size)
     labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
@@ -158,8 +161,9 @@ def log_probs_and_entropy(logits: torch.Tensor, labels: torch.Tensor, temperatur
     return (out.squeeze(0), entropy.squeeze(0)) if logits.dim() == 2 else (out, entropy)
 
 
-def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0, *,
-                        chunk_size: int = DEFAULT_CHUNK_SIZE) -> torch.Tensor:
+def entropy_from_logits(
+    logits: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+) -> torch.Tensor:
     """Entropy H = -sum_v p_v log p_v of softmax(logits / temperature) per position, chunked.
 
     Shapes: logits [B, T, V] (or [N, V]) -> [B, T] (or [N]); no reduction (mask and reduce with `aggregate_loss`

@@ -28,8 +28,14 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 _LOG_RATIO_CLAMP = 20.0
 
 
-def compute_approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, estimator: str = "k1", *,
-                      mask: torch.Tensor | None = None, clamp: float | None = 10.0) -> torch.Tensor:
+def compute_approx_kl(
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    estimator: str = "k1",
+    *,
+    mask: torch.Tensor | None = None,
+    clamp: float | None = 10.0,
+) -> torch.Tensor:
     """Per-token estimate of KL(pi || pi_ref) (Schulman 2020, see the module docstring).
 
     Shapes: log_probs, ref_log_probs, mask [B, T] -> [B, T], no reduction; masked positions are 0.
@@ -57,8 +63,9 @@ def compute_approx_kl(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, esti
     return kl
 
 
-def kl_loss(log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor,
-            estimator: str = "k3") -> torch.Tensor:
+def kl_loss(
+    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+) -> torch.Tensor:
     """Per-token KL loss term, to be reduced by `aggregate_loss` and scaled by beta (`--use_kl_loss`).
 
     Shapes: [B, T] -> [B, T], no reduction, masked positions 0. Gradient flows to `log_probs` only; the reference
@@ -103,8 +110,9 @@ class AdaptiveKLController:
 
     def __init__(self, init_kl_coef: float, kl_target: float, kl_horizon: float = 10000):
         if init_kl_coef <= 0:
-            raise UserError(f"--init_kl_coef: the adaptive controller (--kl_target set) needs a coefficient > 0, "
-                            f"got {init_kl_coef}")
+            raise UserError(
+                f"--init_kl_coef: the adaptive controller (--kl_target set) needs a coefficient > 0, got {init_kl_coef}"
+            )
         if kl_target <= 0:
             raise UserError(f"--kl_target: must be > 0 nats per response, got {kl_target}")
         if kl_horizon <= 0:
@@ -125,8 +133,9 @@ class AdaptiveKLController:
         self.value = float(state["value"])
 
 
-def build_kl_controller(init_kl_coef: float, kl_target: float | None = None,
-                        kl_horizon: float = 10000) -> FixedKLController | AdaptiveKLController:
+def build_kl_controller(
+    init_kl_coef: float, kl_target: float | None = None, kl_horizon: float = 10000
+) -> FixedKLController | AdaptiveKLController:
     """`AdaptiveKLController` when `--kl_target` is given, else `FixedKLController`."""
     if kl_target is None:
         return FixedKLController(init_kl_coef)

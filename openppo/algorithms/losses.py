@@ -28,14 +28,17 @@ def _zero(x: torch.Tensor) -> torch.Tensor:
 # The option rules of the losses below, in one place: the losses call them, and so does the up-front validation of
 # the CLIs, so a value a loss would reject stops the run before any process starts.
 
+
 def clip_bounds(eps_clip: float, eps_clip_low_high: tuple[float, float] | None = None) -> tuple[float, float]:
     """(low, high) of the ratio clip [1 - low, 1 + high]: `--eps_clip_low_high` if given, else `--eps_clip` twice.
     Raises UserError naming the flag that was given: low must be in (0, 1) (1 - low is the lower ratio bound), high
     positive."""
     if eps_clip_low_high is None:
         if not 0 < eps_clip < 1:
-            raise UserError(f"--eps_clip: must be in (0, 1) (the ratio is clipped to [1 - eps, 1 + eps]), got "
-                            f"{eps_clip}; 0.2 is usual")
+            raise UserError(
+                f"--eps_clip: must be in (0, 1) (the ratio is clipped to [1 - eps, 1 + eps]), got "
+                f"{eps_clip}; 0.2 is usual"
+            )
         return eps_clip, eps_clip
     low, high = eps_clip_low_high
     check_clip_low_high(low, high)
@@ -63,8 +66,7 @@ def check_value_clip(value_clip: float | None) -> None:
         raise UserError(f"--value_clip: must be > 0, got {value_clip}")
 
 
-def gspo_sequence_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor,
-                            mask: torch.Tensor) -> torch.Tensor:
+def gspo_sequence_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     """log s_i = mean over kept tokens of (log pi - log pi_old), i.e. s_i = geometric mean of the token ratios.
 
     GSPO, Zheng et al. 2025, arXiv:2507.18071. Shapes: [B, T] -> [B]; gradient flows to `log_probs`; clamped to
@@ -73,8 +75,13 @@ def gspo_sequence_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor
     return masked_mean(log_probs - old_log_probs.detach(), mask, dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
 
 
-def importance_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Tensor, mask: torch.Tensor,
-                       correction: str, threshold: tuple[float, float]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def importance_weights(
+    old_log_probs: torch.Tensor,
+    rollout_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    correction: str,
+    threshold: tuple[float, float],
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Weights that correct for the rollout engine (vLLM) sampling from a slightly different policy than the trainer.
 
     rho_t = pi_old(t) / pi_rollout(t) = exp(old - rollout), per token, detached; [low, high] = `threshold`.
@@ -113,12 +120,21 @@ def importance_weights(old_log_probs: torch.Tensor, rollout_log_probs: torch.Ten
     return weights, metrics
 
 
-def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages: torch.Tensor,
-                mask: torch.Tensor, *, eps_clip_low: float = 0.2, eps_clip_high: float = 0.2,
-                dual_clip: float | None = None, loss_type: str = "ppo",
-                rollout_log_probs: torch.Tensor | None = None, is_correction: str | None = None,
-                is_threshold: tuple[float, float] = (0.5, 5.0),
-                old_sampling_log_probs: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def policy_loss(
+    log_probs: torch.Tensor,
+    old_log_probs: torch.Tensor,
+    advantages: torch.Tensor,
+    mask: torch.Tensor,
+    *,
+    eps_clip_low: float = 0.2,
+    eps_clip_high: float = 0.2,
+    dual_clip: float | None = None,
+    loss_type: str = "ppo",
+    rollout_log_probs: torch.Tensor | None = None,
+    is_correction: str | None = None,
+    is_threshold: tuple[float, float] = (0.5, 5.0),
+    old_sampling_log_probs: torch.Tensor | None = None,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped surrogate loss of PPO (Schulman et al. 2017, arXiv:1707.06347) and GSPO, per token.
 
         r_t   = pi(t) / pi_old(t)                         ppo
@@ -142,8 +158,14 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
     the `importance_weights` metrics if IS correction is on.
     """
     check_choice("--policy_loss_type", loss_type, POLICY_LOSS_TYPES)
-    check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs, advantages=advantages, mask=mask,
-                     rollout_log_probs=rollout_log_probs, old_sampling_log_probs=old_sampling_log_probs)
+    check_same_shape(
+        log_probs=log_probs,
+        old_log_probs=old_log_probs,
+        advantages=advantages,
+        mask=mask,
+        rollout_log_probs=rollout_log_probs,
+        old_sampling_log_probs=old_sampling_log_probs,
+    )
     check_clip_low_high(eps_clip_low, eps_clip_high)
     check_dual_clip(dual_clip)
     keep = bool_mask(mask)
@@ -169,21 +191,26 @@ def policy_loss(log_probs: torch.Tensor, old_log_probs: torch.Tensor, advantages
         if rollout_log_probs is None:
             raise ValueError("policy_loss: IS correction needs rollout_log_probs (the rollout engine's log-probs)")
         behaviour_comparable = old_log_probs if old_sampling_log_probs is None else old_sampling_log_probs
-        weights, is_metrics = importance_weights(behaviour_comparable, rollout_log_probs, mask, is_correction,
-                                                 is_threshold)
+        weights, is_metrics = importance_weights(
+            behaviour_comparable, rollout_log_probs, mask, is_correction, is_threshold
+        )
         loss = loss * weights
         metrics.update(is_metrics)
     loss = torch.where(keep, loss, _zero(loss))
     # k3 of KL(pi_old || pi) sampled from pi_old, with x = log(pi / pi_old): r - 1 - log r = expm1(x) - x.
     # Never negative and lower variance than the mean log ratio; per token, whatever the loss type.
-    x = torch.where(keep, log_probs.detach() - old_log_probs, _zero(log_probs)).clamp(-LOG_RATIO_CLAMP,
-                                                                                       LOG_RATIO_CLAMP)
+    x = torch.where(keep, log_probs.detach() - old_log_probs, _zero(log_probs)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     metrics["approx_kl"] = masked_mean(torch.expm1(x) - x, mask)
     return loss, metrics
 
 
-def value_loss(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, mask: torch.Tensor,
-               value_clip: float | None = 0.5) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+def value_loss(
+    values: torch.Tensor,
+    old_values: torch.Tensor,
+    returns: torch.Tensor,
+    mask: torch.Tensor,
+    value_clip: float | None = 0.5,
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss (PPO2 baselines; `--value_clip`, default 0.5), per token.
 
         V_clip = V_old + clip(V - V_old, -value_clip, value_clip)

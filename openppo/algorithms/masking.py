@@ -8,7 +8,7 @@ are all filtered out is a normal event (dynamic filtering, truncation masking) a
 
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

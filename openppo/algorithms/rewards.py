@@ -31,8 +31,9 @@ from openppo.errors import UserError
 GRPO_STD_EPS = 1e-6
 
 
-def shape_group_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, estimator: str, *,
-                        std_eps: float = GRPO_STD_EPS) -> torch.Tensor:
+def shape_group_rewards(
+    rewards: torch.Tensor, n_samples_per_prompt: int, estimator: str, *, std_eps: float = GRPO_STD_EPS
+) -> torch.Tensor:
     """Group baseline on scalar rewards, one group = the n consecutive responses to one prompt.
 
         rloo               r_i - sum_{j != i} r_j / (n - 1)              (Ahmadian et al. 2024, arXiv:2402.14740)
@@ -50,11 +51,15 @@ def shape_group_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, estima
     if estimator not in GROUP_ESTIMATORS:
         return rewards
     if n_samples_per_prompt < 2:
-        raise UserError(f"--n_samples_per_prompt: --advantage_estimator {estimator} compares the responses to one "
-                        f"prompt and needs at least 2, got {n_samples_per_prompt}")
+        raise UserError(
+            f"--n_samples_per_prompt: --advantage_estimator {estimator} compares the responses to one "
+            f"prompt and needs at least 2, got {n_samples_per_prompt}"
+        )
     if rewards.dim() != 1 or rewards.numel() % n_samples_per_prompt:
-        raise ValueError(f"shape_group_rewards: rewards must be [B] with B a multiple of {n_samples_per_prompt}, "
-                         f"got {tuple(rewards.shape)}")
+        raise ValueError(
+            f"shape_group_rewards: rewards must be [B] with B a multiple of {n_samples_per_prompt}, "
+            f"got {tuple(rewards.shape)}"
+        )
     n = n_samples_per_prompt
     groups = rewards.view(-1, n)
     if estimator == "rloo":
@@ -72,8 +77,10 @@ def shape_group_rewards(rewards: torch.Tensor, n_samples_per_prompt: int, estima
 def normalize_reward(rewards: torch.Tensor, mean: float, std: float) -> torch.Tensor:
     """(r - mean) / std with the statistics stored with the reward model (`--normalize_reward`). [B] -> [B]."""
     if not std > 0:
-        raise UserError(f"--normalize_reward: the reward model's stored std must be > 0, got {std}; retrain the "
-                        f"reward model with statistics or drop --normalize_reward")
+        raise UserError(
+            f"--normalize_reward: the reward model's stored std must be > 0, got {std}; retrain the "
+            f"reward model with statistics or drop --normalize_reward"
+        )
     return (rewards.detach() - mean) / std
 
 
@@ -94,8 +101,7 @@ def clip_rewards(rewards: torch.Tensor, clip_range: tuple[float, float]) -> torc
 def check_overlong(buffer_len: int, max_new_tokens: int, factor: float) -> None:
     """The rules of `overlong_penalty`'s options (also checked by the CLIs' validation before anything starts)."""
     if not 0 < buffer_len <= max_new_tokens:
-        raise UserError(f"--overlong_buffer_len: must be in (0, --generate_max_len={max_new_tokens}], got "
-                        f"{buffer_len}")
+        raise UserError(f"--overlong_buffer_len: must be in (0, --generate_max_len={max_new_tokens}], got {buffer_len}")
     if factor < 0:
         raise UserError(f"--overlong_penalty_factor: must be >= 0, got {factor}")
 
@@ -103,12 +109,19 @@ def check_overlong(buffer_len: int, max_new_tokens: int, factor: float) -> None:
 def check_truncation_penalty(coef: float) -> None:
     """The rule of `apply_truncation_penalty`'s coefficient (also checked by the CLIs' validation)."""
     if coef > 1:
-        raise UserError(f"--stop_properly_penalty_coef: must be <= 1 (a factor in [0, 1] or a negative fixed "
-                        f"reward), got {coef}")
+        raise UserError(
+            f"--stop_properly_penalty_coef: must be <= 1 (a factor in [0, 1] or a negative fixed reward), got {coef}"
+        )
 
 
-def overlong_penalty(response_lengths: torch.Tensor, *, max_new_tokens: int, buffer_len: int,
-                     factor: float = 1.0, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+def overlong_penalty(
+    response_lengths: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    buffer_len: int,
+    factor: float = 1.0,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
     """DAPO soft overlong punishment (Yu et al. 2025, arXiv:2503.14476), <= 0, to add to the reward.
 
         exceed  = clamp(len - (max_new_tokens - buffer_len), 0, buffer_len)
@@ -134,13 +147,21 @@ def apply_truncation_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coe
     return torch.where(bool_mask(truncated), penalised, rewards)
 
 
-def shape_sequence_rewards(scores: torch.Tensor, *, estimator: str, n_samples_per_prompt: int,
-                           reward_mean_std: tuple[float, float] | None = None,
-                           reward_clip_range: tuple[float, float] | None = None,
-                           response_lengths: torch.Tensor | None = None, max_new_tokens: int | None = None,
-                           overlong_buffer_len: int | None = None, overlong_penalty_factor: float = 1.0,
-                           truncated: torch.Tensor | None = None, stop_properly_penalty_coef: float | None = None,
-                           std_eps: float = GRPO_STD_EPS) -> torch.Tensor:
+def shape_sequence_rewards(
+    scores: torch.Tensor,
+    *,
+    estimator: str,
+    n_samples_per_prompt: int,
+    reward_mean_std: tuple[float, float] | None = None,
+    reward_clip_range: tuple[float, float] | None = None,
+    response_lengths: torch.Tensor | None = None,
+    max_new_tokens: int | None = None,
+    overlong_buffer_len: int | None = None,
+    overlong_penalty_factor: float = 1.0,
+    truncated: torch.Tensor | None = None,
+    stop_properly_penalty_coef: float | None = None,
+    std_eps: float = GRPO_STD_EPS,
+) -> torch.Tensor:
     """Steps 1-5 of the module docstring, each skipped when its option is None. [B] -> [B], detached."""
     rewards = scores.detach()
     if reward_mean_std is not None:
@@ -150,9 +171,13 @@ def shape_sequence_rewards(scores: torch.Tensor, *, estimator: str, n_samples_pe
     if overlong_buffer_len is not None:
         if response_lengths is None or max_new_tokens is None:
             raise ValueError("shape_sequence_rewards: the overlong penalty needs response_lengths and max_new_tokens")
-        rewards = rewards + overlong_penalty(response_lengths, max_new_tokens=max_new_tokens,
-                                             buffer_len=overlong_buffer_len, factor=overlong_penalty_factor,
-                                             dtype=rewards.dtype).to(rewards.device)
+        rewards = rewards + overlong_penalty(
+            response_lengths,
+            max_new_tokens=max_new_tokens,
+            buffer_len=overlong_buffer_len,
+            factor=overlong_penalty_factor,
+            dtype=rewards.dtype,
+        ).to(rewards.device)
     if stop_properly_penalty_coef is not None:
         if truncated is None:
             raise ValueError("shape_sequence_rewards: the truncation penalty needs `truncated`")
@@ -166,8 +191,9 @@ def last_token_index(mask: torch.Tensor) -> torch.Tensor:
     return torch.where(bool_mask(mask), positions, torch.zeros_like(positions)).amax(dim=-1)
 
 
-def token_level_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None,
-                        kl_coef: float = 0.0) -> torch.Tensor:
+def token_level_rewards(
+    sequence_rewards: torch.Tensor, mask: torch.Tensor, kl: torch.Tensor | None = None, kl_coef: float = 0.0
+) -> torch.Tensor:
     """Per-token rewards: the scalar reward on the last response token, minus kl_coef * kl on every token.
 
         R_t = r * 1[t = last kept token] - kl_coef * kl_t       (Ziegler et al. 2019, arXiv:1909.08593)
@@ -180,9 +206,11 @@ def token_level_rewards(sequence_rewards: torch.Tensor, mask: torch.Tensor, kl: 
     rewards = sequence_rewards.detach()
     token_rewards = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
     has_token = keep.any(dim=-1)
-    token_rewards.scatter_(1, last_token_index(mask).unsqueeze(1),
-                           torch.where(has_token, rewards, torch.zeros_like(rewards)).unsqueeze(1))
+    token_rewards.scatter_(
+        1, last_token_index(mask).unsqueeze(1), torch.where(has_token, rewards, torch.zeros_like(rewards)).unsqueeze(1)
+    )
     if kl is not None and kl_coef != 0.0:
         token_rewards = token_rewards - kl_coef * torch.where(keep, kl.detach(), torch.zeros_like(kl)).to(
-            token_rewards.dtype)
+            token_rewards.dtype
+        )
     return token_rewards

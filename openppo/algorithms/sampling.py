@@ -70,8 +70,9 @@ def _kept(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
 
 
 @torch.no_grad()
-def sampling_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: float,
-                       sampling: SamplingFilter) -> torch.Tensor:
+def sampling_log_probs(
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float, sampling: SamplingFilter
+) -> torch.Tensor:
     """log q(label) under the engine's sampling distribution (see the module docstring); no gradient.
 
     Shapes: logits [..., V], labels [...] -> [...] fp32 (fp64 for fp64 logits). Walks the positions in chunks of
@@ -92,8 +93,9 @@ def sampling_log_probs(logits: torch.Tensor, labels: torch.Tensor, temperature: 
     return out.reshape(labels.shape)
 
 
-def engine_gap(rollout_log_probs: torch.Tensor, comparable_log_probs: torch.Tensor,
-               mask: torch.Tensor) -> dict[str, float]:
+def engine_gap(
+    rollout_log_probs: torch.Tensor, comparable_log_probs: torch.Tensor, mask: torch.Tensor
+) -> dict[str, float]:
     """How far the engine's log-probs are from the trainer's under the same distribution, over the masked tokens:
     `logprob_diff`, the mean |difference| over the tokens inside the trainer's support, and `outside_support`, the
     share of tokens the engine sampled that the trainer's truncation excludes (log-prob -inf)."""
@@ -101,5 +103,7 @@ def engine_gap(rollout_log_probs: torch.Tensor, comparable_log_probs: torch.Tens
     outside = torch.isneginf(comparable_log_probs) & keep
     inside = keep & ~outside
     diff = (rollout_log_probs - comparable_log_probs).abs()
-    return {"logprob_diff": (torch.where(inside, diff, 0.0).sum() / inside.sum().clamp(min=1)).item(),
-            "outside_support": (outside.sum() / keep.sum().clamp(min=1)).item()}
+    return {
+        "logprob_diff": (torch.where(inside, diff, 0.0).sum() / inside.sum().clamp(min=1)).item(),
+        "outside_support": (outside.sum() / keep.sum().clamp(min=1)).item(),
+    }

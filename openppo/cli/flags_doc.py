@@ -12,8 +12,15 @@ def clis() -> dict[str, type]:
     from openppo.ppo.config import PPOConfig
     from openppo.trainers.configs import DPOConfig, RMConfig, SFTConfig
 
-    return {"train_ppo_ray": PPOConfig, "train_sft": SFTConfig, "train_rm": RMConfig, "train_dpo": DPOConfig,
-            "lora_combiner": LoraCombinerConfig, "make_task": MakeTaskConfig, "serve_rm": ServeRMConfig}
+    return {
+        "train_ppo_ray": PPOConfig,
+        "train_sft": SFTConfig,
+        "train_rm": RMConfig,
+        "train_dpo": DPOConfig,
+        "lora_combiner": LoraCombinerConfig,
+        "make_task": MakeTaskConfig,
+        "serve_rm": ServeRMConfig,
+    }
 
 
 def main() -> int:

@@ -28,8 +28,10 @@ def combine(cfg: LoraCombinerConfig) -> None:
     from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForSequenceClassification
 
     base_path = resolve_model_path(cfg.model_path, "--model_path")
-    require(bool(cfg.lora_path) and (Path(cfg.lora_path) / "adapter_config.json").is_file(),
-            f"--lora_path: {cfg.lora_path} has no adapter_config.json; pass the folder a --lora_rank run saved")
+    require(
+        bool(cfg.lora_path) and (Path(cfg.lora_path) / "adapter_config.json").is_file(),
+        f"--lora_path: {cfg.lora_path} has no adapter_config.json; pass the folder a --lora_rank run saved",
+    )
     require(bool(cfg.output_path), "--output_path is required: the folder to write the merged model to")
     check_output_dir(cfg.output_path, "--output_path")
     dtype = torch_dtype(cfg.param_dtype)
@@ -47,8 +49,9 @@ def combine(cfg: LoraCombinerConfig) -> None:
             if value is not None:
                 setattr(merged.config, key, value)
     merged.save_pretrained(cfg.output_path, safe_serialization=True)
-    load_tokenizer(cfg.lora_path if (Path(cfg.lora_path) / "tokenizer_config.json").is_file()
-                   else base_path).save_pretrained(cfg.output_path)
+    load_tokenizer(
+        cfg.lora_path if (Path(cfg.lora_path) / "tokenizer_config.json").is_file() else base_path
+    ).save_pretrained(cfg.output_path)
     print(f"merged {cfg.lora_path} into {base_path} -> {cfg.output_path}")
 
 

@@ -26,8 +26,10 @@ def make(cfg: MakeTaskConfig) -> None:
     require(bool(cfg.out), "--out is required: the .jsonl file to write")
     check_output_file(cfg.out, "--out")
     require(cfg.num_samples > 0, f"--num_samples must be positive, got {cfg.num_samples}")
-    require(cfg.max_operand >= 0, f"--max_operand must be >= 0 (operands are drawn from 0..max_operand), got "
-                                  f"{cfg.max_operand}")
+    require(
+        cfg.max_operand >= 0,
+        f"--max_operand must be >= 0 (operands are drawn from 0..max_operand), got {cfg.max_operand}",
+    )
     require(set(cfg.ops) <= set("+-*") and cfg.ops != "", f"--ops: use characters from '+-*', got {cfg.ops!r}")
     rows = arithmetic.make_rows(cfg.num_samples, seed=cfg.seed, max_operand=cfg.max_operand, ops=cfg.ops)
     print(arithmetic.write_jsonl(rows, cfg.out))

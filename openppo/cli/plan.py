@@ -57,8 +57,10 @@ def plan(cfg: PlanConfig) -> None:
     text, fits = plan_text(plan_devices(cfg, shapes, device, on_gpu=torch.cuda.is_available()), device)
     print(text)
     if not fits:
-        logger.warning("the run would not fit: see the devices marked above (--gradient_checkpointing, "
-                       "--zero_stage 3, --adam_offload, --ref_reward_offload or smaller micro-batches help)")
+        logger.warning(
+            "the run would not fit: see the devices marked above (--gradient_checkpointing, "
+            "--zero_stage 3, --adam_offload, --ref_reward_offload or smaller micro-batches help)"
+        )
 
 
 def main(argv=None) -> int:

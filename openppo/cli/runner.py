@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import Callable, Sequence, TypeVar
+from collections.abc import Callable, Sequence
+from typing import TypeVar
 
 from openppo.config.schema import parse_config
 from openppo.errors import RunFailure, UserError
@@ -14,8 +15,9 @@ from openppo.utils.logging_setup import setup_logging
 C = TypeVar("C")
 
 
-def run_cli(main: Callable[[C], None], config_cls: type[C], prog: str, description: str,
-            argv: Sequence[str] | None = None) -> int:
+def run_cli(
+    main: Callable[[C], None], config_cls: type[C], prog: str, description: str, argv: Sequence[str] | None = None
+) -> int:
     setup_logging()
     cfg = parse_config(config_cls, argv, prog, description)
     try:

@@ -21,21 +21,26 @@ from openppo.errors import UserError, require
 class ServeRMConfig:
     """What to serve and where."""
 
-    reward_pretrain: str = opt(None, "reward model folder to serve (a scalar-head model, e.g. from train_rm)",
-                               metavar="DIR")
+    reward_pretrain: str = opt(
+        None, "reward model folder to serve (a scalar-head model, e.g. from train_rm)", metavar="DIR"
+    )
     reward_func: str = opt(None, "serve reward_func from this .py file instead of a model", metavar="FILE.py")
-    host: str = opt("127.0.0.1", "address to listen on; there is no authentication, so keep it on loopback "
-                                 "unless the network is trusted")
+    host: str = opt(
+        "127.0.0.1",
+        "address to listen on; there is no authentication, so keep it on loopback unless the network is trusted",
+    )
     port: int = opt(5000, "port to listen on; 0 = any free port (the ready line says which)")
     max_len: int = opt(2048, "model: tokens read per query; a longer query keeps its last max_len tokens")
     batch_size: int = opt(16, "model: queries per forward pass")
     normalize_reward: bool = opt(False, "model: return (score - mean) / std with the statistics in its config")
-    append_eos: bool = opt(False, "model: append the EOS token text to queries that do not end with it "
-                                  "(for clients that strip special tokens)")
+    append_eos: bool = opt(
+        False,
+        "model: append the EOS token text to queries that do not end with it (for clients that strip special tokens)",
+    )
     bf16: bool = opt(False, "model: load the weights in bf16 instead of fp32")
     device: str = opt("auto", "model: where to run it; auto = cuda when available", choices=("auto", "cpu", "cuda"))
     max_request_samples: int = opt(4096, "larger requests are refused with HTTP 413")
-    max_request_bytes: int = opt(32 * 2 ** 20, "larger request bodies are refused with HTTP 413")
+    max_request_bytes: int = opt(32 * 2**20, "larger request bodies are refused with HTTP 413")
 
 
 def is_loopback(host: str) -> bool:
@@ -51,21 +56,32 @@ def host_warning(host: str) -> str | None:
     """The one-line warning for a non-loopback --host, or None."""
     if is_loopback(host):
         return None
-    return (f"warning: --host {host} is not a loopback address: anyone who can reach it can use this reward "
-            f"server (it has no authentication)")
+    return (
+        f"warning: --host {host} is not a loopback address: anyone who can reach it can use this reward "
+        f"server (it has no authentication)"
+    )
 
 
 def validate(cfg: ServeRMConfig) -> None:
-    require(bool(cfg.reward_pretrain) != bool(cfg.reward_func),
-            "pass exactly one of --reward_pretrain DIR (a reward model) or --reward_func FILE.py")
+    require(
+        bool(cfg.reward_pretrain) != bool(cfg.reward_func),
+        "pass exactly one of --reward_pretrain DIR (a reward model) or --reward_func FILE.py",
+    )
     require(0 <= cfg.port <= 65535, f"--port must be in 0..65535, got {cfg.port}")
     require(cfg.max_len > 0, f"--max_len must be positive, got {cfg.max_len}")
     require(cfg.batch_size > 0, f"--batch_size must be positive, got {cfg.batch_size}")
     require(cfg.max_request_samples > 0, f"--max_request_samples must be positive, got {cfg.max_request_samples}")
     require(cfg.max_request_bytes > 0, f"--max_request_bytes must be positive, got {cfg.max_request_bytes}")
     if cfg.reward_func:
-        used = [f for f, on in (("--normalize_reward", cfg.normalize_reward), ("--append_eos", cfg.append_eos),
-                                ("--bf16", cfg.bf16)) if on]
+        used = [
+            f
+            for f, on in (
+                ("--normalize_reward", cfg.normalize_reward),
+                ("--append_eos", cfg.append_eos),
+                ("--bf16", cfg.bf16),
+            )
+            if on
+        ]
         require(not used, f"{', '.join(used)} only apply to --reward_pretrain; drop them with --reward_func")
         require(cfg.reward_func.endswith(".py"), f"--reward_func must be a .py file, got {cfg.reward_func}")
 
@@ -84,9 +100,15 @@ def build_source(cfg: ServeRMConfig):
         device = "cuda" if torch.cuda.is_available() else "cpu"
     elif device == "cuda" and not torch.cuda.is_available():
         raise UserError("--device cuda: no CUDA device is visible; pass --device cpu (or auto)")
-    return ModelReward(cfg.reward_pretrain, device=device, dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
-                       max_len=cfg.max_len, batch_size=cfg.batch_size, normalize=cfg.normalize_reward,
-                       append_eos=cfg.append_eos)
+    return ModelReward(
+        cfg.reward_pretrain,
+        device=device,
+        dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        max_len=cfg.max_len,
+        batch_size=cfg.batch_size,
+        normalize=cfg.normalize_reward,
+        append_eos=cfg.append_eos,
+    )
 
 
 def serve_rm(cfg: ServeRMConfig) -> None:

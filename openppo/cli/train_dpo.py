@@ -22,17 +22,25 @@ def train(cfg: DPOConfig) -> None:
     ref_path = cfg.dpo.ref_pretrain or cfg.model.pretrain
     resolve_model_path(ref_path, "--ref_pretrain")
     require(cfg.dpo.beta > 0, f"--beta must be positive, got {cfg.dpo.beta}")
-    require(0.0 <= cfg.dpo.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5), got {cfg.dpo.label_smoothing}")
-    require(not (cfg.dpo.ipo and cfg.dpo.label_smoothing > 0),
-            "--label_smoothing is cDPO's and the --ipo loss does not use it: drop one of them")
+    require(
+        0.0 <= cfg.dpo.label_smoothing < 0.5, f"--label_smoothing must be in [0, 0.5), got {cfg.dpo.label_smoothing}"
+    )
+    require(
+        not (cfg.dpo.ipo and cfg.dpo.label_smoothing > 0),
+        "--label_smoothing is cDPO's and the --ipo loss does not use it: drop one of them",
+    )
     require(cfg.dpo.nll_loss_coef >= 0, f"--nll_loss_coef must be >= 0 (0 = off), got {cfg.dpo.nll_loss_coef}")
     raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
     tokenizer = load_tokenizer(cfg.model.pretrain)
     train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)
     strategy = setup.make_strategy(cfg)
     with strategy.zero3_init(for_training=False, offload=cfg.dpo.ref_offload):
-        ref = Actor.from_pretrained(ref_path, dtype=strategy.torch_dtype, flag="--ref_pretrain",
-                                    attn_implementation=cfg.model.attn_implementation)
+        ref = Actor.from_pretrained(
+            ref_path,
+            dtype=strategy.torch_dtype,
+            flag="--ref_pretrain",
+            attn_implementation=cfg.model.attn_implementation,
+        )
     ref_engine = strategy.prepare_eval(ref, offload=cfg.dpo.ref_offload)
     with strategy.zero3_init():
         actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **cfg.model.build_kwargs())
@@ -41,9 +49,14 @@ def train(cfg: DPOConfig) -> None:
     tracker = setup.make_tracker(cfg, strategy, "train_dpo")
     collate = functools.partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
     try:
-        DPOTrainer(ref_engine=ref_engine, beta=cfg.dpo.beta, label_smoothing=cfg.dpo.label_smoothing,
-                   ipo=cfg.dpo.ipo, nll_loss_coef=cfg.dpo.nll_loss_coef,
-                   **setup.train_kwargs(cfg, strategy, engine, tokenizer, train_ds, eval_ds, collate, tracker)).fit()
+        DPOTrainer(
+            ref_engine=ref_engine,
+            beta=cfg.dpo.beta,
+            label_smoothing=cfg.dpo.label_smoothing,
+            ipo=cfg.dpo.ipo,
+            nll_loss_coef=cfg.dpo.nll_loss_coef,
+            **setup.train_kwargs(cfg, strategy, engine, tokenizer, train_ds, eval_ds, collate, tracker),
+        ).fit()
     finally:
         tracker.close()
 

@@ -33,8 +33,12 @@ def train(cfg: PPOConfig) -> None:
     # The user's files first (cheap): a wrong path or key fails before the tokenizer loads, and everything
     # that reads the data is done before anything is written to --save_path.
     m = cfg.model
-    reward_source = build_reward_source(m.remote_rm_url, default_reward=m.remote_rm_default_reward,
-                                        timeout_s=m.remote_rm_timeout, max_retries=m.remote_rm_retries)
+    reward_source = build_reward_source(
+        m.remote_rm_url,
+        default_reward=m.remote_rm_default_reward,
+        timeout_s=m.remote_rm_timeout,
+        max_retries=m.remote_rm_retries,
+    )
     rows = launch.load_prompt_rows(cfg)
     eval_rows = launch.load_prompt_rows(cfg, eval=True) if cfg.data.eval_dataset else None
     tokenizer = load_tokenizer(cfg.model.pretrain)
@@ -44,16 +48,21 @@ def train(cfg: PPOConfig) -> None:
     kv_bytes = launch.kv_cache_bytes(cfg)  # before any model loads (it reads the free RAM) and before any write
     config = to_dict(cfg)
     log_run_info(run_info(config, "train_ppo_ray"), cfg.ckpt.save_path)
-    tracker = MetricsTracker(save_dir=cfg.ckpt.save_path, tensorboard_dir=cfg.logging.use_tensorboard,
-                             wandb=cfg.logging.use_wandb, wandb_project=cfg.logging.wandb_project,
-                             run_name=cfg.logging.wandb_run_name or f"ppo_{time.strftime('%m%dT%H%M%S')}",
-                             config=config)
+    tracker = MetricsTracker(
+        save_dir=cfg.ckpt.save_path,
+        tensorboard_dir=cfg.logging.use_tensorboard,
+        wandb=cfg.logging.use_wandb,
+        wandb_project=cfg.logging.wandb_project,
+        run_name=cfg.logging.wandb_run_name or f"ppo_{time.strftime('%m%dT%H%M%S')}",
+        config=config,
+    )
     groups = None
     try:
         launch.start_ray()
         groups = launch.build_groups(cfg, len(prompts), reward_source, kv_bytes)
-        trainer = PPOTrainer(cfg, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts,
-                             agent_rollout=agent_rollout)
+        trainer = PPOTrainer(
+            cfg, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts, agent_rollout=agent_rollout
+        )
         try:
             history = trainer.fit()
         except Exception as exc:

@@ -16,16 +16,25 @@ from openppo.trainers.rm import RewardModelTrainer
 
 
 def build_preference_data(cfg, tokenizer, raw_train, raw_eval):
-    make = functools.partial(PreferenceDataset, tokenizer=tokenizer, max_len=cfg.data.max_len,
-                             prompt_key=cfg.data.prompt_key, chosen_key=cfg.data.chosen_key,
-                             rejected_key=cfg.data.rejected_key, apply_chat_template=cfg.data.apply_chat_template,
-                             input_template=cfg.data.input_template)
+    make = functools.partial(
+        PreferenceDataset,
+        tokenizer=tokenizer,
+        max_len=cfg.data.max_len,
+        prompt_key=cfg.data.prompt_key,
+        chosen_key=cfg.data.chosen_key,
+        rejected_key=cfg.data.rejected_key,
+        apply_chat_template=cfg.data.apply_chat_template,
+        input_template=cfg.data.input_template,
+    )
     return make(raw_train), (make(raw_eval) if raw_eval is not None else None)
 
 
 def preference_keys(cfg) -> dict:
-    return {"--prompt_key": cfg.data.prompt_key, "--chosen_key": cfg.data.chosen_key,
-            "--rejected_key": cfg.data.rejected_key}
+    return {
+        "--prompt_key": cfg.data.prompt_key,
+        "--chosen_key": cfg.data.chosen_key,
+        "--rejected_key": cfg.data.rejected_key,
+    }
 
 
 def train(cfg: RMConfig) -> None:
@@ -35,16 +44,19 @@ def train(cfg: RMConfig) -> None:
     train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)
     strategy = setup.make_strategy(cfg)
     with strategy.zero3_init():
-        model = ScalarModel.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, flag="--pretrain",
-                                            **cfg.model.build_kwargs())
+        model = ScalarModel.from_pretrained(
+            cfg.model.pretrain, dtype=strategy.torch_dtype, flag="--pretrain", **cfg.model.build_kwargs()
+        )
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(model, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_rm")
     collate = functools.partial(collate_pairs, pad_token_id=tokenizer.pad_token_id)
     try:
-        RewardModelTrainer(loss=cfg.rm.loss, margin=cfg.rm.margin,
-                           **setup.train_kwargs(cfg, strategy, engine, tokenizer, train_ds, eval_ds, collate,
-                                                tracker)).fit()
+        RewardModelTrainer(
+            loss=cfg.rm.loss,
+            margin=cfg.rm.margin,
+            **setup.train_kwargs(cfg, strategy, engine, tokenizer, train_ds, eval_ds, collate, tracker),
+        ).fit()
     finally:
         tracker.close()
 

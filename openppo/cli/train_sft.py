@@ -18,19 +18,31 @@ from openppo.trainers.sft import SFTTrainer
 
 def train(cfg: SFTConfig) -> None:
     setup.validate_common(cfg)
-    require(not cfg.data.multiturn or cfg.data.apply_chat_template,
-            "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)")
+    require(
+        not cfg.data.multiturn or cfg.data.apply_chat_template,
+        "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)",
+    )
     keys = {"--input_key": cfg.data.input_key, "--output_key": None if cfg.data.multiturn else cfg.data.output_key}
     raw_train, raw_eval = setup.load_raw_data(cfg.data, keys, cfg.optim.seed)
     tokenizer = load_tokenizer(cfg.model.pretrain)
-    make = functools.partial(SFTDataset, tokenizer=tokenizer, max_len=cfg.data.max_len, input_key=cfg.data.input_key,
-                             output_key=cfg.data.output_key, apply_chat_template=cfg.data.apply_chat_template,
-                             input_template=cfg.data.input_template, multiturn=cfg.data.multiturn)
+    make = functools.partial(
+        SFTDataset,
+        tokenizer=tokenizer,
+        max_len=cfg.data.max_len,
+        input_key=cfg.data.input_key,
+        output_key=cfg.data.output_key,
+        apply_chat_template=cfg.data.apply_chat_template,
+        input_template=cfg.data.input_template,
+        multiturn=cfg.data.multiturn,
+    )
     train_ds = make(raw_train)
     eval_ds = make(raw_eval) if raw_eval is not None else None
     strategy = setup.make_strategy(cfg)
-    collate = collate_packed if cfg.data.packing_samples else functools.partial(
-        collate_padded, pad_token_id=tokenizer.pad_token_id)
+    collate = (
+        collate_packed
+        if cfg.data.packing_samples
+        else functools.partial(collate_padded, pad_token_id=tokenizer.pad_token_id)
+    )
     with strategy.zero3_init():
         actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **cfg.model.build_kwargs())
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)

@@ -18,28 +18,36 @@ LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant
 class ModelBuildConfig:
     """How a trained model is built: attention kernel, activation checkpointing, LoRA."""
 
-    attn_implementation: str = opt("sdpa", "attention kernel passed to transformers",
-                                   choices=("sdpa", "eager", "flash_attention_2", "flex_attention"))
+    attn_implementation: str = opt(
+        "sdpa",
+        "attention kernel passed to transformers",
+        choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
+    )
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
     lora_rank: int = opt(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = opt(16, "LoRA alpha (scaling = alpha / rank)")
     lora_dropout: float = opt(0.0, "LoRA dropout")
-    target_modules: list[str] = opt(None, "module names LoRA adapts; default: all linear layers",
-                                    metavar="NAME")
+    target_modules: list[str] = opt(None, "module names LoRA adapts; default: all linear layers", metavar="NAME")
 
     def build_kwargs(self) -> dict:
         """Keyword arguments of `Actor.from_pretrained` / `ScalarModel.from_pretrained`."""
-        return dict(attn_implementation=self.attn_implementation, lora_rank=self.lora_rank,
-                    lora_alpha=self.lora_alpha, lora_dropout=self.lora_dropout, target_modules=self.target_modules,
-                    gradient_checkpointing=self.gradient_checkpointing)
+        return dict(
+            attn_implementation=self.attn_implementation,
+            lora_rank=self.lora_rank,
+            lora_alpha=self.lora_alpha,
+            lora_dropout=self.lora_dropout,
+            target_modules=self.target_modules,
+            gradient_checkpointing=self.gradient_checkpointing,
+        )
 
 
 @dataclass
 class ModelConfig(ModelBuildConfig):
     """Model to train and how to build it."""
 
-    pretrain: str = opt(None, "local HF model folder (or hub id where a hub is reachable) to start from",
-                        metavar="PATH")
+    pretrain: str = opt(
+        None, "local HF model folder (or hub id where a hub is reachable) to start from", metavar="PATH"
+    )
 
 
 @dataclass
@@ -64,10 +72,10 @@ class OptimConfig:
 class CheckpointConfig:
     """Where the trained model and the resumable checkpoints go."""
 
-    save_path: str = opt("./ckpt", "final HF model folder; metrics.jsonl and run_info.json are written here too",
-                         metavar="DIR")
-    ckpt_path: str = opt(None, "DeepSpeed checkpoints (resumable); default: <save_path>/checkpoints",
-                         metavar="DIR")
+    save_path: str = opt(
+        "./ckpt", "final HF model folder; metrics.jsonl and run_info.json are written here too", metavar="DIR"
+    )
+    ckpt_path: str = opt(None, "DeepSpeed checkpoints (resumable); default: <save_path>/checkpoints", metavar="DIR")
     save_steps: int = opt(-1, "save a checkpoint every N optimizer steps; -1 = only at the end")
     load_checkpoint: bool = opt(False, "resume from the latest checkpoint in --ckpt_path if there is one")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints (oldest deleted first)")
@@ -81,8 +89,13 @@ class LoggingConfig:
 
     logging_steps: int = opt(1, "log metrics every N optimizer steps")
     eval_steps: int = opt(-1, "evaluate every N optimizer steps; -1 = at the end of each epoch")
-    use_wandb: str = opt(None, "log to Weights & Biases: an API key, or 'offline' (no network needed); "
-                               "bare flag = online if logged in, else offline", const="auto", metavar="KEY")
+    use_wandb: str = opt(
+        None,
+        "log to Weights & Biases: an API key, or 'offline' (no network needed); "
+        "bare flag = online if logged in, else offline",
+        const="auto",
+        metavar="KEY",
+    )
     wandb_project: str = opt("openppo", "W&B project")
     wandb_run_name: str = opt(None, "W&B run name; default: <cli>_<time>")
     use_tensorboard: str = opt(None, "write TensorBoard event files to this folder", metavar="DIR")
@@ -97,8 +110,9 @@ def validate_build(model: ModelBuildConfig) -> None:
 
 
 def validate_schedule(*, min_lr_ratio: float, max_norm: float) -> None:
-    require(0.0 <= min_lr_ratio <= 1.0,
-            f"--min_lr_ratio must be in [0, 1] (a share of the peak LR), got {min_lr_ratio}")
+    require(
+        0.0 <= min_lr_ratio <= 1.0, f"--min_lr_ratio must be in [0, 1] (a share of the peak LR), got {min_lr_ratio}"
+    )
     require(max_norm >= 0, f"--max_norm must be >= 0 (0 disables clipping), got {max_norm}")
 
 
@@ -106,8 +120,9 @@ def validate_outputs(ckpt: CheckpointConfig, logging: LoggingConfig) -> None:
     """The folders a run writes can be created, and a resume has checkpoints to read: checked before anything is
     written to --save_path."""
     if ckpt.load_checkpoint and ckpt.disable_ds_ckpt:
-        raise UserError("--load_checkpoint resumes from DeepSpeed checkpoints, which --disable_ds_ckpt turns off: "
-                        "drop one of them")
+        raise UserError(
+            "--load_checkpoint resumes from DeepSpeed checkpoints, which --disable_ds_ckpt turns off: drop one of them"
+        )
     check_output_dir(ckpt.save_path, "--save_path")
     if ckpt.ckpt_path is not None:
         check_output_dir(ckpt.ckpt_path, "--ckpt_path")

@@ -21,8 +21,15 @@ from typing import Any, TypeVar
 T = TypeVar("T")
 
 
-def opt(default: Any = dataclasses.MISSING, help: str = "", *, choices: typing.Sequence | None = None,
-        factory: Any = None, metavar: str | None = None, const: Any = None) -> Any:
+def opt(
+    default: Any = dataclasses.MISSING,
+    help: str = "",
+    *,
+    choices: typing.Sequence | None = None,
+    factory: Any = None,
+    metavar: str | None = None,
+    const: Any = None,
+) -> Any:
     """A config field with its help line. `const` makes the flag usable bare (`--use_wandb` means `const`)."""
     meta = {"help": help, "choices": choices, "metavar": metavar, "const": const}
     if factory is not None:
@@ -51,8 +58,11 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
 def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any) -> None:
     meta = f.metadata
     help_text = meta.get("help", "")
-    default = f.default if f.default is not dataclasses.MISSING else (
-        f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    default = (
+        f.default
+        if f.default is not dataclasses.MISSING
+        else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
+    )
     flag = f"--{f.name}"
     inner, optional = _unwrap_optional(tp)
     kwargs: dict[str, Any] = {"dest": f.name, "help": f"{help_text} (default: {default!r})".strip()}

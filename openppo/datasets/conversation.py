@@ -31,9 +31,11 @@ def conversation_segments(messages: Messages, tokenizer, *, key_flag: str = "--i
             continue
         prompt = chat_text(tokenizer, messages[:i], generation_prompt=True, key_flag=key_flag)
         if not full.startswith(prompt) or len(prompt) < pos:
-            raise UserError(f"--multiturn: the chat template renders the start of a conversation in {key_flag} "
-                            f"differently from the whole, so assistant turns cannot be located; "
-                            f"train without --multiturn on single-turn rows instead")
+            raise UserError(
+                f"--multiturn: the chat template renders the start of a conversation in {key_flag} "
+                f"differently from the whole, so assistant turns cannot be located; "
+                f"train without --multiturn on single-turn rows instead"
+            )
         start = len(prompt)
         upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False, key_flag=key_flag)
         if full.startswith(upto):
@@ -41,8 +43,10 @@ def conversation_segments(messages: Messages, tokenizer, *, key_flag: str = "--i
         else:
             found = full.find(eos, start)
             if found < 0:
-                raise UserError(f"--multiturn: cannot find the end of an assistant turn in {key_flag} (the chat "
-                                f"template rewrites earlier turns and marks no end with {eos!r})")
+                raise UserError(
+                    f"--multiturn: cannot find the end of an assistant turn in {key_flag} (the chat "
+                    f"template rewrites earlier turns and marks no end with {eos!r})"
+                )
             end = found + len(eos)
         end = start + len(full[start:end].rstrip())
         segments.append((full[pos:start], False))

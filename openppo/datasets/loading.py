@@ -24,9 +24,16 @@ from openppo.errors import UserError, require
 logger = logging.getLogger(__name__)
 
 
-def load_blended_dataset(spec: str, probs: str | None = None, *, flag: str = "--dataset",
-                         probs_flag: str = "--dataset_probs", seed: int = 42, max_samples: int | None = None,
-                         split: str = "train") -> datasets.Dataset:
+def load_blended_dataset(
+    spec: str,
+    probs: str | None = None,
+    *,
+    flag: str = "--dataset",
+    probs_flag: str = "--dataset_probs",
+    seed: int = 42,
+    max_samples: int | None = None,
+    split: str = "train",
+) -> datasets.Dataset:
     """Load the comma-separated local sources of `spec` and mix them (see the module docstring)."""
     sources = parse_sources(spec, flag)
     weights = parse_probs(probs, len(sources), probs_flag=probs_flag, flag=flag) if probs else None
@@ -71,10 +78,14 @@ def parse_probs(probs: str, num_sources: int, *, probs_flag: str, flag: str) -> 
         values = [float(p) for p in probs.split(",") if p.strip()]
     except ValueError:
         raise UserError(f"{probs_flag}: '{probs}' is not a comma list of numbers; pass e.g. 0.7,0.3") from None
-    require(len(values) == num_sources,
-            f"{probs_flag}: got {len(values)} probabilities for {num_sources} {flag} sources; pass one per source")
-    require(all(v >= 0 for v in values) and sum(values) > 0,
-            f"{probs_flag}: '{probs}' must be non-negative numbers with a positive sum")
+    require(
+        len(values) == num_sources,
+        f"{probs_flag}: got {len(values)} probabilities for {num_sources} {flag} sources; pass one per source",
+    )
+    require(
+        all(v >= 0 for v in values) and sum(values) > 0,
+        f"{probs_flag}: '{probs}' must be non-negative numbers with a positive sum",
+    )
     total = sum(values)
     return [v / total for v in values]
 
@@ -84,8 +95,10 @@ def require_columns(ds: datasets.Dataset, keys: dict[str, str | None], source: s
     columns = list(ds.column_names)
     for key_flag, column in keys.items():
         if column is not None and column not in columns:
-            raise UserError(f"{key_flag}: column '{column}' not found in {source} (columns: {', '.join(columns)}); "
-                            f"pass {key_flag} with one of those")
+            raise UserError(
+                f"{key_flag}: column '{column}' not found in {source} (columns: {', '.join(columns)}); "
+                f"pass {key_flag} with one of those"
+            )
 
 
 def _common_columns(parts: list[datasets.Dataset], sources: list[str], flag: str) -> list[datasets.Dataset]:
@@ -101,8 +114,9 @@ def _common_columns(parts: list[datasets.Dataset], sources: list[str], flag: str
     return out
 
 
-def _mix(parts: list[datasets.Dataset], sources: list[str], weights: list[float] | None, *, seed: int,
-         flag: str) -> datasets.Dataset:
+def _mix(
+    parts: list[datasets.Dataset], sources: list[str], weights: list[float] | None, *, seed: int, flag: str
+) -> datasets.Dataset:
     if weights is not None:
         kept = [i for i, w in enumerate(weights) if w > 0]
         skipped = [sources[i] for i in range(len(sources)) if weights[i] == 0]
@@ -127,7 +141,9 @@ def _same_features(parts: list[datasets.Dataset], sources: list[str], flag: str)
                 part = part.cast(parts[0].features)
             except Exception as err:  # any cast failure means the sources disagree on a column's type
                 differ = [c for c in part.column_names if part.features[c] != parts[0].features[c]]
-                raise UserError(f"{flag}: columns {differ} of {source} have other types than in {sources[0]}; "
-                                f"make the sources agree") from err
+                raise UserError(
+                    f"{flag}: columns {differ} of {source} have other types than in {sources[0]}; "
+                    f"make the sources agree"
+                ) from err
         out.append(part)
     return out

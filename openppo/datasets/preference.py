@@ -35,8 +35,18 @@ logger = logging.getLogger(__name__)
 class PreferenceDataset(Dataset):
     """Item = {"chosen_ids", "chosen_loss_mask", "rejected_ids", "rejected_loss_mask"}: LongTensor[L] each."""
 
-    def __init__(self, ds: datasets.Dataset, tokenizer, *, max_len: int, prompt_key: str | None, chosen_key: str,
-                 rejected_key: str, apply_chat_template: bool, input_template: str | None):
+    def __init__(
+        self,
+        ds: datasets.Dataset,
+        tokenizer,
+        *,
+        max_len: int,
+        prompt_key: str | None,
+        chosen_key: str,
+        rejected_key: str,
+        apply_chat_template: bool,
+        input_template: str | None,
+    ):
         require(max_len > 1, f"--max_len must be at least 2 for preference pairs, got {max_len}")
         validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
         keys = {"--prompt_key": prompt_key, "--chosen_key": chosen_key, "--rejected_key": rejected_key}
@@ -55,14 +65,21 @@ class PreferenceDataset(Dataset):
             if max(num_context_tokens(chosen[1]), num_context_tokens(rejected[1])) >= max_len:
                 too_long += 1
                 continue
-            self.pairs.append((*as_tensors(*truncate_keep_end(*chosen, max_len)),
-                               *as_tensors(*truncate_keep_end(*rejected, max_len))))
+            self.pairs.append(
+                (*as_tensors(*truncate_keep_end(*chosen, max_len)), *as_tensors(*truncate_keep_end(*rejected, max_len)))
+            )
         if too_long:
-            logger.warning("preference data: dropped %d of %d pairs whose prompt alone has >= %d tokens (--max_len)",
-                           too_long, len(rows), max_len)
+            logger.warning(
+                "preference data: dropped %d of %d pairs whose prompt alone has >= %d tokens (--max_len)",
+                too_long,
+                len(rows),
+                max_len,
+            )
         if not self.pairs:
-            raise UserError(f"--max_len {max_len}: every pair's prompt alone has >= {max_len} tokens; "
-                            f"raise --max_len or shorten the prompts")
+            raise UserError(
+                f"--max_len {max_len}: every pair's prompt alone has >= {max_len} tokens; "
+                f"raise --max_len or shorten the prompts"
+            )
 
     def _encode(self, row: dict[str, Any], key: str, key_flag: str) -> tuple[list[int], list[int]]:
         prompt, response = self._prompt_and_response(row, key, key_flag)
@@ -70,9 +87,20 @@ class PreferenceDataset(Dataset):
             segments = [(render_response("", response, self.tokenizer, **self.options, response_flag=key_flag), True)]
         else:
             prompt_flag = "--prompt_key" if self.prompt_key else key_flag
-            segments = [(render_prompt(prompt, self.tokenizer, **self.options, key_flag=prompt_flag), False),
-                        (render_response(prompt, response, self.tokenizer, **self.options, prompt_flag=prompt_flag,
-                                         response_flag=key_flag), True)]
+            segments = [
+                (render_prompt(prompt, self.tokenizer, **self.options, key_flag=prompt_flag), False),
+                (
+                    render_response(
+                        prompt,
+                        response,
+                        self.tokenizer,
+                        **self.options,
+                        prompt_flag=prompt_flag,
+                        response_flag=key_flag,
+                    ),
+                    True,
+                ),
+            ]
         return encode_segments(self.tokenizer, segments, self.prefix)
 
     def _prompt_and_response(self, row: dict[str, Any], key: str, key_flag: str) -> tuple[Any, Any]:
@@ -82,13 +110,17 @@ class PreferenceDataset(Dataset):
         value = row[key]
         if isinstance(value, str):
             if self.options["apply_chat_template"]:
-                raise UserError(f"{key_flag} holds plain strings: pass --prompt_key with the prompt column, "
-                                f"or store whole conversations (lists of messages) in {key_flag}")
+                raise UserError(
+                    f"{key_flag} holds plain strings: pass --prompt_key with the prompt column, "
+                    f"or store whole conversations (lists of messages) in {key_flag}"
+                )
             return None, value
         messages = as_messages(value, key_flag)
         if len(messages) < 2 or messages[-1]["role"] != "assistant":
-            raise UserError(f"{key_flag}: a conversation must end with an assistant message after a prompt; "
-                            f"fix the data or pass --prompt_key")
+            raise UserError(
+                f"{key_flag}: a conversation must end with an assistant message after a prompt; "
+                f"fix the data or pass --prompt_key"
+            )
         return messages[:-1], messages[-1:]
 
     def __len__(self) -> int:
@@ -96,8 +128,12 @@ class PreferenceDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         chosen_ids, chosen_mask, rejected_ids, rejected_mask = self.pairs[index]
-        return {"chosen_ids": chosen_ids.long(), "chosen_loss_mask": chosen_mask.long(),
-                "rejected_ids": rejected_ids.long(), "rejected_loss_mask": rejected_mask.long()}
+        return {
+            "chosen_ids": chosen_ids.long(),
+            "chosen_loss_mask": chosen_mask.long(),
+            "rejected_ids": rejected_ids.long(),
+            "rejected_loss_mask": rejected_mask.long(),
+        }
 
 
 def truncate_keep_end(ids: list[int], mask: list[int], max_len: int) -> tuple[list[int], list[int]]:

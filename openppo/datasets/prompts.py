@@ -31,10 +31,20 @@ class PromptDataset(Dataset):
     `index` is the row's position in `ds`, so it stays a stable id when rows are dropped for length.
     """
 
-    def __init__(self, ds: datasets.Dataset, tokenizer, *, input_key: str, label_key: str | None,
-                 apply_chat_template: bool, input_template: str | None, max_prompt_len: int | None = None):
-        require(max_prompt_len is None or max_prompt_len > 0,
-                f"--prompt_max_len must be positive, got {max_prompt_len}")
+    def __init__(
+        self,
+        ds: datasets.Dataset,
+        tokenizer,
+        *,
+        input_key: str,
+        label_key: str | None,
+        apply_chat_template: bool,
+        input_template: str | None,
+        max_prompt_len: int | None = None,
+    ):
+        require(
+            max_prompt_len is None or max_prompt_len > 0, f"--prompt_max_len must be positive, got {max_prompt_len}"
+        )
         validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
         require_columns(ds, {"--input_key": input_key, "--label_key": label_key}, "the prompt data")
         prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
@@ -45,25 +55,34 @@ class PromptDataset(Dataset):
         self.items: list[dict[str, Any]] = []
         too_long = 0
         for index, row in enumerate(tqdm(rows, desc="tokenizing prompts", disable=len(rows) <= PROGRESS_MIN_SAMPLES)):
-            prompt = render_prompt(row[input_key], tokenizer, apply_chat_template=apply_chat_template,
-                                   input_template=input_template)
+            prompt = render_prompt(
+                row[input_key], tokenizer, apply_chat_template=apply_chat_template, input_template=input_template
+            )
             prompt_ids, _ = encode_segments(tokenizer, [(prompt, False)], prefix)
             if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
                 too_long += 1
                 continue
-            self.items.append({
-                "prompt": prompt,
-                "prompt_ids": prompt_ids,
-                "label": row[label_key] if label_key is not None else None,
-                "datasource": _datasource(row) if has_source else DEFAULT_DATASOURCE,
-                "index": index,
-            })
+            self.items.append(
+                {
+                    "prompt": prompt,
+                    "prompt_ids": prompt_ids,
+                    "label": row[label_key] if label_key is not None else None,
+                    "datasource": _datasource(row) if has_source else DEFAULT_DATASOURCE,
+                    "index": index,
+                }
+            )
         if too_long:
-            logger.warning("prompt data: dropped %d of %d prompts longer than %d tokens (--prompt_max_len)",
-                           too_long, len(rows), max_prompt_len)
+            logger.warning(
+                "prompt data: dropped %d of %d prompts longer than %d tokens (--prompt_max_len)",
+                too_long,
+                len(rows),
+                max_prompt_len,
+            )
         if not self.items:
-            raise UserError(f"--prompt_max_len {max_prompt_len}: every prompt is longer than that; "
-                            f"raise --prompt_max_len or shorten the prompts")
+            raise UserError(
+                f"--prompt_max_len {max_prompt_len}: every prompt is longer than that; "
+                f"raise --prompt_max_len or shorten the prompts"
+            )
 
     def __len__(self) -> int:
         return len(self.items)

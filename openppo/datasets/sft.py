@@ -21,8 +21,7 @@ from tqdm import tqdm
 
 from openppo.datasets.conversation import Segments, conversation_segments
 from openppo.datasets.loading import require_columns
-from openppo.datasets.templates import (as_messages, render_prompt, render_response,
-                                        validate_template_options)
+from openppo.datasets.templates import as_messages, render_prompt, render_response, validate_template_options
 from openppo.datasets.tokens import as_tensors, bos_ids, encode_segments, num_context_tokens
 from openppo.errors import UserError, require
 
@@ -34,11 +33,23 @@ PROGRESS_MIN_SAMPLES = 1000  # show a progress bar only when tokenizing takes no
 class SFTDataset(Dataset):
     """Pre-tokenized SFT samples; item = {"input_ids": LongTensor[L], "loss_mask": LongTensor[L]}."""
 
-    def __init__(self, ds: datasets.Dataset, tokenizer, *, max_len: int, input_key: str, output_key: str | None,
-                 apply_chat_template: bool, input_template: str | None, multiturn: bool = False):
+    def __init__(
+        self,
+        ds: datasets.Dataset,
+        tokenizer,
+        *,
+        max_len: int,
+        input_key: str,
+        output_key: str | None,
+        apply_chat_template: bool,
+        input_template: str | None,
+        multiturn: bool = False,
+    ):
         require(max_len > 0, f"--max_len must be positive, got {max_len}")
-        require(not multiturn or apply_chat_template,
-                "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)")
+        require(
+            not multiturn or apply_chat_template,
+            "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)",
+        )
         require(multiturn or output_key is not None, "--output_key is required unless --multiturn is set")
         validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
         keys = {"--input_key": input_key, "--output_key": None if multiturn else output_key}
@@ -61,17 +72,29 @@ class SFTDataset(Dataset):
             else:
                 self.samples.append(as_tensors(ids[:max_len], mask[:max_len]))
         if no_target:
-            logger.warning("SFT data: dropped %d of %d conversations in %s without an assistant turn after a prompt",
-                           no_target, len(rows), input_key)
+            logger.warning(
+                "SFT data: dropped %d of %d conversations in %s without an assistant turn after a prompt",
+                no_target,
+                len(rows),
+                input_key,
+            )
         if too_long:
-            logger.warning("SFT data: dropped %d of %d samples whose prompt alone has >= %d tokens (--max_len)",
-                           too_long, len(rows), max_len)
+            logger.warning(
+                "SFT data: dropped %d of %d samples whose prompt alone has >= %d tokens (--max_len)",
+                too_long,
+                len(rows),
+                max_len,
+            )
         if not self.samples:
             if no_target == len(rows):
-                raise UserError(f"--input_key: no conversation in column '{input_key}' has an assistant turn "
-                                f"after a prompt; pass the column holding the conversations")
-            raise UserError(f"--max_len {max_len}: every sample's prompt alone has >= {max_len} tokens; "
-                            f"raise --max_len or shorten the prompts")
+                raise UserError(
+                    f"--input_key: no conversation in column '{input_key}' has an assistant turn "
+                    f"after a prompt; pass the column holding the conversations"
+                )
+            raise UserError(
+                f"--max_len {max_len}: every sample's prompt alone has >= {max_len} tokens; "
+                f"raise --max_len or shorten the prompts"
+            )
 
     def _segments(self, row: dict[str, Any]) -> Segments:
         value = row[self.input_key]

@@ -40,18 +40,24 @@ def _read_folder(path: Path, *, source: str, flag: str, split: str) -> datasets.
         loaded = datasets.load_from_disk(str(path))
         if isinstance(loaded, datasets.DatasetDict):
             if split not in loaded:
-                raise UserError(f"{flag}: '{source}' has no split '{split}' (splits: {', '.join(loaded)}); "
-                                f"pass a folder with that split or choose one of those splits")
+                raise UserError(
+                    f"{flag}: '{source}' has no split '{split}' (splits: {', '.join(loaded)}); "
+                    f"pass a folder with that split or choose one of those splits"
+                )
             return loaded[split]
         return loaded
     files = sorted(p for p in path.rglob("*") if p.is_file() and p.suffix.lower() in FILE_BUILDERS)
     if not files:
-        raise UserError(f"{flag}: folder '{source}' holds no .json/.jsonl/.parquet/.csv files and was not "
-                        f"written by save_to_disk; pass {_KINDS}")
+        raise UserError(
+            f"{flag}: folder '{source}' holds no .json/.jsonl/.parquet/.csv files and was not "
+            f"written by save_to_disk; pass {_KINDS}"
+        )
     builders = {FILE_BUILDERS[p.suffix.lower()] for p in files}
     if len(builders) > 1:
-        raise UserError(f"{flag}: folder '{source}' mixes file types ({', '.join(sorted(builders))}); "
-                        f"pass the files as a comma list instead")
+        raise UserError(
+            f"{flag}: folder '{source}' mixes file types ({', '.join(sorted(builders))}); "
+            f"pass the files as a comma list instead"
+        )
     return _read_files(files, source=source, flag=flag)
 
 
@@ -74,8 +80,7 @@ def _read_files(files: list[Path], *, source: str, flag: str) -> datasets.Datase
         if "corresponds to no data" in str(err):
             raise UserError(f"{flag}: '{source}' has no rows; pass a source with data") from err
         reason = _first_line(_root_cause(err))
-        raise UserError(f"{flag}: cannot read '{source}' as {builder} ({reason}); fix the file or its suffix") \
-            from err
+        raise UserError(f"{flag}: cannot read '{source}' as {builder} ({reason}); fix the file or its suffix") from err
     finally:
         library_logger.setLevel(level)
 

@@ -32,8 +32,10 @@ def validate_template_options(tokenizer, *, apply_chat_template: bool, input_tem
         raise UserError(f"--input_template must contain '{{}}' where the prompt goes, got {input_template!r}")
     if apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
-            raise UserError("--apply_chat_template: the tokenizer of --pretrain has no chat template; "
-                            "drop --apply_chat_template (and pass --input_template if needed)")
+            raise UserError(
+                "--apply_chat_template: the tokenizer of --pretrain has no chat template; "
+                "drop --apply_chat_template (and pass --input_template if needed)"
+            )
         if input_template is not None:
             logger.warning("--input_template is ignored because --apply_chat_template is set")
     if tokenizer.eos_token is None:
@@ -43,8 +45,10 @@ def validate_template_options(tokenizer, *, apply_chat_template: bool, input_tem
 def as_messages(value: Any, key_flag: str) -> Messages:
     """`value` as a list of chat messages, or UserError naming the column's flag."""
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):
-        raise UserError(f"{key_flag}: expected a string or a list of {{'role', 'content'}} messages, "
-                        f"got {type(value).__name__}; fix the data or pass another {key_flag}")
+        raise UserError(
+            f"{key_flag}: expected a string or a list of {{'role', 'content'}} messages, "
+            f"got {type(value).__name__}; fix the data or pass another {key_flag}"
+        )
     # Arrow gives every message the union of the keys seen in the column, filling the missing ones with None;
     # drop those so templates that test `'tool_calls' in message` see the original message.
     return [{k: v for k, v in m.items() if v is not None} for m in value]
@@ -58,8 +62,14 @@ def chat_text(tokenizer, messages: Messages, *, generation_prompt: bool, key_fla
         raise UserError(f"{key_flag}: the chat template rejected a conversation ({err}); fix the data") from err
 
 
-def render_prompt(value: str | Messages, tokenizer, *, apply_chat_template: bool, input_template: str | None,
-                  key_flag: str = "--input_key") -> str:
+def render_prompt(
+    value: str | Messages,
+    tokenizer,
+    *,
+    apply_chat_template: bool,
+    input_template: str | None,
+    key_flag: str = "--input_key",
+) -> str:
     """The prompt text: chat-template rendering with the generation prompt, or the (templated) string."""
     if apply_chat_template:
         return chat_text(tokenizer, _user_or_messages(value, key_flag), generation_prompt=True, key_flag=key_flag)
@@ -73,9 +83,16 @@ def render_prompt(value: str | Messages, tokenizer, *, apply_chat_template: bool
     return input_template.replace("{}", value, 1)
 
 
-def render_response(prompt: str | Messages, response: str | Messages, tokenizer, *, apply_chat_template: bool,
-                    input_template: str | None, prompt_flag: str = "--input_key",
-                    response_flag: str = "--output_key") -> str:
+def render_response(
+    prompt: str | Messages,
+    response: str | Messages,
+    tokenizer,
+    *,
+    apply_chat_template: bool,
+    input_template: str | None,
+    prompt_flag: str = "--input_key",
+    response_flag: str = "--output_key",
+) -> str:
     """The text that follows `render_prompt(prompt)` for this response, ending with the EOS token.
 
     `response` is the assistant's text, or (with the chat template) a list of messages that follow the prompt.
@@ -92,7 +109,7 @@ def render_response(prompt: str | Messages, response: str | Messages, tokenizer,
     prompt_text = chat_text(tokenizer, prompt_msgs, generation_prompt=True, key_flag=prompt_flag)
     full_text = chat_text(tokenizer, prompt_msgs + reply, generation_prompt=False, key_flag=response_flag)
     if full_text.startswith(prompt_text):
-        return end_with_eos(full_text[len(prompt_text):].rstrip(), tokenizer)
+        return end_with_eos(full_text[len(prompt_text) :].rstrip(), tokenizer)
     # A template that renders the prompt differently once a reply follows it: the prompt rendering with the
     # generation prompt is what the model is given at inference, so keep it and append the bare reply.
     logger.debug("chat template: prompt rendering is not a prefix of the full rendering; using the bare reply")

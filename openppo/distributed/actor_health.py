@@ -10,7 +10,8 @@ naming it, its process and the last lines it logged (read from its Ray log files
 from __future__ import annotations
 
 import logging
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import ray
 
@@ -33,8 +34,9 @@ def actor_infos(actors: Sequence[Any], timeout_s: float) -> list[dict[str, Any]]
     return ray.get([a.info.remote() for a in actors], timeout=timeout_s)
 
 
-def find_dead(actors: Sequence[Any], infos: Sequence[dict[str, Any]], kind: str,
-              probe_timeout_s: float = PROBE_TIMEOUT_S) -> ActorDiedError | None:
+def find_dead(
+    actors: Sequence[Any], infos: Sequence[dict[str, Any]], kind: str, probe_timeout_s: float = PROBE_TIMEOUT_S
+) -> ActorDiedError | None:
     """An `ActorDiedError` for the first of `actors` that is dead (asked all at once, bounded), else None.
 
     `kind` names them in the message ("vLLM engine"); `infos` come from `actor_infos`.
@@ -58,4 +60,5 @@ def _died(kind: str, index: int, info: dict[str, Any], error: Exception) -> Acto
     return ActorDiedError(
         f"{kind} {index} (actor {info.get('actor_id')}, pid {info.get('pid')} on {info.get('node_ip')}) died; "
         f"the run was stopped. Ray says: {cause}\n{tail}\n"
-        f"Checkpoints already committed in --ckpt_path are intact: resume with --load_checkpoint.")
+        f"Checkpoints already committed in --ckpt_path are intact: resume with --load_checkpoint."
+    )

@@ -38,9 +38,14 @@ def actor_location() -> dict:
     """Where the calling Ray actor runs (pid, node_ip, node_id, actor_id, log_files, gpu_ids): what an error about it
     names, and what the weight sync reads to tell which processes share a GPU."""
     ctx = ray.get_runtime_context()
-    return {"pid": os.getpid(), "node_ip": ray.util.get_node_ip_address(), "node_id": ctx.get_node_id(),
-            "actor_id": ctx.get_actor_id(), "log_files": std_log_files(),
-            "gpu_ids": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]}
+    return {
+        "pid": os.getpid(),
+        "node_ip": ray.util.get_node_ip_address(),
+        "node_id": ctx.get_node_id(),
+        "actor_id": ctx.get_actor_id(),
+        "log_files": std_log_files(),
+        "gpu_ids": [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])],
+    }
 
 
 def tail_file(path: str, n: int) -> list[str]:

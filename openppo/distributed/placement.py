@@ -65,8 +65,15 @@ def describe_resources(resources: dict[str, float]) -> str:
     return ", ".join(f"{k}={resources.get(k, 0):g}" for k in keys) or "nothing"
 
 
-def make_placement_group(num_bundles: int, *, cpus_per_bundle: float = 1.0, gpus_per_bundle: float = 0.0,
-                         strategy: str = "PACK", timeout_s: float = 60.0, name: str = "") -> PlacementGroup:
+def make_placement_group(
+    num_bundles: int,
+    *,
+    cpus_per_bundle: float = 1.0,
+    gpus_per_bundle: float = 0.0,
+    strategy: str = "PACK",
+    timeout_s: float = 60.0,
+    name: str = "",
+) -> PlacementGroup:
     """Reserve `num_bundles` bundles of `{CPU: cpus_per_bundle, GPU: gpus_per_bundle}` and wait until they are.
 
     Raises `PlacementError` after `timeout_s` seconds, naming the request and what the cluster has free, and
@@ -88,8 +95,13 @@ def make_placement_group(num_bundles: int, *, cpus_per_bundle: float = 1.0, gpus
             f"({describe_resources(wanted)} in all, strategy {strategy}) could not be placed within {timeout_s:g} s; "
             f"the cluster has {describe_resources(ray.cluster_resources())} in all and "
             f"{describe_resources(ray.available_resources())} free. Ask for fewer workers or GPUs per worker, "
-            f"colocate groups on one placement group, or add nodes") from None
-    logger.info("placement group %s ready: %d x {%s} (%s)", name or pg.id.hex()[:8], num_bundles,
-                describe_resources(spec), strategy)
+            f"colocate groups on one placement group, or add nodes"
+        ) from None
+    logger.info(
+        "placement group %s ready: %d x {%s} (%s)",
+        name or pg.id.hex()[:8],
+        num_bundles,
+        describe_resources(spec),
+        strategy,
+    )
     return pg
-

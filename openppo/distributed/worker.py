@@ -43,8 +43,9 @@ def _setup_worker_logging(group: str, rank: int) -> _RingHandler:
     from openppo.utils.logging_setup import setup_logging
 
     setup_logging(rank)  # format, quiet libraries; then re-prefix and open the root logger to INFO for the ring
-    formatter = logging.Formatter(f"%(asctime)s [{group} rank{rank}] %(levelname).1s %(name)s: %(message)s",
-                                  datefmt="%H:%M:%S")
+    formatter = logging.Formatter(
+        f"%(asctime)s [{group} rank{rank}] %(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S"
+    )
     root = logging.getLogger()
     for handler in root.handlers:
         handler.setFormatter(formatter)
@@ -88,8 +89,7 @@ class BaseWorker:
 
         if self._log_ring is None:
             self._log_ring = _setup_worker_logging(self.group_name, self.rank)
-        return {"rank": self.rank, **actor_location(),
-                "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
+        return {"rank": self.rank, **actor_location(), "cuda_visible_devices": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def last_log_lines(self, n: int = 20) -> list[str]:
         """The last `n` lines this process logged through `logging` (every level from INFO, on every rank)."""

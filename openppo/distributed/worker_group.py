@@ -22,16 +22,17 @@ import logging
 import math
 import time
 import uuid
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
 import ray
 from ray.util.placement_group import PlacementGroup, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from openppo.distributed.logs import format_log_tail, read_log_tail
-from openppo.errors import RunFailure
 from openppo.distributed.placement import make_placement_group
 from openppo.distributed.worker import GROUP_NAME_ENV, BaseWorker
+from openppo.errors import RunFailure
 
 logger = logging.getLogger(__name__)
 
@@ -58,13 +59,26 @@ class WorkerGroupError(RunFailure):
 class WorkerGroup:
     """`num_workers` Ray actors of `worker_cls` (a `BaseWorker` subclass) forming one distributed world."""
 
-    def __init__(self, worker_cls: type, num_workers: int, *, placement_group: PlacementGroup | None = None,
-                 bundle_offset: int = 0, num_cpus_per_worker: float = 1.0, num_gpus_per_worker: float = 0.0,
-                 env: dict[str, str] | None = None, name: str = "workers", timeout_s: float = 600.0,
-                 init_args: Sequence[Any] = (), init_kwargs: dict[str, Any] | None = None):
+    def __init__(
+        self,
+        worker_cls: type,
+        num_workers: int,
+        *,
+        placement_group: PlacementGroup | None = None,
+        bundle_offset: int = 0,
+        num_cpus_per_worker: float = 1.0,
+        num_gpus_per_worker: float = 0.0,
+        env: dict[str, str] | None = None,
+        name: str = "workers",
+        timeout_s: float = 600.0,
+        init_args: Sequence[Any] = (),
+        init_kwargs: dict[str, Any] | None = None,
+    ):
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)):
-            raise TypeError(f"worker group {name!r}: worker_cls must be a plain subclass of BaseWorker (not a "
-                            f"ray.remote class), got {worker_cls!r}")
+            raise TypeError(
+                f"worker group {name!r}: worker_cls must be a plain subclass of BaseWorker (not a "
+                f"ray.remote class), got {worker_cls!r}"
+            )
         if num_workers < 1:
             raise ValueError(f"worker group {name!r}: num_workers must be >= 1, got {num_workers}")
         if num_cpus_per_worker < 0 or num_gpus_per_worker < 0:
@@ -72,8 +86,10 @@ class WorkerGroup:
         if timeout_s <= 0:
             raise ValueError(f"worker group {name!r}: timeout_s must be > 0, got {timeout_s}")
         if placement_group is not None and not 0 <= bundle_offset <= placement_group.bundle_count - num_workers:
-            raise ValueError(f"worker group {name!r}: {num_workers} workers from bundle {bundle_offset} do not fit "
-                             f"a placement group of {placement_group.bundle_count} bundles")
+            raise ValueError(
+                f"worker group {name!r}: {num_workers} workers from bundle {bundle_offset} do not fit "
+                f"a placement group of {placement_group.bundle_count} bundles"
+            )
         self.name = name
         self.worker_cls = worker_cls
         self.num_workers = num_workers
@@ -90,32 +106,63 @@ class WorkerGroup:
         try:
             if self._owns_placement_group:
                 self.placement_group = make_placement_group(
-                    num_workers, cpus_per_bundle=num_cpus_per_worker, gpus_per_bundle=num_gpus_per_worker,
-                    timeout_s=self.timeout_s, name=f"{name}-pg")
+                    num_workers,
+                    cpus_per_bundle=num_cpus_per_worker,
+                    gpus_per_bundle=num_gpus_per_worker,
+                    timeout_s=self.timeout_s,
+                    name=f"{name}-pg",
+                )
                 bundle_offset = 0
-            self._start(bundle_offset, num_cpus_per_worker, num_gpus_per_worker, dict(env or {}),
-                        tuple(init_args), dict(init_kwargs or {}))
+            self._start(
+                bundle_offset,
+                num_cpus_per_worker,
+                num_gpus_per_worker,
+                dict(env or {}),
+                tuple(init_args),
+                dict(init_kwargs or {}),
+            )
         except BaseException:
             self.shutdown()
             raise
-        logger.info("worker group %s: %d x %s ready in %.1f s (master %s:%s)", name, num_workers,
-                    worker_cls.__name__, time.monotonic() - t0, self.master_addr, self.master_port)
+        logger.info(
+            "worker group %s: %d x %s ready in %.1f s (master %s:%s)",
+            name,
+            num_workers,
+            worker_cls.__name__,
+            time.monotonic() - t0,
+            self.master_addr,
+            self.master_port,
+        )
 
     # --------------------------------------------------------------------------------------- start-up
-    def _start(self, bundle_offset: int, num_cpus: float, num_gpus: float, env: dict[str, str],
-               init_args: tuple, init_kwargs: dict) -> None:
+    def _start(
+        self,
+        bundle_offset: int,
+        num_cpus: float,
+        num_gpus: float,
+        env: dict[str, str],
+        init_args: tuple,
+        init_kwargs: dict,
+    ) -> None:
         remote_cls = ray.remote(self.worker_cls)
         token = uuid.uuid4().hex[:6]  # actor names must be unique in the namespace, also across restarts
         for rank in range(self.num_workers):
             rank_env = {"OMP_NUM_THREADS": str(max(1, math.floor(num_cpus)))}
             rank_env.update({k: str(v) for k, v in env.items()})
-            rank_env.update({"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": "0",
-                             GROUP_NAME_ENV: self.name})
-            strategy = PlacementGroupSchedulingStrategy(self.placement_group,
-                                                        placement_group_bundle_index=bundle_offset + rank)
-            actor = remote_cls.options(num_cpus=num_cpus, num_gpus=num_gpus, scheduling_strategy=strategy,
-                                       runtime_env={"env_vars": rank_env}, name=f"{self.name}-{token}-rank{rank}",
-                                       max_restarts=0).remote(*init_args, **init_kwargs)
+            rank_env.update(
+                {"RANK": str(rank), "WORLD_SIZE": str(self.num_workers), "LOCAL_RANK": "0", GROUP_NAME_ENV: self.name}
+            )
+            strategy = PlacementGroupSchedulingStrategy(
+                self.placement_group, placement_group_bundle_index=bundle_offset + rank
+            )
+            actor = remote_cls.options(
+                num_cpus=num_cpus,
+                num_gpus=num_gpus,
+                scheduling_strategy=strategy,
+                runtime_env={"env_vars": rank_env},
+                name=f"{self.name}-{token}-rank{rank}",
+                max_restarts=0,
+            ).remote(*init_args, **init_kwargs)
             self._actors.append(actor)
         self._infos = self._wait(self._submit("ping"), self.timeout_s, during="start-up")
         rank0 = self._infos[0]
@@ -126,8 +173,11 @@ class WorkerGroup:
             per_node[info["node_id"]] = per_node.get(info["node_id"], 0) + 1
         refs = []
         for rank, actor in enumerate(self._actors):
-            dist_env = {"MASTER_ADDR": self.master_addr, "MASTER_PORT": str(self.master_port),
-                        "LOCAL_WORLD_SIZE": str(per_node[self._infos[rank]["node_id"]])}
+            dist_env = {
+                "MASTER_ADDR": self.master_addr,
+                "MASTER_PORT": str(self.master_port),
+                "LOCAL_WORLD_SIZE": str(per_node[self._infos[rank]["node_id"]]),
+            }
             refs.append(self._track(actor.set_dist_env.remote(dist_env), rank, "set_dist_env"))
         self._wait(refs, self.timeout_s, during="start-up")
 
@@ -157,12 +207,16 @@ class WorkerGroup:
         """Call `method(shards[i], **kwargs)` on rank i; each shard is put in the object store once."""
         method_name = self._name(method)
         if len(shards) != self.num_workers:
-            raise ValueError(f"worker group {self.name!r}: {len(shards)} shards for {self.num_workers} ranks; "
-                             f"give exactly one shard per rank")
+            raise ValueError(
+                f"worker group {self.name!r}: {len(shards)} shards for {self.num_workers} ranks; "
+                f"give exactly one shard per rank"
+            )
         self._check_open(method_name)
         # A top-level ObjectRef argument reaches the method as its value; only rank i fetches shard i.
-        refs = [self._track(getattr(actor, method_name).remote(ray.put(shard), **kwargs), rank, method_name)
-                for rank, (actor, shard) in enumerate(zip(self._actors, shards))]
+        refs = [
+            self._track(getattr(actor, method_name).remote(ray.put(shard), **kwargs), rank, method_name)
+            for rank, (actor, shard) in enumerate(zip(self._actors, shards))
+        ]
         return self.get(refs)
 
     def get(self, refs: Sequence[ray.ObjectRef], timeout_s: float | None = None) -> list:
@@ -189,7 +243,7 @@ class WorkerGroup:
                 logger.debug("worker group %s: removing its placement group failed: %s", self.name, e)
         self._pending.clear()
 
-    def __enter__(self) -> "WorkerGroup":
+    def __enter__(self) -> WorkerGroup:
         return self
 
     def __exit__(self, *exc) -> None:
@@ -206,28 +260,35 @@ class WorkerGroup:
             return method
         name = getattr(method, "__name__", None)
         if name is None or getattr(self.worker_cls, name, None) is not method:
-            raise AttributeError(f"worker group {self.name!r}: {method!r} is not a method of "
-                                 f"{self.worker_cls.__name__}")
+            raise AttributeError(
+                f"worker group {self.name!r}: {method!r} is not a method of {self.worker_cls.__name__}"
+            )
         return name
 
     def _check_open(self, method_name: str) -> None:
         if self._closed:
-            raise RuntimeError(f"worker group {self.name!r} is shut down (after an earlier failure or shutdown()); "
-                               f"cannot run {method_name!r}")
+            raise RuntimeError(
+                f"worker group {self.name!r} is shut down (after an earlier failure or shutdown()); "
+                f"cannot run {method_name!r}"
+            )
         if not callable(getattr(self.worker_cls, method_name, None)):
-            raise AttributeError(f"worker group {self.name!r}: {self.worker_cls.__name__} has no method "
-                                 f"{method_name!r}")
+            raise AttributeError(
+                f"worker group {self.name!r}: {self.worker_cls.__name__} has no method {method_name!r}"
+            )
 
     def _track(self, ref: ray.ObjectRef, rank: int, method_name: str) -> ray.ObjectRef:
         self._pending[ref.hex()] = (rank, method_name)
         return ref
 
-    def _submit(self, method_name: str, *, args: tuple = (), kwargs: dict | None = None,
-                ranks: Sequence[int] | None = None) -> list[ray.ObjectRef]:
+    def _submit(
+        self, method_name: str, *, args: tuple = (), kwargs: dict | None = None, ranks: Sequence[int] | None = None
+    ) -> list[ray.ObjectRef]:
         self._check_open(method_name)
         ranks = range(self.num_workers) if ranks is None else ranks
-        return [self._track(getattr(self._actors[r], method_name).remote(*args, **(kwargs or {})), r, method_name)
-                for r in ranks]
+        return [
+            self._track(getattr(self._actors[r], method_name).remote(*args, **(kwargs or {})), r, method_name)
+            for r in ranks
+        ]
 
     def _wait(self, refs: list[ray.ObjectRef], timeout_s: float, during: str | None) -> list:
         deadline = time.monotonic() + timeout_s
@@ -248,8 +309,9 @@ class WorkerGroup:
             self._pending.pop(ref.hex(), None)
         return [values[ref.hex()] for ref in refs]
 
-    def _root_cause(self, ref: ray.ObjectRef, error: Exception,
-                    pending: list[ray.ObjectRef]) -> tuple[ray.ObjectRef, Exception, str]:
+    def _root_cause(
+        self, ref: ray.ObjectRef, error: Exception, pending: list[ray.ObjectRef]
+    ) -> tuple[ray.ObjectRef, Exception, str]:
         """Prefer a rank that died over one that raised: when a rank dies inside a collective its peers fail
         too (gloo: "Connection reset by peer"), and either report can reach the driver first.
 
@@ -272,8 +334,7 @@ class WorkerGroup:
     def _describe_actor(self, rank: int) -> str:
         info = self._infos[rank] if 0 <= rank < len(self._infos) else None
         if info:
-            return (f"{self.worker_cls.__name__} actor {info['actor_id']} (pid {info['pid']} on "
-                    f"{info['node_ip']})")
+            return f"{self.worker_cls.__name__} actor {info['actor_id']} (pid {info['pid']} on {info['node_ip']})"
         if 0 <= rank < len(self._actors):
             return f"{self.worker_cls.__name__} actor {self._actors[rank]._actor_id.hex()} (not started)"
         return f"{self.worker_cls.__name__} actor (unknown)"
@@ -302,8 +363,10 @@ class WorkerGroup:
         died = isinstance(error, ray.exceptions.RayActorError)
         what = "died" if died else "raised"
         where = f" during {during}" if during else ""
-        headline = (f"worker group {self.name!r} rank {rank} ({self._describe_actor(rank)}) {what} in "
-                    f"{method!r}{where}" + (f" {note}" if note else ""))
+        headline = (
+            f"worker group {self.name!r} rank {rank} ({self._describe_actor(rank)}) {what} in "
+            f"{method!r}{where}" + (f" {note}" if note else "")
+        )
         self._raise(headline, error, rank, idle=not died)
 
     def _fail_timeout(self, pending_hex: list[str], timeout_s: float, during: str | None) -> None:
@@ -311,10 +374,12 @@ class WorkerGroup:
         method = self._pending.get(pending_hex[0], (-1, "?"))[1]
         rank = ranks[0]
         where = f" during {during}" if during else ""
-        headline = (f"worker group {self.name!r} rank {rank} ({self._describe_actor(rank)}) did not finish "
-                    f"{method!r}{where} within {timeout_s:g} s (ranks still running: "
-                    f"{', '.join(map(str, ranks))}); a rank that never returns is usually blocked in a collective "
-                    f"that another rank did not join, or was never scheduled (not enough free resources)")
+        headline = (
+            f"worker group {self.name!r} rank {rank} ({self._describe_actor(rank)}) did not finish "
+            f"{method!r}{where} within {timeout_s:g} s (ranks still running: "
+            f"{', '.join(map(str, ranks))}); a rank that never returns is usually blocked in a collective "
+            f"that another rank did not join, or was never scheduled (not enough free resources)"
+        )
         self._raise(headline, None, rank, idle=False)
 
     def _raise(self, headline: str, error: Exception | None, rank: int, idle: bool) -> None:

@@ -48,29 +48,56 @@ class Actor(nn.Module):
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(base.forward).parameters
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: torch.dtype, flag: str = "--pretrain",
-                        attn_implementation: str = "sdpa", lora_rank: int = 0, lora_alpha: int = 16,
-                        lora_dropout: float = 0.0, target_modules: list[str] | None = None,
-                        gradient_checkpointing: bool = False) -> "Actor":
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype,
+        flag: str = "--pretrain",
+        attn_implementation: str = "sdpa",
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        target_modules: list[str] | None = None,
+        gradient_checkpointing: bool = False,
+    ) -> Actor:
         from transformers import AutoModelForCausalLM
 
         path = resolve_model_path(path, flag)
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation=attn_implementation,
-                                                     trust_remote_code=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True
+        )
         model.config.use_cache = False
         enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
-        return cls(finish_model(model, task_type="CAUSAL_LM", lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                lora_dropout=lora_dropout, target_modules=target_modules,
-                                gradient_checkpointing=gradient_checkpointing))
+        return cls(
+            finish_model(
+                model,
+                task_type="CAUSAL_LM",
+                lora_rank=lora_rank,
+                lora_alpha=lora_alpha,
+                lora_dropout=lora_dropout,
+                target_modules=target_modules,
+                gradient_checkpointing=gradient_checkpointing,
+            )
+        )
 
     @property
     def config(self):
         return self.model.config
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, *, temperature: float = 1.0,
-                return_entropy: bool | str = False, return_logits: bool = False, pack: bool = False,
-                score_mask: torch.Tensor | None = None, sampling: SamplingFilter | None = None) -> ActorOutput:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        temperature: float = 1.0,
+        return_entropy: bool | str = False,
+        return_logits: bool = False,
+        pack: bool = False,
+        score_mask: torch.Tensor | None = None,
+        sampling: SamplingFilter | None = None,
+    ) -> ActorOutput:
         """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
         (logging only: no graph is kept through the full-vocabulary softmax).
 
@@ -94,8 +121,9 @@ class Actor(nn.Module):
         if score_mask is not None and ring is None and not return_logits and self._takes_logits_to_keep:
             keep = scored_positions(score_mask, packed.token_mask if packed is not None else None)
         extra = {} if keep is None else {"logits_to_keep": keep}
-        out = self.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False, **extra)
+        out = self.model(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+        )
         # Position t scores token t + 1. Every position is scored, the last one against a wrapped-around label, and
         # its value dropped afterwards: slicing the [B, T, V] logits instead would make autograd build a zero-filled
         # full-vocabulary gradient for the slice. With a ring, this rank's chunk scores its own tokens' successors
@@ -112,8 +140,11 @@ class Actor(nn.Module):
             log_probs = log_probs_from_logits(logits, labels, temperature)
             if return_entropy:
                 entropy = entropy_from_logits(logits, temperature)
-        behaviour = sampling_log_probs(logits, labels, temperature, sampling) \
-            if sampling is not None and sampling.active else None
+        behaviour = (
+            sampling_log_probs(logits, labels, temperature, sampling)
+            if sampling is not None and sampling.active
+            else None
+        )
 
         def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
             """Row values of the scored positions -> [B, T-1] on the caller's (padded) grid."""
@@ -129,8 +160,12 @@ class Actor(nn.Module):
         full_logits = out.logits if return_logits else None
         if packed is not None and full_logits is not None:
             full_logits = unpack_rows(full_logits, packed.token_mask)
-        return ActorOutput(log_probs=per_token(log_probs), entropy=per_token(entropy), logits=full_logits,
-                           sampling_log_probs=per_token(behaviour))
+        return ActorOutput(
+            log_probs=per_token(log_probs),
+            entropy=per_token(entropy),
+            logits=full_logits,
+            sampling_log_probs=per_token(behaviour),
+        )
 
 
 def scored_positions(score_mask: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:

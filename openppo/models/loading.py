@@ -19,8 +19,10 @@ _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 def resolve_model_path(path: str | None, flag: str) -> str:
     """Check that `path` is a model folder (or a hub id where a hub is reachable) and return it."""
     if not path:
-        raise UserError(f"{flag} is required: pass a local HF model folder "
-                        f"(e.g. python -m openppo.cli.models smollm2 --out models/smollm2)")
+        raise UserError(
+            f"{flag} is required: pass a local HF model folder "
+            f"(e.g. python -m openppo.cli.models smollm2 --out models/smollm2)"
+        )
     p = Path(path).expanduser()
     if p.is_dir():
         if not (p / "config.json").is_file():
@@ -29,8 +31,10 @@ def resolve_model_path(path: str | None, flag: str) -> str:
     offline = os.environ.get("HF_HUB_OFFLINE") == "1" or os.environ.get("TRANSFORMERS_OFFLINE") == "1"
     if _HUB_ID.match(path) and not path.startswith((".", "/", "~")) and not offline:
         return path
-    raise UserError(f"{flag}: model folder {path} not found; pass a local HF model folder "
-                    f"(python -m openppo.cli.models smollm2|tiny --out DIR makes one)")
+    raise UserError(
+        f"{flag}: model folder {path} not found; pass a local HF model folder "
+        f"(python -m openppo.cli.models smollm2|tiny --out DIR makes one)"
+    )
 
 
 def load_tokenizer(path: str, padding_side: str = "right"):
@@ -52,19 +56,39 @@ def apply_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: 
     """Wrap `model` with PEFT LoRA adapters; only the adapters (and a score head) stay trainable."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(r=rank, lora_alpha=alpha, lora_dropout=dropout,
-                        target_modules=target_modules or "all-linear", task_type=task_type, bias="none")
+    config = LoraConfig(
+        r=rank,
+        lora_alpha=alpha,
+        lora_dropout=dropout,
+        target_modules=target_modules or "all-linear",
+        task_type=task_type,
+        bias="none",
+    )
     model = get_peft_model(model, config)
     # peft keeps the adapters in the base dtype; fp32 adapters train more stably and are cast at sync/merge.
     return model
 
 
-def finish_model(model, *, task_type: str, lora_rank: int, lora_alpha: int, lora_dropout: float,
-                 target_modules: list[str] | None, gradient_checkpointing: bool):
+def finish_model(
+    model,
+    *,
+    task_type: str,
+    lora_rank: int,
+    lora_alpha: int,
+    lora_dropout: float,
+    target_modules: list[str] | None,
+    gradient_checkpointing: bool,
+):
     """Optional LoRA adapters and activation checkpointing, in that order (checkpointing must see the adapters)."""
     if lora_rank > 0:
-        model = apply_lora(model, rank=lora_rank, alpha=lora_alpha, dropout=lora_dropout,
-                           target_modules=target_modules, task_type=task_type)
+        model = apply_lora(
+            model,
+            rank=lora_rank,
+            alpha=lora_alpha,
+            dropout=lora_dropout,
+            target_modules=target_modules,
+            task_type=task_type,
+        )
     if gradient_checkpointing:
         enable_gradient_checkpointing(model)
     return model

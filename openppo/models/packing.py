@@ -33,8 +33,9 @@ def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
     return Packed(sequences[mask].unsqueeze(0), positions[mask].unsqueeze(0), mask)
 
 
-def prepare_inputs(input_ids: torch.Tensor, attention_mask: torch.Tensor | None,
-                   position_ids: torch.Tensor | None, pack: bool):
+def prepare_inputs(
+    input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None, pack: bool
+):
     """A model's (input_ids, attention_mask, position_ids, Packed or None) for a padded batch, packed when `pack`.
 
     Also announces a packed row (no mask) to the varlen attention, which splits it by sequence.
@@ -78,7 +79,7 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         if value.dim() >= 2 and value.size(1) == width:
             out[key] = value[:, :keep]
         elif value.dim() >= 2 and value.size(1) == width - 1:
-            out[key] = value[:, :keep - 1]
+            out[key] = value[:, : keep - 1]
         else:
             out[key] = value
     return out

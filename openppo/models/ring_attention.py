@@ -48,8 +48,9 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Iterator, NamedTuple
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -105,8 +106,9 @@ def packed_sequence_ids(position_ids: torch.Tensor) -> torch.Tensor:
 
 
 @contextlib.contextmanager
-def ring_context(position_ids: torch.Tensor, group: dist.ProcessGroup | None,
-                 head_stride: int = 0) -> Iterator[RingContext]:
+def ring_context(
+    position_ids: torch.Tensor, group: dist.ProcessGroup | None, head_stride: int = 0
+) -> Iterator[RingContext]:
     """Make the attention layers run sharded over `group` for the forwards (and backwards) inside the block.
 
     `position_ids`: [1, N] of the FULL packed row, unpadded, identical on every rank of the group (the same tensor
@@ -153,20 +155,24 @@ def ring_chunk(tensor: torch.Tensor, ring_rank: int, ring_size: int, pad_value: 
         tail = tensor.new_full((tensor.shape[0], pad, *tensor.shape[2:]), pad_value)
         tensor = torch.cat([tensor, tail], dim=1)
     chunk = tensor.shape[1] // ring_size
-    return tensor[:, ring_rank * chunk:(ring_rank + 1) * chunk]
+    return tensor[:, ring_rank * chunk : (ring_rank + 1) * chunk]
 
 
-def split_for_ring(input_ids: torch.Tensor, position_ids: torch.Tensor, ring_rank: int, ring_size: int,
-                   pad_token_id: int = 0) -> RingShard:
+def split_for_ring(
+    input_ids: torch.Tensor, position_ids: torch.Tensor, ring_rank: int, ring_size: int, pad_token_id: int = 0
+) -> RingShard:
     """This rank's chunk of a packed row [1, N]; the pad tail gets positions 0, 1, ... (its own sequence)."""
     if input_ids.shape[0] != 1 or input_ids.shape != position_ids.shape:
-        raise ValueError(f"ring attention takes one packed row [1, N]; got input_ids {tuple(input_ids.shape)}, "
-                         f"position_ids {tuple(position_ids.shape)}")
+        raise ValueError(
+            f"ring attention takes one packed row [1, N]; got input_ids {tuple(input_ids.shape)}, "
+            f"position_ids {tuple(position_ids.shape)}"
+        )
     pad = (-input_ids.shape[1]) % ring_size
     pad_pos = torch.arange(pad, device=position_ids.device, dtype=position_ids.dtype).unsqueeze(0)
     positions = torch.cat([position_ids, pad_pos], dim=1)
-    return RingShard(ring_chunk(input_ids, ring_rank, ring_size, pad_token_id),
-                     ring_chunk(positions, ring_rank, ring_size), pad)
+    return RingShard(
+        ring_chunk(input_ids, ring_rank, ring_size, pad_token_id), ring_chunk(positions, ring_rank, ring_size), pad
+    )
 
 
 class _GatherFromRing(torch.autograd.Function):
@@ -189,11 +195,15 @@ class _GatherFromRing(torch.autograd.Function):
         return grad.narrow(1, ctx.rank * ctx.chunk, ctx.chunk).contiguous(), None, None, None
 
 
-def gather_from_ring(local: torch.Tensor, group: dist.ProcessGroup | None,
-                     num_tokens: int | None = None) -> torch.Tensor:
+def gather_from_ring(
+    local: torch.Tensor, group: dist.ProcessGroup | None, num_tokens: int | None = None
+) -> torch.Tensor:
     """[1, C, ...] per-token values of each rank -> [1, N_pad, ...] on every rank (first `num_tokens` if given)."""
-    full = local if group is None else _GatherFromRing.apply(local, group, dist.get_world_size(group),
-                                                              dist.get_rank(group))
+    full = (
+        local
+        if group is None
+        else _GatherFromRing.apply(local, group, dist.get_world_size(group), dist.get_rank(group))
+    )
     return full if num_tokens is None else full[:, :num_tokens]
 
 
@@ -239,8 +249,9 @@ def _scores(q: torch.Tensor, k: torch.Tensor, mask: torch.Tensor, scale: float) 
     return s.masked_fill(~mask, float("-inf"))
 
 
-def _forward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext,
-                   scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+def _forward_heads(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext, scale: float
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One head group. q [h, g, C, D]; k, v [h, C, D]. Returns out [h, g, C, Dv] (fp32) and lse [h, g, C]."""
     q32 = q.float()
     out = q32.new_zeros((*q.shape[:-1], v.shape[-1]))
@@ -263,9 +274,16 @@ def _forward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: Ring
     return out, lse
 
 
-def _backward_heads(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out: torch.Tensor, lse: torch.Tensor,
-                    dout: torch.Tensor, ring: RingContext,
-                    scale: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _backward_heads(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    out: torch.Tensor,
+    lse: torch.Tensor,
+    dout: torch.Tensor,
+    ring: RingContext,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """One head group, flash-attention style backward; shapes as in `_forward_heads`. Returns dq, dk, dv (fp32).
 
     dK/dV of chunk `src` ride with its K/V: at each step a rank adds its part to the accumulator received from
@@ -312,15 +330,17 @@ class _RingAttention(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext,
-                scale: float) -> torch.Tensor:
+    def forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext, scale: float
+    ) -> torch.Tensor:
         # Autocast would run the matmuls below in bf16 despite the explicit .float(): turn it off in here.
         with torch.autocast(q.device.type, enabled=False):
             return _RingAttention._forward(ctx, q, k, v, ring, scale)
 
     @staticmethod
-    def _forward(ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext,
-                 scale: float) -> torch.Tensor:
+    def _forward(
+        ctx, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, ring: RingContext, scale: float
+    ) -> torch.Tensor:
         num_kv = k.shape[0]
         stride = ring.head_stride or num_kv
         q4 = q.unflatten(0, (num_kv, -1))
@@ -348,8 +368,9 @@ class _RingAttention(torch.autograd.Function):
         dq, dk, dv = torch.empty_like(q4), torch.empty_like(k), torch.empty_like(v)
         for h in range(0, num_kv, ctx.stride):
             heads = slice(h, h + ctx.stride)
-            grads = _backward_heads(q4[heads], k[heads], v[heads], out4[heads], lse[heads], dout4[heads],
-                                    ctx.ring, ctx.scale)
+            grads = _backward_heads(
+                q4[heads], k[heads], v[heads], out4[heads], lse[heads], dout4[heads], ctx.ring, ctx.scale
+            )
             dq[heads], dk[heads], dv[heads] = (g.to(dq.dtype) for g in grads)
         return dq.flatten(0, 1), dk, dv, None, None
 
@@ -364,15 +385,27 @@ except (ImportError, OSError):  # flash-attn missing, or built for another CUDA/
     llama3_flash_attn_varlen_func = None
 
 
-def _flash_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ring: RingContext,
-                scale: float) -> torch.Tensor:
+def _flash_ring(
+    query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, ring: RingContext, scale: float
+) -> torch.Tensor:
     """[1, H, C, D] inputs -> [1, C, H, D] output, via ring_flash_attn (varlen layout [C, H, D])."""
     cu_q, cu_k, max_q, max_k, k_slice = llama3_flash_attn_prepare_cu_seqlens(
-        ring.cu_seqlens.to(query.device), True, ring.rank, ring.size)
+        ring.cu_seqlens.to(query.device), True, ring.rank, ring.size
+    )
     out = llama3_flash_attn_varlen_func(
-        query[0].transpose(0, 1), key[0].transpose(0, 1), value[0].transpose(0, 1), cu_q, cu_k, max_q, max_k,
-        heads_k_stride=ring.head_stride or key.shape[1], local_k_slice=k_slice, softmax_scale=scale, causal=True,
-        group=ring.group)
+        query[0].transpose(0, 1),
+        key[0].transpose(0, 1),
+        value[0].transpose(0, 1),
+        cu_q,
+        cu_k,
+        max_q,
+        max_k,
+        heads_k_stride=ring.head_stride or key.shape[1],
+        local_k_slice=k_slice,
+        softmax_scale=scale,
+        causal=True,
+        group=ring.group,
+    )
     return out.unsqueeze(0)
 
 
@@ -380,9 +413,17 @@ def _flash_ring(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, rin
 # transformers 5 attention interface
 
 
-def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                           attention_mask: torch.Tensor | None, scaling: float | None = None, dropout: float = 0.0,
-                           sliding_window: int | None = None, **kwargs) -> tuple[torch.Tensor, None]:
+def ring_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float | None = None,
+    dropout: float = 0.0,
+    sliding_window: int | None = None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' attention-function signature: query [B, H, S, D], key/value [B, Hkv, S, D] -> [B, S, H, D].
 
     Without an active `ring_context` this is transformers' sdpa (with the mask our mask function let transformers
@@ -390,23 +431,39 @@ def ring_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: to
     """
     ring = _ACTIVE
     if ring is None:
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-                                      sliding_window=sliding_window, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            sliding_window=sliding_window,
+            **kwargs,
+        )
     if attention_mask is not None or query.shape[0] != 1:
-        raise ValueError("ring attention runs one packed row [1, C] per rank with attention_mask=None "
-                         f"(got batch {query.shape[0]}, mask {'set' if attention_mask is not None else 'None'})")
+        raise ValueError(
+            "ring attention runs one packed row [1, C] per rank with attention_mask=None "
+            f"(got batch {query.shape[0]}, mask {'set' if attention_mask is not None else 'None'})"
+        )
     if query.shape[2] != ring.local_len:
-        raise ValueError(f"ring attention: this rank's chunk has {ring.local_len} tokens but the layer got "
-                         f"{query.shape[2]}; feed the chunk from split_for_ring(...) of the row given to ring_context")
+        raise ValueError(
+            f"ring attention: this rank's chunk has {ring.local_len} tokens but the layer got "
+            f"{query.shape[2]}; feed the chunk from split_for_ring(...) of the row given to ring_context"
+        )
     if dropout or sliding_window is not None or kwargs.get("softcap") or not getattr(module, "is_causal", True):
-        raise NotImplementedError("ring attention supports causal attention without dropout, sliding window or "
-                                  "softcap")
+        raise NotImplementedError("ring attention supports causal attention without dropout, sliding window or softcap")
     num_kv = key.shape[1]
     if ring.head_stride and num_kv % ring.head_stride:
         raise UserError(f"--ring_head_stride {ring.head_stride} must divide the number of KV heads ({num_kv})")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    if (llama3_flash_attn_varlen_func is not None and query.is_cuda and ring.size > 1
-            and query.dtype in (torch.float16, torch.bfloat16)):
+    if (
+        llama3_flash_attn_varlen_func is not None
+        and query.is_cuda
+        and ring.size > 1
+        and query.dtype in (torch.float16, torch.bfloat16)
+    ):
         return _flash_ring(query, key, value, ring, scale), None
     out = _RingAttention.apply(query[0], key[0], value[0], ring, scale)
     return out.transpose(0, 1).unsqueeze(0), None
@@ -432,5 +489,7 @@ def enable_ring_attention(model: torch.nn.Module) -> None:
     base = model.get_base_model() if hasattr(model, "get_base_model") else model
     base.set_attn_implementation(ATTN_IMPLEMENTATION)
     if base.config._attn_implementation != ATTN_IMPLEMENTATION:
-        raise ValueError(f"{type(base).__name__} does not dispatch attention through transformers' "
-                         "AttentionInterface; it cannot use ring attention")
+        raise ValueError(
+            f"{type(base).__name__} does not dispatch attention through transformers' "
+            "AttentionInterface; it cannot use ring attention"
+        )

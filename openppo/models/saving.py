@@ -17,11 +17,16 @@ def _inner(module: nn.Module) -> nn.Module:
 
 
 def _strip_prefix(state: dict[str, torch.Tensor], prefix: str) -> dict[str, torch.Tensor]:
-    return {k[len(prefix):]: v for k, v in state.items() if k.startswith(prefix)}
+    return {k[len(prefix) :]: v for k, v in state.items() if k.startswith(prefix)}
 
 
-def save_hf_folder(module: nn.Module, state: dict[str, torch.Tensor] | None, tokenizer, out_dir: str | Path,
-                   extra_config: dict[str, Any] | None = None) -> None:
+def save_hf_folder(
+    module: nn.Module,
+    state: dict[str, torch.Tensor] | None,
+    tokenizer,
+    out_dir: str | Path,
+    extra_config: dict[str, Any] | None = None,
+) -> None:
     """Save `module` (an Actor/ScalarModel wrapper or a bare HF model) to `out_dir`.
 
     `state` is the wrapper's full state dict (gathered from ZeRO-3 shards) or None to read it from the module.

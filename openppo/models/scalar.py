@@ -35,10 +35,19 @@ class ScalarModel(nn.Module):
         self.model = model
 
     @classmethod
-    def from_pretrained(cls, path: str, *, dtype: torch.dtype, flag: str, attn_implementation: str = "sdpa",
-                        lora_rank: int = 0, lora_alpha: int = 16, lora_dropout: float = 0.0,
-                        target_modules: list[str] | None = None,
-                        gradient_checkpointing: bool = False) -> "ScalarModel":
+    def from_pretrained(
+        cls,
+        path: str,
+        *,
+        dtype: torch.dtype,
+        flag: str,
+        attn_implementation: str = "sdpa",
+        lora_rank: int = 0,
+        lora_alpha: int = 16,
+        lora_dropout: float = 0.0,
+        target_modules: list[str] | None = None,
+        gradient_checkpointing: bool = False,
+    ) -> ScalarModel:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
         path = resolve_model_path(path, flag)
@@ -49,11 +58,20 @@ class ScalarModel(nn.Module):
             # HF's classification forward needs one; ours never uses it.
             config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True)
+            path, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True
+        )
         enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
-        return cls(finish_model(model, task_type="SEQ_CLS", lora_rank=lora_rank, lora_alpha=lora_alpha,
-                                lora_dropout=lora_dropout, target_modules=target_modules,
-                                gradient_checkpointing=gradient_checkpointing))
+        return cls(
+            finish_model(
+                model,
+                task_type="SEQ_CLS",
+                lora_rank=lora_rank,
+                lora_alpha=lora_alpha,
+                lora_dropout=lora_dropout,
+                target_modules=target_modules,
+                gradient_checkpointing=gradient_checkpointing,
+            )
+        )
 
     @property
     def hf_model(self) -> nn.Module:
@@ -68,9 +86,15 @@ class ScalarModel(nn.Module):
     def normalization(self) -> tuple[float, float]:
         return float(getattr(self.config, "value_mean", 0.0)), float(getattr(self.config, "value_std", 1.0))
 
-    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None = None,
-                position_ids: torch.Tensor | None = None, *, normalize: bool = False,
-                pack: bool = False) -> torch.Tensor:
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None = None,
+        position_ids: torch.Tensor | None = None,
+        *,
+        normalize: bool = False,
+        pack: bool = False,
+    ) -> torch.Tensor:
         """Per-token scalars [B, T] (fp32). `pack=True`: a right-padded batch run as one packed row, same output."""
         input_ids, attention_mask, position_ids, packed = prepare_inputs(input_ids, attention_mask, position_ids, pack)
         hf = self.hf_model
@@ -79,8 +103,9 @@ class ScalarModel(nn.Module):
         if ring is not None:
             num_tokens = input_ids.size(1)
             input_ids, position_ids, _ = ring.shard(input_ids, position_ids)
-        hidden = backbone(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                          use_cache=False).last_hidden_state
+        hidden = backbone(
+            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+        ).last_hidden_state
         values = hf.score(hidden).squeeze(-1).float()
         if ring is not None:
             values = ring.gather(values, num_tokens)
@@ -91,8 +116,9 @@ class ScalarModel(nn.Module):
             values = (values - mean) / std
         return values
 
-    def score_last(self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *,
-                   normalize: bool = False) -> torch.Tensor:
+    def score_last(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor, *, normalize: bool = False
+    ) -> torch.Tensor:
         """Reward-model score of each right-padded sequence, read at its last real token: [B]."""
         values = self.forward(input_ids, attention_mask, normalize=normalize)
         return values.gather(1, last_token_index(attention_mask).unsqueeze(1)).squeeze(1)

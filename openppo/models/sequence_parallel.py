@@ -13,8 +13,13 @@ import contextlib
 import torch
 import torch.distributed as dist
 
-from openppo.models.ring_attention import (enable_ring_attention, gather_from_ring, ring_chunk, ring_context,
-                                           split_for_ring)
+from openppo.models.ring_attention import (
+    enable_ring_attention,
+    gather_from_ring,
+    ring_chunk,
+    ring_context,
+    split_for_ring,
+)
 
 
 class SequenceParallel:
@@ -23,8 +28,9 @@ class SequenceParallel:
         self._active = contextlib.ExitStack()
         self.tokens = [0, 0]  # (this rank's chunk, whole rows) tokens so far: the share a rank really computes
 
-    def shard(self, input_ids: torch.Tensor, position_ids: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor,
-                                                                                   torch.Tensor]:
+    def shard(
+        self, input_ids: torch.Tensor, position_ids: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """This rank's (input_ids, position_ids, labels) chunk of the packed row [1, N]; activates the ring."""
         self._active.close()
         self._active.enter_context(ring_context(position_ids, self.group, self.head_stride))
@@ -45,8 +51,9 @@ class SequenceParallel:
         return gather_from_ring(local, self.group, num_tokens=num_tokens)
 
 
-def setup_sequence_parallel(model: torch.nn.Module, hf_model: torch.nn.Module, ring_size: int,
-                            head_stride: int) -> None:
+def setup_sequence_parallel(
+    model: torch.nn.Module, hf_model: torch.nn.Module, ring_size: int, head_stride: int
+) -> None:
     """Split the ranks of the default group into consecutive ring groups of `ring_size` and attach this rank's to
     `model` (as `model.sequence_parallel`). Every rank must call it: creating groups is collective."""
     world, rank = dist.get_world_size(), dist.get_rank()

@@ -73,22 +73,36 @@ def _to_padded(x: torch.Tensor, index: torch.Tensor, num_seqs: int) -> torch.Ten
     return x[0].index_select(1, index).view(heads, num_seqs, -1, dim).transpose(0, 1)
 
 
-def _sdpa(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-          attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+def _sdpa(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """transformers' sdpa, run in fp32 for half-precision inputs on CPU up to `CPU_FP32_ATTENTION_MAX_LEN` tokens."""
     dtype = query.dtype
-    if query.device.type != "cpu" or dtype not in (torch.bfloat16, torch.float16) or \
-            query.shape[2] > CPU_FP32_ATTENTION_MAX_LEN:
+    if (
+        query.device.type != "cpu"
+        or dtype not in (torch.bfloat16, torch.float16)
+        or query.shape[2] > CPU_FP32_ATTENTION_MAX_LEN
+    ):
         return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
     if attention_mask is not None and attention_mask.is_floating_point():
         attention_mask = attention_mask.float()
-    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask,
-                                          **kwargs)
+    out, weights = sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
     return out.to(dtype), weights
 
 
-def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                             attention_mask: torch.Tensor | None, **kwargs) -> tuple[torch.Tensor, None]:
+def varlen_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    **kwargs,
+) -> tuple[torch.Tensor, None]:
     """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D] (transformers' attention-function contract)."""
     bounds, padded = _BOUNDS, _PADDED
     if bounds is None or attention_mask is not None or query.shape[0] != 1 or query.shape[2] != bounds[-1][1]:
@@ -99,11 +113,16 @@ def varlen_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
         # SmolLM2 update on CPU from 27.3 to 24.9 s (docs/benchmarks.md).
         index, real = padded
         num = len(bounds)
-        out = _sdpa(module, _to_padded(query, index, num), _to_padded(key, index, num),
-                    _to_padded(value, index, num), None, **kwargs)[0]  # [B, Lmax, H, D]
+        out = _sdpa(
+            module,
+            _to_padded(query, index, num),
+            _to_padded(key, index, num),
+            _to_padded(value, index, num),
+            None,
+            **kwargs,
+        )[0]  # [B, Lmax, H, D]
         return out.reshape(-1, *out.shape[2:]).index_select(0, real).unsqueeze(0), None
-    parts = [_sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0]
-             for s, e in bounds]
+    parts = [_sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0] for s, e in bounds]
     return torch.cat(parts, dim=1), None
 
 

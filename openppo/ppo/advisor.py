@@ -65,8 +65,11 @@ def _generation(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
     if not r.async_train and not res.colocate_all_models:
         flags.append("--async_train (generate the next batch while this one trains)")
     what = "waiting for generation" if r.async_train else "generation"
-    return Advice("generation-bound", _fmt(what, seconds, share, means["timing/step"]),
-                  flags or ["more engines: generation has the devices to itself already"])
+    return Advice(
+        "generation-bound",
+        _fmt(what, seconds, share, means["timing/step"]),
+        flags or ["more engines: generation has the devices to itself already"],
+    )
 
 
 def _reward(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
@@ -80,8 +83,11 @@ def _reward(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
         flags.append("more reward servers in --remote_rm_url (a comma list is load-balanced)")
     if cfg.model.reward_pretrain:
         flags.append("--reward_num_gpus_per_node (more reward-model ranks)")
-    return Advice("reward-bound", _fmt("reward scoring", seconds, share, means["timing/step"]),
-                  flags or ["a faster reward function"])
+    return Advice(
+        "reward-bound",
+        _fmt("reward scoring", seconds, share, means["timing/step"]),
+        flags or ["a faster reward function"],
+    )
 
 
 def _padding(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
@@ -104,12 +110,17 @@ def _training(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
     if not cfg.rollout.packing_samples:
         flags.append("--packing_samples")
     if not cfg.rollout.use_dynamic_batch:
-        flags.append(f"--use_dynamic_batch (micro-batches of --micro_train_batch_size "
-                     f"{cfg.train.micro_train_batch_size} rows become token-filled ones)")
+        flags.append(
+            f"--use_dynamic_batch (micro-batches of --micro_train_batch_size "
+            f"{cfg.train.micro_train_batch_size} rows become token-filled ones)"
+        )
     if cfg.model.gradient_checkpointing and means.get("perf/actor_gpu_peak_gib", 0.0) < 0.5 * means.get(
-            "perf/actor_gpu_total_gib", 0.0):
-        flags.append("dropping --gradient_checkpointing (it recomputes the forward; memory is at "
-                     f"{means['perf/actor_gpu_peak_gib']:.1f} of {means['perf/actor_gpu_total_gib']:.1f} GiB)")
+        "perf/actor_gpu_total_gib", 0.0
+    ):
+        flags.append(
+            "dropping --gradient_checkpointing (it recomputes the forward; memory is at "
+            f"{means['perf/actor_gpu_peak_gib']:.1f} of {means['perf/actor_gpu_total_gib']:.1f} GiB)"
+        )
     if cfg.train.max_epochs > 1:
         flags.append(f"--max_epochs 1 (now {cfg.train.max_epochs} passes over each batch)")
     if not flags:
@@ -122,13 +133,16 @@ def _forwards(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
     if share < FORWARD_SHARE:
         return None
     r = cfg.rollout
-    flags = [f"--micro_rollout_batch_size {r.micro_rollout_batch_size * 2} (forward-only passes keep no "
-             "activations)"] if not r.use_dynamic_batch else [
-        "--rollout_max_tokens_per_gpu (a larger budget for the forward-only passes)"]
+    flags = (
+        [f"--micro_rollout_batch_size {r.micro_rollout_batch_size * 2} (forward-only passes keep no activations)"]
+        if not r.use_dynamic_batch
+        else ["--rollout_max_tokens_per_gpu (a larger budget for the forward-only passes)"]
+    )
     if not r.packing_samples:
         flags.append("--packing_samples")
-    return Advice("scoring-forwards", _fmt("old/reference log-probs and values", seconds, share,
-                                           means["timing/step"]), flags)
+    return Advice(
+        "scoring-forwards", _fmt("old/reference log-probs and values", seconds, share, means["timing/step"]), flags
+    )
 
 
 def _sync(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
@@ -145,10 +159,14 @@ def _swap(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
     seconds, share = _share(means, "swap")
     if share < SWAP_SHARE:
         return None
-    return Advice("memory-swap", _fmt("sleeping/waking engines and offloading states", seconds, share,
-                                      means["timing/step"]),
-                  ["dropping --deepspeed_enable_sleep / --vllm_enable_sleep where the models fit side by side",
-                   "separate devices for engines and trainer (no --colocate_all_models)"])
+    return Advice(
+        "memory-swap",
+        _fmt("sleeping/waking engines and offloading states", seconds, share, means["timing/step"]),
+        [
+            "dropping --deepspeed_enable_sleep / --vllm_enable_sleep where the models fit side by side",
+            "separate devices for engines and trainer (no --colocate_all_models)",
+        ],
+    )
 
 
 def _memory(cfg: PPOConfig, means: dict[str, float], host_memory_gib: float) -> Advice | None:
@@ -179,8 +197,11 @@ def _idle(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
     seconds, share = _share(means, "idle")
     if share < IDLE_SHARE:
         return None
-    return Advice("controller-idle", _fmt("time outside every stage", seconds, share, means["timing/step"]),
-                  ["--profile_steps A,B (torch profiler traces of the driver and every rank show where it goes)"])
+    return Advice(
+        "controller-idle",
+        _fmt("time outside every stage", seconds, share, means["timing/step"]),
+        ["--profile_steps A,B (torch profiler traces of the driver and every rank show where it goes)"],
+    )
 
 
 def advise(history: RunHistory, cfg: PPOConfig, host_memory_gib: float = 0.0) -> list[Advice]:
@@ -190,9 +211,17 @@ def advise(history: RunHistory, cfg: PPOConfig, host_memory_gib: float = 0.0) ->
     means = run_means(history)
     if means.get("timing/step", 0.0) <= 0:
         return []
-    rules = (_generation(cfg, means), _reward(cfg, means), _training(cfg, means), _padding(cfg, means),
-             _forwards(cfg, means), _sync(cfg, means), _swap(cfg, means), _memory(cfg, means, host_memory_gib),
-             _idle(cfg, means))
+    rules = (
+        _generation(cfg, means),
+        _reward(cfg, means),
+        _training(cfg, means),
+        _padding(cfg, means),
+        _forwards(cfg, means),
+        _sync(cfg, means),
+        _swap(cfg, means),
+        _memory(cfg, means, host_memory_gib),
+        _idle(cfg, means),
+    )
     return [a for a in rules if a is not None]
 
 

@@ -12,8 +12,8 @@ from __future__ import annotations
 import queue
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Callable
 
 import torch
 
@@ -79,8 +79,10 @@ class RolloutProducer:
         try:
             item = self._ready.get(timeout=self._timeout_s)
         except queue.Empty:
-            raise TimeoutError(f"no rollout batch within {self._timeout_s:.0f} s (--dist_timeout): the engines or "
-                               f"the reward source stopped answering") from None
+            raise TimeoutError(
+                f"no rollout batch within {self._timeout_s:.0f} s (--dist_timeout): the engines or "
+                f"the reward source stopped answering"
+            ) from None
         if isinstance(item, BaseException):
             raise RuntimeError(f"rollout generation failed: {item}") from item
         return item, time.perf_counter() - start

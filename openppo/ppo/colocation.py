@@ -78,7 +78,9 @@ def engine_placement(cfg: PPOConfig, engine_index: int, *, on_gpu: bool, hybrid_
         return EnginePlacement(num_cpus=1, num_gpus=gpu * tp)
     bundles = tuple(range(engine_index * tp, (engine_index + 1) * tp))
     if on_gpu and tp > 1:
-        env = (("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, bundles))),
-               ("VLLM_RAY_PER_WORKER_GPUS", f"{hybrid_share:g}"))
+        env = (
+            ("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, bundles))),
+            ("VLLM_RAY_PER_WORKER_GPUS", f"{hybrid_share:g}"),
+        )
         return EnginePlacement(num_cpus=hybrid_share, num_gpus=0.0, bundles=bundles, executor="ray", env=env)
     return EnginePlacement(num_cpus=hybrid_share, num_gpus=gpu * hybrid_share, bundles=bundles)

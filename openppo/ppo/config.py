@@ -9,8 +9,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from openppo.algorithms import (ADVANTAGE_ESTIMATORS, IS_CORRECTION_TYPES, KL_ESTIMATORS, LOSS_AGG_MODES,
-                                POLICY_LOSS_TYPES, SamplingFilter)
+from openppo.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    IS_CORRECTION_TYPES,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    POLICY_LOSS_TYPES,
+    SamplingFilter,
+)
 from openppo.config.common import LR_SCHEDULERS, CheckpointConfig, LoggingConfig, ModelBuildConfig
 from openppo.config.schema import opt
 from openppo.strategy.config import DeepSpeedConfig
@@ -20,19 +26,30 @@ from openppo.strategy.config import DeepSpeedConfig
 class PPOModelConfig(ModelBuildConfig):
     """Models: actor, critic, reward, and how they are built (build options apply to actor and critic)."""
 
-    pretrain: str = opt(None, "actor (policy) model folder; also the tokenizer and the reference model",
-                        metavar="PATH")
-    critic_pretrain: str = opt(None, "critic start point (gae only); default: --reward_pretrain, else --pretrain "
-                                     "(value head then starts random)", metavar="PATH")
+    pretrain: str = opt(None, "actor (policy) model folder; also the tokenizer and the reference model", metavar="PATH")
+    critic_pretrain: str = opt(
+        None,
+        "critic start point (gae only); default: --reward_pretrain, else --pretrain (value head then starts random)",
+        metavar="PATH",
+    )
     reward_pretrain: str = opt(None, "reward model folder (a scalar-head model, e.g. from train_rm)", metavar="PATH")
-    remote_rm_url: str = opt(None, "reward source instead of a reward model: comma list of HTTP endpoints "
-                                   "(python -m openppo.cli.serve_rm) or a .py file exporting reward_func")
+    remote_rm_url: str = opt(
+        None,
+        "reward source instead of a reward model: comma list of HTTP endpoints "
+        "(python -m openppo.cli.serve_rm) or a .py file exporting reward_func",
+    )
     remote_rm_timeout: float = opt(60.0, "seconds one reward request may take (HTTP sources) before it is retried")
-    remote_rm_retries: int = opt(3, "retries of a failed reward request (connection error, timeout, HTTP 5xx), "
-                                    "with exponential backoff from 1 s; a 4xx is not retried")
-    remote_rm_default_reward: float = opt(None, "reward given to the samples whose reward source keeps failing (or "
-                                                "whose reward_func raises), with a warning; default: stop the run "
-                                                "with an error that shows the sample")
+    remote_rm_retries: int = opt(
+        3,
+        "retries of a failed reward request (connection error, timeout, HTTP 5xx), "
+        "with exponential backoff from 1 s; a 4xx is not retried",
+    )
+    remote_rm_default_reward: float = opt(
+        None,
+        "reward given to the samples whose reward source keeps failing (or "
+        "whose reward_func raises), with a warning; default: stop the run "
+        "with an error that shows the sample",
+    )
     ref_reward_offload: bool = opt(False, "offload reference and reward model weights to CPU (ZeRO-3 param offload)")
 
 
@@ -58,28 +75,43 @@ class VLLMConfig:
     """Rollout engines (vLLM) and the trainer -> engine weight sync."""
 
     vllm_num_engines: int = opt(1, "vLLM engines generating rollouts")
-    vllm_tensor_parallel_size: int = opt(1, "tensor-parallel size of each engine: its workers split every layer "
-                                            "(GPUs; on CPU, worker processes on their own cores)")
-    vllm_gpu_memory_utilization: float = opt(0.9, "share of device memory for each engine; on CPU the most of the "
-                                                  "RAM left after the trainers' weights and optimizer states that "
-                                                  "the engines' KV caches may take")
-    vllm_kv_cache_bytes: int = opt(None, "KV cache of each engine worker in bytes (CPU); default on CPU: the "
-                                         "rollout batch's sequences at full length x 1.25, within the share above "
-                                         "(logged)")
-    vllm_sync_backend: str = opt("nccl", "collective that broadcasts weights to engines on devices of their own "
-                                         "(gloo on CPU); engines on actor ranks' devices (--colocate_all_models) "
-                                         "get them by CUDA IPC / shared memory, in no group",
-                                 choices=("nccl", "gloo"))
+    vllm_tensor_parallel_size: int = opt(
+        1,
+        "tensor-parallel size of each engine: its workers split every layer "
+        "(GPUs; on CPU, worker processes on their own cores)",
+    )
+    vllm_gpu_memory_utilization: float = opt(
+        0.9,
+        "share of device memory for each engine; on CPU the most of the "
+        "RAM left after the trainers' weights and optimizer states that "
+        "the engines' KV caches may take",
+    )
+    vllm_kv_cache_bytes: int = opt(
+        None,
+        "KV cache of each engine worker in bytes (CPU); default on CPU: the "
+        "rollout batch's sequences at full length x 1.25, within the share above "
+        "(logged)",
+    )
+    vllm_sync_backend: str = opt(
+        "nccl",
+        "collective that broadcasts weights to engines on devices of their own "
+        "(gloo on CPU); engines on actor ranks' devices (--colocate_all_models) "
+        "get them by CUDA IPC / shared memory, in no group",
+        choices=("nccl", "gloo"),
+    )
     vllm_sync_bucket_mb: int = opt(256, "weights per sync message (MiB): many tensors travel in one bucket")
-    vllm_sync_check: bool = opt(False, "after the run's first weight sync, read every engine's weights back as its "
-                                       "kernels use them and compare each tensor with the trainer's; stop naming "
-                                       "the tensor that differs (one extra copy of the weights on actor rank 0)")
+    vllm_sync_check: bool = opt(
+        False,
+        "after the run's first weight sync, read every engine's weights back as its "
+        "kernels use them and compare each tensor with the trainer's; stop naming "
+        "the tensor that differs (one extra copy of the weights on actor rank 0)",
+    )
     enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)")
     enable_prefix_caching: bool = opt(False, "reuse prompt KV across the n samples of a prompt; reset on every sync")
-    vllm_enable_sleep: bool = opt(False, "engines release memory while the trainer runs (needs "
-                                         "--colocate_all_models; a no-op on CPU)")
-    enable_vllm_is_correction: bool = opt(False, "correct for vLLM / trainer log-prob mismatch with importance "
-                                                 "weights")
+    vllm_enable_sleep: bool = opt(
+        False, "engines release memory while the trainer runs (needs --colocate_all_models; a no-op on CPU)"
+    )
+    enable_vllm_is_correction: bool = opt(False, "correct for vLLM / trainer log-prob mismatch with importance weights")
     vllm_is_truncated_threshold: tuple[float, float] = opt((0.5, 5.0), "low high bounds of the IS ratio")
     vllm_is_correction_type: str = opt("tis", "IS correction", choices=IS_CORRECTION_TYPES)
 
@@ -92,17 +124,24 @@ class PPODeepSpeedConfig(DeepSpeedConfig):
     l2: float = opt(0.0, "weight decay")
     deepspeed_enable_sleep: bool = opt(False, "offload optimizer and gradient states while the engines generate")
     deepcompile: bool = opt(False, "compile the training engine with DeepSpeed's deepcompile (GPU)")
-    ds_tensor_parallel_size: int = opt(1, "DeepSpeed AutoTP size of the actor's training engine: its weights are "
-                                          "split over this many consecutive ranks, which train on the same rows "
-                                          "(ZeRO <= 2; critic, reference and reward stay data-parallel)")
+    ds_tensor_parallel_size: int = opt(
+        1,
+        "DeepSpeed AutoTP size of the actor's training engine: its weights are "
+        "split over this many consecutive ranks, which train on the same rows "
+        "(ZeRO <= 2; critic, reference and reward stay data-parallel)",
+    )
 
 
 @dataclass
 class PPOLoggingConfig(LoggingConfig):
     """Metrics, experiment tracking and profiling."""
 
-    profile_steps: str = opt(None, "comma list of RL steps to trace with the torch profiler (driver and every rank; "
-                                   "Chrome traces in <save_path>/profile/step<N>/)", metavar="A,B")
+    profile_steps: str = opt(
+        None,
+        "comma list of RL steps to trace with the torch profiler (driver and every rank; "
+        "Chrome traces in <save_path>/profile/step<N>/)",
+        metavar="A,B",
+    )
 
 
 @dataclass
@@ -118,8 +157,7 @@ class PromptDataConfig:
     max_samples: int = opt(100_000_000, "use at most this many prompts")
     prompt_max_len: int = opt(1024, "longer prompts are dropped (counted in the log)")
     generate_max_len: int = opt(1024, "maximum new tokens per response")
-    eval_dataset: str = opt(None, "prompts for evaluation (pass@1 and pass@k with the reward source)",
-                            metavar="PATHS")
+    eval_dataset: str = opt(None, "prompts for evaluation (pass@1 and pass@k with the reward source)", metavar="PATHS")
     eval_n_samples_per_prompt: int = opt(4, "samples per eval prompt (k of pass@k)")
     eval_temperature: float = opt(0.6, "sampling temperature at eval")
 
@@ -132,26 +170,36 @@ class RolloutConfig:
     n_samples_per_prompt: int = opt(1, "responses per prompt (the group size of group estimators)")
     micro_rollout_batch_size: int = opt(8, "samples per forward when scoring rollouts (log-probs, values)")
     temperature: float = opt(1.0, "sampling temperature (the trainer scores at the same temperature)")
-    top_p: float = opt(1.0, "nucleus sampling: keep the most likely tokens up to this probability mass (the "
-                            "trainer recomputes the truncation for importance weights, docs/algorithms.md)")
+    top_p: float = opt(
+        1.0,
+        "nucleus sampling: keep the most likely tokens up to this probability mass (the "
+        "trainer recomputes the truncation for importance weights, docs/algorithms.md)",
+    )
     top_k: int = opt(-1, "sample among the k most likely tokens; -1 = off (recomputed by the trainer as --top_p)")
-    dynamic_filtering: bool = opt(False, "DAPO dynamic sampling: drop groups whose mean score is outside the range "
-                                         "and refill with new prompts")
+    dynamic_filtering: bool = opt(
+        False, "DAPO dynamic sampling: drop groups whose mean score is outside the range and refill with new prompts"
+    )
     dynamic_filtering_reward_range: tuple[float, float] = opt((0.0, 1.0), "keep a group when lo < mean score < hi")
-    packing_samples: bool = opt(False, "run each micro-batch as one packed row: no padding computed, no "
-                                       "cross-sequence attention")
+    packing_samples: bool = opt(
+        False, "run each micro-batch as one packed row: no padding computed, no cross-sequence attention"
+    )
     use_dynamic_batch: bool = opt(False, "fill micro-batches by a token budget instead of a sample count")
     train_max_tokens_per_gpu: int = opt(16384, "token budget of a training micro-batch (--use_dynamic_batch)")
-    rollout_max_tokens_per_gpu: int = opt(None, "token budget of a forward-only micro-batch; default: 2x the "
-                                                "training budget")
-    ring_attn_size: int = opt(1, "ranks sharing each packed row (ring attention sequence parallelism; needs "
-                                 "--packing_samples)")
+    rollout_max_tokens_per_gpu: int = opt(
+        None, "token budget of a forward-only micro-batch; default: 2x the training budget"
+    )
+    ring_attn_size: int = opt(
+        1, "ranks sharing each packed row (ring attention sequence parallelism; needs --packing_samples)"
+    )
     ring_head_stride: int = opt(1, "KV heads sent per ring step (bounds the buffers); 0 = all at once")
     async_train: bool = opt(False, "generate the next batch while training on this one")
     async_queue_size: int = opt(1, "batches generated ahead (bound on policy staleness) with --async_train")
-    agent_func_path: str = opt(None, "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv); its "
-                                     "environment gives the reward, feedback tokens are masked out of the loss",
-                               metavar="FILE")
+    agent_func_path: str = opt(
+        None,
+        "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv); its "
+        "environment gives the reward, feedback tokens are masked out of the loss",
+        metavar="FILE",
+    )
     agent_max_turns: int = opt(4, "most model turns per agent episode")
 
     @property
@@ -177,25 +225,33 @@ class PPOTrainConfig:
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
     freezing_actor_steps: int = opt(-1, "train only the critic for the first N steps (critic warm-up)")
     seed: int = opt(42, "random seed")
-    full_determinism: bool = opt(False, "reseed the engines' sampling at every generation round from --seed and "
-                                        "the prompt position, so a resumed run repeats the unbroken one step for "
-                                        "step (fp32); without it the engines' RNG restarts at a resume")
+    full_determinism: bool = opt(
+        False,
+        "reseed the engines' sampling at every generation round from --seed and "
+        "the prompt position, so a resumed run repeats the unbroken one step for "
+        "step (fp32); without it the engines' RNG restarts at a resume",
+    )
 
 
 @dataclass
 class AlgoConfig:
     """Advantage estimator, losses, KL and reward shaping (formulas: docs/algorithms.md)."""
 
-    advantage_estimator: str = opt("gae", "gae = PPO with a critic; group_norm = GRPO; dr_grpo; rloo; "
-                                          "reinforce; reinforce_baseline = REINFORCE++-baseline",
-                                   choices=ADVANTAGE_ESTIMATORS)
+    advantage_estimator: str = opt(
+        "gae",
+        "gae = PPO with a critic; group_norm = GRPO; dr_grpo; rloo; "
+        "reinforce; reinforce_baseline = REINFORCE++-baseline",
+        choices=ADVANTAGE_ESTIMATORS,
+    )
     init_kl_coef: float = opt(0.01, "KL coefficient beta; 0 = no reference model")
-    kl_target: float = opt(None, "adaptive KL controller target in nats per response, the summed KL of one "
-                                  "response (Ziegler et al.; None = fixed coefficient)")
+    kl_target: float = opt(
+        None,
+        "adaptive KL controller target in nats per response, the summed KL of one "
+        "response (Ziegler et al.; None = fixed coefficient)",
+    )
     kl_horizon: int = opt(10000, "adaptive KL controller horizon (samples)")
     use_kl_loss: bool = opt(False, "KL as a loss term (GRPO style) instead of a per-token reward penalty")
-    kl_estimator: str = opt("k1", "KL estimator: k1 for the reward penalty, k2/k3 for the loss",
-                            choices=KL_ESTIMATORS)
+    kl_estimator: str = opt("k1", "KL estimator: k1 for the reward penalty, k2/k3 for the loss", choices=KL_ESTIMATORS)
     eps_clip: float = opt(0.2, "PPO clip range")
     eps_clip_low_high: tuple[float, float] = opt(None, "asymmetric clip (DAPO clip-higher), e.g. 0.2 0.28")
     dual_clip: float = opt(None, "dual-clip constant c > 1 for negative advantages")
@@ -204,11 +260,13 @@ class AlgoConfig:
     lambd: float = opt(1.0, "GAE lambda (OpenRLHF default 1; PPO papers use 0.95)")
     entropy_loss_coef: float = opt(None, "entropy bonus weight (the entropy is logged either way)")
     normalize_reward: bool = opt(False, "normalise rewards with the mean/std stored in the reward model")
-    reward_clip_range: tuple[float, float] = opt((-10.0, 10.0), "clip rewards to this range (before the group "
-                                                              "baseline, see docs/algorithms.md)")
+    reward_clip_range: tuple[float, float] = opt(
+        (-10.0, 10.0), "clip rewards to this range (before the group baseline, see docs/algorithms.md)"
+    )
     policy_loss_type: str = opt("ppo", "token-level PPO ratio or GSPO sequence ratio", choices=POLICY_LOSS_TYPES)
-    loss_agg_mode: str = opt(None, "loss aggregation; default per estimator (docs/algorithms.md)",
-                             choices=LOSS_AGG_MODES)
+    loss_agg_mode: str = opt(
+        None, "loss aggregation; default per estimator (docs/algorithms.md)", choices=LOSS_AGG_MODES
+    )
     no_advantage_std_norm: bool = opt(False, "global advantage normalisation only centres (no division by std)")
     overlong_buffer_len: int = opt(None, "DAPO overlong penalty buffer (tokens before --generate_max_len)")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the end of the buffer")

@@ -10,8 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from openppo.algorithms import (compute_advantages, compute_approx_kl, shape_sequence_rewards,
-                                token_level_rewards)
+from openppo.algorithms import compute_advantages, compute_approx_kl, shape_sequence_rewards, token_level_rewards
 from openppo.ppo.config import AlgoConfig
 from openppo.rollout.pool import Sample
 
@@ -32,8 +31,8 @@ def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch
         attention_mask[row, : p + r] = 1
         # Token p + i (response token i) is predicted at position p + i - 1.
         mask = torch.ones(r, dtype=torch.long) if s.action_mask is None else torch.tensor(s.action_mask)
-        action_mask[row, p - 1: p - 1 + r] = mask
-        rollout_log_probs[row, p - 1: p - 1 + r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+        action_mask[row, p - 1 : p - 1 + r] = mask
+        rollout_log_probs[row, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
     return {
         "sequences": sequences,
         "attention_mask": attention_mask,
@@ -49,11 +48,19 @@ def kl_coef_in_reward(algo: AlgoConfig, kl_coef: float) -> float:
     return 0.0 if algo.use_kl_loss else kl_coef
 
 
-def compute_advantages_for_batch(batch: dict[str, torch.Tensor], scores: torch.Tensor, *, algo: AlgoConfig,
-                                 n_samples_per_prompt: int, generate_max_len: int, kl_coef: float,
-                                 log_probs: torch.Tensor | None = None, ref_log_probs: torch.Tensor | None = None,
-                                 values: torch.Tensor | None = None,
-                                 reward_mean_std: tuple[float, float] | None = None) -> dict[str, torch.Tensor]:
+def compute_advantages_for_batch(
+    batch: dict[str, torch.Tensor],
+    scores: torch.Tensor,
+    *,
+    algo: AlgoConfig,
+    n_samples_per_prompt: int,
+    generate_max_len: int,
+    kl_coef: float,
+    log_probs: torch.Tensor | None = None,
+    ref_log_probs: torch.Tensor | None = None,
+    values: torch.Tensor | None = None,
+    reward_mean_std: tuple[float, float] | None = None,
+) -> dict[str, torch.Tensor]:
     """Shaped rewards -> token rewards (with the KL penalty) -> advantages and returns, all on the [B, T-1] grid.
 
     `scores` [B] are raw rewards in group order (n consecutive samples per prompt). Returns the tensors the
@@ -61,19 +68,36 @@ def compute_advantages_for_batch(batch: dict[str, torch.Tensor], scores: torch.T
     """
     mask = batch["action_mask"]
     shaped = shape_sequence_rewards(
-        scores.float(), estimator=algo.advantage_estimator, n_samples_per_prompt=n_samples_per_prompt,
+        scores.float(),
+        estimator=algo.advantage_estimator,
+        n_samples_per_prompt=n_samples_per_prompt,
         reward_mean_std=reward_mean_std if algo.normalize_reward else None,
-        reward_clip_range=tuple(algo.reward_clip_range), response_lengths=batch["response_length"],
-        max_new_tokens=generate_max_len, overlong_buffer_len=algo.overlong_buffer_len,
-        overlong_penalty_factor=algo.overlong_penalty_factor, truncated=batch["truncated"],
-        stop_properly_penalty_coef=algo.stop_properly_penalty_coef)
+        reward_clip_range=tuple(algo.reward_clip_range),
+        response_lengths=batch["response_length"],
+        max_new_tokens=generate_max_len,
+        overlong_buffer_len=algo.overlong_buffer_len,
+        overlong_penalty_factor=algo.overlong_penalty_factor,
+        truncated=batch["truncated"],
+        stop_properly_penalty_coef=algo.stop_properly_penalty_coef,
+    )
     if ref_log_probs is not None and log_probs is not None:
         kl = compute_approx_kl(log_probs, ref_log_probs, algo.kl_estimator, mask=mask)
     else:
         kl = torch.zeros(mask.shape, dtype=torch.float32)
     token_rewards = token_level_rewards(shaped, mask, kl, kl_coef_in_reward(algo, kl_coef))
-    advantages, returns = compute_advantages(algo.advantage_estimator, token_rewards, mask, values=values,
-                                             gamma=algo.gamma, lambd=algo.lambd,
-                                             std_norm=not algo.no_advantage_std_norm)
-    return {"advantages": advantages, "returns": returns, "token_rewards": token_rewards, "kl": kl,
-            "shaped_rewards": shaped}
+    advantages, returns = compute_advantages(
+        algo.advantage_estimator,
+        token_rewards,
+        mask,
+        values=values,
+        gamma=algo.gamma,
+        lambd=algo.lambd,
+        std_norm=not algo.no_advantage_std_norm,
+    )
+    return {
+        "advantages": advantages,
+        "returns": returns,
+        "token_rewards": token_rewards,
+        "kl": kl,
+        "shaped_rewards": shaped,
+    }

@@ -14,12 +14,22 @@ openppo.algorithms.aggregation).
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
-from openppo.algorithms import (SamplingFilter, aggregate_loss, clip_bounds, default_loss_agg_mode, engine_gap, kl_loss,
-                                loss_normalizers, masked_mean, policy_loss, value_loss)
+from openppo.algorithms import (
+    SamplingFilter,
+    aggregate_loss,
+    clip_bounds,
+    default_loss_agg_mode,
+    engine_gap,
+    kl_loss,
+    loss_normalizers,
+    masked_mean,
+    policy_loss,
+    value_loss,
+)
 from openppo.models.packing import trim_padding
 from openppo.ppo.config import AlgoConfig
 from openppo.ppo.micro_batches import Batching, equalize
@@ -38,13 +48,15 @@ def row_lengths(data: dict[str, torch.Tensor]) -> list[int]:
     return data["attention_mask"].sum(-1).tolist()
 
 
-def plan_on_all_ranks(batching: Batching, lengths: list[list[int]], world_size: int,
-                      device: torch.device) -> list[list[list[int]]]:
+def plan_on_all_ranks(
+    batching: Batching, lengths: list[list[int]], world_size: int, device: torch.device
+) -> list[list[list[int]]]:
     """One micro-batch plan per group of rows (an optimizer step, or a whole forward pass), with the same number
     of micro-batches on every rank (one all-reduce for all groups)."""
     plans = [batching.plan(group) for group in lengths]
-    counts = _all_reduce(torch.tensor([len(p) for p in plans], device=device), world_size,
-                         torch.distributed.ReduceOp.MAX)
+    counts = _all_reduce(
+        torch.tensor([len(p) for p in plans], device=device), world_size, torch.distributed.ReduceOp.MAX
+    )
     return [equalize(p, group, int(c), batching.packed) for p, group, c in zip(plans, lengths, counts.tolist())]
 
 
@@ -61,10 +73,21 @@ def _noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**batch, "action_mask": torch.zeros_like(batch["action_mask"])}
 
 
-def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, batching: Batching,
-                   rows_per_step: int, epochs: int, world_size: int, seed: int,
-                   device: torch.device, ring_size: int = 1, tensor_parallel_size: int = 1,
-                   guard: StepGuard | None = None) -> dict[str, float]:
+def fit_experience(
+    engine,
+    data: dict[str, torch.Tensor],
+    loss_fn: LossFn,
+    *,
+    batching: Batching,
+    rows_per_step: int,
+    epochs: int,
+    world_size: int,
+    seed: int,
+    device: torch.device,
+    ring_size: int = 1,
+    tensor_parallel_size: int = 1,
+    guard: StepGuard | None = None,
+) -> dict[str, float]:
     """Train `engine` on `data` (this rank's share) for `epochs`; returns metrics averaged over micro-batches.
 
     Each epoch shuffles the rows (seeded, so a resume repeats it) and takes `rows_per_step` rows per optimizer step,
@@ -94,7 +117,7 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
     lengths = row_lengths(data)
     for epoch in range(epochs):
         order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
-        step_rows = [order[i: i + rows_per_step] for i in range(0, size, rows_per_step)]
+        step_rows = [order[i : i + rows_per_step] for i in range(0, size, rows_per_step)]
         plans = plan_on_all_ranks(batching, [[lengths[r] for r in rows] for rows in step_rows], world_size, device)
         for rows, plan in zip(step_rows, plans):
             micros = [select_rows(data, [rows[j] for j in m]) if m else _noop_rows(data) for m in plan]
@@ -137,15 +160,30 @@ def fit_experience(engine, data: dict[str, torch.Tensor], loss_fn: LossFn, *, ba
                 skipped += 1
             micro_steps += len(plan)
     # perf/*: the effect of packing and token budgets (padding positions computed, micro-steps per optimizer step)
-    perf = {"perf/padding_share": 1.0 - real_tokens / max(computed, 1),
-            "perf/micro_batches": micro_steps / max(steps + skipped, 1)}
-    return {**{k: v / max(steps, 1) for k, v in losses.items()}, **{k: v / max(count, 1) for k, v in sums.items()},
-            **perf, **({guard.metric: float(skipped)} if guard is not None else {})}
+    perf = {
+        "perf/padding_share": 1.0 - real_tokens / max(computed, 1),
+        "perf/micro_batches": micro_steps / max(steps + skipped, 1),
+    }
+    return {
+        **{k: v / max(steps, 1) for k, v in losses.items()},
+        **{k: v / max(count, 1) for k, v in sums.items()},
+        **perf,
+        **({guard.metric: float(skipped)} if guard is not None else {}),
+    }
 
 
-def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, generate_max_len: int,
-               is_correction: str | None, is_threshold: tuple[float, float], pack: bool = False,
-               sampling: SamplingFilter | None = None) -> LossFn:
+def actor_loss(
+    engine,
+    algo: AlgoConfig,
+    *,
+    kl_coef: float,
+    temperature: float,
+    generate_max_len: int,
+    is_correction: str | None,
+    is_threshold: tuple[float, float],
+    pack: bool = False,
+    sampling: SamplingFilter | None = None,
+) -> LossFn:
     """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss.
 
     `sampling`: the engine's top-k/top-p truncation. Engine log-probs are compared (IS weights, the log-prob gap)
@@ -159,13 +197,25 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
         on_policy = "old_log_probs" not in batch  # no separate pass scored the batch: this forward is pi_old
-        out = engine(batch["sequences"], batch["attention_mask"], temperature=temperature,
-                     return_entropy=True if entropy_in_loss else "log", pack=pack, score_mask=mask,
-                     sampling=sampling if on_policy and "rollout_log_probs" in batch else None)
+        out = engine(
+            batch["sequences"],
+            batch["attention_mask"],
+            temperature=temperature,
+            return_entropy=True if entropy_in_loss else "log",
+            pack=pack,
+            score_mask=mask,
+            sampling=sampling if on_policy and "rollout_log_probs" in batch else None,
+        )
 
         def agg(per_token):
-            return aggregate_loss(per_token, mask, mode, num_tokens_global=normalizers[0],
-                                  num_seqs_global=normalizers[1], norm_len=generate_max_len)
+            return aggregate_loss(
+                per_token,
+                mask,
+                mode,
+                num_tokens_global=normalizers[0],
+                num_seqs_global=normalizers[1],
+                norm_len=generate_max_len,
+            )
 
         if on_policy:  # one on-policy step per batch (see validate.needs_old_logprob_pass): old = current
             old = out.log_probs.detach()
@@ -173,16 +223,31 @@ def actor_loss(engine, algo: AlgoConfig, *, kl_coef: float, temperature: float, 
         else:
             old, old_sampling = batch["old_log_probs"], batch.get("old_sampling_log_probs")
         per_token, pg_metrics = policy_loss(
-            out.log_probs, old, batch["advantages"], mask, eps_clip_low=low, eps_clip_high=high,
-            dual_clip=algo.dual_clip, loss_type=algo.policy_loss_type,
-            rollout_log_probs=batch.get("rollout_log_probs") if is_correction else None, is_correction=is_correction,
-            is_threshold=is_threshold, old_sampling_log_probs=old_sampling)
+            out.log_probs,
+            old,
+            batch["advantages"],
+            mask,
+            eps_clip_low=low,
+            eps_clip_high=high,
+            dual_clip=algo.dual_clip,
+            loss_type=algo.policy_loss_type,
+            rollout_log_probs=batch.get("rollout_log_probs") if is_correction else None,
+            is_correction=is_correction,
+            is_threshold=is_threshold,
+            old_sampling_log_probs=old_sampling,
+        )
         loss = agg(per_token)
         metrics = {"loss/policy": loss.item(), **{f"policy/{k}": float(v) for k, v in pg_metrics.items()}}
         if on_policy and "rollout_log_probs" in batch:
             # the engine-vs-trainer log-prob gap, measured here since no separate pass measured it
-            metrics.update({f"policy/rollout_{k}": v for k, v in engine_gap(
-                batch["rollout_log_probs"], old if old_sampling is None else old_sampling, mask).items()})
+            metrics.update(
+                {
+                    f"policy/rollout_{k}": v
+                    for k, v in engine_gap(
+                        batch["rollout_log_probs"], old if old_sampling is None else old_sampling, mask
+                    ).items()
+                }
+            )
         if algo.use_kl_loss and "ref_log_probs" in batch:
             kl_term = agg(kl_loss(out.log_probs, batch["ref_log_probs"], mask, algo.kl_estimator))
             loss = loss + kl_coef * kl_term
@@ -204,7 +269,10 @@ def critic_loss(engine, algo: AlgoConfig, pack: bool = False) -> LossFn:
         values = engine(batch["sequences"], batch["attention_mask"], pack=pack)[:, :-1]
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
-        return loss, {"loss/value": loss.item(), "critic/values": masked_mean(values.detach(), mask).item(),
-                      **{f"critic/{k}": float(v) for k, v in v_metrics.items()}}
+        return loss, {
+            "loss/value": loss.item(),
+            "critic/values": masked_mean(values.detach(), mask).item(),
+            **{f"critic/{k}": float(v) for k, v in v_metrics.items()},
+        }
 
     return loss_fn

@@ -50,15 +50,17 @@ def in_batch_order(results: list[torch.Tensor], rows_per_shard: list[list[int]])
     return out
 
 
-def replicated(data: dict[str, torch.Tensor], rows_per_shard: list[list[int]],
-               replicas: int) -> list[dict[str, torch.Tensor]]:
+def replicated(
+    data: dict[str, torch.Tensor], rows_per_shard: list[list[int]], replicas: int
+) -> list[dict[str, torch.Tensor]]:
     """Each shard's rows, once for each of the `replicas` consecutive ranks (a ring, a tensor-parallel group) that
     hold them."""
     return [take_rows(data, rows) for rows in rows_per_shard for _ in range(replicas)]
 
 
-def shards(data: dict[str, torch.Tensor], n: int, balance: bool = False,
-           replicas: int = 1) -> list[dict[str, torch.Tensor]]:
+def shards(
+    data: dict[str, torch.Tensor], n: int, balance: bool = False, replicas: int = 1
+) -> list[dict[str, torch.Tensor]]:
     """One shard per rank of a group of `n` ranks, for training: the shards hold equal numbers of rows (validation
     makes --train_batch_size divide over the data-parallel ranks of the actor and the critic)."""
     size, data_parallel = data["sequences"].size(0), n // replicas
@@ -90,8 +92,9 @@ class ModelGroup:
         """A forward-only pass over the whole batch; the result in the batch's row order."""
         rows = shard_rows(data, self.num_workers // self.replicas, self.balance)
         # the ranks of a ring or a tensor-parallel group return the same values: keep one per group
-        return in_batch_order(self.workers.run_sharded(method, replicated(data, rows, self.replicas))[::self.replicas],
-                              rows)
+        return in_batch_order(
+            self.workers.run_sharded(method, replicated(data, rows, self.replicas))[:: self.replicas], rows
+        )
 
     def start_profile(self) -> None:
         self.workers.run(BaseWorker.start_profile)
@@ -109,8 +112,9 @@ class TrainedGroup(ModelGroup):
     def fit(self, method: Method, data: dict[str, torch.Tensor], **kwargs) -> dict[str, float]:
         """One update on the batch: each data-parallel rank trains on its shard; the metrics, averaged over the
         ranks by the workers, come from rank 0."""
-        return self.workers.run_sharded(method, shards(data, self.num_workers, self.balance, self.replicas),
-                                        **kwargs)[0]
+        return self.workers.run_sharded(method, shards(data, self.num_workers, self.balance, self.replicas), **kwargs)[
+            0
+        ]
 
     def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict) -> None:
         self.workers.run(_TrainedWorker.save_checkpoint, ckpt_dir, step, client_state)
@@ -142,17 +146,19 @@ class ActorGroup(TrainedGroup):
         return self.fit(ActorWorker.train, data, kl_coef=kl_coef, global_step=global_step)
 
     def connect_engines(self, engines: EnginePool, plan: Any, backend: str, tensor_parallel_size: int) -> None:
-        self.workers.run(ActorWorker.connect_engines, engines.engines, plan, backend, tensor_parallel_size,
-                         engines.timeout_s)
+        self.workers.run(
+            ActorWorker.connect_engines, engines.engines, plan, backend, tensor_parallel_size, engines.timeout_s
+        )
 
     def sync_weights(self, engines: EnginePool, bucket_bytes: int, engine_dtype: str) -> dict[str, float]:
         """Every engine gets the current weights; no engine generates meanwhile. Rank 0's sync statistics."""
         with engines.lock:
-            return self.workers.run(ActorWorker.sync_weights, engines.engines, bucket_bytes, engine_dtype,
-                                    engines.timeout_s)[0]
+            return self.workers.run(
+                ActorWorker.sync_weights, engines.engines, bucket_bytes, engine_dtype, engines.timeout_s
+            )[0]
 
     def check_engine_weights(self, engines: EnginePool) -> list[tuple[bool, str]]:
-        """Per engine (equal, summary): the weights it computes with against the actor's (`openppo.rollout.readback`)."""
+        """Per engine (equal, summary): the weights it computes with against the actor's (`rollout.readback`)."""
         with engines.lock:
             return self.workers.run(ActorWorker.check_engine_weights, engines.engines, engines.timeout_s)[0]
 

@@ -22,5 +22,8 @@ def keep_groups(scores: torch.Tensor, n_samples_per_prompt: int, reward_range: t
 
 def expand_to_samples(group_mask: torch.Tensor, n_samples_per_prompt: int) -> list[int]:
     """Sample positions belonging to the kept groups, in order."""
-    return [g * n_samples_per_prompt + i for g in torch.nonzero(group_mask).flatten().tolist()
-            for i in range(n_samples_per_prompt)]
+    return [
+        g * n_samples_per_prompt + i
+        for g in torch.nonzero(group_mask).flatten().tolist()
+        for i in range(n_samples_per_prompt)
+    ]

@@ -10,8 +10,8 @@ import datasets
 import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
-from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.ppo.colocation import colocation_pools, engine_placement
+from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.ppo.groups import Groups
 from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_group, needs_reference
 
@@ -26,22 +26,41 @@ def load_prompt_rows(cfg: PPOConfig, *, eval: bool = False) -> datasets.Dataset:
     Needs no tokenizer, so a wrong path, an empty file or a wrong key fails before the tokenizer loads."""
     d = cfg.data
     if eval:
-        raw = load_blended_dataset(d.eval_dataset, None, flag="--eval_dataset", probs_flag="--eval_dataset",
-                                   seed=cfg.train.seed, max_samples=None)
+        raw = load_blended_dataset(
+            d.eval_dataset,
+            None,
+            flag="--eval_dataset",
+            probs_flag="--eval_dataset",
+            seed=cfg.train.seed,
+            max_samples=None,
+        )
     else:
-        raw = load_blended_dataset(d.prompt_data, d.prompt_data_probs, flag="--prompt_data",
-                                   probs_flag="--prompt_data_probs", seed=cfg.train.seed, max_samples=d.max_samples)
-    require_columns(raw, {"--input_key": d.input_key, "--label_key": d.label_key},
-                    d.eval_dataset if eval else d.prompt_data)
+        raw = load_blended_dataset(
+            d.prompt_data,
+            d.prompt_data_probs,
+            flag="--prompt_data",
+            probs_flag="--prompt_data_probs",
+            seed=cfg.train.seed,
+            max_samples=d.max_samples,
+        )
+    require_columns(
+        raw, {"--input_key": d.input_key, "--label_key": d.label_key}, d.eval_dataset if eval else d.prompt_data
+    )
     return raw
 
 
 def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptDataset:
     """Rows of `load_prompt_rows` rendered and tokenized (prompts longer than --prompt_max_len dropped)."""
     d = cfg.data
-    return PromptDataset(raw, tokenizer, input_key=d.input_key, label_key=d.label_key,
-                         apply_chat_template=d.apply_chat_template, input_template=d.input_template,
-                         max_prompt_len=d.prompt_max_len)
+    return PromptDataset(
+        raw,
+        tokenizer,
+        input_key=d.input_key,
+        label_key=d.label_key,
+        apply_chat_template=d.apply_chat_template,
+        input_template=d.input_template,
+        max_prompt_len=d.prompt_max_len,
+    )
 
 
 def agent_rollout(cfg: PPOConfig, tokenizer):
@@ -56,9 +75,16 @@ def agent_rollout(cfg: PPOConfig, tokenizer):
     d = cfg.data
 
     def rollout(generate, items, n):
-        return run_agent_episodes(generate, tokenizer, items, n_samples_per_prompt=n, env_cls=env_cls,
-                                  max_turns=cfg.rollout.agent_max_turns, max_new_tokens=d.generate_max_len,
-                                  max_total_len=d.prompt_max_len + d.generate_max_len)
+        return run_agent_episodes(
+            generate,
+            tokenizer,
+            items,
+            n_samples_per_prompt=n,
+            env_cls=env_cls,
+            max_turns=cfg.rollout.agent_max_turns,
+            max_new_tokens=d.generate_max_len,
+            max_total_len=d.prompt_max_len + d.generate_max_len,
+        )
 
     return rollout
 
@@ -92,10 +118,14 @@ def kv_cache_bytes(cfg: PPOConfig) -> int | None:
     per_token = actor.kv_bytes_per_token(dtype_bytes(cfg.ds.param_dtype)) // min(tp, actor.kv_heads)
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     size = cpu_kv_cache_bytes(
-        per_token=per_token, sequences=min(MAX_CONCURRENT_SEQUENCES, -(-samples // v.vllm_num_engines)),
+        per_token=per_token,
+        sequences=min(MAX_CONCURRENT_SEQUENCES, -(-samples // v.vllm_num_engines)),
         max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
-        available=psutil.virtual_memory().available, others=host_bytes_of_trainers(cfg, shapes),
-        share=v.vllm_gpu_memory_utilization, engines=v.vllm_num_engines * tp)
+        available=psutil.virtual_memory().available,
+        others=host_bytes_of_trainers(cfg, shapes),
+        share=v.vllm_gpu_memory_utilization,
+        engines=v.vllm_num_engines * tp,
+    )
     logger.info(size.reason)
     return size.bytes
 
@@ -124,8 +154,12 @@ def start_ray() -> None:
         ray.init(address=os.environ["RAY_ADDRESS"], log_to_driver=True, runtime_env=runtime_env)
         return
     # Otherwise always start our own one-node cluster; never attach to another job's on this machine.
-    kwargs: dict[str, Any] = {"address": "local", "include_dashboard": False, "log_to_driver": True,
-                              "runtime_env": runtime_env}
+    kwargs: dict[str, Any] = {
+        "address": "local",
+        "include_dashboard": False,
+        "log_to_driver": True,
+        "runtime_env": runtime_env,
+    }
     if not torch.cuda.is_available():
         # CPU: resources are logical slots for placement, not cores; threads are budgeted per worker.
         kwargs["num_cpus"] = max(16, os.cpu_count() or 1)
@@ -149,13 +183,17 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
     steps = num_training_steps(cfg, num_prompts)
     env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg))}
     gpu = 1.0 if torch.cuda.is_available() else 0.0
-    present = {"actor", "engines"} | ({"reference"} if needs_reference(cfg) else set()) | \
-        ({"critic"} if needs_critic_group(cfg) else set()) | ({"reward"} if reward_source is None and not
-                                                                cfg.rollout.agent_func_path else set())
+    present = (
+        {"actor", "engines"}
+        | ({"reference"} if needs_reference(cfg) else set())
+        | ({"critic"} if needs_critic_group(cfg) else set())
+        | ({"reward"} if reward_source is None and not cfg.rollout.agent_func_path else set())
+    )
     shared = {}  # role -> (placement group, share of each bundle)
     for pool in colocation_pools(cfg, present):
-        pg = make_placement_group(pool.bundles, cpus_per_bundle=1.0, gpus_per_bundle=gpu, timeout_s=timeout,
-                                  name=f"{pool.name}-pg")
+        pg = make_placement_group(
+            pool.bundles, cpus_per_bundle=1.0, gpus_per_bundle=gpu, timeout_s=timeout, name=f"{pool.name}-pg"
+        )
         shared.update({role: (pg, pool.fraction) for role in pool.members})
         logger.info("colocated (%s): %s", pool.name, pool.describe())
     # deal rows by tokens when micro-batches are costed by tokens (packing, token budgets)
@@ -163,8 +201,16 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
 
     def group(handle, worker, nodes, per_node, role):
         pg, share = shared.get(role, (None, 1.0))
-        workers = WorkerGroup(worker, nodes * per_node, placement_group=pg, num_cpus_per_worker=share,
-                              num_gpus_per_worker=gpu * share, env=env, name=role, timeout_s=timeout)
+        workers = WorkerGroup(
+            worker,
+            nodes * per_node,
+            placement_group=pg,
+            num_cpus_per_worker=share,
+            num_gpus_per_worker=gpu * share,
+            env=env,
+            name=role,
+            timeout_s=timeout,
+        )
         return handle(workers, replicas=ranks_per_shard(cfg, role), balance=balance)
 
     actor = group(ActorGroup, ActorWorker, res.actor_num_nodes, res.actor_num_gpus_per_node, "actor")
@@ -184,19 +230,30 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
     for i in range(cfg.vllm.vllm_num_engines):
         pg, share = shared.get("engines", (None, None))
         place = engine_placement(cfg, i, on_gpu=bool(gpu), hybrid_share=share)
-        options: dict[str, Any] = {"runtime_env": {"env_vars": {**env, **dict(place.env)}}, "num_cpus": place.num_cpus,
-                                   "num_gpus": place.num_gpus}
+        options: dict[str, Any] = {
+            "runtime_env": {"env_vars": {**env, **dict(place.env)}},
+            "num_cpus": place.num_cpus,
+            "num_gpus": place.num_gpus,
+        }
         if place.bundles is not None:  # hybrid engine: its workers on the devices of actor ranks i*tp .. i*tp+tp-1
             options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=place.bundles[0], placement_group_capture_child_tasks=True)
-        engines.append(engine_cls.options(**options).remote(
-            cfg.model.pretrain, dtype=engine_dtype(cfg), seed=cfg.train.seed + i,
-            max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
-            enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
-            enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-            gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization, kv_cache_bytes=kv_bytes,
-            tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size, enable_sleep=cfg.vllm.vllm_enable_sleep,
-            executor=place.executor))
+                pg, placement_group_bundle_index=place.bundles[0], placement_group_capture_child_tasks=True
+            )
+        engines.append(
+            engine_cls.options(**options).remote(
+                cfg.model.pretrain,
+                dtype=engine_dtype(cfg),
+                seed=cfg.train.seed + i,
+                max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
+                enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
+                enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+                gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization,
+                kv_cache_bytes=kv_bytes,
+                tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size,
+                enable_sleep=cfg.vllm.vllm_enable_sleep,
+                executor=place.executor,
+            )
+        )
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
     pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout)
     for i, info in enumerate(pool.infos):
@@ -207,12 +264,12 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     plan = sync_plan(cfg, actor.worker_infos, pool.infos, backend, on_gpu=bool(gpu))
     actor.connect_engines(pool, plan, backend, cfg.vllm.vllm_tensor_parallel_size)
-    return Groups(actor=actor, engines=pool, critic=critic, reference=reference, reward=reward,
-                  reward_source=reward_source)
+    return Groups(
+        actor=actor, engines=pool, critic=critic, reference=reference, reward=reward, reward_source=reward_source
+    )
 
 
-def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], backend: str, *,
-              on_gpu: bool):
+def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], backend: str, *, on_gpu: bool):
     """How each engine gets the weights (a `openppo.rollout.transport.SyncPlan`), logged in one line; a broadcast
     group that would hold two processes of one GPU is refused here, before the first sync."""
     from openppo.rollout.transport import BROADCAST, Where, check_broadcast_group, choose_transports, describe
@@ -225,9 +282,13 @@ def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], 
     else:
         workers = [[Where.of(info)] for info in engine_infos]
     plan = choose_transports(ranks, workers, colocated=cfg.resources.colocate_all_models, on_gpu=on_gpu)
-    check_broadcast_group([("actor rank 0", ranks[0])] + [(f"vLLM engine {i}", where) for i, t in
-                                                          enumerate(plan.transports) if t == BROADCAST
-                                                          for where in workers[i]], backend)
+    check_broadcast_group(
+        [("actor rank 0", ranks[0])]
+        + [
+            (f"vLLM engine {i}", where) for i, t in enumerate(plan.transports) if t == BROADCAST for where in workers[i]
+        ],
+        backend,
+    )
     logger.info(describe(plan, backend))
     return plan
 

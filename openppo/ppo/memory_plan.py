@@ -78,21 +78,39 @@ def dtype_bytes(param_dtype: str) -> int:
     return 4 if param_dtype == "fp32" else 2
 
 
-def trained_items(role: str, shape: ModelShape, *, param_dtype: str, zero_stage: int, data_parallel: int,
-                  tensor_parallel: int = 1, adam_offload: bool = False) -> list[Item]:
+def trained_items(
+    role: str,
+    shape: ModelShape,
+    *,
+    param_dtype: str,
+    zero_stage: int,
+    data_parallel: int,
+    tensor_parallel: int = 1,
+    adam_offload: bool = False,
+) -> list[Item]:
     """Weights, gradients and optimizer states of one rank of a trained model."""
     p = dtype_bytes(param_dtype)
     split = shape.num_params - shape.embedding_params
     params = shape.embedding_params + split / tensor_parallel  # held by one rank of a tensor-parallel group
     optimizer = (8 if param_dtype == "fp32" else 12) * params  # (fp32 master copy) + Adam m and v
-    return [Item(f"{role} weights", p * params / (data_parallel if zero_stage >= 3 else 1)),
-            Item(f"{role} gradients", p * params / (data_parallel if zero_stage >= 2 else 1)),
-            Item(f"{role} optimizer states", optimizer / (data_parallel if zero_stage >= 1 else 1),
-                 host=adam_offload)]
+    return [
+        Item(f"{role} weights", p * params / (data_parallel if zero_stage >= 3 else 1)),
+        Item(f"{role} gradients", p * params / (data_parallel if zero_stage >= 2 else 1)),
+        Item(f"{role} optimizer states", optimizer / (data_parallel if zero_stage >= 1 else 1), host=adam_offload),
+    ]
 
 
-def working_state_items(role: str, shape: ModelShape, *, param_dtype: str, zero_stage: int, data_parallel: int,
-                        tensor_parallel: int = 1, adam_offload: bool = False, fused_adam: bool = True) -> list[Item]:
+def working_state_items(
+    role: str,
+    shape: ModelShape,
+    *,
+    param_dtype: str,
+    zero_stage: int,
+    data_parallel: int,
+    tensor_parallel: int = 1,
+    adam_offload: bool = False,
+    fused_adam: bool = True,
+) -> list[Item]:
     """What DeepSpeed's optimizer step holds beyond the paper's model states, on one rank.
 
     - Mixed precision: the wrappers (ZeRO-1/2/3, and the bf16 one of ZeRO-0) turn the 16-bit gradient into an fp32
@@ -107,7 +125,9 @@ def working_state_items(role: str, shape: ModelShape, *, param_dtype: str, zero_
     params = whole / (data_parallel if zero_stage >= 1 else 1)
     items = []
     if zero_stage in (1, 2):
-        items.append(Item(f"{role} gradient reduction bucket", dtype_bytes(param_dtype) * min(REDUCE_BUCKET_SIZE, whole)))
+        items.append(
+            Item(f"{role} gradient reduction bucket", dtype_bytes(param_dtype) * min(REDUCE_BUCKET_SIZE, whole))
+        )
     if param_dtype != "fp32":
         items.append(Item(f"{role} fp32 gradient partition", 4 * params, host=adam_offload))
     if not fused_adam and not adam_offload:
@@ -115,8 +135,9 @@ def working_state_items(role: str, shape: ModelShape, *, param_dtype: str, zero_
     return items
 
 
-def frozen_items(role: str, shape: ModelShape, *, param_dtype: str, zero_stage: int, data_parallel: int,
-                 offload: bool = False) -> list[Item]:
+def frozen_items(
+    role: str, shape: ModelShape, *, param_dtype: str, zero_stage: int, data_parallel: int, offload: bool = False
+) -> list[Item]:
     """Weights of a frozen model (reference, reward): ZeRO-3 shards them, --ref_reward_offload moves them."""
     weights = dtype_bytes(param_dtype) * shape.num_params / (data_parallel if zero_stage == 3 else 1)
     return [Item(f"{role} weights", weights, host=offload and zero_stage == 3)]
@@ -137,8 +158,15 @@ def logits_bytes(shape: ModelShape, tokens: int, *, param_dtype: str, backward: 
     return per_entry * tokens * shape.vocab
 
 
-def engine_items(shape: ModelShape, *, kv_cache_bytes: int | None, memory_share: float, device_bytes: float,
-                 tensor_parallel: int = 1, engine_dtype_bytes: int = 2) -> list[Item]:
+def engine_items(
+    shape: ModelShape,
+    *,
+    kv_cache_bytes: int | None,
+    memory_share: float,
+    device_bytes: float,
+    tensor_parallel: int = 1,
+    engine_dtype_bytes: int = 2,
+) -> list[Item]:
     """One vLLM engine's weights and KV cache on one of its devices."""
     weights = engine_dtype_bytes * shape.num_params / tensor_parallel
     kv = kv_cache_bytes if kv_cache_bytes is not None else max(0.0, memory_share * device_bytes - weights)
@@ -150,8 +178,9 @@ def _micro_tokens(cfg, *, train: bool) -> int:
     r, d = cfg.rollout, cfg.data
     row = d.prompt_max_len + d.generate_max_len
     if r.use_dynamic_batch:
-        tokens = r.train_max_tokens_per_gpu if train else (r.rollout_max_tokens_per_gpu
-                                                           or 2 * r.train_max_tokens_per_gpu)
+        tokens = (
+            r.train_max_tokens_per_gpu if train else (r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu)
+        )
     else:
         tokens = (cfg.train.micro_train_batch_size if train else r.micro_rollout_batch_size) * row
     return -(-tokens // r.ring_attn_size)
@@ -193,31 +222,74 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu
 
     actor = shapes["actor"]
     groups: dict[str, list[Item]] = {
-        "actor": trained_items("actor", actor, param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
-                               data_parallel=actor_world_size(cfg) // tp, tensor_parallel=tp,
-                               adam_offload=ds.adam_offload)
-        + working_state_items("actor", actor, param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
-                              data_parallel=actor_world_size(cfg) // tp, tensor_parallel=tp,
-                              adam_offload=ds.adam_offload, fused_adam=on_gpu)
-        + [_working_memory("actor", actor, cfg, trained=True, lm_head=True)]}
+        "actor": trained_items(
+            "actor",
+            actor,
+            param_dtype=ds.param_dtype,
+            zero_stage=ds.zero_stage,
+            data_parallel=actor_world_size(cfg) // tp,
+            tensor_parallel=tp,
+            adam_offload=ds.adam_offload,
+        )
+        + working_state_items(
+            "actor",
+            actor,
+            param_dtype=ds.param_dtype,
+            zero_stage=ds.zero_stage,
+            data_parallel=actor_world_size(cfg) // tp,
+            tensor_parallel=tp,
+            adam_offload=ds.adam_offload,
+            fused_adam=on_gpu,
+        )
+        + [_working_memory("actor", actor, cfg, trained=True, lm_head=True)]
+    }
     if needs_reference(cfg):
-        groups["ref"] = frozen_items("reference", actor, param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
-                                     data_parallel=ranks("ref"), offload=cfg.model.ref_reward_offload) \
-            + [_working_memory("reference", actor, cfg, trained=False, lm_head=True)]
+        groups["ref"] = frozen_items(
+            "reference",
+            actor,
+            param_dtype=ds.param_dtype,
+            zero_stage=ds.zero_stage,
+            data_parallel=ranks("ref"),
+            offload=cfg.model.ref_reward_offload,
+        ) + [_working_memory("reference", actor, cfg, trained=False, lm_head=True)]
     if needs_critic_group(cfg):
-        groups["critic"] = trained_items("critic", shapes["critic"], param_dtype=ds.param_dtype,
-                                         zero_stage=ds.zero_stage, data_parallel=ranks("critic"),
-                                         adam_offload=ds.adam_offload) \
-            + working_state_items("critic", shapes["critic"], param_dtype=ds.param_dtype, zero_stage=ds.zero_stage,
-                                  data_parallel=ranks("critic"), adam_offload=ds.adam_offload, fused_adam=on_gpu) \
+        groups["critic"] = (
+            trained_items(
+                "critic",
+                shapes["critic"],
+                param_dtype=ds.param_dtype,
+                zero_stage=ds.zero_stage,
+                data_parallel=ranks("critic"),
+                adam_offload=ds.adam_offload,
+            )
+            + working_state_items(
+                "critic",
+                shapes["critic"],
+                param_dtype=ds.param_dtype,
+                zero_stage=ds.zero_stage,
+                data_parallel=ranks("critic"),
+                adam_offload=ds.adam_offload,
+                fused_adam=on_gpu,
+            )
             + [_working_memory("critic", shapes["critic"], cfg, trained=True, lm_head=False)]
+        )
     if "reward" in shapes:
-        groups["reward"] = frozen_items("reward", shapes["reward"], param_dtype=ds.param_dtype,
-                                        zero_stage=ds.zero_stage, data_parallel=ranks("reward"),
-                                        offload=cfg.model.ref_reward_offload)
-    engine = engine_items(actor, kv_cache_bytes=v.vllm_kv_cache_bytes, memory_share=v.vllm_gpu_memory_utilization,
-                          device_bytes=device_bytes, tensor_parallel=v.vllm_tensor_parallel_size,
-                          engine_dtype_bytes=dtype_bytes(ds.param_dtype))
+        groups["reward"] = frozen_items(
+            "reward",
+            shapes["reward"],
+            param_dtype=ds.param_dtype,
+            zero_stage=ds.zero_stage,
+            data_parallel=ranks("reward"),
+            offload=cfg.model.ref_reward_offload,
+        )
+    engine = engine_items(
+        actor,
+        kv_cache_bytes=v.vllm_kv_cache_bytes,
+        memory_share=v.vllm_gpu_memory_utilization,
+        device_bytes=device_bytes,
+        tensor_parallel=v.vllm_tensor_parallel_size,
+        engine_dtype_bytes=dtype_bytes(ds.param_dtype),
+    )
     if res.colocate_all_models:
         return [_colocated(groups, engine, cfg)]
     if res.colocate_actor_ref and "ref" in groups:
@@ -237,16 +309,23 @@ def _colocated(groups: dict[str, list[Item]], engine: list[Item], cfg) -> Device
     resident = [i for i in items if i not in working and not i.host]
     states = [i for i in resident if "optimizer" in i.what or "gradient" in i.what]
     engine_total = sum(i.bytes for i in engine)
-    train_phase = sum(i.bytes for i in resident) + max(i.bytes for i in working) + \
-        (0.0 if cfg.vllm.vllm_enable_sleep else engine_total)
-    generate_phase = sum(i.bytes for i in resident) + engine_total - \
-        (sum(i.bytes for i in states) if cfg.ds.deepspeed_enable_sleep else 0.0)
+    train_phase = (
+        sum(i.bytes for i in resident)
+        + max(i.bytes for i in working)
+        + (0.0 if cfg.vllm.vllm_enable_sleep else engine_total)
+    )
+    generate_phase = (
+        sum(i.bytes for i in resident)
+        + engine_total
+        - (sum(i.bytes for i in states) if cfg.ds.deepspeed_enable_sleep else 0.0)
+    )
     plan = DevicePlan("shared device (--colocate_all_models)", [i for i in items if i not in working] + engine)
     plan.items.append(Item("peak working memory (largest micro-batch)", max(i.bytes for i in working)))
     if cfg.vllm.vllm_enable_sleep or cfg.ds.deepspeed_enable_sleep:
         # the two phases never hold everything at once: report the larger one as the device total
-        plan.items.append(Item("freed by sleep/offload at the peak",
-                               max(train_phase, generate_phase) - plan.device_bytes))
+        plan.items.append(
+            Item("freed by sleep/offload at the peak", max(train_phase, generate_phase) - plan.device_bytes)
+        )
     return plan
 
 
@@ -261,8 +340,10 @@ def plan_text(plans: list[DevicePlan], device_bytes: float) -> tuple[str, bool]:
         total = plan.device_bytes
         ok = total <= device_bytes
         fits &= ok
-        lines.append(f"  {'total on the device':<52}{total / GIB:>9.2f} GiB of {device_bytes / GIB:.2f} GiB"
-                     f"{'' if ok else '  <-- does NOT fit'}")
+        lines.append(
+            f"  {'total on the device':<52}{total / GIB:>9.2f} GiB of {device_bytes / GIB:.2f} GiB"
+            f"{'' if ok else '  <-- does NOT fit'}"
+        )
     return "\n".join(lines), fits
 
 
@@ -284,11 +365,16 @@ def model_shape(path: str, flag: str, *, scalar: bool = False) -> ModelShape:
         num_params -= 0 if tied else head.weight.numel()
         num_params += config.hidden_size
     heads = config.num_attention_heads
-    return ModelShape(num_params=num_params, embedding_params=embed + (0 if tied or scalar else head.weight.numel()),
-                      num_layers=config.num_hidden_layers, hidden=config.hidden_size,
-                      intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
-                      vocab=config.vocab_size, kv_heads=getattr(config, "num_key_value_heads", None) or heads,
-                      head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads)
+    return ModelShape(
+        num_params=num_params,
+        embedding_params=embed + (0 if tied or scalar else head.weight.numel()),
+        num_layers=config.num_hidden_layers,
+        hidden=config.hidden_size,
+        intermediate=getattr(config, "intermediate_size", 4 * config.hidden_size),
+        vocab=config.vocab_size,
+        kv_heads=getattr(config, "num_key_value_heads", None) or heads,
+        head_dim=getattr(config, "head_dim", None) or config.hidden_size // heads,
+    )
 
 
 def run_shapes(cfg) -> dict[str, ModelShape]:
@@ -298,8 +384,9 @@ def run_shapes(cfg) -> dict[str, ModelShape]:
     m = cfg.model
     shapes = {"actor": model_shape(m.pretrain, "--pretrain")}
     if needs_critic_group(cfg):
-        shapes["critic"] = model_shape(m.critic_pretrain or m.reward_pretrain or m.pretrain, "--critic_pretrain",
-                                       scalar=True)
+        shapes["critic"] = model_shape(
+            m.critic_pretrain or m.reward_pretrain or m.pretrain, "--critic_pretrain", scalar=True
+        )
     if m.reward_pretrain:
         shapes["reward"] = model_shape(m.reward_pretrain, "--reward_pretrain", scalar=True)
     return shapes
@@ -313,16 +400,21 @@ def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape]) -> float:
     from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
 
     res, v = cfg.resources, cfg.vllm
-    ranks = {"actor": actor_world_size(cfg),
-             "ref": res.ref_num_nodes * res.ref_num_gpus_per_node if needs_reference(cfg) else 0,
-             "critic": res.critic_num_nodes * res.critic_num_gpus_per_node if needs_critic_group(cfg) else 0,
-             "reward": res.reward_num_nodes * res.reward_num_gpus_per_node if "reward" in shapes else 0}
+    ranks = {
+        "actor": actor_world_size(cfg),
+        "ref": res.ref_num_nodes * res.ref_num_gpus_per_node if needs_reference(cfg) else 0,
+        "critic": res.critic_num_nodes * res.critic_num_gpus_per_node if needs_critic_group(cfg) else 0,
+        "reward": res.reward_num_nodes * res.reward_num_gpus_per_node if "reward" in shapes else 0,
+    }
     workers = v.vllm_num_engines * v.vllm_tensor_parallel_size
     total = (sum(ranks.values()) + workers) * PROCESS_OVERHEAD_BYTES
     # device_bytes 0: the planned KV cache is then 0 (it is what is being sized); on CPU nothing sleeps
     for plan in plan_devices(cfg, shapes, 0.0, on_gpu=False):
-        held = sum(i.bytes for i in plan.items if not i.what.startswith(("freed by", "peak working"))
-                   and "micro-batch" not in i.what)
+        held = sum(
+            i.bytes
+            for i in plan.items
+            if not i.what.startswith(("freed by", "peak working")) and "micro-batch" not in i.what
+        )
         role = plan.name.split(" ")[0]
         if role in ranks:
             total += ranks[role] * held
@@ -339,8 +431,9 @@ class KVCacheSize:
     reason: str  # one log line
 
 
-def cpu_kv_cache_bytes(*, per_token: int, sequences: int, max_model_len: int, available: float, others: float,
-                       share: float, engines: int) -> KVCacheSize:
+def cpu_kv_cache_bytes(
+    *, per_token: int, sequences: int, max_model_len: int, available: float, others: float, share: float, engines: int
+) -> KVCacheSize:
     """The default KV cache of each engine on CPU (pure).
 
     Wanted: the engine's share of the rollout batch (`sequences` running at once), each up to `max_model_len`
@@ -358,11 +451,17 @@ def cpu_kv_cache_bytes(*, per_token: int, sequences: int, max_model_len: int, av
             f"engine, and {available / GIB:.1f} GiB of free RAM minus {others / GIB:.1f} GiB for the trainers, x "
             f"--vllm_gpu_memory_utilization {share:g}, over {engines} engine(s) leaves {cap / GIB:.2f} GiB; pass "
             f"--vllm_kv_cache_bytes, raise --vllm_gpu_memory_utilization, or use fewer engines or a shorter "
-            f"--prompt_max_len/--generate_max_len")
-    how = (f"{sequences} seqs x {tokens} tokens x {per_token / 1024:.1f} KiB/token x {KV_HEADROOM:g} headroom "
-           f"(cap {cap / GIB:.2f} GiB: {share:g} x ({available / GIB:.1f} GiB free - {others / GIB:.1f} GiB for the "
-           f"trainers) / {engines} engine(s))")
+            f"--prompt_max_len/--generate_max_len"
+        )
+    how = (
+        f"{sequences} seqs x {tokens} tokens x {per_token / 1024:.1f} KiB/token x {KV_HEADROOM:g} headroom "
+        f"(cap {cap / GIB:.2f} GiB: {share:g} x ({available / GIB:.1f} GiB free - {others / GIB:.1f} GiB for the "
+        f"trainers) / {engines} engine(s))"
+    )
     if wanted <= cap:
         return KVCacheSize(wanted, f"vLLM KV cache per engine: {wanted / GIB:.3f} GiB = {how}")
-    return KVCacheSize(cap, f"vLLM KV cache per engine: {cap / GIB:.3f} GiB, the cap; {wanted / GIB:.2f} GiB wanted = "
-                            f"{how}: fewer sequences generate at once (--vllm_kv_cache_bytes sets it)")
+    return KVCacheSize(
+        cap,
+        f"vLLM KV cache per engine: {cap / GIB:.3f} GiB, the cap; {wanted / GIB:.2f} GiB wanted = "
+        f"{how}: fewer sequences generate at once (--vllm_kv_cache_bytes sets it)",
+    )

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from typing import Callable, ContextManager
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.groups import Groups
@@ -16,7 +17,7 @@ class MemorySwap:
     parameter states are offloaded (`--deepspeed_enable_sleep`) while the engines generate. Each switch is timed.
     """
 
-    def __init__(self, cfg: PPOConfig, groups: Groups, timer: Callable[[str], ContextManager]):
+    def __init__(self, cfg: PPOConfig, groups: Groups, timer: Callable[[str], AbstractContextManager]):
         self.engines_sleep = cfg.vllm.vllm_enable_sleep
         self.trainer_sleep = cfg.ds.deepspeed_enable_sleep
         self.groups = groups

@@ -62,7 +62,7 @@ def equalize(micros: list[list[int]], lengths: list[int], count: int, packed: bo
             break
         i = max(splittable, key=lambda k: cost([lengths[j] for j in micros[k]], packed))
         half = len(micros[i]) // 2
-        micros[i: i + 1] = [micros[i][:half], micros[i][half:]]
+        micros[i : i + 1] = [micros[i][:half], micros[i][half:]]
     return micros
 
 

@@ -36,8 +36,11 @@ class PromptStream:
 
     def _order(self, episode: int) -> list[int]:
         if episode not in self._orders:
-            self._orders = {episode: torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(
-                self.seed * 100_003 + episode)).tolist()}
+            self._orders = {
+                episode: torch.randperm(
+                    self.num_prompts, generator=torch.Generator().manual_seed(self.seed * 100_003 + episode)
+                ).tolist()
+            }
         return self._orders[episode]
 
     def take(self, n: int) -> list[int]:
@@ -54,7 +57,9 @@ class PromptStream:
 
     def load_state_dict(self, state: dict[str, int]) -> None:
         if state["per_episode"] != self.per_episode:
-            raise ValueError(f"the checkpoint was taken with {state['per_episode']} prompts per episode, this run has "
-                             f"{self.per_episode}: resume with the same --prompt_data, --max_samples and "
-                             f"--rollout_batch_size")
+            raise ValueError(
+                f"the checkpoint was taken with {state['per_episode']} prompts per episode, this run has "
+                f"{self.per_episode}: resume with the same --prompt_data, --max_samples and "
+                f"--rollout_batch_size"
+            )
         self.cursor = int(state["cursor"])

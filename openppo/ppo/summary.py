@@ -32,7 +32,7 @@ class RunHistory:
         self.response_length: tuple[float, float] = (float("nan"), float("nan"))  # first, last
 
     @classmethod
-    def of(cls, steps: Iterable[dict[str, float]]) -> "RunHistory":
+    def of(cls, steps: Iterable[dict[str, float]]) -> RunHistory:
         history = cls()
         for metrics in steps:
             history.add(metrics)
@@ -67,7 +67,7 @@ class RunHistory:
     def rewards(self, window: int) -> tuple[list[float], list[float]]:
         """The first and last `window` (at most KEEP) steps' mean rewards."""
         window = min(window, self.KEEP, self.steps)
-        return self._rewards_first[:window], list(self._rewards_last)[len(self._rewards_last) - window:]
+        return self._rewards_first[:window], list(self._rewards_last)[len(self._rewards_last) - window :]
 
 
 def summary_table(history: RunHistory, window: int = 5) -> str:
@@ -75,12 +75,14 @@ def summary_table(history: RunHistory, window: int = 5) -> str:
     if not history.steps:
         return "no steps were run"
     first, last = history.rewards(window)
-    lines = [f"steps: {history.steps}",
-             f"reward, mean of first {len(first)} steps: {_mean(first):.3f}",
-             f"reward, mean of last {len(last)} steps:  {_mean(last):.3f}",
-             f"response length, first -> last step: {history.response_length[0]:.1f} -> "
-             f"{history.response_length[1]:.1f}",
-             "", f"{'stage':<22}{'s/step':>10}{'share':>9}"]
+    lines = [
+        f"steps: {history.steps}",
+        f"reward, mean of first {len(first)} steps: {_mean(first):.3f}",
+        f"reward, mean of last {len(last)} steps:  {_mean(last):.3f}",
+        f"response length, first -> last step: {history.response_length[0]:.1f} -> {history.response_length[1]:.1f}",
+        "",
+        f"{'stage':<22}{'s/step':>10}{'share':>9}",
+    ]
     all_means = history.means()
     # timing/step is the whole step's wall time, not a stage: it is the total the stages are shares of
     means = {k: v for k, v in all_means.items() if k.startswith("timing/") and k != "timing/step"}

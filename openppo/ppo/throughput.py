@@ -52,8 +52,9 @@ def idle_seconds(timing: dict[str, float], step_seconds: float) -> float:
     return max(0.0, step_seconds - staged)
 
 
-def step_throughput(*, generated_tokens: int, trained_tokens: int, samples: int,
-                    timing: dict[str, float]) -> dict[str, float]:
+def step_throughput(
+    *, generated_tokens: int, trained_tokens: int, samples: int, timing: dict[str, float]
+) -> dict[str, float]:
     """perf/* rates of one step from its token counts and `timing/*` seconds (missing stages give no rate)."""
     out: dict[str, float] = {}
     generate, train, step = (timing.get(k, 0.0) for k in ("timing/generate", "timing/actor_train", "timing/step"))

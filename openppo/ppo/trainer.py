@@ -28,8 +28,8 @@ import json
 import logging
 import threading
 import time
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Callable, Iterator
 
 import torch
 from tqdm import tqdm
@@ -40,7 +40,6 @@ from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
-from openppo.rollout.pool import Sample
 from openppo.ppo.groups import Groups, TrainedGroup
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
@@ -48,6 +47,7 @@ from openppo.ppo.prompt_stream import PromptStream
 from openppo.ppo.summary import RunHistory
 from openppo.ppo.throughput import idle_seconds, step_throughput
 from openppo.ppo.validate import engine_dtype, needs_old_logprob_pass
+from openppo.rollout.pool import Sample
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
 from openppo.utils.resources import rss_gib
@@ -55,13 +55,26 @@ from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
 logger = logging.getLogger(__name__)
 _PROGRESS_KEYS = ("reward", "kl", "policy_loss", "response_length", "rollout/logprob_diff")
-_SHORT_NAMES = {"rollout/logprob_diff": "policy/rollout_logprob_diff", "policy_loss": "loss/policy",
-                "value_loss": "loss/value", "clip_ratio": "policy/clip_ratio", "entropy": "policy/entropy"}
+_SHORT_NAMES = {
+    "rollout/logprob_diff": "policy/rollout_logprob_diff",
+    "policy_loss": "loss/policy",
+    "value_loss": "loss/value",
+    "clip_ratio": "policy/clip_ratio",
+    "entropy": "policy/entropy",
+}
 
 
 class PPOTrainer:
-    def __init__(self, cfg: PPOConfig, groups: Groups, tokenizer, prompts, tracker: MetricsTracker,
-                 eval_prompts=None, agent_rollout: Callable | None = None):
+    def __init__(
+        self,
+        cfg: PPOConfig,
+        groups: Groups,
+        tokenizer,
+        prompts,
+        tracker: MetricsTracker,
+        eval_prompts=None,
+        agent_rollout: Callable | None = None,
+    ):
         self.cfg = cfg
         self.groups = groups
         self.tokenizer = tokenizer
@@ -70,8 +83,12 @@ class PPOTrainer:
         self.agent_rollout = agent_rollout  # agent episodes instead of single-turn generation (openppo.agents)
         self.tracker = tracker
         self.kl_ctl = build_kl_controller(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
-        self.stream = PromptStream(len(prompts), rollout_batch_size=cfg.rollout.rollout_batch_size,
-                                   num_episodes=cfg.train.num_episodes, seed=cfg.train.seed)
+        self.stream = PromptStream(
+            len(prompts),
+            rollout_batch_size=cfg.rollout.rollout_batch_size,
+            num_episodes=cfg.train.num_episodes,
+            seed=cfg.train.seed,
+        )
         self.steps_per_episode = self.stream.per_episode // cfg.rollout.rollout_batch_size
         self.total_steps = self.steps_per_episode * cfg.train.num_episodes
         if cfg.train.max_steps > 0:
@@ -88,8 +105,10 @@ class PPOTrainer:
         self._profiler: StepProfiler | None = None  # the driver's trace while a --profile_steps step runs
         self._old_logprob_pass = needs_old_logprob_pass(cfg)
         if not self._old_logprob_pass:
-            logger.info("one on-policy optimizer step per batch and no reference model: the update's own "
-                        "log-probs are the old log-probs (no separate old-log-prob pass)")
+            logger.info(
+                "one on-policy optimizer step per batch and no reference model: the update's own "
+                "log-probs are the old log-probs (no separate old-log-prob pass)"
+            )
         self.swap = MemorySwap(cfg, groups, self.timer)
         Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
         self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
@@ -123,18 +142,44 @@ class PPOTrainer:
         version = self.policy_version
         if self.agent_rollout is not None:
             turns = itertools.count()
-            samples = self.agent_rollout(lambda ids, budgets: [c[0] for c in self._generate(
-                ids, n=1, temperature=temperature, max_new_tokens=budgets,
-                seed=None if seed is None else seed + next(turns))], items, n)
+            samples = self.agent_rollout(
+                lambda ids, budgets: [
+                    c[0]
+                    for c in self._generate(
+                        ids,
+                        n=1,
+                        temperature=temperature,
+                        max_new_tokens=budgets,
+                        seed=None if seed is None else seed + next(turns),
+                    )
+                ],
+                items,
+                n,
+            )
             for s in samples:
                 s.policy_version = version
             return samples
-        outputs = self._generate([it["prompt_ids"] for it in items], n=n, temperature=temperature,
-                                 max_new_tokens=self.cfg.data.generate_max_len, seed=seed)
-        return [Sample(prompt_ids=list(item["prompt_ids"]), response_ids=c["token_ids"],
-                       rollout_log_probs=c["logprobs"], finish_reason=c["finish_reason"], group=item["index"],
-                       label=item["label"], prompt_text=item["prompt"], policy_version=version)
-                for item, completions in zip(items, outputs) for c in completions]
+        outputs = self._generate(
+            [it["prompt_ids"] for it in items],
+            n=n,
+            temperature=temperature,
+            max_new_tokens=self.cfg.data.generate_max_len,
+            seed=seed,
+        )
+        return [
+            Sample(
+                prompt_ids=list(item["prompt_ids"]),
+                response_ids=c["token_ids"],
+                rollout_log_probs=c["logprobs"],
+                finish_reason=c["finish_reason"],
+                group=item["index"],
+                label=item["label"],
+                prompt_text=item["prompt"],
+                policy_version=version,
+            )
+            for item, completions in zip(items, outputs)
+            for c in completions
+        ]
 
     def _generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[dict]]:
         r = self.cfg.rollout
@@ -149,8 +194,9 @@ class PPOTrainer:
         if self.groups.reward_source is not None:
             responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
             prompts = [s.prompt_text for s in samples]
-            result = self.groups.reward_source.score([p + r for p, r in zip(prompts, responses)], prompts,
-                                                     [s.label for s in samples])
+            result = self.groups.reward_source.score(
+                [p + r for p, r in zip(prompts, responses)], prompts, [s.label for s in samples]
+            )
             extra = {f"reward/{k}": sum(v) / len(v) for k, v in result.extra_logs.items() if v}
             return torch.tensor(result.rewards, dtype=torch.float32), extra
         batch = collate_samples(samples, self.tokenizer.pad_token_id)
@@ -194,9 +240,13 @@ class PPOTrainer:
             scores.append(new_scores)
         if r.dynamic_filtering:
             all_scores = torch.cat(generated)
-            logs.update({"rollout/generate_rounds": rounds,
-                         "rollout/filtered_ratio": 1.0 - len(samples) / all_scores.numel(),
-                         "rollout/reward_before_filter": all_scores.mean().item()})
+            logs.update(
+                {
+                    "rollout/generate_rounds": rounds,
+                    "rollout/filtered_ratio": 1.0 - len(samples) / all_scores.numel(),
+                    "rollout/reward_before_filter": all_scores.mean().item(),
+                }
+            )
         return Rollout(samples, torch.cat(scores), logs, taken, self.stream.state_dict(), dict(self._timing))
 
     def _round_seed(self, cursor: int) -> int:
@@ -218,18 +268,22 @@ class PPOTrainer:
         decoded example."""
         samples, scores = rollout.samples, rollout.scores
         first = samples[0]
-        example = {"prompt": first.prompt_text,
-                   "response": self.tokenizer.decode(first.response_ids, skip_special_tokens=True),
-                   "reward": float(scores[0])}
+        example = {
+            "prompt": first.prompt_text,
+            "response": self.tokenizer.decode(first.response_ids, skip_special_tokens=True),
+            "reward": float(scores[0]),
+        }
         groups = list(dict.fromkeys(s.group for s in samples))
-        self._rollout_log.write(json.dumps({"step": self.global_step, "prompts": groups, "taken": rollout.taken,
-                                            "example": example}) + "\n")
+        self._rollout_log.write(
+            json.dumps({"step": self.global_step, "prompts": groups, "taken": rollout.taken, "example": example}) + "\n"
+        )
 
     # ------------------------------------------------------------------------------------------------ one step
     def sync_weights(self) -> dict[str, float]:
         cfg = self.cfg
-        stats = self.groups.actor.sync_weights(self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20,
-                                               engine_dtype(cfg))
+        stats = self.groups.actor.sync_weights(
+            self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20, engine_dtype(cfg)
+        )
         self.policy_version += 1
         if cfg.vllm.vllm_sync_check and not self._sync_checked:
             self._check_engine_weights()
@@ -242,10 +296,11 @@ class PPOTrainer:
         checks = self.groups.actor.check_engine_weights(self.groups.engines)
         bad = [f"engine {i}: {summary}" for i, (ok, summary) in enumerate(checks) if not ok]
         if bad:
-            raise RuntimeError("--vllm_sync_check: after the weight sync the engines compute with other weights than "
-                               "the trainer's, so rollouts would not come from the trained policy: " + "; ".join(bad))
-        logger.info("--vllm_sync_check: %d engine(s) compute with the trainer's weights: %s", len(checks),
-                    checks[0][1])
+            raise RuntimeError(
+                "--vllm_sync_check: after the weight sync the engines compute with other weights than "
+                "the trainer's, so rollouts would not come from the trained policy: " + "; ".join(bad)
+            )
+        logger.info("--vllm_sync_check: %d engine(s) compute with the trainer's weights: %s", len(checks), checks[0][1])
         self._sync_checked = True
 
     def step(self) -> dict[str, float] | None:
@@ -283,9 +338,17 @@ class PPOTrainer:
         # advantages: rewards (KL-penalised where the KL is not a loss term) -> per-token advantages and returns
         with self.timer("advantages"):
             adv = compute_advantages_for_batch(
-                batch, rollout.scores, algo=cfg.algo, n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
-                generate_max_len=cfg.data.generate_max_len, kl_coef=self.kl_ctl.value, log_probs=old,
-                ref_log_probs=ref, values=values, reward_mean_std=g.reward.normalization if g.reward else None)
+                batch,
+                rollout.scores,
+                algo=cfg.algo,
+                n_samples_per_prompt=cfg.rollout.n_samples_per_prompt,
+                generate_max_len=cfg.data.generate_max_len,
+                kl_coef=self.kl_ctl.value,
+                log_probs=old,
+                ref_log_probs=ref,
+                values=values,
+                reward_mean_std=g.reward.normalization if g.reward else None,
+            )
         self.global_step += 1
         self._log_rollout(rollout)
 
@@ -297,8 +360,11 @@ class PPOTrainer:
                 metrics.update(g.critic.train(critic_data, self.global_step))
         if self.global_step > cfg.train.freezing_actor_steps:
             train_data = {**model_in, "advantages": adv["advantages"], "rollout_log_probs": batch["rollout_log_probs"]}
-            optional = {"old_log_probs": old, "old_sampling_log_probs": None if old_sampling is old else old_sampling,
-                        "ref_log_probs": ref if cfg.algo.use_kl_loss else None}
+            optional = {
+                "old_log_probs": old,
+                "old_sampling_log_probs": None if old_sampling is old else old_sampling,
+                "ref_log_probs": ref if cfg.algo.use_kl_loss else None,
+            }
             train_data.update({k: v for k, v in optional.items() if v is not None})
             with self.timer("actor_train"):
                 metrics.update(g.actor.train(train_data, self.kl_ctl.value, self.global_step))
@@ -311,25 +377,39 @@ class PPOTrainer:
         self.swap.to_engines()
         return self._step_metrics(rollout, batch, adv, old_sampling, metrics, start)
 
-    def _step_metrics(self, rollout: Rollout, batch: dict[str, torch.Tensor], adv: dict[str, torch.Tensor],
-                      old_sampling: torch.Tensor | None, metrics: dict[str, float], start: float) -> dict[str, float]:
+    def _step_metrics(
+        self,
+        rollout: Rollout,
+        batch: dict[str, torch.Tensor],
+        adv: dict[str, torch.Tensor],
+        old_sampling: torch.Tensor | None,
+        metrics: dict[str, float],
+        start: float,
+    ) -> dict[str, float]:
         """The step's rollout, KL, timing and throughput metrics around the updates' own; moves the KL controller."""
         cfg, mask, scores = self.cfg, batch["action_mask"], rollout.scores
         kl = masked_mean(adv["kl"], mask).item()
         # The adaptive controller's target is in nats per response (Ziegler et al.), not per token.
         kl_response = sequence_kl(adv["kl"], mask).mean().item()
         self.kl_ctl.update(kl_response, len(rollout.samples))
-        metrics.update({
-            "rollout/reward": scores.mean().item(), "reward": scores.mean().item(), "kl": kl,
-            "rollout/kl_per_response": kl_response,
-            "rollout/kl_coef": self.kl_ctl.value, "response_length": batch["response_length"].float().mean().item(),
-            "rollout/truncated_ratio": batch["truncated"].float().mean().item(),
-            "rollout/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
-            "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode,
-            **rollout.logs})
+        metrics.update(
+            {
+                "rollout/reward": scores.mean().item(),
+                "reward": scores.mean().item(),
+                "kl": kl,
+                "rollout/kl_per_response": kl_response,
+                "rollout/kl_coef": self.kl_ctl.value,
+                "response_length": batch["response_length"].float().mean().item(),
+                "rollout/truncated_ratio": batch["truncated"].float().mean().item(),
+                "rollout/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
+                "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode,
+                **rollout.logs,
+            }
+        )
         if old_sampling is not None:
-            metrics.update({f"rollout/{k}": v for k, v in engine_gap(batch["rollout_log_probs"], old_sampling,
-                                                                      mask).items()})
+            metrics.update(
+                {f"rollout/{k}": v for k, v in engine_gap(batch["rollout_log_probs"], old_sampling, mask).items()}
+            )
         # Short names of the headline metrics, only where the step produced them: a placeholder NaN would now be
         # logged (non-finite values are kept) and read as a diverged run.
         for short, name in _SHORT_NAMES.items():
@@ -339,8 +419,14 @@ class PPOTrainer:
         timing["timing/idle"] = idle_seconds(timing, timing["timing/step"])
         trained = int(batch["attention_mask"].sum()) * cfg.train.max_epochs
         metrics.update(timing)
-        metrics.update(step_throughput(generated_tokens=int(batch["response_length"].sum()), trained_tokens=trained,
-                                       samples=len(rollout.samples), timing=timing))
+        metrics.update(
+            step_throughput(
+                generated_tokens=int(batch["response_length"].sum()),
+                trained_tokens=trained,
+                samples=len(rollout.samples),
+                timing=timing,
+            )
+        )
         metrics["perf/driver_rss_gib"] = rss_gib()
         return metrics
 
@@ -366,9 +452,11 @@ class PPOTrainer:
         start = time.perf_counter()
         samples = self.generate(items, n=d.eval_n_samples_per_prompt, temperature=d.eval_temperature)
         scores, _ = self.score(samples)
-        metrics = eval_metrics(scores.view(len(items), d.eval_n_samples_per_prompt),
-                               [it.get("datasource", "default") for it in items],
-                               torch.tensor([len(s.response_ids) for s in samples]))
+        metrics = eval_metrics(
+            scores.view(len(items), d.eval_n_samples_per_prompt),
+            [it.get("datasource", "default") for it in items],
+            torch.tensor([len(s.response_ids) for s in samples]),
+        )
         metrics["timing/eval"] = time.perf_counter() - start
         return metrics
 
@@ -381,8 +469,11 @@ class PPOTrainer:
     # ------------------------------------------------------------------------------------------------ checkpoints
     def _ckpt_parts(self) -> dict[str, TrainedGroup]:
         """The trained models of a checkpoint, by the subfolder of --ckpt_path each one saves into."""
-        return {name: group for name, group in (("actor", self.groups.actor), ("critic", self.groups.critic))
-                if group is not None}
+        return {
+            name: group
+            for name, group in (("actor", self.groups.actor), ("critic", self.groups.critic))
+            if group is not None
+        }
 
     def save_checkpoint(self) -> None:
         """Every trained model saves its part of this step, then the controller commits the step (see
@@ -392,12 +483,20 @@ class PPOTrainer:
             hf_dir = ckpt.hf_export_dir(self.ckpt_dir, self.global_step)
             self.groups.actor.save_hf(str(hf_dir), self.cfg.model.pretrain)
             removed = ckpt.rotate_hf(self.ckpt_dir, c.max_ckpt_num)
-            logger.info("HF model of step %d saved to %s%s", self.global_step, hf_dir,
-                        f"; removed {', '.join(removed)}" if removed else "")
+            logger.info(
+                "HF model of step %d saved to %s%s",
+                self.global_step,
+                hf_dir,
+                f"; removed {', '.join(removed)}" if removed else "",
+            )
         if c.disable_ds_ckpt:
             return
-        state = {"global_step": self.global_step, "prompt_stream": self._data_position,
-                 "kl_controller": self.kl_ctl.state_dict(), "trainer": "ppo"}
+        state = {
+            "global_step": self.global_step,
+            "prompt_stream": self._data_position,
+            "kl_controller": self.kl_ctl.state_dict(),
+            "trainer": "ppo",
+        }
         start = time.perf_counter()
         parts = self._ckpt_parts()
         ckpt.begin_save(self.ckpt_dir, self.global_step, list(parts))
@@ -405,8 +504,13 @@ class PPOTrainer:
             group.save_checkpoint(str(self.ckpt_dir / name), self.global_step, state)
         ckpt.commit(self.ckpt_dir, self.global_step, list(parts), state)
         removed = ckpt.rotate(self.ckpt_dir, c.max_ckpt_num, self.global_step, list(parts))
-        logger.info("checkpoint of step %d saved to %s in %.1f s%s", self.global_step, self.ckpt_dir,
-                    time.perf_counter() - start, f"; removed {', '.join(removed)}" if removed else "")
+        logger.info(
+            "checkpoint of step %d saved to %s in %.1f s%s",
+            self.global_step,
+            self.ckpt_dir,
+            time.perf_counter() - start,
+            f"; removed {', '.join(removed)}" if removed else "",
+        )
 
     def resume(self) -> bool:
         """Restore actor, critic and controller state from the newest committed step and re-sync the engines."""
@@ -417,9 +521,11 @@ class PPOTrainer:
         parts = self._ckpt_parts()
         missing = [name for name in parts if name not in commit.parts]
         if missing:
-            raise UserError(f"--load_checkpoint: the checkpoint of step {commit.step} in {self.ckpt_dir} has no "
-                            f"{' or '.join(missing)} (it was saved by a run without one); resume with the same "
-                            f"models, or delete {self.ckpt_dir} to start fresh")
+            raise UserError(
+                f"--load_checkpoint: the checkpoint of step {commit.step} in {self.ckpt_dir} has no "
+                f"{' or '.join(missing)} (it was saved by a run without one); resume with the same "
+                f"models, or delete {self.ckpt_dir} to start fresh"
+            )
         for name, group in parts.items():
             group.load_checkpoint(str(self.ckpt_dir / name), commit.step)
         state = commit.state
@@ -431,8 +537,13 @@ class PPOTrainer:
             set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
         self.sync_weights()
         self.policy_version = self.global_step
-        logger.info("resumed from %s at step %d (prompt %d of %d); engines re-synced", self.ckpt_dir,
-                    self.global_step, self.stream.cursor, self.stream.total)
+        logger.info(
+            "resumed from %s at step %d (prompt %d of %d); engines re-synced",
+            self.ckpt_dir,
+            self.global_step,
+            self.stream.cursor,
+            self.stream.total,
+        )
         return True
 
     # ------------------------------------------------------------------------------------------------ loop
@@ -446,9 +557,12 @@ class PPOTrainer:
             self.resume()
         self.swap.start()
         if cfg.rollout.async_train:
-            self._producer = RolloutProducer(self.collect, ahead=cfg.rollout.async_queue_size,
-                                             limit=self.total_steps - self.global_step,
-                                             timeout_s=float(cfg.ds.dist_timeout))
+            self._producer = RolloutProducer(
+                self.collect,
+                ahead=cfg.rollout.async_queue_size,
+                limit=self.total_steps - self.global_step,
+                timeout_s=float(cfg.ds.dist_timeout),
+            )
             self._producer.start()
         try:
             return self._loop()
@@ -472,9 +586,12 @@ class PPOTrainer:
             if traced:
                 self._profile("stop")
             if metrics is None:
-                logger.info("every prompt of the %d episode(s) was drawn by step %d (dynamic filtering draws more "
-                            "than one batch of prompts per step); stopping", self.stream.num_episodes,
-                            self.global_step)
+                logger.info(
+                    "every prompt of the %d episode(s) was drawn by step %d (dynamic filtering draws more "
+                    "than one batch of prompts per step); stopping",
+                    self.stream.num_episodes,
+                    self.global_step,
+                )
                 break
             if self._producer is not None:
                 self._producer.step_done()

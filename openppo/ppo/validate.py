@@ -6,9 +6,18 @@ for options that are accepted but cannot take effect here. It never rewrites the
 
 from __future__ import annotations
 
-from openppo.algorithms import (GROUP_ESTIMATORS, check_dual_clip, check_is_threshold, check_overlong,
-                                check_reward_clip_range, check_sampling_filter, check_truncation_penalty,
-                                check_value_clip, clip_bounds, needs_critic)
+from openppo.algorithms import (
+    GROUP_ESTIMATORS,
+    check_dual_clip,
+    check_is_threshold,
+    check_overlong,
+    check_reward_clip_range,
+    check_sampling_filter,
+    check_truncation_penalty,
+    check_value_clip,
+    clip_bounds,
+    needs_critic,
+)
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
@@ -16,6 +25,7 @@ from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
 from openppo.utils.profiling import parse_profile_steps
+
 
 def needs_reference(cfg: PPOConfig) -> bool:
     return cfg.algo.init_kl_coef > 0
@@ -50,8 +60,12 @@ def actor_world_size(cfg: PPOConfig) -> int:
 
 def used_roles(cfg: PPOConfig) -> list[str]:
     """The model roles this run starts: the actor, and the reference, critic and reward model where needed."""
-    used = {"actor": True, "ref": needs_reference(cfg), "critic": needs_critic_group(cfg),
-            "reward": bool(cfg.model.reward_pretrain)}
+    used = {
+        "actor": True,
+        "ref": needs_reference(cfg),
+        "critic": needs_critic_group(cfg),
+        "reward": bool(cfg.model.reward_pretrain),
+    }
     return [role for role, present in used.items() if present]
 
 
@@ -73,17 +87,23 @@ def _models(cfg: PPOConfig) -> None:
         raise UserError("--reward_pretrain and --remote_rm_url both given: pick one reward source")
     agent = cfg.rollout.agent_func_path
     if agent and (m.reward_pretrain or m.remote_rm_url):
-        raise UserError(f"--agent_func_path {agent}: the agent's environment gives the reward; drop "
-                        f"{'--reward_pretrain' if m.reward_pretrain else '--remote_rm_url'}")
+        raise UserError(
+            f"--agent_func_path {agent}: the agent's environment gives the reward; drop "
+            f"{'--reward_pretrain' if m.reward_pretrain else '--remote_rm_url'}"
+        )
     if not agent and not m.reward_pretrain and not m.remote_rm_url:
-        raise UserError("a reward source is required: --reward_pretrain DIR, --remote_rm_url URL[,URL] / FILE.py, "
-                        "or --agent_func_path FILE.py")
+        raise UserError(
+            "a reward source is required: --reward_pretrain DIR, --remote_rm_url URL[,URL] / FILE.py, "
+            "or --agent_func_path FILE.py"
+        )
     if m.reward_pretrain:
         resolve_model_path(m.reward_pretrain, "--reward_pretrain")
     if m.critic_pretrain:
         if algo.advantage_estimator != "gae":
-            raise UserError(f"--critic_pretrain is only used by --advantage_estimator gae, not "
-                            f"{algo.advantage_estimator}: drop one of them")
+            raise UserError(
+                f"--critic_pretrain is only used by --advantage_estimator gae, not "
+                f"{algo.advantage_estimator}: drop one of them"
+            )
         resolve_model_path(m.critic_pretrain, "--critic_pretrain")
     validate_build(m)
 
@@ -91,13 +111,16 @@ def _models(cfg: PPOConfig) -> None:
 def _algorithm(cfg: PPOConfig) -> None:
     algo, r = cfg.algo, cfg.rollout
     if algo.advantage_estimator in GROUP_ESTIMATORS and r.n_samples_per_prompt < 2:
-        raise UserError(f"--advantage_estimator {algo.advantage_estimator} needs a group: set "
-                        f"--n_samples_per_prompt >= 2 (got {r.n_samples_per_prompt})")
+        raise UserError(
+            f"--advantage_estimator {algo.advantage_estimator} needs a group: set "
+            f"--n_samples_per_prompt >= 2 (got {r.n_samples_per_prompt})"
+        )
     if r.dynamic_filtering and r.n_samples_per_prompt < 2:
         raise UserError("--dynamic_filtering needs --n_samples_per_prompt >= 2 (it filters groups)")
     if algo.use_kl_loss and algo.init_kl_coef <= 0:
-        raise UserError("--use_kl_loss with --init_kl_coef 0 adds nothing: set --init_kl_coef > 0 or drop "
-                        "--use_kl_loss")
+        raise UserError(
+            "--use_kl_loss with --init_kl_coef 0 adds nothing: set --init_kl_coef > 0 or drop --use_kl_loss"
+        )
     require(algo.init_kl_coef >= 0, f"--init_kl_coef must be >= 0, got {algo.init_kl_coef}")
     if algo.kl_target is not None:
         _positive(algo.kl_target, "--kl_target")
@@ -110,11 +133,15 @@ def _algorithm(cfg: PPOConfig) -> None:
     require(0 < algo.gamma <= 1, f"--gamma must be in (0, 1], got {algo.gamma}")
     require(0 <= algo.lambd <= 1, f"--lambd must be in [0, 1], got {algo.lambd}")
     if algo.advantage_estimator in GROUP_ESTIMATORS and algo.gamma != 1.0:
-        raise UserError(f"--gamma {algo.gamma} with --advantage_estimator {algo.advantage_estimator}: group "
-                        f"estimators score whole responses; use --gamma 1")
+        raise UserError(
+            f"--gamma {algo.gamma} with --advantage_estimator {algo.advantage_estimator}: group "
+            f"estimators score whole responses; use --gamma 1"
+        )
     check_reward_clip_range(tuple(algo.reward_clip_range))
-    require(algo.entropy_loss_coef is None or algo.entropy_loss_coef >= 0,
-            f"--entropy_loss_coef must be >= 0, got {algo.entropy_loss_coef}")
+    require(
+        algo.entropy_loss_coef is None or algo.entropy_loss_coef >= 0,
+        f"--entropy_loss_coef must be >= 0, got {algo.entropy_loss_coef}",
+    )
     if algo.overlong_buffer_len is not None:
         check_overlong(algo.overlong_buffer_len, cfg.data.generate_max_len, algo.overlong_penalty_factor)
     if algo.stop_properly_penalty_coef is not None:
@@ -125,33 +152,45 @@ def _algorithm(cfg: PPOConfig) -> None:
 
 def _batches(cfg: PPOConfig) -> None:
     r, t, d = cfg.rollout, cfg.train, cfg.data
-    for value, flag in ((r.rollout_batch_size, "--rollout_batch_size"), (r.n_samples_per_prompt,
-                        "--n_samples_per_prompt"), (r.micro_rollout_batch_size, "--micro_rollout_batch_size"),
-                        (t.train_batch_size, "--train_batch_size"), (t.micro_train_batch_size,
-                        "--micro_train_batch_size"), (t.max_epochs, "--max_epochs"), (t.num_episodes,
-                        "--num_episodes"), (d.prompt_max_len, "--prompt_max_len"),
-                        (d.generate_max_len, "--generate_max_len"), (r.temperature, "--temperature"),
-                        (cfg.vllm.vllm_num_engines, "--vllm_num_engines")):
+    for value, flag in (
+        (r.rollout_batch_size, "--rollout_batch_size"),
+        (r.n_samples_per_prompt, "--n_samples_per_prompt"),
+        (r.micro_rollout_batch_size, "--micro_rollout_batch_size"),
+        (t.train_batch_size, "--train_batch_size"),
+        (t.micro_train_batch_size, "--micro_train_batch_size"),
+        (t.max_epochs, "--max_epochs"),
+        (t.num_episodes, "--num_episodes"),
+        (d.prompt_max_len, "--prompt_max_len"),
+        (d.generate_max_len, "--generate_max_len"),
+        (r.temperature, "--temperature"),
+        (cfg.vllm.vllm_num_engines, "--vllm_num_engines"),
+    ):
         _positive(value, flag)
     check_sampling_filter(r.top_k, r.top_p)
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     if samples % t.train_batch_size:
-        raise UserError(f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "
-                        f"multiple of --train_batch_size {t.train_batch_size}; pick sizes so that it is")
+        raise UserError(
+            f"--rollout_batch_size x --n_samples_per_prompt = {samples} samples per step is not a "
+            f"multiple of --train_batch_size {t.train_batch_size}; pick sizes so that it is"
+        )
     # Forward-only passes deal the rollout batch over a role's ranks, unevenly if need be, but each rank needs a row.
     for role in used_roles(cfg):
         world = role_ranks(cfg, role) // max(ranks_per_shard(cfg, role), 1)
         if samples < world:
-            raise UserError(f"{samples} samples per step cannot feed {world} data-parallel {role} ranks "
-                            f"(--{role}_num_nodes x --{role}_num_gpus_per_node): use fewer ranks or a larger "
-                            f"--rollout_batch_size")
+            raise UserError(
+                f"{samples} samples per step cannot feed {world} data-parallel {role} ranks "
+                f"(--{role}_num_nodes x --{role}_num_gpus_per_node): use fewer ranks or a larger "
+                f"--rollout_batch_size"
+            )
     trained = {"actor": True, "critic": needs_critic_group(cfg)}
     for role in (role for role, used in trained.items() if used):
         world = role_ranks(cfg, role) // max(ranks_per_shard(cfg, role), 1)
         if t.train_batch_size % (t.micro_train_batch_size * world):
-            raise UserError(f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
-                            f"{t.micro_train_batch_size} x {world} data-parallel {role} ranks (--{role}_num_nodes x "
-                            f"--{role}_num_gpus_per_node); pick a --train_batch_size that is")
+            raise UserError(
+                f"--train_batch_size {t.train_batch_size} is not a multiple of --micro_train_batch_size "
+                f"{t.micro_train_batch_size} x {world} data-parallel {role} ranks (--{role}_num_nodes x "
+                f"--{role}_num_gpus_per_node); pick a --train_batch_size that is"
+            )
     if d.eval_dataset:
         _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
         _positive(d.eval_temperature, "--eval_temperature")
@@ -167,8 +206,9 @@ def _batches(cfg: PPOConfig) -> None:
     try:
         parse_profile_steps(cfg.logging.profile_steps)
     except ValueError:
-        raise UserError(f"--profile_steps takes a comma list of positive step numbers (e.g. 2,5), got "
-                        f"{cfg.logging.profile_steps!r}") from None
+        raise UserError(
+            f"--profile_steps takes a comma list of positive step numbers (e.g. 2,5), got {cfg.logging.profile_steps!r}"
+        ) from None
     _positive(r.train_max_tokens_per_gpu, "--train_max_tokens_per_gpu")
     if r.rollout_max_tokens_per_gpu is not None:
         _positive(r.rollout_max_tokens_per_gpu, "--rollout_max_tokens_per_gpu")
@@ -177,8 +217,9 @@ def _batches(cfg: PPOConfig) -> None:
 def _sequence_parallel(cfg: PPOConfig) -> None:
     r = cfg.rollout
     _positive(r.ring_attn_size, "--ring_attn_size")
-    require(r.ring_head_stride >= 0, f"--ring_head_stride must be >= 0 (0 = all KV heads at once), got "
-                                     f"{r.ring_head_stride}")
+    require(
+        r.ring_head_stride >= 0, f"--ring_head_stride must be >= 0 (0 = all KV heads at once), got {r.ring_head_stride}"
+    )
     if r.ring_attn_size == 1:
         return
     if not r.packing_samples:
@@ -186,8 +227,10 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
     for role in used_roles(cfg):
         ranks = role_ranks(cfg, role)
         if ranks % r.ring_attn_size:
-            raise UserError(f"--ring_attn_size {r.ring_attn_size} must divide the {role} ranks (--{role}_num_nodes x "
-                            f"--{role}_num_gpus_per_node = {ranks})")
+            raise UserError(
+                f"--ring_attn_size {r.ring_attn_size} must divide the {role} ranks (--{role}_num_nodes x "
+                f"--{role}_num_gpus_per_node = {ranks})"
+            )
 
 
 def _tensor_parallel(cfg: PPOConfig) -> None:
@@ -198,17 +241,24 @@ def _tensor_parallel(cfg: PPOConfig) -> None:
         return
     ranks = actor_world_size(cfg)
     if ranks % tp:
-        raise UserError(f"--ds_tensor_parallel_size {tp} must divide the actor ranks (--actor_num_nodes x "
-                        f"--actor_num_gpus_per_node = {ranks}); pick a divisor or add actor ranks")
+        raise UserError(
+            f"--ds_tensor_parallel_size {tp} must divide the actor ranks (--actor_num_nodes x "
+            f"--actor_num_gpus_per_node = {ranks}); pick a divisor or add actor ranks"
+        )
     if ds.zero_stage == 3:
-        raise UserError("--ds_tensor_parallel_size needs --zero_stage 0, 1 or 2 (DeepSpeed AutoTP does not combine "
-                        "with ZeRO-3's parameter sharding)")
+        raise UserError(
+            "--ds_tensor_parallel_size needs --zero_stage 0, 1 or 2 (DeepSpeed AutoTP does not combine "
+            "with ZeRO-3's parameter sharding)"
+        )
     if cfg.rollout.ring_attn_size > 1:
-        raise UserError("--ds_tensor_parallel_size and --ring_attn_size both split the actor's work over ranks: "
-                        "use one of them")
+        raise UserError(
+            "--ds_tensor_parallel_size and --ring_attn_size both split the actor's work over ranks: use one of them"
+        )
     if cfg.model.lora_rank > 0:
-        raise UserError("--ds_tensor_parallel_size does not split LoRA adapters: drop --lora_rank or use "
-                        "--ds_tensor_parallel_size 1")
+        raise UserError(
+            "--ds_tensor_parallel_size does not split LoRA adapters: drop --lora_rank or use "
+            "--ds_tensor_parallel_size 1"
+        )
 
 
 def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
@@ -221,55 +271,78 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
     if v.vllm_kv_cache_bytes is not None:
         _positive(v.vllm_kv_cache_bytes, "--vllm_kv_cache_bytes")
     validate_ds_settings(ds)
-    require(0 < v.vllm_gpu_memory_utilization <= 1,
-            f"--vllm_gpu_memory_utilization must be in (0, 1], got {v.vllm_gpu_memory_utilization}")
+    require(
+        0 < v.vllm_gpu_memory_utilization <= 1,
+        f"--vllm_gpu_memory_utilization must be in (0, 1], got {v.vllm_gpu_memory_utilization}",
+    )
     if res.colocate_all_models:
         engines = v.vllm_num_engines * v.vllm_tensor_parallel_size
         if engines != actor_world_size(cfg):
-            raise UserError(f"--colocate_all_models needs --vllm_num_engines x --vllm_tensor_parallel_size "
-                            f"({engines}) == actor ranks ({actor_world_size(cfg)}); set --vllm_num_engines to "
-                            f"the actor ranks or drop --colocate_all_models")
-        for role, used in (("ref", needs_reference(cfg)), ("critic", needs_critic_group(cfg)),
-                           ("reward", bool(cfg.model.reward_pretrain))):
+            raise UserError(
+                f"--colocate_all_models needs --vllm_num_engines x --vllm_tensor_parallel_size "
+                f"({engines}) == actor ranks ({actor_world_size(cfg)}); set --vllm_num_engines to "
+                f"the actor ranks or drop --colocate_all_models"
+            )
+        for role, used in (
+            ("ref", needs_reference(cfg)),
+            ("critic", needs_critic_group(cfg)),
+            ("reward", bool(cfg.model.reward_pretrain)),
+        ):
             size = (getattr(res, f"{role}_num_nodes"), getattr(res, f"{role}_num_gpus_per_node"))
             if used and size != (res.actor_num_nodes, res.actor_num_gpus_per_node):
-                raise UserError(f"--colocate_all_models puts every model on the actor's devices: set "
-                                f"--{role}_num_nodes/--{role}_num_gpus_per_node ({size[0]}/{size[1]}) to the actor's "
-                                f"({res.actor_num_nodes}/{res.actor_num_gpus_per_node})")
-    if res.colocate_actor_ref and needs_reference(cfg) and (res.ref_num_nodes, res.ref_num_gpus_per_node) != (
-            res.actor_num_nodes, res.actor_num_gpus_per_node):
+                raise UserError(
+                    f"--colocate_all_models puts every model on the actor's devices: set "
+                    f"--{role}_num_nodes/--{role}_num_gpus_per_node ({size[0]}/{size[1]}) to the actor's "
+                    f"({res.actor_num_nodes}/{res.actor_num_gpus_per_node})"
+                )
+    if (
+        res.colocate_actor_ref
+        and needs_reference(cfg)
+        and (res.ref_num_nodes, res.ref_num_gpus_per_node) != (res.actor_num_nodes, res.actor_num_gpus_per_node)
+    ):
         raise UserError("--colocate_actor_ref needs --ref_num_nodes/--ref_num_gpus_per_node equal to the actor's")
     critic_size = (res.critic_num_nodes, res.critic_num_gpus_per_node)
-    if res.colocate_critic_reward and needs_critic_group(cfg) and cfg.model.reward_pretrain and critic_size != (
-            res.reward_num_nodes, res.reward_num_gpus_per_node):
+    if (
+        res.colocate_critic_reward
+        and needs_critic_group(cfg)
+        and cfg.model.reward_pretrain
+        and critic_size != (res.reward_num_nodes, res.reward_num_gpus_per_node)
+    ):
         raise UserError("--colocate_critic_reward needs --critic_num_* equal to --reward_num_*")
     if v.vllm_enable_sleep and not res.colocate_all_models:
-        raise UserError("--vllm_enable_sleep frees engine memory for colocated training: add "
-                        "--colocate_all_models or drop --vllm_enable_sleep")
+        raise UserError(
+            "--vllm_enable_sleep frees engine memory for colocated training: add "
+            "--colocate_all_models or drop --vllm_enable_sleep"
+        )
     if ds.deepspeed_enable_sleep and ds.adam_offload:
         raise UserError("--deepspeed_enable_sleep and --adam_offload both move optimizer states to CPU: pick one")
     if ds.deepspeed_enable_sleep and ds.zero_stage == 0:
         raise UserError("--deepspeed_enable_sleep offloads ZeRO optimizer states: set --zero_stage 1, 2 or 3")
     if ds.deepspeed_enable_sleep and not state_offload_supported(ds.zero_stage, on_gpu):
-        notices.append("--deepspeed_enable_sleep with --zero_stage 3 on CPU: DeepSpeed offloads ZeRO-3 states only "
-                       "with its GPU FusedAdam, so the states stay put (use --zero_stage 2 to exercise the offload)")
+        notices.append(
+            "--deepspeed_enable_sleep with --zero_stage 3 on CPU: DeepSpeed offloads ZeRO-3 states only "
+            "with its GPU FusedAdam, so the states stay put (use --zero_stage 2 to exercise the offload)"
+        )
     if res.colocate_actor_ref and not needs_reference(cfg):
         notices.append("--colocate_actor_ref: no reference model runs (--init_kl_coef 0), nothing to colocate")
     if res.colocate_critic_reward and not (needs_critic_group(cfg) and cfg.model.reward_pretrain):
-        notices.append("--colocate_critic_reward: needs both a critic (gae) and --reward_pretrain; nothing to "
-                       "colocate")
+        notices.append("--colocate_critic_reward: needs both a critic (gae) and --reward_pretrain; nothing to colocate")
     if cfg.rollout.async_train and v.vllm_enable_sleep:
         raise UserError("--async_train generates while training, so engines cannot sleep: drop --vllm_enable_sleep")
     if cfg.rollout.async_train and res.colocate_all_models:
         # the hybrid engine hands each device to the engines and the trainer in turn; async training keeps both busy
-        raise UserError("--async_train overlaps generation with training, which needs the engines on their own "
-                        "devices: drop --colocate_all_models (--colocate_actor_ref and --colocate_critic_reward still "
-                        "share devices among the DeepSpeed models)")
+        raise UserError(
+            "--async_train overlaps generation with training, which needs the engines on their own "
+            "devices: drop --colocate_all_models (--colocate_actor_ref and --colocate_critic_reward still "
+            "share devices among the DeepSpeed models)"
+        )
     if cfg.rollout.async_train:
         _positive(cfg.rollout.async_queue_size, "--async_queue_size")
         if not v.enable_vllm_is_correction:
-            notices.append(f"--async_train: samples from older weights are importance-weighted "
-                           f"(--vllm_is_correction_type {v.vllm_is_correction_type})")
+            notices.append(
+                f"--async_train: samples from older weights are importance-weighted "
+                f"(--vllm_is_correction_type {v.vllm_is_correction_type})"
+            )
     if not on_gpu and ds.deepcompile:
         raise UserError("--deepcompile needs a GPU (DeepSpeed compiles CUDA graph passes): drop it on this machine")
     if ds.deepcompile and ds.zero_stage == 0:
@@ -277,12 +350,16 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
     validate_precision(ds.param_dtype, on_gpu)
     notices.extend(ds_notices(ds, on_gpu))
     if cfg.model.ref_reward_offload and ds.zero_stage != 3:
-        notices.append(f"--ref_reward_offload has no effect with --zero_stage {ds.zero_stage}: the reference and "
-                       f"reward models' parameters are offloaded by ZeRO-3 only (use --zero_stage 3)")
+        notices.append(
+            f"--ref_reward_offload has no effect with --zero_stage {ds.zero_stage}: the reference and "
+            f"reward models' parameters are offloaded by ZeRO-3 only (use --zero_stage 3)"
+        )
     if not on_gpu:
-        notices.append("no GPU: *_num_gpus_per_node count worker processes; vLLM runs eager (CUDA graphs and "
-                       "--enforce_eager do not apply); weight sync uses gloo (shared memory for engines colocated "
-                       "by --colocate_all_models)")
+        notices.append(
+            "no GPU: *_num_gpus_per_node count worker processes; vLLM runs eager (CUDA graphs and "
+            "--enforce_eager do not apply); weight sync uses gloo (shared memory for engines colocated "
+            "by --colocate_all_models)"
+        )
         if v.vllm_enable_sleep:
             notices.append("--vllm_enable_sleep is a no-op on CPU (vLLM cannot sleep there)")
         if v.vllm_sync_backend == "nccl":
@@ -294,24 +371,34 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
     algo, m = cfg.algo, cfg.model
     if algo.normalize_reward and not m.reward_pretrain:
         source = "--agent_func_path" if cfg.rollout.agent_func_path else "--remote_rm_url"
-        notices.append(f"--normalize_reward has no effect with {source}: it applies the mean/std stored with a "
-                       f"--reward_pretrain model; scale the rewards in the reward function instead")
+        notices.append(
+            f"--normalize_reward has no effect with {source}: it applies the mean/std stored with a "
+            f"--reward_pretrain model; scale the rewards in the reward function instead"
+        )
     if cfg.train.full_determinism and cfg.rollout.async_train:
-        notices.append("--full_determinism with --async_train: every batch is seeded, but which weights generate it "
-                       "depends on timing, so runs are not reproducible step for step")
+        notices.append(
+            "--full_determinism with --async_train: every batch is seeded, but which weights generate it "
+            "depends on timing, so runs are not reproducible step for step"
+        )
     if cfg.logging.logging_steps > 1:
-        notices.append(f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "
-                       f"metrics.jsonl, TensorBoard and W&B get every step")
+        notices.append(
+            f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "
+            f"metrics.jsonl, TensorBoard and W&B get every step"
+        )
     if algo.kl_estimator != "k1" and not algo.use_kl_loss and needs_reference(cfg):
-        notices.append(f"--kl_estimator {algo.kl_estimator} as a reward penalty: its expectation is the KL, but as "
-                       f"a reward its policy gradient is not the KL's (k1's is); {algo.kl_estimator} is meant for "
-                       f"--use_kl_loss")
+        notices.append(
+            f"--kl_estimator {algo.kl_estimator} as a reward penalty: its expectation is the KL, but as "
+            f"a reward its policy gradient is not the KL's (k1's is); {algo.kl_estimator} is meant for "
+            f"--use_kl_loss"
+        )
 
 
 def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     """Raise UserError on anything that cannot run; return one-line notices about no-ops on this machine."""
-    require(bool(cfg.data.prompt_data), "--prompt_data is required: a local .jsonl/.json/.parquet/.csv file or "
-                                         "folder of prompts")
+    require(
+        bool(cfg.data.prompt_data),
+        "--prompt_data is required: a local .jsonl/.json/.parquet/.csv file or folder of prompts",
+    )
     notices: list[str] = []
     _models(cfg)
     _algorithm(cfg)

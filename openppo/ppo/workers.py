@@ -14,8 +14,9 @@ from __future__ import annotations
 
 import os
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any
 
 import torch
 
@@ -38,33 +39,48 @@ def make_strategy(cfg: PPOConfig, *, trained: bool, role: str = "critic") -> Dee
     if trained:
         # DeepSpeed counts every rank as a replica; the ranks of a ring or a tensor-parallel group share their rows.
         tp = cfg.ds.ds_tensor_parallel_size if role == "actor" else 1
-        return DeepSpeedStrategy(cfg.ds, train_batch_size=t.train_batch_size * ranks_per_shard(cfg, role),
-                                 micro_batch_size=t.micro_train_batch_size, max_norm=t.max_norm, seed=t.seed,
-                                 tensor_parallel_size=tp)
+        return DeepSpeedStrategy(
+            cfg.ds,
+            train_batch_size=t.train_batch_size * ranks_per_shard(cfg, role),
+            micro_batch_size=t.micro_train_batch_size,
+            max_norm=t.max_norm,
+            seed=t.seed,
+            tensor_parallel_size=tp,
+        )
     # Frozen models never step an optimizer; DeepSpeed still wants batch sizes that divide over the ranks.
     micro = cfg.rollout.micro_rollout_batch_size
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    return DeepSpeedStrategy(cfg.ds, train_batch_size=micro * world, micro_batch_size=micro, max_norm=t.max_norm,
-                             seed=t.seed)
+    return DeepSpeedStrategy(
+        cfg.ds, train_batch_size=micro * world, micro_batch_size=micro, max_norm=t.max_norm, seed=t.seed
+    )
 
 
 def train_batching(cfg: PPOConfig) -> Batching:
     r = cfg.rollout
-    return Batching(packed=r.packing_samples, rows=cfg.train.micro_train_batch_size,
-                    max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None)
+    return Batching(
+        packed=r.packing_samples,
+        rows=cfg.train.micro_train_batch_size,
+        max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None,
+    )
 
 
 def forward_batching(cfg: PPOConfig) -> Batching:
     """Forward-only passes keep no activations for a backward, so their micro-batches may be larger."""
     r = cfg.rollout
     budget = r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu
-    return Batching(packed=r.packing_samples, rows=r.micro_rollout_batch_size,
-                    max_tokens=budget if r.use_dynamic_batch else None)
+    return Batching(
+        packed=r.packing_samples, rows=r.micro_rollout_batch_size, max_tokens=budget if r.use_dynamic_batch else None
+    )
 
 
 @torch.no_grad()
-def forward_in_chunks(engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], batching: Batching,
-                      fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor]) -> torch.Tensor:
+def forward_in_chunks(
+    engine,
+    strategy: DeepSpeedStrategy,
+    data: dict[str, torch.Tensor],
+    batching: Batching,
+    fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
+) -> torch.Tensor:
     """`fn(engine, micro_batch)` (tensors on the device) over micro-batches (each trimmed to its longest row),
     re-padded to the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
     busiest one (ZeRO-3 gathers parameters collectively); the extra ones are thrown away."""
@@ -99,8 +115,15 @@ def _sequence_parallel(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
 
 def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
     t = cfg.train
-    return dict(lr=lr, betas=cfg.ds.adam_betas, weight_decay=cfg.ds.l2, scheduler=t.lr_scheduler,
-                warmup_ratio=t.lr_warmup_ratio, min_lr_ratio=t.min_lr_ratio, num_training_steps=num_training_steps)
+    return dict(
+        lr=lr,
+        betas=cfg.ds.adam_betas,
+        weight_decay=cfg.ds.l2,
+        scheduler=t.lr_scheduler,
+        warmup_ratio=t.lr_warmup_ratio,
+        min_lr_ratio=t.min_lr_ratio,
+        num_training_steps=num_training_steps,
+    )
 
 
 def _num_params(model) -> int:
@@ -169,12 +192,14 @@ class ActorWorker(_TrainedWorker):
         self.strategy = make_strategy(cfg, trained=True, role="actor")
         self.strategy.setup_distributed()
         with self.strategy.zero3_init():
-            model = Actor.from_pretrained(cfg.model.pretrain, dtype=self.strategy.torch_dtype,
-                                          **cfg.model.build_kwargs())
+            model = Actor.from_pretrained(
+                cfg.model.pretrain, dtype=self.strategy.torch_dtype, **cfg.model.build_kwargs()
+            )
         _sequence_parallel(cfg, model)
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
-            model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps))
+            model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps)
+        )
         self.guard = self.strategy.step_guard(self.engine, "actor", "policy/skipped_steps")
         # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
         self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(self.num_params, 1)
@@ -182,9 +207,21 @@ class ActorWorker(_TrainedWorker):
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
         temperature, pack = self.cfg.rollout.temperature, self.cfg.rollout.packing_samples
-        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
-                                 lambda e, b: e(b["sequences"], b["attention_mask"], temperature=temperature,
-                                                pack=pack, score_mask=b.get("action_mask")).log_probs)
+        return forward_in_chunks(
+            self.engine,
+            self.strategy,
+            data,
+            forward_batching(self.cfg),
+            lambda e, b: (
+                e(
+                    b["sequences"],
+                    b["attention_mask"],
+                    temperature=temperature,
+                    pack=pack,
+                    score_mask=b.get("action_mask"),
+                ).log_probs
+            ),
+        )
 
     def log_probs_and_sampling(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T-1, 2]: `log_probs`, and from the same forwards the log-probs under the engine's top-k/top-p
@@ -193,8 +230,14 @@ class ActorWorker(_TrainedWorker):
         sampling = r.sampling
 
         def both(e, b):
-            out = e(b["sequences"], b["attention_mask"], temperature=r.temperature, pack=r.packing_samples,
-                    score_mask=b.get("action_mask"), sampling=sampling)
+            out = e(
+                b["sequences"],
+                b["attention_mask"],
+                temperature=r.temperature,
+                pack=r.packing_samples,
+                score_mask=b.get("action_mask"),
+                sampling=sampling,
+            )
             return torch.stack([out.log_probs, out.sampling_log_probs], dim=-1)
 
         return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), both)
@@ -202,19 +245,37 @@ class ActorWorker(_TrainedWorker):
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         cfg = self.cfg
         # async samples come from an older policy than the one scoring them: always importance-weighted
-        is_correction = cfg.vllm.vllm_is_correction_type if (cfg.vllm.enable_vllm_is_correction
-                                                              or cfg.rollout.async_train) else None
-        loss_fn = actor_loss(self.engine, cfg.algo, kl_coef=kl_coef, temperature=cfg.rollout.temperature,
-                             generate_max_len=cfg.data.generate_max_len, is_correction=is_correction,
-                             is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
-                             pack=cfg.rollout.packing_samples, sampling=cfg.rollout.sampling)
+        is_correction = (
+            cfg.vllm.vllm_is_correction_type
+            if (cfg.vllm.enable_vllm_is_correction or cfg.rollout.async_train)
+            else None
+        )
+        loss_fn = actor_loss(
+            self.engine,
+            cfg.algo,
+            kl_coef=kl_coef,
+            temperature=cfg.rollout.temperature,
+            generate_max_len=cfg.data.generate_max_len,
+            is_correction=is_correction,
+            is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
+            pack=cfg.rollout.packing_samples,
+            sampling=cfg.rollout.sampling,
+        )
         start = time.perf_counter()
-        metrics = fit_experience(self.engine, data, loss_fn, batching=train_batching(cfg),
-                                 rows_per_step=_rows_per_step(cfg, self.strategy, "actor"),
-                                 epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
-                                 seed=cfg.train.seed + 1000 * global_step, device=self.strategy.device,
-                                 ring_size=cfg.rollout.ring_attn_size,
-                                 tensor_parallel_size=cfg.ds.ds_tensor_parallel_size, guard=self.guard)
+        metrics = fit_experience(
+            self.engine,
+            data,
+            loss_fn,
+            batching=train_batching(cfg),
+            rows_per_step=_rows_per_step(cfg, self.strategy, "actor"),
+            epochs=cfg.train.max_epochs,
+            world_size=self.strategy.world_size,
+            seed=cfg.train.seed + 1000 * global_step,
+            device=self.strategy.device,
+            ring_size=cfg.rollout.ring_attn_size,
+            tensor_parallel_size=cfg.ds.ds_tensor_parallel_size,
+            guard=self.guard,
+        )
         metrics["policy/lr"] = self.engine.get_lr()[0]
         ring = self.engine.module.sequence_parallel
         if ring is not None:
@@ -224,8 +285,9 @@ class ActorWorker(_TrainedWorker):
         metrics.update(self._perf("actor", data, time.perf_counter() - start, ranks_per_shard(cfg, "actor")))
         return self.strategy.all_reduce_mean(metrics)
 
-    def connect_engines(self, engines: list[Any], plan: Any, backend: str, tensor_parallel_size: int,
-                        timeout_s: float) -> None:
+    def connect_engines(
+        self, engines: list[Any], plan: Any, backend: str, tensor_parallel_size: int, timeout_s: float
+    ) -> None:
         """Every rank enters. With `plan` (a `SyncPlan`) handing engines their buckets from several ranks, all ranks
         make the exchange group (a collective); rank 0 joins the broadcast group with the workers of the engines
         that get buckets by broadcast."""
@@ -236,17 +298,28 @@ class ActorWorker(_TrainedWorker):
             self.exchange = HandleExchange(plan.exchange_ranks, timeout_s)
         broadcast = [e for e, t in zip(engines, plan.transports) if t == "broadcast"]
         if self.strategy.rank == 0 and broadcast:
-            self.sync_group = connect_engines(broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size,
-                                              timeout_s=timeout_s)
+            self.sync_group = connect_engines(
+                broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size, timeout_s=timeout_s
+            )
 
-    def sync_weights(self, engines: list[Any], bucket_bytes: int, engine_dtype: str,
-                     timeout_s: float) -> dict[str, float] | None:
+    def sync_weights(
+        self, engines: list[Any], bucket_bytes: int, engine_dtype: str, timeout_s: float
+    ) -> dict[str, float] | None:
         """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats."""
         from openppo.rollout.sender import sync_weights
 
         dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[engine_dtype]
-        out = sync_weights(self.engine.module, self.sync_group, engines, bucket_bytes, dtype=dtype,
-                           timeout_s=timeout_s, rank=self.strategy.rank, plan=self.sync_plan, exchange=self.exchange)
+        out = sync_weights(
+            self.engine.module,
+            self.sync_group,
+            engines,
+            bucket_bytes,
+            dtype=dtype,
+            timeout_s=timeout_s,
+            rank=self.strategy.rank,
+            plan=self.sync_plan,
+            exchange=self.exchange,
+        )
         trim_host_heap()  # the buckets just freed
         return out
 
@@ -266,29 +339,43 @@ class CriticWorker(_TrainedWorker):
         self.strategy.setup_distributed()
         path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
         with self.strategy.zero3_init():
-            model = ScalarModel.from_pretrained(path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain",
-                                                **cfg.model.build_kwargs())
+            model = ScalarModel.from_pretrained(
+                path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain", **cfg.model.build_kwargs()
+            )
         _sequence_parallel(cfg, model)
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
-            model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps))
+            model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps)
+        )
         self.guard = self.strategy.step_guard(self.engine, "critic", "critic/skipped_steps")
 
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
         pack = self.cfg.rollout.packing_samples
-        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg),
-                                 lambda e, b: e(b["sequences"], b["attention_mask"], pack=pack)[:, :-1])
+        return forward_in_chunks(
+            self.engine,
+            self.strategy,
+            data,
+            forward_batching(self.cfg),
+            lambda e, b: e(b["sequences"], b["attention_mask"], pack=pack)[:, :-1],
+        )
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         cfg = self.cfg
         start = time.perf_counter()
-        metrics = fit_experience(self.engine, data, critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
-                                 batching=train_batching(cfg),
-                                 rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
-                                 epochs=cfg.train.max_epochs, world_size=self.strategy.world_size,
-                                 seed=cfg.train.seed + 1000 * global_step + 1, device=self.strategy.device,
-                                 ring_size=cfg.rollout.ring_attn_size, guard=self.guard)
+        metrics = fit_experience(
+            self.engine,
+            data,
+            critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
+            batching=train_batching(cfg),
+            rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
+            epochs=cfg.train.max_epochs,
+            world_size=self.strategy.world_size,
+            seed=cfg.train.seed + 1000 * global_step + 1,
+            device=self.strategy.device,
+            ring_size=cfg.rollout.ring_attn_size,
+            guard=self.guard,
+        )
         metrics.update(self._perf("critic", data, time.perf_counter() - start, ranks_per_shard(cfg, "critic")))
         return self.strategy.all_reduce_mean(metrics)
 
@@ -309,8 +396,12 @@ class _FrozenWorker(BaseWorker):
 
 class ReferenceWorker(_FrozenWorker):
     def setup(self, cfg: PPOConfig) -> None:
-        self._build(cfg, lambda dtype: Actor.from_pretrained(
-            cfg.model.pretrain, dtype=dtype, attn_implementation=cfg.model.attn_implementation))
+        self._build(
+            cfg,
+            lambda dtype: Actor.from_pretrained(
+                cfg.model.pretrain, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+            ),
+        )
 
     log_probs = ActorWorker.log_probs
 
@@ -318,9 +409,15 @@ class ReferenceWorker(_FrozenWorker):
 class RewardWorker(_FrozenWorker):
     def setup(self, cfg: PPOConfig) -> tuple[float, float]:
         """Returns the reward model's normalisation (mean, std) saved with it."""
-        self._build(cfg, lambda dtype: ScalarModel.from_pretrained(
-            cfg.model.reward_pretrain, dtype=dtype, flag="--reward_pretrain",
-            attn_implementation=cfg.model.attn_implementation))
+        self._build(
+            cfg,
+            lambda dtype: ScalarModel.from_pretrained(
+                cfg.model.reward_pretrain,
+                dtype=dtype,
+                flag="--reward_pretrain",
+                attn_implementation=cfg.model.attn_implementation,
+            ),
+        )
         return self.model.normalization()
 
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:

@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import abc
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 
 class RewardError(RuntimeError):
@@ -38,12 +39,14 @@ class RewardResult:
         return len(self.rewards)
 
     @staticmethod
-    def concat(parts: Sequence["RewardResult"]) -> "RewardResult":
+    def concat(parts: Sequence[RewardResult]) -> RewardResult:
         """The parts one after another; extra logs that some part lacks are dropped (see `dropped_logs`)."""
         common = set.intersection(*(set(p.extra_logs) for p in parts)) if parts else set()
-        return RewardResult(rewards=[r for p in parts for r in p.rewards],
-                            scores=[s for p in parts for s in p.scores],
-                            extra_logs={k: [v for p in parts for v in p.extra_logs[k]] for k in sorted(common)})
+        return RewardResult(
+            rewards=[r for p in parts for r in p.rewards],
+            scores=[s for p in parts for s in p.scores],
+            extra_logs={k: [v for p in parts for v in p.extra_logs[k]] for k in sorted(common)},
+        )
 
     def to_json(self) -> dict[str, Any]:
         return {"rewards": self.rewards, "scores": self.scores, "extra_logs": self.extra_logs}
@@ -67,15 +70,14 @@ class RewardSource(abc.ABC):
     def score(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
         """One reward per query; raises `RewardError` when the source fails."""
 
-    def close(self) -> None:
+    def close(self) -> None:  # noqa: B027 (a default: most sources hold nothing to release)
         """Release threads and connections (idempotent)."""
 
 
 def check_inputs(queries: Sequence, prompts: Sequence, labels: Sequence) -> None:
     """Internal invariant of every `score` call: three lists of the same length."""
     if not (len(queries) == len(prompts) == len(labels)):
-        raise ValueError(f"queries, prompts and labels differ in length: "
-                         f"{len(queries)}, {len(prompts)}, {len(labels)}")
+        raise ValueError(f"queries, prompts and labels differ in length: {len(queries)}, {len(prompts)}, {len(labels)}")
 
 
 def _floats(values: Any, what: str, num: int, source: str, *, finite: bool) -> list[float]:
@@ -113,15 +115,17 @@ def to_result(output: Any, num: int, source: str) -> RewardResult:
         raise RewardError(f"{source}: the returned dict has no 'rewards' (keys: {sorted(output)})")
     unknown = set(output) - {"rewards", "scores", "extra_logs"}
     if unknown:
-        raise RewardError(f"{source}: unknown keys {sorted(unknown)} in the returned dict; "
-                          f"expected rewards, scores, extra_logs")
+        raise RewardError(
+            f"{source}: unknown keys {sorted(unknown)} in the returned dict; expected rewards, scores, extra_logs"
+        )
     rewards = _floats(output["rewards"], "rewards", num, source, finite=True)
     scores = output.get("scores")
     scores = rewards if scores is None else _floats(scores, "scores", num, source, finite=True)
     logs = output.get("extra_logs") or {}
     if not isinstance(logs, dict):
-        raise RewardError(f"{source}: extra_logs must be a dict of name -> per-sample numbers, "
-                          f"got {type(logs).__name__}")
+        raise RewardError(
+            f"{source}: extra_logs must be a dict of name -> per-sample numbers, got {type(logs).__name__}"
+        )
     extra = {}
     for key, values in logs.items():
         if isinstance(values, (int, float)) and not isinstance(values, bool):

@@ -12,12 +12,12 @@ one at a time, only on this error path), so the user sees which input broke thei
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from pathlib import Path
-from typing import Callable
 
 from openppo.errors import UserError
-from openppo.utils.imports import import_file
 from openppo.rewards.base import RewardError, RewardResult, RewardSource, check_inputs, to_result
+from openppo.utils.imports import import_file
 
 logger = logging.getLogger(__name__)
 
@@ -34,13 +34,17 @@ def load_reward_func(path: str | Path, flag: str = FLAG) -> Callable:
     """Import `path` as a module of its own and return its `reward_func`; UserError naming `flag` otherwise."""
     p = Path(path).expanduser()
     if not p.is_file():
-        raise UserError(f"{flag}: reward function file {path} not found; pass an existing .py file that "
-                        f"defines reward_func(queries, prompts, labels, **kwargs)")
+        raise UserError(
+            f"{flag}: reward function file {path} not found; pass an existing .py file that "
+            f"defines reward_func(queries, prompts, labels, **kwargs)"
+        )
     module = import_file(p, flag, "openppo_reward_func_")
     func = getattr(module, "reward_func", None)
     if func is None:
-        raise UserError(f"{flag}: {path} defines no reward_func; add "
-                        f"def reward_func(queries, prompts, labels, **kwargs) returning one float per query")
+        raise UserError(
+            f"{flag}: {path} defines no reward_func; add "
+            f"def reward_func(queries, prompts, labels, **kwargs) returning one float per query"
+        )
     if not callable(func):
         raise UserError(f"{flag}: reward_func in {path} is a {type(func).__name__}, not a function")
     return func
@@ -66,8 +70,14 @@ class FunctionReward(RewardSource):
         except Exception as err:
             if self.default_reward is not None:
                 self.num_defaulted += len(queries)
-                logger.warning("%s raised %s: %s; using default_reward=%s for the %d samples of this batch",
-                               self.name, type(err).__name__, err, self.default_reward, len(queries))
+                logger.warning(
+                    "%s raised %s: %s; using default_reward=%s for the %d samples of this batch",
+                    self.name,
+                    type(err).__name__,
+                    err,
+                    self.default_reward,
+                    len(queries),
+                )
                 return RewardResult(rewards=[float(self.default_reward)] * len(queries))
             raise RewardError(self._describe_failure(err, queries, prompts, labels)) from err
         return to_result(output, len(queries), self.name)
@@ -86,9 +96,12 @@ class FunctionReward(RewardSource):
                 index = None  # every sample passes alone: the batch as a whole is the problem
         head = f"{self.name} raised {type(err).__name__}: {err}"
         if index is None:
-            return (f"{head} on a batch of {len(queries)} samples, though no sample (of the first "
-                    f"{min(len(queries), _PROBE_LIMIT)}) fails alone; "
-                    f"first sample: query={_clip(queries[0])} label={_clip(labels[0], 80)}")
-        return (f"{head} (batch of {len(queries)}); first failing sample #{index}: query={_clip(queries[index])} "
-                f"label={_clip(labels[index], 80)}"
-                + ("" if failure is err else f" -> {type(failure).__name__}: {failure}"))
+            return (
+                f"{head} on a batch of {len(queries)} samples, though no sample (of the first "
+                f"{min(len(queries), _PROBE_LIMIT)}) fails alone; "
+                f"first sample: query={_clip(queries[0])} label={_clip(labels[0], 80)}"
+            )
+        return (
+            f"{head} (batch of {len(queries)}); first failing sample #{index}: query={_clip(queries[index])} "
+            f"label={_clip(labels[index], 80)}" + ("" if failure is err else f" -> {type(failure).__name__}: {failure}")
+        )

@@ -20,9 +20,18 @@ from openppo.rewards.base import RewardError, RewardResult, RewardSource, check_
 class ModelReward(RewardSource):
     """A scalar-head model scoring the last token of each query."""
 
-    def __init__(self, path: str, *, device: str = "cpu", dtype: torch.dtype = torch.float32, max_len: int = 2048,
-                 batch_size: int = 16, normalize: bool = False, append_eos: bool = False,
-                 flag: str = "--reward_pretrain"):
+    def __init__(
+        self,
+        path: str,
+        *,
+        device: str = "cpu",
+        dtype: torch.dtype = torch.float32,
+        max_len: int = 2048,
+        batch_size: int = 16,
+        normalize: bool = False,
+        append_eos: bool = False,
+        flag: str = "--reward_pretrain",
+    ):
         path = resolve_model_path(path, flag)
         self.name = f"reward model {path}"
         self.tokenizer = load_tokenizer(path)
@@ -39,7 +48,7 @@ class ModelReward(RewardSource):
         if self.append_eos:
             queries = [q if q.endswith(eos) else q + eos for q in queries]
         ids = self.tokenizer(list(queries), add_special_tokens=False)["input_ids"]
-        return [row[-self.max_len:] for row in ids]
+        return [row[-self.max_len :] for row in ids]
 
     @torch.inference_mode()
     def score(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
@@ -47,21 +56,24 @@ class ModelReward(RewardSource):
         rows = self.token_ids(queries)
         empty = [i for i, row in enumerate(rows) if not row]
         if empty:
-            raise RewardError(f"{self.name}: query #{empty[0]} is empty (no tokens to score); "
-                              f"{len(empty)} of {len(rows)} queries are empty")
+            raise RewardError(
+                f"{self.name}: query #{empty[0]} is empty (no tokens to score); "
+                f"{len(empty)} of {len(rows)} queries are empty"
+            )
         rewards = [0.0] * len(rows)
         order = sorted(range(len(rows)), key=lambda i: len(rows[i]))
         pad = self.tokenizer.pad_token_id
         for start in range(0, len(order), self.batch_size):
-            batch = order[start:start + self.batch_size]
+            batch = order[start : start + self.batch_size]
             width = max(len(rows[i]) for i in batch)
             input_ids = torch.full((len(batch), width), pad, dtype=torch.long)
             attention_mask = torch.zeros((len(batch), width), dtype=torch.long)
             for j, i in enumerate(batch):
-                input_ids[j, :len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
-                attention_mask[j, :len(rows[i])] = 1
-            values = self.model.score_last(input_ids.to(self.device), attention_mask.to(self.device),
-                                           normalize=self.normalize)
+                input_ids[j, : len(rows[i])] = torch.tensor(rows[i], dtype=torch.long)
+                attention_mask[j, : len(rows[i])] = 1
+            values = self.model.score_last(
+                input_ids.to(self.device), attention_mask.to(self.device), normalize=self.normalize
+            )
             for j, i in enumerate(batch):
                 rewards[i] = float(values[j])
         return RewardResult(rewards=rewards)

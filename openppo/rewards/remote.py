@@ -28,8 +28,7 @@ from concurrent.futures import FIRST_EXCEPTION, ThreadPoolExecutor, wait
 
 import requests
 
-from openppo.rewards.base import (RewardError, RewardResult, RewardSource, check_inputs, dropped_logs,
-                                  to_result)
+from openppo.rewards.base import RewardError, RewardResult, RewardSource, check_inputs, dropped_logs, to_result
 
 logger = logging.getLogger(__name__)
 
@@ -51,13 +50,24 @@ def _body_text(resp: requests.Response, limit: int = 500) -> str:
 class RemoteReward(RewardSource):
     """Scores batches by POSTing them to one or more reward servers."""
 
-    def __init__(self, urls: list[str], *, timeout_s: float = 60.0, max_retries: int = 3, backoff_s: float = 1.0,
-                 batch_size: int = 64, default_reward: float | None = None, max_concurrency: int | None = None):
+    def __init__(
+        self,
+        urls: list[str],
+        *,
+        timeout_s: float = 60.0,
+        max_retries: int = 3,
+        backoff_s: float = 1.0,
+        batch_size: int = 64,
+        default_reward: float | None = None,
+        max_concurrency: int | None = None,
+    ):
         if not urls:
             raise ValueError("RemoteReward needs at least one URL")
         if timeout_s <= 0 or max_retries < 0 or backoff_s < 0 or batch_size < 1:
-            raise ValueError(f"RemoteReward: need timeout_s > 0, max_retries >= 0, backoff_s >= 0, batch_size >= 1; "
-                             f"got {timeout_s}, {max_retries}, {backoff_s}, {batch_size}")
+            raise ValueError(
+                f"RemoteReward: need timeout_s > 0, max_retries >= 0, backoff_s >= 0, batch_size >= 1; "
+                f"got {timeout_s}, {max_retries}, {backoff_s}, {batch_size}"
+            )
         self.urls = list(urls)
         self.name = "remote reward " + ",".join(self.urls)
         self.timeout_s = float(timeout_s)
@@ -76,16 +86,18 @@ class RemoteReward(RewardSource):
     @property
     def worst_case_s(self) -> float:
         """Longest a chunk can take before `score` gives up on it (ignoring local scheduling)."""
-        return (self.max_retries + 1) * self.timeout_s + self.backoff_s * (2 ** self.max_retries - 1)
+        return (self.max_retries + 1) * self.timeout_s + self.backoff_s * (2**self.max_retries - 1)
 
     def score(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
         check_inputs(queries, prompts, labels)
-        spans = [(start, min(start + self.batch_size, len(queries)))
-                 for start in range(0, len(queries), self.batch_size)]
+        spans = [
+            (start, min(start + self.batch_size, len(queries))) for start in range(0, len(queries), self.batch_size)
+        ]
         if not spans:
             return RewardResult(rewards=[])
-        jobs = [(self.urls[i % len(self.urls)], queries[a:b], prompts[a:b], labels[a:b])
-                for i, (a, b) in enumerate(spans)]
+        jobs = [
+            (self.urls[i % len(self.urls)], queries[a:b], prompts[a:b], labels[a:b]) for i, (a, b) in enumerate(spans)
+        ]
         if len(jobs) == 1:
             parts = [self._score_chunk(*jobs[0])]
         else:
@@ -100,8 +112,9 @@ class RemoteReward(RewardSource):
             parts = [f.result() for f in futures]
         lost = dropped_logs(parts)
         if lost:
-            logger.warning("%s: extra_logs %s missing from some chunks; not logged for this batch",
-                           self.name, sorted(lost))
+            logger.warning(
+                "%s: extra_logs %s missing from some chunks; not logged for this batch", self.name, sorted(lost)
+            )
         return RewardResult.concat(parts)
 
     def close(self) -> None:
@@ -135,8 +148,7 @@ class RemoteReward(RewardSource):
                 raise
             with self._lock:
                 self.num_defaulted += len(queries)
-            logger.warning("%s; using default_reward=%s for these %d samples", err, self.default_reward,
-                           len(queries))
+            logger.warning("%s; using default_reward=%s for these %d samples", err, self.default_reward, len(queries))
             return RewardResult(rewards=[float(self.default_reward)] * len(queries))
 
     def _post(self, url: str, queries, prompts, labels) -> RewardResult:
@@ -144,37 +156,53 @@ class RemoteReward(RewardSource):
         try:
             body = json.dumps({"query": list(queries), "prompts": list(prompts), "labels": list(labels)})
         except (TypeError, ValueError) as err:
-            raise RewardError(f"remote reward {url}: the labels cannot be sent as JSON ({err}); "
-                              f"use str/number/list/dict labels") from err
+            raise RewardError(
+                f"remote reward {url}: the labels cannot be sent as JSON ({err}); use str/number/list/dict labels"
+            ) from err
         attempts = self.max_retries + 1
         start = time.monotonic()
         problem = ""
         for attempt in range(attempts):
             if attempt:
                 delay = self.backoff_s * 2 ** (attempt - 1)
-                logger.warning("remote reward %s: attempt %d/%d failed (%s); retrying in %.1f s",
-                               url, attempt, attempts, problem, delay)
+                logger.warning(
+                    "remote reward %s: attempt %d/%d failed (%s); retrying in %.1f s",
+                    url,
+                    attempt,
+                    attempts,
+                    problem,
+                    delay,
+                )
                 time.sleep(delay)
             try:
-                resp = self._session().post(url, data=body, headers={"Content-Type": "application/json"},
-                                            timeout=self.timeout_s, allow_redirects=False)
+                resp = self._session().post(
+                    url,
+                    data=body,
+                    headers={"Content-Type": "application/json"},
+                    timeout=self.timeout_s,
+                    allow_redirects=False,
+                )
             except (requests.ConnectionError, requests.Timeout, requests.exceptions.ChunkedEncodingError) as err:
                 problem = f"{type(err).__name__}: {err}"
                 continue
             except requests.RequestException as err:
-                raise RewardError(f"remote reward {url}: request for {num} samples failed: "
-                                  f"{type(err).__name__}: {err}") from err
+                raise RewardError(
+                    f"remote reward {url}: request for {num} samples failed: {type(err).__name__}: {err}"
+                ) from err
             if resp.status_code >= 500:
                 problem = f"HTTP {resp.status_code}: {_body_text(resp)}"
                 continue
             if resp.status_code != 200:
-                raise RewardError(f"remote reward {url} rejected {num} samples with HTTP {resp.status_code} "
-                                  f"(not retried): {_body_text(resp)}")
+                raise RewardError(
+                    f"remote reward {url} rejected {num} samples with HTTP {resp.status_code} "
+                    f"(not retried): {_body_text(resp)}"
+                )
             try:
                 data = resp.json()
             except ValueError as err:
-                raise RewardError(f"remote reward {url}: the answer is not JSON ({err}): {resp.text[:200]!r}") \
-                    from err
+                raise RewardError(f"remote reward {url}: the answer is not JSON ({err}): {resp.text[:200]!r}") from err
             return to_result(data, num, f"remote reward {url}")
-        raise _Unavailable(f"remote reward {url} failed for {num} samples after {attempts} attempts in "
-                           f"{time.monotonic() - start:.1f} s (timeout_s={self.timeout_s:g}): {problem}")
+        raise _Unavailable(
+            f"remote reward {url} failed for {num} samples after {attempts} attempts in "
+            f"{time.monotonic() - start:.1f} s (timeout_s={self.timeout_s:g}): {problem}"
+        )

@@ -13,7 +13,8 @@ import json
 import logging
 import socket
 import threading
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from fastapi import FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
@@ -33,8 +34,10 @@ class BadRequest(Exception):
 def parse_request(payload: Any, max_samples: int) -> tuple[list[str], list[str], list]:
     """(queries, prompts, labels) of a decoded request body, or BadRequest. Missing prompts/labels: "" / None."""
     if not isinstance(payload, dict):
-        raise BadRequest(400, f"the body must be a JSON object with 'query', 'prompts', 'labels', "
-                              f"got a JSON {type(payload).__name__}")
+        raise BadRequest(
+            400,
+            f"the body must be a JSON object with 'query', 'prompts', 'labels', got a JSON {type(payload).__name__}",
+        )
     if "query" not in payload:
         raise BadRequest(400, f"missing 'query' (a list of strings); got keys {sorted(payload)}")
     queries = payload["query"]
@@ -42,8 +45,10 @@ def parse_request(payload: Any, max_samples: int) -> tuple[list[str], list[str],
         raise BadRequest(400, "'query' must be a list of strings")
     num = len(queries)
     if num > max_samples:
-        raise BadRequest(413, f"{num} samples in one request; the limit is {max_samples} (--max_request_samples): "
-                              f"send smaller batches")
+        raise BadRequest(
+            413,
+            f"{num} samples in one request; the limit is {max_samples} (--max_request_samples): send smaller batches",
+        )
     prompts = payload.get("prompts")
     if prompts is None:
         prompts = [""] * num
@@ -64,7 +69,7 @@ def _json(data: Any, status: int = 200):
     return Response(content=json.dumps(data), status_code=status, media_type="application/json")
 
 
-def create_app(source: RewardSource, *, max_request_samples: int = 4096, max_request_bytes: int = 32 * 2 ** 20):
+def create_app(source: RewardSource, *, max_request_samples: int = 4096, max_request_bytes: int = 32 * 2**20):
     """The FastAPI app serving `source`."""
     app = FastAPI(title="openppo reward server", docs_url=None, redoc_url=None, openapi_url=None)
     lock = threading.Lock()
@@ -81,14 +86,18 @@ def create_app(source: RewardSource, *, max_request_samples: int = 4096, max_req
     async def read_body(request: Request) -> bytes:
         declared = request.headers.get("content-length", "")
         if declared.isdigit() and int(declared) > max_request_bytes:
-            raise BadRequest(413, f"body of {declared} bytes; the limit is {max_request_bytes} "
-                                  f"(--max_request_bytes): send smaller batches")
+            raise BadRequest(
+                413,
+                f"body of {declared} bytes; the limit is {max_request_bytes} "
+                f"(--max_request_bytes): send smaller batches",
+            )
         body = bytearray()
         async for chunk in request.stream():
             body += chunk
             if len(body) > max_request_bytes:
-                raise BadRequest(413, f"body over {max_request_bytes} bytes (--max_request_bytes): "
-                                      f"send smaller batches")
+                raise BadRequest(
+                    413, f"body over {max_request_bytes} bytes (--max_request_bytes): send smaller batches"
+                )
         return bytes(body)
 
     @app.post("/get_reward")
@@ -128,8 +137,11 @@ def bind(host: str, port: int) -> socket.socket:
         sock.bind((host, port))
     except OSError as err:
         sock.close()
-        fix = ("pass an address of this machine as --host (127.0.0.1 = local only)" if isinstance(err, socket.gaierror)
-               or err.errno == errno.EADDRNOTAVAIL else "pick another --port (0 = any free port)")
+        fix = (
+            "pass an address of this machine as --host (127.0.0.1 = local only)"
+            if isinstance(err, socket.gaierror) or err.errno == errno.EADDRNOTAVAIL
+            else "pick another --port (0 = any free port)"
+        )
         raise UserError(f"--host/--port: cannot listen on {host}:{port} ({err.strerror or err}); {fix}") from err
     return sock
 
@@ -150,4 +162,3 @@ def serve(app, sock: socket.socket, on_ready: Callable[[int], None]) -> None:
         server.run(sockets=[sock])
     finally:
         sock.close()
-

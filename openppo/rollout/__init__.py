@@ -7,15 +7,44 @@ hand-over on the device: shared memory / CUDA IPC); `sync_group.py` is the dedic
 imported only when an engine is built.
 """
 
-from openppo.rollout.buckets import (DEFAULT_BUCKET_BYTES, Bucket, BucketMeta, TensorMeta, iter_buckets,
-                                     pack_buckets, plan_buckets, unpack_bucket)
+from openppo.rollout.buckets import (
+    DEFAULT_BUCKET_BYTES,
+    Bucket,
+    BucketMeta,
+    TensorMeta,
+    iter_buckets,
+    pack_buckets,
+    plan_buckets,
+    unpack_bucket,
+)
 from openppo.rollout.engine import VLLMEngine
-from openppo.rollout.sender import (broadcast_weights, connect_engines, iter_full_weights, sync_weights,
-                                    tensors_checksum, unwrap_model)
+from openppo.rollout.sender import (
+    broadcast_weights,
+    connect_engines,
+    iter_full_weights,
+    sync_weights,
+    tensors_checksum,
+    unwrap_model,
+)
 from openppo.rollout.sync_group import SyncGroup, create_sync_group, free_port
 
 __all__ = [
-    "DEFAULT_BUCKET_BYTES", "Bucket", "BucketMeta", "TensorMeta", "iter_buckets", "pack_buckets", "plan_buckets",
-    "unpack_bucket", "VLLMEngine", "broadcast_weights", "connect_engines", "iter_full_weights", "sync_weights",
-    "tensors_checksum", "unwrap_model", "SyncGroup", "create_sync_group", "free_port",
+    "DEFAULT_BUCKET_BYTES",
+    "Bucket",
+    "BucketMeta",
+    "TensorMeta",
+    "iter_buckets",
+    "pack_buckets",
+    "plan_buckets",
+    "unpack_bucket",
+    "VLLMEngine",
+    "broadcast_weights",
+    "connect_engines",
+    "iter_full_weights",
+    "sync_weights",
+    "tensors_checksum",
+    "unwrap_model",
+    "SyncGroup",
+    "create_sync_group",
+    "free_port",
 ]

@@ -20,8 +20,8 @@ Rules:
 from __future__ import annotations
 
 import re
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Iterable, Iterator, Sequence
 
 import torch
 
@@ -75,16 +75,20 @@ class BucketMeta:
 
     def to_plain(self) -> dict:
         """Only builtins (lists, ints, strings): safe for any RPC serializer (msgpack, json)."""
-        return {"nbytes": self.nbytes,
-                "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.numel] for t in self.tensors]}
+        return {
+            "nbytes": self.nbytes,
+            "tensors": [[t.name, t.dtype, list(t.shape), t.offset, t.numel] for t in self.tensors],
+        }
 
     @classmethod
-    def coerce(cls, meta: "BucketMeta | dict") -> "BucketMeta":
+    def coerce(cls, meta: BucketMeta | dict) -> BucketMeta:
         """Accept a BucketMeta or its `to_plain()` form (what arrives after an RPC hop that drops classes)."""
         if isinstance(meta, BucketMeta):
             return meta
-        tensors = tuple(TensorMeta(name, dtype, tuple(shape), offset, numel)
-                        for name, dtype, shape, offset, numel in meta["tensors"])
+        tensors = tuple(
+            TensorMeta(name, dtype, tuple(shape), offset, numel)
+            for name, dtype, shape, offset, numel in meta["tensors"]
+        )
         return cls(tensors=tensors, nbytes=meta["nbytes"])
 
     @property
@@ -164,8 +168,9 @@ def _grouped(items: Iterable, name_of) -> Iterator[list]:
         yield group
 
 
-def plan_buckets(specs: Iterable[tuple[str, torch.dtype, Sequence[int]]],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES) -> list[BucketMeta]:
+def plan_buckets(
+    specs: Iterable[tuple[str, torch.dtype, Sequence[int]]], bucket_bytes: int = DEFAULT_BUCKET_BYTES
+) -> list[BucketMeta]:
     """The bucket layouts for tensors described by (name, dtype, shape), without touching any data."""
     planner = _Planner(bucket_bytes)
     metas: list[BucketMeta] = []
@@ -182,12 +187,17 @@ def pack_bucket(meta: BucketMeta, tensors: Sequence[torch.Tensor], device: torch
         dtype = dtype_from_name(slot.dtype)
         assert tuple(tensor.shape) == slot.shape, f"{slot.name}: shape {tuple(tensor.shape)} != planned {slot.shape}"
         src = tensor.detach().to(dtype).contiguous().reshape(-1).view(torch.uint8)
-        buffer[slot.offset:slot.offset + slot.nbytes].copy_(src)
+        buffer[slot.offset : slot.offset + slot.nbytes].copy_(src)
     return Bucket(meta=meta, buffer=buffer)
 
 
-def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> Iterator[Bucket]:
+def iter_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> Iterator[Bucket]:
     """Stream packed buckets from a stream of (name, tensor), holding at most one layer plus one bucket.
 
     `dtype`, when given, casts floating-point tensors (e.g. fp32 trainer weights to a bf16 engine) before packing,
@@ -212,8 +222,13 @@ def iter_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes
     assert not pending, "every planned tensor is packed"
 
 
-def pack_buckets(named_tensors: Iterable[tuple[str, torch.Tensor]], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                 dtype: torch.dtype | None = None, device: torch.device | str = "cpu") -> list[Bucket]:
+def pack_buckets(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    dtype: torch.dtype | None = None,
+    device: torch.device | str = "cpu",
+) -> list[Bucket]:
     """All buckets at once (see `iter_buckets`)."""
     return list(iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=device))
 
@@ -222,6 +237,9 @@ def unpack_bucket(meta: BucketMeta | dict, buffer: torch.Tensor) -> list[tuple[s
     """(name, tensor) views into `buffer` (no copy): valid while `buffer` is alive and unchanged."""
     meta = BucketMeta.coerce(meta)
     assert buffer.dtype == torch.uint8 and buffer.numel() == meta.nbytes, (
-        f"bucket buffer has {buffer.numel()} {buffer.dtype} elements, expected {meta.nbytes} uint8")
-    return [(t.name, buffer[t.offset:t.offset + t.nbytes].view(dtype_from_name(t.dtype)).view(t.shape))
-            for t in meta.tensors]
+        f"bucket buffer has {buffer.numel()} {buffer.dtype} elements, expected {meta.nbytes} uint8"
+    )
+    return [
+        (t.name, buffer[t.offset : t.offset + t.nbytes].view(dtype_from_name(t.dtype)).view(t.shape))
+        for t in meta.tensors
+    ]

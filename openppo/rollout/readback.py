@@ -21,8 +21,9 @@ through the same identity GEMM. Every shard is reported with the slice of the fu
 from __future__ import annotations
 
 import io
+from collections.abc import Iterable
 from dataclasses import dataclass, field
-from typing import Iterable, NamedTuple
+from typing import NamedTuple
 
 import torch
 
@@ -93,9 +94,9 @@ def worker_shards(model: torch.nn.Module, dtype: torch.dtype) -> list[Shard]:
                 if isinstance(module, QKVParallelLinear) and i > 0:  # k, v: a head may be replicated on workers
                     index //= module.num_kv_head_replicas
                 full = f"{base}.{sub}" if base else sub
-                shards.append(Shard(f"{full}.weight", 0, index * size, weight[offset:offset + size]))
+                shards.append(Shard(f"{full}.weight", 0, index * size, weight[offset : offset + size]))
                 if bias is not None:
-                    shards.append(Shard(f"{full}.bias", 0, index * size, bias[offset:offset + size].detach().cpu()))
+                    shards.append(Shard(f"{full}.bias", 0, index * size, bias[offset : offset + size].detach().cpu()))
                 offset += size
     for name, param in model.named_parameters():
         if id(param) not in read:
@@ -155,7 +156,8 @@ def _compare(full: torch.Tensor, shards: list[Shard]) -> tuple[float, bool]:
                 return float("inf"), False
             ref = full.narrow(shard.dim, shard.start, length)
             cover.setdefault(shard.dim, torch.zeros(full.shape[shard.dim], dtype=torch.bool))[
-                shard.start:shard.start + length] = True
+                shard.start : shard.start + length
+            ] = True
         if ref.shape != shard.tensor.shape:
             return float("inf"), False
         diff = (shard.tensor.double() - ref.to(shard.tensor.dtype).double()).abs()
@@ -164,8 +166,9 @@ def _compare(full: torch.Tensor, shards: list[Shard]) -> tuple[float, bool]:
     return worst / scale if worst else 0.0, whole or any(bool(c.all()) for c in cover.values())
 
 
-def check_engine_weights(expected: Iterable[tuple[str, torch.Tensor]],
-                         shards_per_worker: list[list[Shard]]) -> WeightCheck:
+def check_engine_weights(
+    expected: Iterable[tuple[str, torch.Tensor]], shards_per_worker: list[list[Shard]]
+) -> WeightCheck:
     """Compare every worker's slices with the same slices of the trainer's full tensors, in the engine's dtype.
     `expected` is streamed: one trainer tensor is held at a time. A tied LM head is compared with the embedding
     it shares, when the trainer's checkpoint names only that."""

@@ -28,8 +28,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Iterable, Iterator, Sequence
 from datetime import timedelta
-from typing import Any, Iterable, Iterator, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -75,8 +76,9 @@ def _is_tensor_parallel(param: torch.Tensor) -> bool:
     return getattr(param, "ds_is_replaced_module", False)
 
 
-def _gathered(model: nn.Module, group: list[tuple[str, nn.Parameter]]) -> tuple[contextlib.AbstractContextManager,
-                                                                                 bool]:
+def _gathered(
+    model: nn.Module, group: list[tuple[str, nn.Parameter]]
+) -> tuple[contextlib.AbstractContextManager, bool]:
     """A context in which the group's parameters are whole (a collective every rank enters), and whether entering
     it gathers anything (the tensors then live only inside the context)."""
     params = [p for _, p in group]
@@ -142,15 +144,18 @@ def _merged_lora_weight(model: nn.Module, name: str, base: torch.Tensor) -> torc
         if adapter not in getattr(layer, "scaling", {}) or adapter in layer.merged_adapters:
             continue
         if getattr(layer, "use_dora", {}).get(adapter, False):
-            raise UserError("weight sync to vLLM cannot merge DoRA adapters: train with plain LoRA "
-                            "(--lora_rank without DoRA) or without adapters")
+            raise UserError(
+                "weight sync to vLLM cannot merge DoRA adapters: train with plain LoRA "
+                "(--lora_rank without DoRA) or without adapters"
+            )
         delta = layer.get_delta_weight(adapter).to(torch.float32)
         merged = (base.to(torch.float32) if merged is None else merged) + delta
     return base if merged is None else merged.to(base.dtype)
 
 
-def iter_full_weights(model: nn.Module, *, rank: int | None = None,
-                      emit: bool | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_full_weights(
+    model: nn.Module, *, rank: int | None = None, emit: bool | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every parameter of `model`, layer by layer, where `emit` (default: on rank 0).
 
     `model` may be an HF model, our `Actor`, a DeepSpeed engine around either, and/or a PEFT model. Under ZeRO-3
@@ -188,9 +193,15 @@ def tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float
 # -- sending ---------------------------------------------------------------------------------------------------------
 
 
-def connect_engines(engines: Sequence[Any], *, backend: str = "gloo", master_addr: str | None = None,
-                    master_port: int | None = None, tensor_parallel_size: int = 1,
-                    timeout_s: float = 600.0) -> SyncGroup:
+def connect_engines(
+    engines: Sequence[Any],
+    *,
+    backend: str = "gloo",
+    master_addr: str | None = None,
+    master_port: int | None = None,
+    tensor_parallel_size: int = 1,
+    timeout_s: float = 600.0,
+) -> SyncGroup:
     """Create the sync group between this process (rank 0, the sender) and every worker of `engines`.
 
     `engines` are Ray actor handles of `VLLMEngine`; engine i's workers take ranks 1 + i*tp ... Call on trainer
@@ -203,9 +214,12 @@ def connect_engines(engines: Sequence[Any], *, backend: str = "gloo", master_add
     if master_port is None:
         master_port = free_port(master_addr)
     world_size = 1 + len(engines) * tensor_parallel_size
-    refs = [engine.init_sync_group.remote(master_addr, master_port, 1 + i * tensor_parallel_size, world_size,
-                                          backend, timeout_s)
-            for i, engine in enumerate(engines)]
+    refs = [
+        engine.init_sync_group.remote(
+            master_addr, master_port, 1 + i * tensor_parallel_size, world_size, backend, timeout_s
+        )
+        for i, engine in enumerate(engines)
+    ]
     group = create_sync_group(backend, master_addr, master_port, 0, world_size, timeout_s)
     ray.get(refs, timeout=timeout_s)
     return group
@@ -258,11 +272,18 @@ def _as_plan(plan: SyncPlan | Sequence[str] | None, group: SyncGroup | None, num
     return SyncPlan.of(plan or [tr.BROADCAST if group is not None else tr.OBJECT_STORE] * num_engines)
 
 
-def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: SyncGroup | None,
-                      engines: Sequence[Any], bucket_bytes: int = DEFAULT_BUCKET_BYTES, *,
-                      dtype: torch.dtype | None = None, timeout_s: float = 600.0,
-                      plan: SyncPlan | Sequence[str] | None = None, exchange: HandleExchange | None = None,
-                      verify: bool = False) -> dict[str, float]:
+def broadcast_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    group: SyncGroup | None,
+    engines: Sequence[Any],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    dtype: torch.dtype | None = None,
+    timeout_s: float = 600.0,
+    plan: SyncPlan | Sequence[str] | None = None,
+    exchange: HandleExchange | None = None,
+    verify: bool = False,
+) -> dict[str, float]:
     """Send `named_tensors` to every engine as buckets, on trainer rank 0; returns sync statistics.
 
     `plan` says how engine i gets each bucket (`transport.py`; a list of transports means rank 0 hands over to
@@ -286,8 +307,13 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
     assert group is not None or not broadcast, "broadcast engines need a sync group"
     start = time.perf_counter()
     exporter = tr.LocalExporter(plan.local_kind) if 0 in plan.exporters else None
-    device = (exporter.device if exporter is not None else group.device if group is not None and broadcast
-              else torch.device("cpu"))
+    device = (
+        exporter.device
+        if exporter is not None
+        else group.device
+        if group is not None and broadcast
+        else torch.device("cpu")
+    )
     pending = [engine.begin_weight_update.remote(verify) for engine in engines]
     in_flight: collections.deque = collections.deque()  # per handed-over bucket, the engines' load calls
     num_buckets = num_bytes = num_tensors = 0
@@ -300,9 +326,12 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
                     ray.get(in_flight.popleft(), timeout=timeout_s)
                 handle = exporter.export(num_buckets, bucket.buffer) if exporter is not None else None
                 handles = exchange.gather(handle) if plan.exchange_ranks else {0: handle}
-                in_flight.append([engines[i].load_bucket_local.remote(bucket.meta, [handles[r] for r in
-                                                                                    plan.sources[i]])
-                                  for i in local])
+                in_flight.append(
+                    [
+                        engines[i].load_bucket_local.remote(bucket.meta, [handles[r] for r in plan.sources[i]])
+                        for i in local
+                    ]
+                )
             if stored:
                 ref = ray.put(bucket.buffer.cpu())
                 pending += [e.load_bucket.remote(bucket.meta, ref) for e in stored]
@@ -325,20 +354,31 @@ def broadcast_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], group: 
     finish = [engine.finish_weight_update.remote() for engine in engines]
     ray.get(pending + finish, timeout=timeout_s)
     seconds = time.perf_counter() - start
-    logger.info("weight sync: %d tensors, %.1f MiB in %d bucket(s) to %d engine(s) in %.2f s", num_tensors,
-                num_bytes / 2**20, num_buckets, len(engines), seconds)
+    logger.info(
+        "weight sync: %d tensors, %.1f MiB in %d bucket(s) to %d engine(s) in %.2f s",
+        num_tensors,
+        num_bytes / 2**20,
+        num_buckets,
+        len(engines),
+        seconds,
+    )
     return {"num_buckets": num_buckets, "num_bytes": num_bytes, "num_tensors": num_tensors, "seconds": seconds}
 
 
-def export_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], kind: str, exchange: HandleExchange,
-                   bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, dtype: torch.dtype | None = None) -> None:
+def export_weights(
+    named_tensors: Iterable[tuple[str, torch.Tensor]],
+    kind: str,
+    exchange: HandleExchange,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    dtype: torch.dtype | None = None,
+) -> None:
     """An exporting rank other than 0: the same buckets as rank 0's, each exported for the engine worker(s) on this
     rank's device and its handle given to rank 0 (`kind`: "shm" or "cuda_ipc")."""
     exporter = tr.LocalExporter(kind)
     failed = True
     try:
-        for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, dtype=dtype,
-                                                    device=exporter.device)):
+        for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=exporter.device)):
             exchange.gather(exporter.export(index, bucket.buffer))
         exchange.barrier()
         failed = False
@@ -346,10 +386,19 @@ def export_weights(named_tensors: Iterable[tuple[str, torch.Tensor]], kind: str,
         exporter.close(failed)
 
 
-def sync_weights(model: nn.Module, group: SyncGroup | None, engines: Sequence[Any],
-                 bucket_bytes: int = DEFAULT_BUCKET_BYTES, *, dtype: torch.dtype | None = None,
-                 timeout_s: float = 600.0, rank: int | None = None, plan: SyncPlan | Sequence[str] | None = None,
-                 exchange: HandleExchange | None = None, verify: bool = False) -> dict[str, float] | None:
+def sync_weights(
+    model: nn.Module,
+    group: SyncGroup | None,
+    engines: Sequence[Any],
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    dtype: torch.dtype | None = None,
+    timeout_s: float = 600.0,
+    rank: int | None = None,
+    plan: SyncPlan | Sequence[str] | None = None,
+    exchange: HandleExchange | None = None,
+    verify: bool = False,
+) -> dict[str, float] | None:
     """One full sync; EVERY trainer rank calls this (ZeRO-3 gathers are collectives). Rank 0 returns the stats.
 
     Rank 0 sends (`broadcast_weights`), the other ranks in `plan.exporters` export their copy of every bucket
@@ -359,8 +408,17 @@ def sync_weights(model: nn.Module, group: SyncGroup | None, engines: Sequence[An
     exports = rank in plan.exporters
     named = iter_full_weights(model, rank=rank, emit=rank == 0 or exports)
     if rank == 0:
-        return broadcast_weights(named, group, engines, bucket_bytes, dtype=dtype, timeout_s=timeout_s, plan=plan,
-                                 exchange=exchange, verify=verify)
+        return broadcast_weights(
+            named,
+            group,
+            engines,
+            bucket_bytes,
+            dtype=dtype,
+            timeout_s=timeout_s,
+            plan=plan,
+            exchange=exchange,
+            verify=verify,
+        )
     if exports:
         assert exchange is not None, "an exporting rank other than 0 hands its handles to rank 0 through an exchange"
         export_weights(named, plan.local_kind, exchange, bucket_bytes, dtype=dtype)

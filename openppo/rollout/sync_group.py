@@ -48,7 +48,8 @@ class SyncGroup:
         """Broadcast `tensor` in place from group rank `src`; waits at most the group's timeout."""
         assert self._pg is not None, "the sync group was destroyed"
         assert tensor.device.type == self.device.type, (
-            f"{self.backend} sync group needs {self.device.type} tensors, got {tensor.device}")
+            f"{self.backend} sync group needs {self.device.type} tensors, got {tensor.device}"
+        )
         opts = dist.BroadcastOptions()
         opts.rootRank = src
         opts.rootTensor = 0
@@ -78,8 +79,9 @@ class SyncGroup:
         self._store = None
 
 
-def create_sync_group(backend: str, master_addr: str, master_port: int, rank: int, world_size: int,
-                      timeout_s: float) -> SyncGroup:
+def create_sync_group(
+    backend: str, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float
+) -> SyncGroup:
     """Join the weight-sync group as `rank` of `world_size`; rank 0 serves the store on `master_addr:master_port`.
 
     Every rank must call this within `timeout_s` of the others: the call returns once all have joined. Rank 0 is
@@ -90,18 +92,19 @@ def create_sync_group(backend: str, master_addr: str, master_port: int, rank: in
     assert 0 <= rank < world_size, f"rank {rank} outside world of {world_size}"
     timeout = timedelta(seconds=timeout_s)
     if backend == "nccl" and not torch.cuda.is_available():
-        raise UserError("the nccl weight sync backend needs a CUDA GPU in every process of the group; "
-                        "use the gloo backend on CPU")
-    store = dist.TCPStore(master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout,
-                          wait_for_workers=False)
+        raise UserError(
+            "the nccl weight sync backend needs a CUDA GPU in every process of the group; use the gloo backend on CPU"
+        )
+    store = dist.TCPStore(
+        master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+    )
     # A prefix keeps our keys apart should the same store ever serve something else.
     prefixed = dist.PrefixStore(f"openppo_weight_sync/{backend}/", store)
     if backend == "gloo":
         pg = dist.ProcessGroupGloo(prefixed, rank, world_size, timeout)
     else:
         pg = _nccl_group(prefixed, rank, world_size, timeout)
-    logger.info("weight sync group ready: %s rank %d/%d via %s:%d", backend, rank, world_size, master_addr,
-                master_port)
+    logger.info("weight sync group ready: %s rank %d/%d via %s:%d", backend, rank, world_size, master_addr, master_port)
     return SyncGroup(backend, store, pg, rank, world_size, timeout_s)
 
 

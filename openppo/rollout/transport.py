@@ -32,8 +32,9 @@ from __future__ import annotations
 import collections
 import os
 import uuid
+from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import Any
 
 import torch
 
@@ -52,11 +53,11 @@ class Where:
     gpus: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, info: dict[str, Any]) -> "Where":
+    def of(cls, info: dict[str, Any]) -> Where:
         """From an `actor_location()` dict."""
         return cls(str(info["node_ip"]), tuple(str(g) for g in info.get("gpu_ids") or ()))
 
-    def shares_device(self, other: "Where", on_gpu: bool) -> bool:
+    def shares_device(self, other: Where, on_gpu: bool) -> bool:
         if self.node != other.node:
             return False
         return bool(set(self.gpus) & set(other.gpus)) if on_gpu else True
@@ -71,7 +72,7 @@ class SyncPlan:
     sources: tuple[tuple[int, ...], ...]
 
     @classmethod
-    def of(cls, transports: Sequence[str]) -> "SyncPlan":
+    def of(cls, transports: Sequence[str]) -> SyncPlan:
         """Rank 0 hands the buckets to every worker of a handed-over engine (one trainer process, as in tests)."""
         return cls(tuple(transports), tuple((0,) if t in LOCAL else () for t in transports))
 
@@ -95,8 +96,9 @@ class SyncPlan:
         return (0, *others) if others else ()
 
 
-def choose_transports(ranks: Sequence[Where], engines: Sequence[Sequence[Where]], *, colocated: bool,
-                      on_gpu: bool) -> SyncPlan:
+def choose_transports(
+    ranks: Sequence[Where], engines: Sequence[Sequence[Where]], *, colocated: bool, on_gpu: bool
+) -> SyncPlan:
     """The transport of each engine, from where actor rank r (`ranks[r]`) and worker w of engine i (`engines[i][w]`)
     run. Only the hybrid engine (`colocated`) is handed its buckets: each worker by an actor rank on its device (GPU:
     the same GPU; CPU: the same node), the g-th worker over all engines by rank g when it qualifies (the rank whose
@@ -126,8 +128,12 @@ def describe(plan: SyncPlan | Sequence[str], backend: str) -> str:
     groups: dict[str, list[int]] = {}
     for i, t in enumerate(plan.transports):
         groups.setdefault(t, []).append(i)
-    names = {BROADCAST: f"{backend} broadcast", SHARED_MEMORY: "shared memory", CUDA_IPC: "CUDA IPC",
-             OBJECT_STORE: "Ray's object store"}
+    names = {
+        BROADCAST: f"{backend} broadcast",
+        SHARED_MEMORY: "shared memory",
+        CUDA_IPC: "CUDA IPC",
+        OBJECT_STORE: "Ray's object store",
+    }
     parts = []
     for t, idx in groups.items():
         part = f"engine(s) {','.join(map(str, idx))} via {names[t]}"
@@ -146,10 +152,12 @@ def check_broadcast_group(members: Sequence[tuple[str, Where]], backend: str) ->
         for gpu in where.gpus:
             other = seen.setdefault((where.node, gpu), name)
             if other != name:
-                raise UserError(f"the nccl weight-sync group would hold {other} and {name} on GPU {gpu} of node "
-                                f"{where.node}, which NCCL refuses (--vllm_sync_backend nccl): pass "
-                                f"--vllm_sync_backend gloo, or put the engines on GPUs of their own, or on the "
-                                f"actor's with --colocate_all_models (those get the weights by CUDA IPC, in no group)")
+                raise UserError(
+                    f"the nccl weight-sync group would hold {other} and {name} on GPU {gpu} of node "
+                    f"{where.node}, which NCCL refuses (--vllm_sync_backend nccl): pass "
+                    f"--vllm_sync_backend gloo, or put the engines on GPUs of their own, or on the "
+                    f"actor's with --colocate_all_models (those get the weights by CUDA IPC, in no group)"
+                )
 
 
 # -- the exporting rank's side -------------------------------------------------------------------------------------
@@ -298,9 +306,11 @@ def open_ipc(gpu: str, args: tuple) -> torch.Tensor:
     index = torch.cuda.current_device()
     mine = gpu_uuid(index)
     if gpu != mine:
-        raise RuntimeError(f"a CUDA IPC weight bucket from GPU {gpu} reached an engine worker on GPU {mine}: the "
-                           f"weight-sync plan assumed the engine's workers on the GPUs of the actor ranks that hand "
-                           f"them their weights")
+        raise RuntimeError(
+            f"a CUDA IPC weight bucket from GPU {gpu} reached an engine worker on GPU {mine}: the "
+            f"weight-sync plan assumed the engine's workers on the GPUs of the actor ranks that hand "
+            f"them their weights"
+        )
     args = list(args)
     args[6] = index  # the storage's device: the sender's index of this GPU, which may differ here (as vLLM does)
     return rebuild_cuda_tensor(*args)

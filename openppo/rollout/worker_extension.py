@@ -43,8 +43,9 @@ class WorkerExtension:
 
     # -- sync group ------------------------------------------------------------------------------------------------
 
-    def openppo_init_sync_group(self, master_addr: str, master_port: int, rank_offset: int, world_size: int,
-                                backend: str, timeout_s: float) -> int:
+    def openppo_init_sync_group(
+        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
+    ) -> int:
         """Join the trainer's weight-sync group as rank `rank_offset + this worker's rank`; returns that rank."""
         from openppo.rollout.sync_group import create_sync_group
 
@@ -102,8 +103,11 @@ class WorkerExtension:
         """Load one bucket passed as raw bytes (no collective; bytes cross vLLM's process hop, tensors do not)."""
         meta = BucketMeta.coerce(meta)
         # bytearray: a writable copy, so the tensor views own valid memory for the whole load.
-        buffer = (torch.frombuffer(bytearray(payload), dtype=torch.uint8) if meta.nbytes
-                  else torch.empty(0, dtype=torch.uint8))
+        buffer = (
+            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
+            if meta.nbytes
+            else torch.empty(0, dtype=torch.uint8)
+        )
         self._openppo_load(unpack_bucket(meta, buffer))
 
     def openppo_load_bucket_local(self, meta: BucketMeta | dict, handles: list) -> None:
@@ -144,8 +148,9 @@ class WorkerExtension:
             self.openppo_receive_bucket(meta)
         return self.openppo_finish_reload()
 
-    def openppo_load_weights_from_bytes(self, metadata_per_bucket: list, payloads: list[bytes],
-                                        verify: bool = False) -> int:
+    def openppo_load_weights_from_bytes(
+        self, metadata_per_bucket: list, payloads: list[bytes], verify: bool = False
+    ) -> int:
         """A whole sync from bytes (tests, or where no collective is wanted). Returns #params loaded."""
         assert len(metadata_per_bucket) == len(payloads), "one payload per bucket"
         self.openppo_begin_reload(verify)

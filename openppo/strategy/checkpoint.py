@@ -107,11 +107,21 @@ def resolve(ckpt_dir: str | Path) -> Commit | None:
     commits = list_commits(ckpt_dir)
     newest = commits[-1] if commits else None
     parts = newest.parts if newest else (SINGLE_PART, *(p.name for p in Path(ckpt_dir).glob("*") if p.is_dir()))
-    ignored = sorted({f"{part}/{tag}" for part in parts for tag in list_tags(Path(ckpt_dir) / part)
-                      if newest is None or step_of(tag) > newest.step})
+    ignored = sorted(
+        {
+            f"{part}/{tag}"
+            for part in parts
+            for tag in list_tags(Path(ckpt_dir) / part)
+            if newest is None or step_of(tag) > newest.step
+        }
+    )
     if ignored:
-        logger.warning("%s: ignoring %s: no commit marker (a save cut short by a crash, or a folder written without "
-                       "openppo's commit protocol)", ckpt_dir, ", ".join(ignored))
+        logger.warning(
+            "%s: ignoring %s: no commit marker (a save cut short by a crash, or a folder written without "
+            "openppo's commit protocol)",
+            ckpt_dir,
+            ", ".join(ignored),
+        )
     return newest
 
 
@@ -124,8 +134,9 @@ def begin_save(ckpt_dir: str | Path, step: int, parts: list[str]) -> None:
         _fsync_dir(marker.parent)
     for part in parts:
         if (ckpt_dir / part / tag).exists():
-            logger.info("removing %s before saving it again (left by an earlier or interrupted run)",
-                        ckpt_dir / part / tag)
+            logger.info(
+                "removing %s before saving it again (left by an earlier or interrupted run)", ckpt_dir / part / tag
+            )
             shutil.rmtree(ckpt_dir / part / tag)
 
 
@@ -176,8 +187,11 @@ def rotate_hf(ckpt_dir: str | Path, keep: int) -> list[str]:
     """Keep the newest `keep` HF folders of `--save_hf_ckpt` in `ckpt_dir` (all with `keep <= 0`); delete the
     others. Returns the deleted folder names."""
     ckpt_dir = Path(ckpt_dir)
-    found = sorted((int(m.group(1)), p.name) for p in (ckpt_dir.iterdir() if ckpt_dir.is_dir() else [])
-                   if (m := HF_PATTERN.match(p.name)) and p.is_dir())
+    found = sorted(
+        (int(m.group(1)), p.name)
+        for p in (ckpt_dir.iterdir() if ckpt_dir.is_dir() else [])
+        if (m := HF_PATTERN.match(p.name)) and p.is_dir()
+    )
     removed = [name for _, name in (found[:-keep] if keep > 0 else [])]
     for name in removed:
         shutil.rmtree(ckpt_dir / name, ignore_errors=True)

@@ -16,42 +16,66 @@ REDUCE_BUCKET_SIZE = 5e8  # elements per ZeRO-1/2 gradient reduction bucket (als
 class DeepSpeedConfig:
     """DeepSpeed ZeRO, precision and distributed settings."""
 
-    zero_stage: int = opt(2, "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, "
-                             "2 = + gradients, 3 = + parameters", choices=(0, 1, 2, 3))
-    param_dtype: str = opt("auto", "training precision (bf16/fp16 keep fp32 master weights; fp16 needs a GPU); "
-                                   "auto = bf16 where the device runs it fast (a GPU with bf16, a CPU with "
-                                   "AVX512_BF16/AMX), else fp32; the choice is logged", choices=PARAM_DTYPES)
+    zero_stage: int = opt(
+        2,
+        "ZeRO stage: 0 = plain data parallel, 1 = shard optimizer states, 2 = + gradients, 3 = + parameters",
+        choices=(0, 1, 2, 3),
+    )
+    param_dtype: str = opt(
+        "auto",
+        "training precision (bf16/fp16 keep fp32 master weights; fp16 needs a GPU); "
+        "auto = bf16 where the device runs it fast (a GPU with bf16, a CPU with "
+        "AVX512_BF16/AMX), else fp32; the choice is logged",
+        choices=PARAM_DTYPES,
+    )
     adam_offload: bool = opt(False, "keep optimizer states on CPU (ZeRO-Offload) to save device memory")
     overlap_comm: bool = opt(False, "overlap gradient reduction with backward (more memory, faster)")
     zpg: int = opt(1, "ZeRO++ hierarchical partition size (ZeRO-3 only); 1 = off")
     dist_timeout: int = opt(600, "seconds any collective may wait before the run fails instead of hanging")
-    max_nonfinite_steps: int = opt(3, "optimizer steps in a row that may be skipped for a NaN/Inf loss or gradient "
-                                      "(each logs a warning and leaves weights and optimizer state unchanged) before "
-                                      "the run stops with an error; 0 = stop at the first")
+    max_nonfinite_steps: int = opt(
+        3,
+        "optimizer steps in a row that may be skipped for a NaN/Inf loss or gradient "
+        "(each logs a warning and leaves weights and optimizer state unchanged) before "
+        "the run stops with an error; 0 = stop at the first",
+    )
 
 
 def validate_ds_settings(cfg: DeepSpeedConfig) -> None:
     """Checks that need no process group; raise UserError naming the flag."""
     require(cfg.zpg >= 1, f"--zpg must be >= 1 (1 = off), got {cfg.zpg}")
     require(cfg.dist_timeout > 0, f"--dist_timeout must be positive (seconds), got {cfg.dist_timeout}")
-    require(cfg.max_nonfinite_steps >= 0, f"--max_nonfinite_steps must be >= 0 (0 = stop at the first NaN/Inf step), "
-                                          f"got {cfg.max_nonfinite_steps}")
+    require(
+        cfg.max_nonfinite_steps >= 0,
+        f"--max_nonfinite_steps must be >= 0 (0 = stop at the first NaN/Inf step), got {cfg.max_nonfinite_steps}",
+    )
 
 
 def ds_notices(cfg: DeepSpeedConfig, on_gpu: bool) -> list[str]:
     """One line for each DeepSpeed option that is accepted but has no effect with these settings or here."""
     notices = []
     if cfg.zpg > 1 and cfg.zero_stage != 3:
-        notices.append(f"--zpg {cfg.zpg} has no effect with --zero_stage {cfg.zero_stage}: ZeRO++ hierarchical "
-                       f"partitioning splits ZeRO-3's parameter shards (use --zero_stage 3)")
+        notices.append(
+            f"--zpg {cfg.zpg} has no effect with --zero_stage {cfg.zero_stage}: ZeRO++ hierarchical "
+            f"partitioning splits ZeRO-3's parameter shards (use --zero_stage 3)"
+        )
     if cfg.adam_offload and not on_gpu:
-        notices.append("--adam_offload saves no memory on CPU: the optimizer states already live in host memory "
-                       "(DeepSpeed's offload path still runs)")
+        notices.append(
+            "--adam_offload saves no memory on CPU: the optimizer states already live in host memory "
+            "(DeepSpeed's offload path still runs)"
+        )
     return notices
 
 
-def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, world_size: int,
-                    max_norm: float, on_gpu: bool, tensor_parallel_size: int = 1) -> dict:
+def train_ds_config(
+    cfg: DeepSpeedConfig,
+    *,
+    train_batch_size: int,
+    micro_batch_size: int,
+    world_size: int,
+    max_norm: float,
+    on_gpu: bool,
+    tensor_parallel_size: int = 1,
+) -> dict:
     """The DeepSpeed JSON for a trained model. Batch sizes must already be validated to divide.
 
     `train_batch_size` counts every rank as a replica, tensor-parallel ones included (DeepSpeed's arithmetic)."""
@@ -95,8 +119,9 @@ def train_ds_config(cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_
     return config
 
 
-def eval_ds_config(cfg: DeepSpeedConfig, *, micro_batch_size: int, world_size: int, offload: bool,
-                   on_gpu: bool) -> dict:
+def eval_ds_config(
+    cfg: DeepSpeedConfig, *, micro_batch_size: int, world_size: int, offload: bool, on_gpu: bool
+) -> dict:
     """The DeepSpeed JSON for a frozen model (reference, reward): ZeRO-3 shards it only when asked to."""
     stage = cfg.zero_stage if cfg.zero_stage == 3 else 0
     zero: dict = {"stage": stage, "stage3_param_persistence_threshold": 1e4}

@@ -10,8 +10,9 @@ from __future__ import annotations
 import contextlib
 import logging
 import random
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import numpy as np
 import torch
@@ -48,8 +49,16 @@ def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
 class DeepSpeedStrategy:
     """Distributed set-up and DeepSpeed engines for one process (one rank)."""
 
-    def __init__(self, cfg: DeepSpeedConfig, *, train_batch_size: int, micro_batch_size: int, max_norm: float,
-                 seed: int, tensor_parallel_size: int = 1):
+    def __init__(
+        self,
+        cfg: DeepSpeedConfig,
+        *,
+        train_batch_size: int,
+        micro_batch_size: int,
+        max_norm: float,
+        seed: int,
+        tensor_parallel_size: int = 1,
+    ):
         self.cfg = cfg
         if cfg.param_dtype == "auto":  # the CLIs resolve it up front; a strategy built directly resolves it here
             from openppo.utils.hardware import resolve_precision
@@ -89,10 +98,15 @@ class DeepSpeedStrategy:
         return self.train_batch_size // (self.micro_batch_size * self.world_size)
 
     def train_config(self) -> dict:
-        return train_ds_config(self.cfg, train_batch_size=self.train_batch_size,
-                               micro_batch_size=self.micro_batch_size, world_size=self.world_size,
-                               max_norm=self.max_norm, on_gpu=self.on_gpu,
-                               tensor_parallel_size=self.tensor_parallel_size)
+        return train_ds_config(
+            self.cfg,
+            train_batch_size=self.train_batch_size,
+            micro_batch_size=self.micro_batch_size,
+            world_size=self.world_size,
+            max_norm=self.max_norm,
+            on_gpu=self.on_gpu,
+            tensor_parallel_size=self.tensor_parallel_size,
+        )
 
     @contextlib.contextmanager
     def zero3_init(self, for_training: bool = True, offload: bool = False) -> Iterator[None]:
@@ -102,9 +116,17 @@ class DeepSpeedStrategy:
             return
         from transformers.integrations import HfDeepSpeedConfig
 
-        config = self.train_config() if for_training else eval_ds_config(
-            self.cfg, micro_batch_size=self.micro_batch_size, world_size=self.world_size, offload=offload,
-            on_gpu=self.on_gpu)
+        config = (
+            self.train_config()
+            if for_training
+            else eval_ds_config(
+                self.cfg,
+                micro_batch_size=self.micro_batch_size,
+                world_size=self.world_size,
+                offload=offload,
+                on_gpu=self.on_gpu,
+            )
+        )
         # transformers keeps only a weak reference to this object: hold it while loading.
         holder = HfDeepSpeedConfig(config)
         try:
@@ -124,19 +146,38 @@ class DeepSpeedStrategy:
         # 0.10 s where the default per-tensor loop takes 0.47 s (2 threads).
         return torch.optim.AdamW(groups, lr=lr, betas=betas, fused=True)
 
-    def prepare_train(self, model: nn.Module, *, lr: float, betas: tuple[float, float], weight_decay: float,
-                      scheduler: str, warmup_ratio: float, min_lr_ratio: float, num_training_steps: int):
+    def prepare_train(
+        self,
+        model: nn.Module,
+        *,
+        lr: float,
+        betas: tuple[float, float],
+        weight_decay: float,
+        scheduler: str,
+        warmup_ratio: float,
+        min_lr_ratio: float,
+        num_training_steps: int,
+    ):
         """Wrap a trainable model in a DeepSpeed engine with AdamW and an LR schedule."""
         import deepspeed
         from transformers import get_scheduler
 
         optimizer = self._optimizer(model, lr, betas, weight_decay)
         kwargs = {"min_lr_rate": min_lr_ratio} if scheduler == "cosine_with_min_lr" else {}
-        lr_scheduler = get_scheduler(scheduler, optimizer, num_warmup_steps=int(warmup_ratio * num_training_steps),
-                                     num_training_steps=max(1, num_training_steps),
-                                     scheduler_specific_kwargs=kwargs)
-        engine, *_ = deepspeed.initialize(model=model, optimizer=optimizer, lr_scheduler=lr_scheduler,
-                                          config=self.train_config(), dist_init_required=False)
+        lr_scheduler = get_scheduler(
+            scheduler,
+            optimizer,
+            num_warmup_steps=int(warmup_ratio * num_training_steps),
+            num_training_steps=max(1, num_training_steps),
+            scheduler_specific_kwargs=kwargs,
+        )
+        engine, *_ = deepspeed.initialize(
+            model=model,
+            optimizer=optimizer,
+            lr_scheduler=lr_scheduler,
+            config=self.train_config(),
+            dist_init_required=False,
+        )
         if getattr(self.cfg, "deepcompile", False):  # GPU only (validated): compiled on the first forward
             engine.compile()
         return engine
@@ -145,8 +186,13 @@ class DeepSpeedStrategy:
         """Wrap a frozen model (reference, reward) for inference; ZeRO-3 shards it when zero_stage is 3."""
         import deepspeed
 
-        config = eval_ds_config(self.cfg, micro_batch_size=self.micro_batch_size, world_size=self.world_size,
-                                offload=offload, on_gpu=self.on_gpu)
+        config = eval_ds_config(
+            self.cfg,
+            micro_batch_size=self.micro_batch_size,
+            world_size=self.world_size,
+            offload=offload,
+            on_gpu=self.on_gpu,
+        )
         model.requires_grad_(False)
         engine, *_ = deepspeed.initialize(model=model, config=config, dist_init_required=False)
         engine.eval()
@@ -195,11 +241,17 @@ class DeepSpeedStrategy:
     def load_checkpoint(self, engine, ckpt_dir: str, step: int, load_optimizer: bool = True) -> None:
         """Restore this model from the `global_step<step>` folder of a committed step (`checkpoint.resolve`); the
         tag is named explicitly because DeepSpeed's `latest` file may point at a save cut short."""
-        path, _ = engine.load_checkpoint(ckpt_dir, tag=ckpt.tag_for_step(step), load_optimizer_states=load_optimizer,
-                                         load_lr_scheduler_states=load_optimizer)
+        path, _ = engine.load_checkpoint(
+            ckpt_dir,
+            tag=ckpt.tag_for_step(step),
+            load_optimizer_states=load_optimizer,
+            load_lr_scheduler_states=load_optimizer,
+        )
         if path is None:
-            raise UserError(f"--load_checkpoint: could not load step {step} from {ckpt_dir}; delete that folder "
-                            f"to start fresh or point --ckpt_path at a valid one")
+            raise UserError(
+                f"--load_checkpoint: could not load step {step} from {ckpt_dir}; delete that folder "
+                f"to start fresh or point --ckpt_path at a valid one"
+            )
 
     def save_committed(self, engine, ckpt_dir: str, step: int, state: dict, max_num: int) -> None:
         """A checkpoint with this engine as its only part (the supervised trainers): clear what an interrupted save
@@ -219,8 +271,10 @@ class DeepSpeedStrategy:
         if commit is None:
             return None
         if commit.parts != (ckpt.SINGLE_PART,):
-            raise UserError(f"--load_checkpoint: {ckpt_dir} holds a checkpoint of parts {list(commit.parts)} (an RL "
-                            f"run's?); point --ckpt_path at this trainer's checkpoints")
+            raise UserError(
+                f"--load_checkpoint: {ckpt_dir} holds a checkpoint of parts {list(commit.parts)} (an RL "
+                f"run's?); point --ckpt_path at this trainer's checkpoints"
+            )
         self.load_checkpoint(engine, ckpt_dir, commit.step)
         return commit.state
 
@@ -235,15 +289,15 @@ class DeepSpeedStrategy:
             state = {k: v.detach().cpu() for k, v in module.state_dict().items()} if self.is_rank0 else None
         return state if self.is_rank0 else None
 
-    def save_hf(self, engine_or_model, tokenizer, out_dir: str | Path,
-                extra_config: dict[str, Any] | None = None) -> None:
+    def save_hf(
+        self, engine_or_model, tokenizer, out_dir: str | Path, extra_config: dict[str, Any] | None = None
+    ) -> None:
         """Export an HF folder (adapter only for LoRA models) from rank 0; all ranks must call it."""
         from openppo.models.saving import save_hf_folder
 
         state = self.gathered_state_dict(engine_or_model)
         if self.is_rank0:
-            save_hf_folder(getattr(engine_or_model, "module", engine_or_model), state, tokenizer, out_dir,
-                           extra_config)
+            save_hf_folder(getattr(engine_or_model, "module", engine_or_model), state, tokenizer, out_dir, extra_config)
         self.barrier()
 
 
@@ -251,13 +305,16 @@ def validate_precision(param_dtype: str, on_gpu: bool) -> None:
     if param_dtype == "fp16" and not on_gpu:
         from openppo.utils.hardware import auto_param_dtype
 
-        raise UserError(f"--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype auto (here: "
-                        f"{auto_param_dtype()})")
+        raise UserError(
+            f"--param_dtype fp16: DeepSpeed has no fp16 on CPU; use --param_dtype auto (here: {auto_param_dtype()})"
+        )
 
 
 def validate_batch_sizes(train_batch_size: int, micro_batch_size: int, world_size: int) -> None:
     if micro_batch_size <= 0 or train_batch_size <= 0:
         raise UserError("--train_batch_size and --micro_train_batch_size must be positive")
     if train_batch_size % (micro_batch_size * world_size) != 0:
-        raise UserError(f"--train_batch_size {train_batch_size} is not a multiple of --micro_train_batch_size "
-                        f"{micro_batch_size} x {world_size} ranks; pick a --train_batch_size that is")
+        raise UserError(
+            f"--train_batch_size {train_batch_size} is not a multiple of --micro_train_batch_size "
+            f"{micro_batch_size} x {world_size} ranks; pick a --train_batch_size that is"
+        )

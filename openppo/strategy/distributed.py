@@ -69,6 +69,7 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
         _disable_cpu_shm_comm()
         _cpu_thread_budget()
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s),
-                                   verbose=False)
+        deepspeed.init_distributed(
+            dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s), verbose=False
+        )
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

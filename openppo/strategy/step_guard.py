@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
@@ -147,8 +147,15 @@ class StepGuard:
                 f"and were skipped, more than --max_nonfinite_steps {self.max_consecutive}: training has diverged or "
                 f"the inputs hold NaN/Inf; lower the learning rate, check the data and rewards for NaN or extreme "
                 f"values, keep gradient clipping on (--max_norm > 0), try --param_dtype fp32, or raise "
-                f"--max_nonfinite_steps")
+                f"--max_nonfinite_steps"
+            )
         if rank0:
-            logger.warning("%s: skipped optimizer step %d: NaN/Inf %s; weights and optimizer state unchanged "
-                           "(%d in a row, --max_nonfinite_steps %d)", self.model, step, cause, self.consecutive,
-                           self.max_consecutive)
+            logger.warning(
+                "%s: skipped optimizer step %d: NaN/Inf %s; weights and optimizer state unchanged "
+                "(%d in a row, --max_nonfinite_steps %d)",
+                self.model,
+                step,
+                cause,
+                self.consecutive,
+                self.max_consecutive,
+            )

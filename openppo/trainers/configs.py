@@ -14,8 +14,9 @@ from openppo.trainers.preference_losses import RM_LOSSES
 class DataConfig:
     """Training data: files, mixing, templates and lengths."""
 
-    dataset: str = opt(None, "comma list of local .json/.jsonl/.parquet/.csv files or save_to_disk folders",
-                       metavar="PATHS")
+    dataset: str = opt(
+        None, "comma list of local .json/.jsonl/.parquet/.csv files or save_to_disk folders", metavar="PATHS"
+    )
     dataset_probs: str = opt(None, "comma list of sampling probabilities, one per --dataset source")
     eval_dataset: str = opt(None, "evaluation data, same formats as --dataset", metavar="PATHS")
     max_samples: int = opt(100_000_000, "use at most this many training samples (after mixing)")

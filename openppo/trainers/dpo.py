@@ -19,8 +19,7 @@ def sequence_log_probs(out_log_probs: torch.Tensor, loss_mask: torch.Tensor) -> 
 class DPOTrainer(SupervisedTrainer):
     name = "dpo"
 
-    def __init__(self, *, ref_engine, beta: float, label_smoothing: float, ipo: bool, nll_loss_coef: float,
-                 **kwargs):
+    def __init__(self, *, ref_engine, beta: float, label_smoothing: float, ipo: bool, nll_loss_coef: float, **kwargs):
         super().__init__(**kwargs)
         self.ref_engine = ref_engine
         self.beta = beta
@@ -34,14 +33,26 @@ class DPOTrainer(SupervisedTrainer):
         with torch.no_grad():
             ref, _ = sequence_log_probs(self.ref_engine(ids, attn).log_probs, loss_mask)
         half = ids.size(0) // 2
-        loss, chosen_r, rejected_r = dpo_loss(policy[:half], policy[half:], ref[:half], ref[half:], beta=self.beta,
-                                              label_smoothing=self.label_smoothing, ipo=self.ipo)
+        loss, chosen_r, rejected_r = dpo_loss(
+            policy[:half],
+            policy[half:],
+            ref[:half],
+            ref[half:],
+            beta=self.beta,
+            label_smoothing=self.label_smoothing,
+            ipo=self.ipo,
+        )
         metrics = {"loss/dpo": loss.item()}
         if self.nll_loss_coef > 0:
             nll = -(policy[:half] / lengths[:half].clamp(min=1)).mean()
             loss = loss + self.nll_loss_coef * nll
             metrics["loss/nll"] = nll.item()
-        metrics.update({"dpo/chosen_reward": chosen_r.mean().item(), "dpo/rejected_reward": rejected_r.mean().item(),
-                        "dpo/reward_margin": (chosen_r - rejected_r).mean().item(),
-                        "dpo/reward_acc": (chosen_r > rejected_r).float().mean().item()})
+        metrics.update(
+            {
+                "dpo/chosen_reward": chosen_r.mean().item(),
+                "dpo/rejected_reward": rejected_r.mean().item(),
+                "dpo/reward_margin": (chosen_r - rejected_r).mean().item(),
+                "dpo/reward_acc": (chosen_r > rejected_r).float().mean().item(),
+            }
+        )
         return loss, metrics

@@ -14,8 +14,9 @@ from __future__ import annotations
 import logging
 import math
 from collections import defaultdict
+from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
@@ -43,7 +44,7 @@ class ResumableSampler(DistributedSampler):
 
     def __iter__(self) -> Iterator[int]:
         indices = list(super().__iter__())
-        return iter(indices[self.skip:])
+        return iter(indices[self.skip :])
 
     def __len__(self) -> int:
         return self.num_samples - self.skip
@@ -58,9 +59,20 @@ class SupervisedTrainer:
 
     name = "supervised"
 
-    def __init__(self, *, strategy: DeepSpeedStrategy, engine, tokenizer, train_dataset: Dataset,
-                 eval_dataset: Dataset | None, collate_fn: Callable, optim: OptimConfig, ckpt: CheckpointConfig,
-                 logging_cfg: LoggingConfig, tracker: MetricsTracker):
+    def __init__(
+        self,
+        *,
+        strategy: DeepSpeedStrategy,
+        engine,
+        tokenizer,
+        train_dataset: Dataset,
+        eval_dataset: Dataset | None,
+        collate_fn: Callable,
+        optim: OptimConfig,
+        ckpt: CheckpointConfig,
+        logging_cfg: LoggingConfig,
+        tracker: MetricsTracker,
+    ):
         self.strategy = strategy
         self.engine = engine
         self.tokenizer = tokenizer
@@ -75,12 +87,15 @@ class SupervisedTrainer:
         self.ckpt_dir = ckpt.ckpt_path or str(Path(ckpt.save_path) / "checkpoints")
         self.micro = optim.micro_train_batch_size
         self.accum = strategy.grad_accum_steps
-        self.sampler = ResumableSampler(train_dataset, num_replicas=strategy.world_size, rank=strategy.rank,
-                                        seed=optim.seed)
+        self.sampler = ResumableSampler(
+            train_dataset, num_replicas=strategy.world_size, rank=strategy.rank, seed=optim.seed
+        )
         self.steps_per_epoch = self.sampler.num_samples // (self.micro * self.accum)
         if self.steps_per_epoch == 0:
-            raise UserError(f"--train_batch_size {optim.train_batch_size} is larger than the training set "
-                            f"({len(train_dataset)} samples); lower --train_batch_size or add data")
+            raise UserError(
+                f"--train_batch_size {optim.train_batch_size} is larger than the training set "
+                f"({len(train_dataset)} samples); lower --train_batch_size or add data"
+            )
         total = self.steps_per_epoch * optim.max_epochs
         self.total_steps = min(total, optim.max_steps) if optim.max_steps > 0 else total
 
@@ -101,8 +116,9 @@ class SupervisedTrainer:
 
     def _loader(self, epoch: int, skip_steps: int) -> DataLoader:
         self.sampler.start(epoch, skip_steps * self.micro * self.accum)
-        return DataLoader(self.train_dataset, batch_size=self.micro, sampler=self.sampler,
-                          collate_fn=self.collate_fn, drop_last=True)
+        return DataLoader(
+            self.train_dataset, batch_size=self.micro, sampler=self.sampler, collate_fn=self.collate_fn, drop_last=True
+        )
 
     def _resume(self) -> tuple[int, int, int]:
         """(global_step, epoch, steps done in that epoch) from the latest checkpoint, or zeros."""
@@ -121,8 +137,13 @@ class SupervisedTrainer:
     def fit(self) -> dict[str, float]:
         global_step, start_epoch, skip = self._resume()
         saved_step = global_step if self.ckpt.load_checkpoint else None  # a resumed step is on disk already
-        progress = tqdm(total=self.total_steps, initial=global_step, desc=f"{self.name} train",
-                        disable=not self.strategy.is_rank0, dynamic_ncols=True)
+        progress = tqdm(
+            total=self.total_steps,
+            initial=global_step,
+            desc=f"{self.name} train",
+            disable=not self.strategy.is_rank0,
+            dynamic_ncols=True,
+        )
         sums: dict[str, float] = defaultdict(float)
         step_sums: dict[str, float] = defaultdict(float)  # this optimizer step's, added to sums once it is applied
         count = step_count = skipped = 0
@@ -155,9 +176,12 @@ class SupervisedTrainer:
                     last = self.strategy.all_reduce_mean({k: v / max(count, 1) for k, v in sums.items()})
                     last[self.guard.metric] = skipped  # the same on every rank: they skip together
                     last["train/lr"] = self.engine.get_lr()[0]
-                    last["train/epoch"] = epoch + (done_in_epoch + (micro_step + 1) // self.accum) / self.steps_per_epoch
-                    progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in last.items()
-                                          if k.startswith("loss")})
+                    last["train/epoch"] = (
+                        epoch + (done_in_epoch + (micro_step + 1) // self.accum) / self.steps_per_epoch
+                    )
+                    progress.set_postfix(
+                        {k.split("/")[-1]: f"{v:.4g}" for k, v in last.items() if k.startswith("loss")}
+                    )
                     self.tracker.log(global_step, last, echo=False)
                     sums.clear()
                     count = skipped = 0
@@ -189,8 +213,9 @@ class SupervisedTrainer:
         if self.eval_dataset is None:
             return {}
         self.engine.eval()
-        sampler = DistributedSampler(self.eval_dataset, num_replicas=self.strategy.world_size,
-                                     rank=self.strategy.rank, shuffle=False)
+        sampler = DistributedSampler(
+            self.eval_dataset, num_replicas=self.strategy.world_size, rank=self.strategy.rank, shuffle=False
+        )
         loader = DataLoader(self.eval_dataset, batch_size=self.micro, sampler=sampler, collate_fn=self.collate_fn)
         sums: dict[str, float] = defaultdict(float)
         batches = 0
@@ -209,7 +234,6 @@ class SupervisedTrainer:
         state = {"global_step": step, "epoch": epoch, "trainer": self.name}
         self.strategy.save_committed(self.engine, self.ckpt_dir, step, state, self.ckpt.max_ckpt_num)
         if self.ckpt.save_hf_ckpt:
-            self.strategy.save_hf(self.engine, self.tokenizer, hf_export_dir(self.ckpt_dir, step),
-                                  self.final_config())
+            self.strategy.save_hf(self.engine, self.tokenizer, hf_export_dir(self.ckpt_dir, step), self.final_config())
             if self.strategy.is_rank0:
                 rotate_hf(self.ckpt_dir, self.ckpt.max_ckpt_num)

@@ -12,8 +12,9 @@ import torch.nn.functional as F
 RM_LOSSES = ("sigmoid", "logexp")
 
 
-def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, *, kind: str = "sigmoid",
-                     margin: torch.Tensor | float = 0.0) -> torch.Tensor:
+def pairwise_rm_loss(
+    chosen: torch.Tensor, rejected: torch.Tensor, *, kind: str = "sigmoid", margin: torch.Tensor | float = 0.0
+) -> torch.Tensor:
     """Bradley-Terry pairwise loss (Ouyang et al. 2022, eq. 1), mean over pairs.
 
     sigmoid: -log sigmoid(r_c - r_r - margin)   (the margin of Touvron et al. 2023, Llama 2, sec. 3.2.2)
@@ -27,9 +28,16 @@ def pairwise_rm_loss(chosen: torch.Tensor, rejected: torch.Tensor, *, kind: str 
     raise ValueError(f"unknown reward-model loss {kind!r}")
 
 
-def dpo_loss(policy_chosen: torch.Tensor, policy_rejected: torch.Tensor, ref_chosen: torch.Tensor,
-             ref_rejected: torch.Tensor, *, beta: float, label_smoothing: float = 0.0,
-             ipo: bool = False) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def dpo_loss(
+    policy_chosen: torch.Tensor,
+    policy_rejected: torch.Tensor,
+    ref_chosen: torch.Tensor,
+    ref_rejected: torch.Tensor,
+    *,
+    beta: float,
+    label_smoothing: float = 0.0,
+    ipo: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """DPO (Rafailov et al. 2023, eq. 7), conservative DPO (label smoothing) and IPO (Azar et al. 2023, eq. 17).
 
     Inputs are summed response log-probs per sequence, shape [B]. Let

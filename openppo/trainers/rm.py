@@ -34,27 +34,32 @@ class RewardModelTrainer(SupervisedTrainer):
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         chosen, rejected = self._scores(batch)
         loss = pairwise_rm_loss(chosen, rejected, kind=self.loss_kind, margin=self.margin)
-        return loss, {"loss/rm": loss.item(), "rm/acc": (chosen > rejected).float().mean().item(),
-                      "rm/chosen_reward": chosen.mean().item(), "rm/rejected_reward": rejected.mean().item(),
-                      "rm/margin": (chosen - rejected).mean().item()}
+        return loss, {
+            "loss/rm": loss.item(),
+            "rm/acc": (chosen > rejected).float().mean().item(),
+            "rm/chosen_reward": chosen.mean().item(),
+            "rm/rejected_reward": rejected.mean().item(),
+            "rm/margin": (chosen - rejected).mean().item(),
+        }
 
     @torch.no_grad()
     def measure_score_stats(self) -> dict[str, float]:
         """Mean and std of the scores of all sequences (eval set, else train set), stored for --normalize_reward."""
         dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        sampler = DistributedSampler(dataset, num_replicas=self.strategy.world_size, rank=self.strategy.rank,
-                                     shuffle=False)
+        sampler = DistributedSampler(
+            dataset, num_replicas=self.strategy.world_size, rank=self.strategy.rank, shuffle=False
+        )
         loader = DataLoader(dataset, batch_size=self.micro, sampler=sampler, collate_fn=self.collate_fn)
         self.engine.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.strategy.device)
         for batch in loader:
             scores = self._score_last(move_to(batch, self.strategy.device)).double()
-            total += torch.stack([scores.new_tensor(scores.numel()), scores.sum(), (scores ** 2).sum()])
+            total += torch.stack([scores.new_tensor(scores.numel()), scores.sum(), (scores**2).sum()])
         if self.strategy.world_size > 1:
             torch.distributed.all_reduce(total)
         n, s, ss = total.tolist()
         mean = s / max(n, 1)
-        std = max((ss / max(n, 1) - mean ** 2), 0.0) ** 0.5
+        std = max((ss / max(n, 1) - mean**2), 0.0) ** 0.5
         return {"value_mean": mean, "value_std": std if std > 1e-8 else 1.0}
 
     def final_config(self) -> dict[str, Any]:

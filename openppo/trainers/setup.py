@@ -41,8 +41,9 @@ def validate_common(cfg: Any) -> None:
     require(cfg.optim.max_epochs > 0, f"--max_epochs must be positive, got {cfg.optim.max_epochs}")
     require(cfg.optim.learning_rate > 0, f"--learning_rate must be positive, got {cfg.optim.learning_rate}")
     require(cfg.logging.logging_steps > 0, f"--logging_steps must be positive, got {cfg.logging.logging_steps}")
-    require(0.0 <= cfg.optim.lr_warmup_ratio < 1.0,
-            f"--lr_warmup_ratio must be in [0, 1), got {cfg.optim.lr_warmup_ratio}")
+    require(
+        0.0 <= cfg.optim.lr_warmup_ratio < 1.0, f"--lr_warmup_ratio must be in [0, 1), got {cfg.optim.lr_warmup_ratio}"
+    )
     validate_build(cfg.model)
     validate_schedule(min_lr_ratio=cfg.optim.min_lr_ratio, max_norm=cfg.optim.max_norm)
     validate_ds_settings(cfg.ds)
@@ -54,8 +55,14 @@ def validate_common(cfg: Any) -> None:
 def load_raw_data(data: DataConfig, keys: dict[str, str | None], seed: int):
     """(train, eval or None) datasets.Dataset objects, with the columns named by `keys` checked."""
     require(bool(data.dataset), "--dataset is required: pass a local .jsonl/.json/.parquet/.csv file or folder")
-    train = load_blended_dataset(data.dataset, data.dataset_probs, flag="--dataset", probs_flag="--dataset_probs",
-                                 seed=seed, max_samples=data.max_samples)
+    train = load_blended_dataset(
+        data.dataset,
+        data.dataset_probs,
+        flag="--dataset",
+        probs_flag="--dataset_probs",
+        seed=seed,
+        max_samples=data.max_samples,
+    )
     require_columns(train, keys, data.dataset)
     evaluation = None
     if data.eval_dataset:
@@ -65,9 +72,13 @@ def load_raw_data(data: DataConfig, keys: dict[str, str | None], seed: int):
 
 
 def make_strategy(cfg: Any) -> DeepSpeedStrategy:
-    strategy = DeepSpeedStrategy(cfg.ds, train_batch_size=cfg.optim.train_batch_size,
-                                 micro_batch_size=cfg.optim.micro_train_batch_size, max_norm=cfg.optim.max_norm,
-                                 seed=cfg.optim.seed)
+    strategy = DeepSpeedStrategy(
+        cfg.ds,
+        train_batch_size=cfg.optim.train_batch_size,
+        micro_batch_size=cfg.optim.micro_train_batch_size,
+        max_norm=cfg.optim.max_norm,
+        seed=cfg.optim.seed,
+    )
     strategy.setup_distributed()
     return strategy
 
@@ -78,20 +89,43 @@ def make_tracker(cfg: Any, strategy: DeepSpeedStrategy, cli: str) -> MetricsTrac
     if strategy.is_rank0:
         log_run_info(run_info(config, cli), cfg.ckpt.save_path)
     run_name = cfg.logging.wandb_run_name or f"{cli}_{time.strftime('%m%dT%H%M%S')}"
-    return MetricsTracker(save_dir=cfg.ckpt.save_path, tensorboard_dir=cfg.logging.use_tensorboard,
-                          wandb=cfg.logging.use_wandb, wandb_project=cfg.logging.wandb_project, run_name=run_name,
-                          config=config, enabled=strategy.is_rank0)
+    return MetricsTracker(
+        save_dir=cfg.ckpt.save_path,
+        tensorboard_dir=cfg.logging.use_tensorboard,
+        wandb=cfg.logging.use_wandb,
+        wandb_project=cfg.logging.wandb_project,
+        run_name=run_name,
+        config=config,
+        enabled=strategy.is_rank0,
+    )
 
 
-def train_kwargs(cfg: Any, strategy: DeepSpeedStrategy, engine, tokenizer, train_ds, eval_ds, collate_fn,
-                 tracker: MetricsTracker) -> dict[str, Any]:
+def train_kwargs(
+    cfg: Any, strategy: DeepSpeedStrategy, engine, tokenizer, train_ds, eval_ds, collate_fn, tracker: MetricsTracker
+) -> dict[str, Any]:
     """Keyword arguments of `SupervisedTrainer.__init__` drawn from a CLI config."""
-    return dict(strategy=strategy, engine=engine, tokenizer=tokenizer, train_dataset=train_ds,
-                eval_dataset=eval_ds, collate_fn=collate_fn, optim=cfg.optim, ckpt=cfg.ckpt,
-                logging_cfg=cfg.logging, tracker=tracker)
+    return dict(
+        strategy=strategy,
+        engine=engine,
+        tokenizer=tokenizer,
+        train_dataset=train_ds,
+        eval_dataset=eval_ds,
+        collate_fn=collate_fn,
+        optim=cfg.optim,
+        ckpt=cfg.ckpt,
+        logging_cfg=cfg.logging,
+        tracker=tracker,
+    )
 
 
 def optimizer_kwargs(cfg: Any, num_training_steps: int) -> dict[str, Any]:
     o = cfg.optim
-    return dict(lr=o.learning_rate, betas=o.adam_betas, weight_decay=o.l2, scheduler=o.lr_scheduler,
-                warmup_ratio=o.lr_warmup_ratio, min_lr_ratio=o.min_lr_ratio, num_training_steps=num_training_steps)
+    return dict(
+        lr=o.learning_rate,
+        betas=o.adam_betas,
+        weight_decay=o.l2,
+        scheduler=o.lr_scheduler,
+        warmup_ratio=o.lr_warmup_ratio,
+        min_lr_ratio=o.min_lr_ratio,
+        num_training_steps=num_training_steps,
+    )

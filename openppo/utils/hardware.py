@@ -68,6 +68,7 @@ def cpu_bf16_instructions() -> list[str]:
 
 def probe_bf16_slowdown(size: int = _PROBE_SIZE, repeats: int = 3) -> float:
     """bf16 matmul time over fp32 matmul time on this CPU (best of `repeats`, after a warm-up): < 1 is faster."""
+
     def best(dtype: torch.dtype) -> float:
         a = torch.randn(size, size).to(dtype)
         b = torch.randn(size, size).to(dtype)
@@ -106,8 +107,10 @@ def bf16_support() -> Bf16Support:
     instructions = cpu_bf16_instructions()
     capability = torch.backends.cpu.get_cpu_capability()
     caps = isa_caps()
-    device = (f"{cpu_model()} ({capability}{', ' + '+'.join(instructions) if instructions else ''}"
-              f"{'; capped by ' + caps if caps else ''})")
+    device = (
+        f"{cpu_model()} ({capability}{', ' + '+'.join(instructions) if instructions else ''}"
+        f"{'; capped by ' + caps if caps else ''})"
+    )
     return Bf16Support(device, False, bool(instructions), probe_bf16_slowdown())
 
 
@@ -128,11 +131,20 @@ def resolve_param_dtype(requested: str, support: Bf16Support) -> tuple[str, str 
         return dtype, f"--param_dtype auto -> {dtype} on {support.device}: {why}", None
     if requested == "bf16" and not support.on_gpu and not support.fast:
         facts = slow or "no bf16 instructions"
-        return requested, None, (f"--param_dtype bf16 on {support.device}: this CPU has no fast bf16 ({facts}); "
-                                 f"training will be slow. Use --param_dtype fp32 (or auto)")
+        return (
+            requested,
+            None,
+            (
+                f"--param_dtype bf16 on {support.device}: this CPU has no fast bf16 ({facts}); "
+                f"training will be slow. Use --param_dtype fp32 (or auto)"
+            ),
+        )
     if requested == "bf16" and support.on_gpu and not support.native:
-        return requested, None, (f"--param_dtype bf16 on {support.device}: the GPU has no bf16 support; use "
-                                 f"--param_dtype fp32 (or auto)")
+        return (
+            requested,
+            None,
+            (f"--param_dtype bf16 on {support.device}: the GPU has no bf16 support; use --param_dtype fp32 (or auto)"),
+        )
     return requested, None, None
 
 
@@ -160,8 +172,12 @@ def device_record() -> dict[str, str]:
     if torch.cuda.is_available():
         return {"device": torch.cuda.get_device_name(), "torch": torch.__version__}
     instructions = cpu_bf16_instructions()
-    record = {"device": cpu_model(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-              "cpu_bf16_instructions": "+".join(instructions) or "none", "torch": torch.__version__}
+    record = {
+        "device": cpu_model(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cpu_bf16_instructions": "+".join(instructions) or "none",
+        "torch": torch.__version__,
+    }
     caps = isa_caps()
     if caps:
         record["isa_caps"] = caps

@@ -25,8 +25,9 @@ def setup_logging(rank: int | None = None) -> None:
     level = logging.INFO if rank == 0 else logging.WARNING
     prefix = "" if int(os.environ.get("WORLD_SIZE", "1")) == 1 else f"[rank{rank}] "
     handler = _StdoutHandler()
-    handler.setFormatter(logging.Formatter(f"%(asctime)s {prefix}%(levelname).1s %(name)s: %(message)s",
-                                           datefmt="%H:%M:%S"))
+    handler.setFormatter(
+        logging.Formatter(f"%(asctime)s {prefix}%(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
+    )
     logging.basicConfig(level=level, handlers=[handler], force=True)
     for noisy in ("DeepSpeed", "deepspeed", "torch.distributed", "httpx", "urllib3", "datasets", "filelock"):
         logging.getLogger(noisy).setLevel(logging.WARNING)

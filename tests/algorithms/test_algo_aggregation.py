@@ -41,8 +41,10 @@ def test_contributions_sum_to_global_value(mode, dtype):
     # per rank: sum over its micro-batches; then the all-reduce (sum over ranks)
     num_tokens, num_seqs = sum(loss_normalizers(mask) for _, mask in batches).tolist()
     assert (num_tokens, num_seqs) == (3 + 1 + 5 + 2 + 0 + 4 + 1 + 6, 7)  # the empty response is not counted
-    total = sum(aggregate_loss(loss, mask, mode, num_tokens_global=num_tokens, num_seqs_global=num_seqs,
-                               norm_len=8) for loss, mask in batches)
+    total = sum(
+        aggregate_loss(loss, mask, mode, num_tokens_global=num_tokens, num_seqs_global=num_seqs, norm_len=8)
+        for loss, mask in batches
+    )
     assert total.dtype == dtype
     torch.testing.assert_close(total, _reference(batches, mode, norm_len=8))
 

@@ -2,9 +2,19 @@
 
 import torch
 
-from openppo.algorithms import (aggregate_loss, compute_approx_kl, compute_gae, compute_returns, kl_loss,
-                                policy_loss, shape_group_rewards, shape_sequence_rewards, token_level_rewards,
-                                value_loss, whiten_advantages)
+from openppo.algorithms import (
+    aggregate_loss,
+    compute_approx_kl,
+    compute_gae,
+    compute_returns,
+    kl_loss,
+    policy_loss,
+    shape_group_rewards,
+    shape_sequence_rewards,
+    token_level_rewards,
+    value_loss,
+    whiten_advantages,
+)
 
 
 def _leaf(*shape, scale=1.0, seed=0):
@@ -17,10 +27,22 @@ MASK = torch.tensor([[1, 1, 1, 0], [1, 1, 0, 0]])
 
 def test_policy_loss_gradient_only_to_log_probs():
     for loss_type in ("ppo", "gspo"):
-        log_probs, old, adv, rollout = _leaf(2, 4, scale=0.1), _leaf(2, 4, scale=0.1, seed=1), _leaf(2, 4, seed=2), \
-            _leaf(2, 4, scale=0.1, seed=3)
-        loss, metrics = policy_loss(log_probs, old, adv, MASK, loss_type=loss_type, rollout_log_probs=rollout,
-                                    is_correction="tis", dual_clip=3.0)
+        log_probs, old, adv, rollout = (
+            _leaf(2, 4, scale=0.1),
+            _leaf(2, 4, scale=0.1, seed=1),
+            _leaf(2, 4, seed=2),
+            _leaf(2, 4, scale=0.1, seed=3),
+        )
+        loss, metrics = policy_loss(
+            log_probs,
+            old,
+            adv,
+            MASK,
+            loss_type=loss_type,
+            rollout_log_probs=rollout,
+            is_correction="tis",
+            dual_clip=3.0,
+        )
         aggregate_loss(loss, MASK).backward()
         assert old.grad is None and adv.grad is None and rollout.grad is None
         assert (log_probs.grad[MASK.bool()] != 0).any()
@@ -57,10 +79,15 @@ def test_value_loss_clipped_token_has_no_gradient():
 def test_targets_are_detached():
     rewards, values = _leaf(2, 4), _leaf(2, 4, seed=1)
     adv, ret = compute_gae(rewards, values, MASK, 0.9, 0.95)
-    outputs = [adv, ret, compute_returns(rewards, MASK, 0.9), whiten_advantages(values, MASK),
-               token_level_rewards(_leaf(2), MASK, _leaf(2, 4), 0.1), shape_group_rewards(_leaf(4), 2, "group_norm"),
-               shape_sequence_rewards(_leaf(4), estimator="rloo", n_samples_per_prompt=2,
-                                      reward_clip_range=(-1.0, 1.0))]
+    outputs = [
+        adv,
+        ret,
+        compute_returns(rewards, MASK, 0.9),
+        whiten_advantages(values, MASK),
+        token_level_rewards(_leaf(2), MASK, _leaf(2, 4), 0.1),
+        shape_group_rewards(_leaf(4), 2, "group_norm"),
+        shape_sequence_rewards(_leaf(4), estimator="rloo", n_samples_per_prompt=2, reward_clip_range=(-1.0, 1.0)),
+    ]
     assert not any(t.requires_grad for t in outputs)
 
 

@@ -5,8 +5,14 @@ import math
 import pytest
 import torch
 
-from openppo.algorithms import (AdaptiveKLController, FixedKLController, build_kl_controller, compute_approx_kl,
-                                kl_loss, sequence_kl)
+from openppo.algorithms import (
+    AdaptiveKLController,
+    FixedKLController,
+    build_kl_controller,
+    compute_approx_kl,
+    kl_loss,
+    sequence_kl,
+)
 from openppo.errors import UserError
 
 DTYPES = [torch.float32, torch.float64]
@@ -113,12 +119,15 @@ def test_adaptive_controller_is_fed_nats_per_response():
     assert ctl.value == pytest.approx(0.09984)
 
 
-@pytest.mark.parametrize("estimator,x_values,expected", [
-    # x = log pi - log pi_ref on the kept tokens [0.5, -1.0]
-    ("k1", [0.5, -1.0], [0.5, -1.0]),
-    ("k2", [0.5, -1.0], [0.125, 0.5]),
-    ("k3", [0.5, -1.0], [math.exp(-0.5) - 0.5, math.e - 2.0]),
-])
+@pytest.mark.parametrize(
+    "estimator,x_values,expected",
+    [
+        # x = log pi - log pi_ref on the kept tokens [0.5, -1.0]
+        ("k1", [0.5, -1.0], [0.5, -1.0]),
+        ("k2", [0.5, -1.0], [0.125, 0.5]),
+        ("k3", [0.5, -1.0], [math.exp(-0.5) - 0.5, math.e - 2.0]),
+    ],
+)
 def test_each_estimator_as_reward_penalty_and_as_loss(estimator, x_values, expected):
     from openppo.algorithms import aggregate_loss, token_level_rewards
 
@@ -128,12 +137,14 @@ def test_each_estimator_as_reward_penalty_and_as_loss(estimator, x_values, expec
     # reward penalty: R_t = r 1[t last] - beta k_t, beta 0.1, reward 1 on the last kept token (index 1)
     kl = compute_approx_kl(log_probs.detach(), ref, estimator, mask=mask)
     rewards = token_level_rewards(torch.tensor([1.0], dtype=torch.float64), mask, kl, kl_coef=0.1)
-    torch.testing.assert_close(rewards, torch.tensor([[-0.1 * expected[0], 1.0 - 0.1 * expected[1], 0.0]],
-                                                     dtype=torch.float64))
+    torch.testing.assert_close(
+        rewards, torch.tensor([[-0.1 * expected[0], 1.0 - 0.1 * expected[1], 0.0]], dtype=torch.float64)
+    )
     # loss term: token-mean of k over the 2 kept tokens; d/dx of k1 = 1, k2 = x, k3 = 1 - exp(-x), / 2 tokens
     loss = aggregate_loss(kl_loss(log_probs, ref, mask, estimator), mask, "token-mean")
     torch.testing.assert_close(loss, torch.tensor(sum(expected) / 2, dtype=torch.float64))
     loss.backward()
     slope = {"k1": lambda x: 1.0, "k2": lambda x: x, "k3": lambda x: 1.0 - math.exp(-x)}[estimator]
-    torch.testing.assert_close(log_probs.grad, torch.tensor([[slope(x_values[0]) / 2, slope(x_values[1]) / 2, 0.0]],
-                                                            dtype=torch.float64))
+    torch.testing.assert_close(
+        log_probs.grad, torch.tensor([[slope(x_values[0]) / 2, slope(x_values[1]) / 2, 0.0]], dtype=torch.float64)
+    )

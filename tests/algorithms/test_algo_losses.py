@@ -107,8 +107,15 @@ def test_policy_loss_with_is_correction():
     old = _log([[0.25, 1.0, 8.0]])
     log_probs = old.clone()  # ratio 1: base loss = -A
     adv = torch.ones(1, 3)
-    loss, metrics = policy_loss(log_probs, old, adv, torch.ones(1, 3), rollout_log_probs=torch.zeros(1, 3),
-                                is_correction="tis", is_threshold=(0.5, 5.0))
+    loss, metrics = policy_loss(
+        log_probs,
+        old,
+        adv,
+        torch.ones(1, 3),
+        rollout_log_probs=torch.zeros(1, 3),
+        is_correction="tis",
+        is_threshold=(0.5, 5.0),
+    )
     torch.testing.assert_close(loss, torch.tensor([[-0.5, -1.0, -5.0]]))
     assert {"clip_ratio", "approx_kl", "is_ratio_mean", "vllm_kl"} <= set(metrics)
     with pytest.raises(ValueError):

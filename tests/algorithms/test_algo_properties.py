@@ -4,8 +4,15 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from openppo.algorithms import (aggregate_loss, compute_approx_kl, compute_gae, compute_returns, loss_normalizers,
-                                policy_loss, shape_group_rewards)
+from openppo.algorithms import (
+    aggregate_loss,
+    compute_approx_kl,
+    compute_gae,
+    compute_returns,
+    loss_normalizers,
+    policy_loss,
+    shape_group_rewards,
+)
 
 SETTINGS = settings(max_examples=25, deadline=None)
 finite = st.floats(-5, 5, allow_nan=False, width=32)
@@ -54,15 +61,17 @@ def test_gae_lambda_one_equals_returns_minus_values(batch, length, gamma, data):
 def test_token_mean_over_any_split(lengths, data):
     width = 6
     mask = torch.tensor([[t < n for t in range(width)] for n in lengths])
-    loss = _tensor(data.draw(st.lists(finite, min_size=len(lengths) * width, max_size=len(lengths) * width)),
-                   (len(lengths), width))
+    loss = _tensor(
+        data.draw(st.lists(finite, min_size=len(lengths) * width, max_size=len(lengths) * width)), (len(lengths), width)
+    )
     cut = data.draw(st.integers(1, len(lengths) - 1))
     parts = [(loss[:cut], mask[:cut]), (loss[cut:], mask[cut:])]
     num_tokens, num_seqs = sum(loss_normalizers(m) for _, m in parts).tolist()
     for mode in ("token-mean", "seq-mean-token-mean"):
         whole = aggregate_loss(loss, mask, mode)
-        split = sum(aggregate_loss(l, m, mode, num_tokens_global=num_tokens, num_seqs_global=num_seqs)
-                    for l, m in parts)
+        split = sum(
+            aggregate_loss(part, m, mode, num_tokens_global=num_tokens, num_seqs_global=num_seqs) for part, m in parts
+        )
         torch.testing.assert_close(split, whole)
 
 

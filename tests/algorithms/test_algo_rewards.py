@@ -3,8 +3,16 @@
 import pytest
 import torch
 
-from openppo.algorithms import (ADVANTAGE_ESTIMATORS, apply_truncation_penalty, clip_rewards, normalize_reward,
-                                overlong_penalty, shape_group_rewards, shape_sequence_rewards, token_level_rewards)
+from openppo.algorithms import (
+    ADVANTAGE_ESTIMATORS,
+    apply_truncation_penalty,
+    clip_rewards,
+    normalize_reward,
+    overlong_penalty,
+    shape_group_rewards,
+    shape_sequence_rewards,
+    token_level_rewards,
+)
 from openppo.errors import UserError
 
 DTYPES = [torch.float32, torch.float64]
@@ -16,15 +24,15 @@ def test_grpo_and_rloo_on_1001(dtype):
     # mean 0.5; unbiased std = sqrt(4 * 0.25 / 3) = 0.57735; 0.5 / (0.57735 + 1e-6) = 0.86602
     grpo = shape_group_rewards(rewards, 4, "group_norm")
     assert grpo.dtype == dtype
-    torch.testing.assert_close(grpo, torch.tensor([0.8660, -0.8660, -0.8660, 0.8660], dtype=dtype),
-                               atol=5e-5, rtol=0)
+    torch.testing.assert_close(grpo, torch.tensor([0.8660, -0.8660, -0.8660, 0.8660], dtype=dtype), atol=5e-5, rtol=0)
     # RLOO: 1 - (0 + 0 + 1) / 3 = 0.6667; 0 - (1 + 0 + 1) / 3 = -0.6667
     rloo = shape_group_rewards(rewards, 4, "rloo")
     torch.testing.assert_close(rloo, torch.tensor([2 / 3, -2 / 3, -2 / 3, 2 / 3], dtype=dtype))
     # minus the group mean: +-0.5
     for estimator in ("reinforce_baseline", "dr_grpo"):
-        torch.testing.assert_close(shape_group_rewards(rewards, 4, estimator),
-                                   torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=dtype))
+        torch.testing.assert_close(
+            shape_group_rewards(rewards, 4, estimator), torch.tensor([0.5, -0.5, -0.5, 0.5], dtype=dtype)
+        )
     for estimator in ("gae", "reinforce"):
         torch.testing.assert_close(shape_group_rewards(rewards, 4, estimator), rewards)
 
@@ -87,9 +95,16 @@ def test_pipeline_order_clip_before_group_baseline():
     # normalise (r - 0) / 2 = [15, 0, 0, 0]; clip to [-10, 10] -> [10, 0, 0, 0];
     # overlong (max 10, buffer 4): lengths [10, 8, 2, 2] -> exceed [4, 2, 0, 0] -> [-1, -0.5, 0, 0] -> [9, -0.5, 0, 0]
     # group mean (dr_grpo) = 8.5 / 4 = 2.125 -> [6.875, -2.625, -2.125, -2.125]
-    shaped = shape_sequence_rewards(scores, estimator="dr_grpo", n_samples_per_prompt=4, reward_mean_std=(0.0, 2.0),
-                                    reward_clip_range=(-10.0, 10.0), response_lengths=torch.tensor([10, 8, 2, 2]),
-                                    max_new_tokens=10, overlong_buffer_len=4)
+    shaped = shape_sequence_rewards(
+        scores,
+        estimator="dr_grpo",
+        n_samples_per_prompt=4,
+        reward_mean_std=(0.0, 2.0),
+        reward_clip_range=(-10.0, 10.0),
+        response_lengths=torch.tensor([10, 8, 2, 2]),
+        max_new_tokens=10,
+        overlong_buffer_len=4,
+    )
     torch.testing.assert_close(shaped, torch.tensor([6.875, -2.625, -2.125, -2.125]))
     # the shaped group keeps a zero mean (a clip after the baseline would break it)
     assert abs(shaped.sum().item()) < 1e-6

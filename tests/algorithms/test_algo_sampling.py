@@ -22,7 +22,9 @@ def _score(probs, labels, temperature=1.0, top_k=-1, top_p=1.0):
 def test_hand_values():
     inf = float("-inf")
     # top-p 0.75: 0.5 is kept (nothing above it), 0.3 (0.5 above it < 0.75); 0.15 has 0.8 above it: dropped
-    assert _score(PROBS, [0, 1, 2, 3], top_p=0.75) == pytest.approx([math.log(0.5 / 0.8), math.log(0.3 / 0.8), inf, inf])
+    assert _score(PROBS, [0, 1, 2, 3], top_p=0.75) == pytest.approx(
+        [math.log(0.5 / 0.8), math.log(0.3 / 0.8), inf, inf]
+    )
     assert _score(PROBS, [0, 2, 3], top_p=0.85) == pytest.approx([math.log(0.5 / 0.95), math.log(0.15 / 0.95), inf])
     assert _score(PROBS, [1, 2], top_k=2) == pytest.approx([math.log(0.3 / 0.8), inf])
     # top-k 3 first (mass 0.95), then top-p 0.5 of the renormalised rest: 0.5 / 0.95 = 0.526 >= 0.5 alone
@@ -32,7 +34,8 @@ def test_hand_values():
     z = sum(root)
     kept = (root[0] + root[1]) / z
     assert _score(PROBS, [0, 1, 2], temperature=2.0, top_p=0.6) == pytest.approx(
-        [math.log(root[0] / z / kept), math.log(root[1] / z / kept), inf])
+        [math.log(root[0] / z / kept), math.log(root[1] / z / kept), inf]
+    )
     # no truncation: the plain softmax
     assert _score(PROBS, [0, 3]) == pytest.approx([math.log(0.5), math.log(0.05)])
 
@@ -72,8 +75,9 @@ def test_chunks_and_dtypes_do_not_change_the_numbers():
     assert bf16.dtype == torch.float32  # upcast chunk by chunk, as the plain log-probs
 
 
-@pytest.mark.parametrize("top_k,top_p,flag", [(0, 1.0, "--top_k"), (-2, 1.0, "--top_k"), (-1, 0.0, "--top_p"),
-                                              (-1, 1.5, "--top_p")])
+@pytest.mark.parametrize(
+    "top_k,top_p,flag", [(0, 1.0, "--top_k"), (-2, 1.0, "--top_k"), (-1, 0.0, "--top_p"), (-1, 1.5, "--top_p")]
+)
 def test_bad_filters_are_user_errors(top_k, top_p, flag):
     with pytest.raises(UserError, match=flag):
         SamplingFilter(top_k, top_p)
@@ -97,8 +101,16 @@ def test_importance_weights_compare_one_distribution():
     assert (biased[inside] < 1 - 1e-3).all()  # the mismatch the recomputation removes
     weights, metrics = importance_weights(truncated, engine, mask, "tis", (0.0, 10.0))
     torch.testing.assert_close(weights[inside], torch.ones_like(weights[inside]), rtol=0, atol=1e-12)
-    loss, pg = policy_loss(plain, plain, torch.ones_like(plain), mask, rollout_log_probs=engine,
-                           is_correction="tis", is_threshold=(0.0, 10.0), old_sampling_log_probs=truncated)
+    loss, pg = policy_loss(
+        plain,
+        plain,
+        torch.ones_like(plain),
+        mask,
+        rollout_log_probs=engine,
+        is_correction="tis",
+        is_threshold=(0.0, 10.0),
+        old_sampling_log_probs=truncated,
+    )
     assert float(pg["is_ratio_mean"]) == pytest.approx(1.0, abs=1e-12)
     torch.testing.assert_close(loss, -mask)  # ratio 1, advantage 1, weight 1
 

@@ -14,24 +14,41 @@ REPO = Path(__file__).resolve().parents[2]
 def cli_env() -> dict[str, str]:
     env = dict(os.environ)
     # One thread per rank: 2 ranks on 2 cores; more threads oversubscribe and run several times slower.
-    env.update({"OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-                "WANDB_MODE": "offline", "HF_HUB_OFFLINE": "1"})
+    env.update(
+        {
+            "OMP_NUM_THREADS": "1",
+            "TOKENIZERS_PARALLELISM": "false",
+            "PYTHONUNBUFFERED": "1",
+            "WANDB_MODE": "offline",
+            "HF_HUB_OFFLINE": "1",
+        }
+    )
     env.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
     return env
 
 
-def run_cli(module: str, args: list[str], *, nproc: int = 2, timeout: int = 600,
-            check: bool = True) -> subprocess.CompletedProcess:
+def run_cli(
+    module: str, args: list[str], *, nproc: int = 2, timeout: int = 600, check: bool = True
+) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N -m openppo.cli.<module> args` (plain python for N = 1)."""
     if nproc > 1:
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}",
-               "-m", f"openppo.cli.{module}", *args]
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            f"--nproc_per_node={nproc}",
+            "-m",
+            f"openppo.cli.{module}",
+            *args,
+        ]
     else:
         cmd = [sys.executable, "-m", f"openppo.cli.{module}", *args]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
     if check and proc.returncode != 0:
-        raise AssertionError(f"{module} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\n"
-                             f"STDERR:\n{proc.stderr[-6000:]}")
+        raise AssertionError(
+            f"{module} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}"
+        )
     return proc
 
 

@@ -24,12 +24,19 @@ def files(tmp_path_factory):
     (tmp / "bad.jsonl").write_text('{"input": "1+1", "output": "2"}\n{not json\n')
     (tmp / "no_func.py").write_text("score = 1.0\n")
     (tmp / "a_file").write_text("not a folder\n")
-    return {"sft": write_jsonl(tmp / "sft.jsonl", sft_rows(8)), "pairs": write_jsonl(tmp / "p.jsonl", preference_rows(8)),
-            "empty": write_jsonl(tmp / "empty.jsonl", []), "model": tiny_model_dir(),
-            "prompts": write_jsonl(tmp / "prompts.jsonl", make_rows(8, seed=1)),
-            "long": write_jsonl(tmp / "long.jsonl", [{"input": "word " * 200, "label": "1"}] * 4),
-            "reward": REPO / "examples" / "reward_funcs" / "arithmetic.py", "no_func": tmp / "no_func.py",
-            "bad_json": tmp / "bad.jsonl", "file": tmp / "a_file", "adapter": tmp / "adapter"}
+    return {
+        "sft": write_jsonl(tmp / "sft.jsonl", sft_rows(8)),
+        "pairs": write_jsonl(tmp / "p.jsonl", preference_rows(8)),
+        "empty": write_jsonl(tmp / "empty.jsonl", []),
+        "model": tiny_model_dir(),
+        "prompts": write_jsonl(tmp / "prompts.jsonl", make_rows(8, seed=1)),
+        "long": write_jsonl(tmp / "long.jsonl", [{"input": "word " * 200, "label": "1"}] * 4),
+        "reward": REPO / "examples" / "reward_funcs" / "arithmetic.py",
+        "no_func": tmp / "no_func.py",
+        "bad_json": tmp / "bad.jsonl",
+        "file": tmp / "a_file",
+        "adapter": tmp / "adapter",
+    }
 
 
 CASES = [
@@ -110,19 +117,71 @@ CASES = [
 
 def _base(cli, files, save):
     if cli == "train_sft":
-        return ["--pretrain", str(files["model"]), "--dataset", str(files["sft"]), "--apply_chat_template",
-                "--train_batch_size", "4", "--micro_train_batch_size", "2", "--save_path", str(save)]
+        return [
+            "--pretrain",
+            str(files["model"]),
+            "--dataset",
+            str(files["sft"]),
+            "--apply_chat_template",
+            "--train_batch_size",
+            "4",
+            "--micro_train_batch_size",
+            "2",
+            "--save_path",
+            str(save),
+        ]
     if cli in ("train_rm", "train_dpo"):
-        return ["--pretrain", str(files["model"]), "--dataset", str(files["pairs"]), "--prompt_key", "prompt",
-                "--apply_chat_template", "--train_batch_size", "4", "--micro_train_batch_size", "2",
-                "--save_path", str(save)]
+        return [
+            "--pretrain",
+            str(files["model"]),
+            "--dataset",
+            str(files["pairs"]),
+            "--prompt_key",
+            "prompt",
+            "--apply_chat_template",
+            "--train_batch_size",
+            "4",
+            "--micro_train_batch_size",
+            "2",
+            "--save_path",
+            str(save),
+        ]
     if cli in ("train_ppo_ray", "plan"):
-        return ["--pretrain", str(files["model"]), "--remote_rm_url", str(files["reward"]), "--prompt_data",
-                str(files["prompts"]), "--input_key", "input", "--label_key", "label", "--apply_chat_template",
-                "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
-                "--train_batch_size", "8", "--micro_train_batch_size", "2", "--actor_num_gpus_per_node", "2",
-                "--vllm_num_engines", "1", "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len",
-                "64", "--save_path", str(save)]
+        return [
+            "--pretrain",
+            str(files["model"]),
+            "--remote_rm_url",
+            str(files["reward"]),
+            "--prompt_data",
+            str(files["prompts"]),
+            "--input_key",
+            "input",
+            "--label_key",
+            "label",
+            "--apply_chat_template",
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "4",
+            "--rollout_batch_size",
+            "4",
+            "--train_batch_size",
+            "8",
+            "--micro_train_batch_size",
+            "2",
+            "--actor_num_gpus_per_node",
+            "2",
+            "--vllm_num_engines",
+            "1",
+            "--init_kl_coef",
+            "0",
+            "--generate_max_len",
+            "16",
+            "--prompt_max_len",
+            "64",
+            "--save_path",
+            str(save),
+        ]
     if cli == "serve_rm":
         return ["--reward_func", str(files["reward"]), "--port", "0"]
     if cli == "make_task":
@@ -137,7 +196,7 @@ def _merge(base: list[str], extra: list[str]) -> list[str]:
         if flag in out:
             at = out.index(flag)
             has_value = at + 1 < len(out) and not out[at + 1].startswith("--")
-            del out[at: at + 1 + has_value]
+            del out[at : at + 1 + has_value]
     return out + [e for e in extra if not e.endswith("_off")]
 
 

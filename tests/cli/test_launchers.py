@@ -17,9 +17,25 @@ pytestmark = pytest.mark.slow
 
 def _args(tmp_path, stage: str):
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(8))
-    return ["--pretrain", str(tiny_model_dir()), "--dataset", str(data), "--apply_chat_template", "--max_len", "48",
-            "--train_batch_size", "4", "--micro_train_batch_size", "2", "--max_steps", "2", "--zero_stage", stage,
-            "--save_path", str(tmp_path / "out")]  # --param_dtype auto: bf16 on a CPU with bf16, else fp32
+    return [
+        "--pretrain",
+        str(tiny_model_dir()),
+        "--dataset",
+        str(data),
+        "--apply_chat_template",
+        "--max_len",
+        "48",
+        "--train_batch_size",
+        "4",
+        "--micro_train_batch_size",
+        "2",
+        "--max_steps",
+        "2",
+        "--zero_stage",
+        stage,
+        "--save_path",
+        str(tmp_path / "out"),
+    ]  # --param_dtype auto: bf16 on a CPU with bf16, else fp32
 
 
 def test_single_process_zero0(tmp_path):
@@ -29,8 +45,18 @@ def test_single_process_zero0(tmp_path):
 
 
 def test_deepspeed_launcher_zero1(tmp_path):
-    cmd = [sys.executable, "-m", "deepspeed.launcher.runner", "--num_gpus", "2", "--master_port", "29731",
-           "--module", "openppo.cli.train_sft", *_args(tmp_path, "1")]
+    cmd = [
+        sys.executable,
+        "-m",
+        "deepspeed.launcher.runner",
+        "--num_gpus",
+        "2",
+        "--master_port",
+        "29731",
+        "--module",
+        "openppo.cli.train_sft",
+        *_args(tmp_path, "1"),
+    ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     assert len(series(read_metrics(tmp_path / "out"), "loss/sft")) == 2

@@ -13,17 +13,50 @@ pytestmark = pytest.mark.slow
 
 
 def _args(model, data, save, extra=()):
-    return ["--pretrain", str(model), "--dataset", str(data), "--input_key", "input", "--output_key", "output",
-            "--apply_chat_template", "--max_len", "64", "--train_batch_size", "8", "--micro_train_batch_size", "2",
-            "--max_epochs", "3", "--learning_rate", "2e-3", "--lr_warmup_ratio", "0", "--lr_scheduler", "constant",
-            "--param_dtype", "fp32", "--save_path", str(save), *extra]
+    return [
+        "--pretrain",
+        str(model),
+        "--dataset",
+        str(data),
+        "--input_key",
+        "input",
+        "--output_key",
+        "output",
+        "--apply_chat_template",
+        "--max_len",
+        "64",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "2",
+        "--max_epochs",
+        "3",
+        "--learning_rate",
+        "2e-3",
+        "--lr_warmup_ratio",
+        "0",
+        "--lr_scheduler",
+        "constant",
+        "--param_dtype",
+        "fp32",
+        "--save_path",
+        str(save),
+        *extra,
+    ]
 
 
 def _eval_loss(model, tok, data) -> float:
     from openppo.datasets import SFTDataset, collate_padded, load_blended_dataset
 
-    ds = SFTDataset(load_blended_dataset(str(data)), tok, max_len=64, input_key="input", output_key="output",
-                    apply_chat_template=True, input_template=None)
+    ds = SFTDataset(
+        load_blended_dataset(str(data)),
+        tok,
+        max_len=64,
+        input_key="input",
+        output_key="output",
+        apply_chat_template=True,
+        input_template=None,
+    )
     batch = collate_padded([ds[i] for i in range(len(ds))], pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
@@ -39,14 +72,44 @@ def test_lora_sft_adapter_and_merge(tmp_path):
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(16))
     model_dir = tiny_model_dir()
     save = tmp_path / "lora"
-    run_cli("train_sft", _args(model_dir, data, save, ["--lora_rank", "8", "--lora_alpha", "16", "--zero_stage", "2",
-                                                       "--learning_rate", "5e-3", "--param_dtype", "auto"]))
+    run_cli(
+        "train_sft",
+        _args(
+            model_dir,
+            data,
+            save,
+            [
+                "--lora_rank",
+                "8",
+                "--lora_alpha",
+                "16",
+                "--zero_stage",
+                "2",
+                "--learning_rate",
+                "5e-3",
+                "--param_dtype",
+                "auto",
+            ],
+        ),
+    )
     assert (save / "adapter_config.json").is_file() and (save / "adapter_model.safetensors").is_file()
     losses = [v for _, v in series(read_metrics(save), "loss/sft")]
     assert losses[-1] < losses[0]
     merged = tmp_path / "merged"
-    run_cli("lora_combiner", ["--model_path", str(model_dir), "--lora_path", str(save), "--output_path", str(merged),
-                              "--param_dtype", "fp32"], nproc=1)
+    run_cli(
+        "lora_combiner",
+        [
+            "--model_path",
+            str(model_dir),
+            "--lora_path",
+            str(save),
+            "--output_path",
+            str(merged),
+            "--param_dtype",
+            "fp32",
+        ],
+        nproc=1,
+    )
     tok = AutoTokenizer.from_pretrained(merged)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     with_adapter = PeftModel.from_pretrained(base, save).eval()
@@ -62,12 +125,25 @@ def test_packed_sft_learns_and_matches_padded_loss(tmp_path):
     data = write_jsonl(tmp_path / "sft.jsonl", sft_rows(32))
     model_dir = tiny_model_dir()
     packed, padded = tmp_path / "packed", tmp_path / "padded"
-    run_cli("train_sft", _args(model_dir, data, packed, ["--packing_samples", "--zero_stage", "3",
-                                                         "--learning_rate", "5e-3", "--max_epochs", "4"]))
+    run_cli(
+        "train_sft",
+        _args(
+            model_dir,
+            data,
+            packed,
+            ["--packing_samples", "--zero_stage", "3", "--learning_rate", "5e-3", "--max_epochs", "4"],
+        ),
+    )
     # The padded run also turns on checkpointing, optimizer offload and comm overlap: none may change the math.
-    run_cli("train_sft", _args(model_dir, data, padded, ["--zero_stage", "3", "--max_epochs", "1",
-                                                         "--gradient_checkpointing", "--adam_offload",
-                                                         "--overlap_comm"]))
+    run_cli(
+        "train_sft",
+        _args(
+            model_dir,
+            data,
+            padded,
+            ["--zero_stage", "3", "--max_epochs", "1", "--gradient_checkpointing", "--adam_offload", "--overlap_comm"],
+        ),
+    )
     packed_losses = [v for _, v in series(read_metrics(packed), "loss/sft")]
     padded_losses = [v for _, v in series(read_metrics(padded), "loss/sft")]
     assert packed_losses[-1] < 0.7 * packed_losses[0]

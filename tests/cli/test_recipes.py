@@ -52,9 +52,17 @@ def record_calls(script: Path, shim_dir: Path, tmp: Path) -> list[list[str]]:
     calls = tmp / "calls"
     calls.mkdir()
     # A small fixed environment: the scripts' own defaults apply, except outputs, which go under tmp.
-    env = {"PATH": f"{shim_dir}{os.pathsep}{os.environ['PATH']}", "HOME": str(tmp), "LC_ALL": "C",
-           "RECIPE_CALLS": str(calls), "PY": "python", "OUT": str(tmp / "out"), "SAVE": str(tmp / "save"),
-           "DATA_DIR": str(tmp / "data"), "SHARED": str(tmp / "shared")}
+    env = {
+        "PATH": f"{shim_dir}{os.pathsep}{os.environ['PATH']}",
+        "HOME": str(tmp),
+        "LC_ALL": "C",
+        "RECIPE_CALLS": str(calls),
+        "PY": "python",
+        "OUT": str(tmp / "out"),
+        "SAVE": str(tmp / "save"),
+        "DATA_DIR": str(tmp / "data"),
+        "SHARED": str(tmp / "shared"),
+    }
     proc = subprocess.run([BASH, str(script)], env=env, cwd=tmp, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"{script.name} exited {proc.returncode} under the shims:\n{proc.stderr[-3000:]}"
     return [f.read_bytes().decode().split("\0")[:-1] for f in sorted(calls.iterdir())]
@@ -67,10 +75,10 @@ def cli_command(argv: list[str]) -> tuple[str, list[str]] | None:
     if prog == "ray":
         if args[:2] != ["job", "submit"] or "--" not in args:
             return None
-        return cli_command(args[args.index("--") + 1:])
+        return cli_command(args[args.index("--") + 1 :])
     for i, arg in enumerate(args[:-1]):
         if arg in ("-m", "--module"):
-            return args[i + 1], args[i + 2:]
+            return args[i + 1], args[i + 2 :]
     return None
 
 
@@ -110,8 +118,14 @@ def parse_error(module: str, args: list[str]) -> str | None:
 
 def test_every_recipe_is_collected():
     names = {s.name for s in SCRIPTS}
-    assert {"demo_cpu.sh", "train_sft.sh", "train_ppo_hybrid_engine.sh", "train_grpo_reward_func.sh",
-            "train_reinforce_baseline.sh", "train_ppo_multinode.sh"} <= names, sorted(names)
+    assert {
+        "demo_cpu.sh",
+        "train_sft.sh",
+        "train_ppo_hybrid_engine.sh",
+        "train_grpo_reward_func.sh",
+        "train_reinforce_baseline.sh",
+        "train_ppo_multinode.sh",
+    } <= names, sorted(names)
 
 
 def test_every_recipe_is_in_the_readme():
@@ -135,7 +149,8 @@ def test_recipe_flags_parse(script, shim_dir, tmp_path):
     for argv in calls:
         command = cli_command(argv)
         assert command is not None and command[0].startswith("openppo.cli."), (
-            f"{script.name} runs `{' '.join(argv)}`, which is not an openppo.cli command this test can check")
+            f"{script.name} runs `{' '.join(argv)}`, which is not an openppo.cli command this test can check"
+        )
         commands.append(command)
     assert commands, f"{script.name} ran no python -m openppo.cli.* command"
     for module, args in commands:
@@ -145,24 +160,46 @@ def test_recipe_flags_parse(script, shim_dir, tmp_path):
 
 def test_shim_sees_what_bash_expands(shim_dir, tmp_path):
     script = tmp_path / "recipe.sh"
-    script.write_text('set -euo pipefail\nMODEL=${MODEL:-models/a b}\nSAVE=${SAVE:-runs/x}\n'
-                      'ray job submit --address http://h:8265 -- python -m openppo.cli.train_ppo_ray \\\n'
-                      '   --pretrain "$MODEL" \\\n   --save_path "$SAVE/out" --eps_clip_low_high 0.2 0.28\n')
+    script.write_text(
+        "set -euo pipefail\nMODEL=${MODEL:-models/a b}\nSAVE=${SAVE:-runs/x}\n"
+        "ray job submit --address http://h:8265 -- python -m openppo.cli.train_ppo_ray \\\n"
+        '   --pretrain "$MODEL" \\\n   --save_path "$SAVE/out" --eps_clip_low_high 0.2 0.28\n'
+    )
     calls = record_calls(script, shim_dir, tmp_path)
-    assert calls == [["ray", "job", "submit", "--address", "http://h:8265", "--", "python", "-m",
-                      "openppo.cli.train_ppo_ray", "--pretrain", "models/a b", "--save_path",
-                      f"{tmp_path / 'save'}/out", "--eps_clip_low_high", "0.2", "0.28"]]
+    assert calls == [
+        [
+            "ray",
+            "job",
+            "submit",
+            "--address",
+            "http://h:8265",
+            "--",
+            "python",
+            "-m",
+            "openppo.cli.train_ppo_ray",
+            "--pretrain",
+            "models/a b",
+            "--save_path",
+            f"{tmp_path / 'save'}/out",
+            "--eps_clip_low_high",
+            "0.2",
+            "0.28",
+        ]
+    ]
     assert cli_command(calls[0]) == ("openppo.cli.train_ppo_ray", calls[0][9:])
     assert parse_error(*cli_command(calls[0])) is None
 
 
-@pytest.mark.parametrize("args, expected", [
-    (["--no_such_flag", "1"], "--no_such_flag"),
-    (["--advantage_estimator", "grpo"], "--advantage_estimator"),
-    (["--eval_step", "5"], "--eval_step"),  # an abbreviation of --eval_steps
-    (["--eps_clip_low_high", "0.2"], "--eps_clip_low_high"),  # needs two numbers
-    (["--seed", "1", "--seed", "2"], "--seed given more than once"),
-])
+@pytest.mark.parametrize(
+    "args, expected",
+    [
+        (["--no_such_flag", "1"], "--no_such_flag"),
+        (["--advantage_estimator", "grpo"], "--advantage_estimator"),
+        (["--eval_step", "5"], "--eval_step"),  # an abbreviation of --eval_steps
+        (["--eps_clip_low_high", "0.2"], "--eps_clip_low_high"),  # needs two numbers
+        (["--seed", "1", "--seed", "2"], "--seed given more than once"),
+    ],
+)
 def test_parse_error_names_the_flag(args, expected):
     error = parse_error("openppo.cli.train_ppo_ray", args)
     assert error is not None and expected in error, error

@@ -6,20 +6,57 @@ import pytest
 import torch
 
 from tests.cli.data import preference_rows
-from tests.cli.helpers import (assert_resumed_like_unbroken, checkpoint_copy, read_metrics, run_cli, series,
-                               write_jsonl)
+from tests.cli.helpers import assert_resumed_like_unbroken, checkpoint_copy, read_metrics, run_cli, series, write_jsonl
 from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
 
 def _args(model, data, save, extra=()):
-    return ["--pretrain", str(model), "--dataset", str(data), "--eval_dataset", str(data), "--prompt_key", "prompt",
-            "--chosen_key", "chosen", "--rejected_key", "rejected", "--apply_chat_template", "--max_len", "64",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--max_epochs", "3", "--learning_rate", "5e-4",
-            "--lr_warmup_ratio", "0", "--lr_scheduler", "constant", "--zero_stage", "3", "--param_dtype", "fp32",
-            "--beta", "0.1", "--nll_loss_coef", "0.1", "--save_path", str(save), "--save_steps", "4",
-            "--max_ckpt_num", "10", *extra]
+    return [
+        "--pretrain",
+        str(model),
+        "--dataset",
+        str(data),
+        "--eval_dataset",
+        str(data),
+        "--prompt_key",
+        "prompt",
+        "--chosen_key",
+        "chosen",
+        "--rejected_key",
+        "rejected",
+        "--apply_chat_template",
+        "--max_len",
+        "64",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "2",
+        "--max_epochs",
+        "3",
+        "--learning_rate",
+        "5e-4",
+        "--lr_warmup_ratio",
+        "0",
+        "--lr_scheduler",
+        "constant",
+        "--zero_stage",
+        "3",
+        "--param_dtype",
+        "fp32",
+        "--beta",
+        "0.1",
+        "--nll_loss_coef",
+        "0.1",
+        "--save_path",
+        str(save),
+        "--save_steps",
+        "4",
+        "--max_ckpt_num",
+        "10",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -57,9 +94,16 @@ def test_dpo_saved_folder_reproduces_margin(dpo_run):
     _, data, model_dir, save = dpo_run
     logged = series(read_metrics(save), "eval/reward_margin")[-1][1]
     tok = AutoTokenizer.from_pretrained(save)
-    ds = PreferenceDataset(load_blended_dataset(str(data)), tok, max_len=64, prompt_key="prompt",
-                           chosen_key="chosen", rejected_key="rejected", apply_chat_template=True,
-                           input_template=None)
+    ds = PreferenceDataset(
+        load_blended_dataset(str(data)),
+        tok,
+        max_len=64,
+        prompt_key="prompt",
+        chosen_key="chosen",
+        rejected_key="rejected",
+        apply_chat_template=True,
+        input_template=None,
+    )
 
     def seq_logps(path):
         m = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()

@@ -8,19 +8,53 @@ import pytest
 import torch
 
 from tests.cli.data import preference_rows
-from tests.cli.helpers import (assert_resumed_like_unbroken, checkpoint_copy, read_metrics, run_cli, series,
-                               write_jsonl)
+from tests.cli.helpers import assert_resumed_like_unbroken, checkpoint_copy, read_metrics, run_cli, series, write_jsonl
 from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 
 
 def _args(model, data, save, extra=()):
-    return ["--pretrain", str(model), "--dataset", str(data), "--eval_dataset", str(data), "--prompt_key", "prompt",
-            "--chosen_key", "chosen", "--rejected_key", "rejected", "--apply_chat_template", "--max_len", "64",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--max_epochs", "5", "--learning_rate", "1e-3",
-            "--lr_warmup_ratio", "0", "--lr_scheduler", "constant", "--zero_stage", "3", "--param_dtype", "fp32",
-            "--save_path", str(save), "--save_steps", "4", "--max_ckpt_num", "10", *extra]
+    return [
+        "--pretrain",
+        str(model),
+        "--dataset",
+        str(data),
+        "--eval_dataset",
+        str(data),
+        "--prompt_key",
+        "prompt",
+        "--chosen_key",
+        "chosen",
+        "--rejected_key",
+        "rejected",
+        "--apply_chat_template",
+        "--max_len",
+        "64",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "2",
+        "--max_epochs",
+        "5",
+        "--learning_rate",
+        "1e-3",
+        "--lr_warmup_ratio",
+        "0",
+        "--lr_scheduler",
+        "constant",
+        "--zero_stage",
+        "3",
+        "--param_dtype",
+        "fp32",
+        "--save_path",
+        str(save),
+        "--save_steps",
+        "4",
+        "--max_ckpt_num",
+        "10",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,13 +89,20 @@ def test_rm_saved_folder_reproduces_scores(rm_run):
     logged = {k: series(read_metrics(save), k)[-1][1] for k in ("eval/acc", "eval/chosen_reward")}
     tok = AutoTokenizer.from_pretrained(save)
     model = ScalarModel.from_pretrained(str(save), dtype=torch.float32, flag="--pretrain").eval()
-    ds = PreferenceDataset(load_blended_dataset(str(data)), tok, max_len=64, prompt_key="prompt",
-                           chosen_key="chosen", rejected_key="rejected", apply_chat_template=True,
-                           input_template=None)
+    ds = PreferenceDataset(
+        load_blended_dataset(str(data)),
+        tok,
+        max_len=64,
+        prompt_key="prompt",
+        chosen_key="chosen",
+        rejected_key="rejected",
+        apply_chat_template=True,
+        input_template=None,
+    )
     batch = collate_pairs([ds[i] for i in range(len(ds))], pad_token_id=tok.pad_token_id)
     with torch.no_grad():
         scores = model.score_last(batch["input_ids"], batch["attention_mask"])
-    chosen, rejected = scores[: len(ds)], scores[len(ds):]
+    chosen, rejected = scores[: len(ds)], scores[len(ds) :]
     assert (chosen > rejected).float().mean().item() == pytest.approx(logged["eval/acc"], abs=1e-6)
     assert chosen.mean().item() == pytest.approx(logged["eval/chosen_reward"], rel=1e-4, abs=1e-4)
 

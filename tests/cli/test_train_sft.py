@@ -13,11 +13,42 @@ pytestmark = pytest.mark.slow
 
 
 def _args(model, data, save, extra=()):
-    return ["--pretrain", str(model), "--dataset", str(data), "--eval_dataset", str(data), "--input_key", "input",
-            "--output_key", "output", "--apply_chat_template", "--max_len", "64", "--train_batch_size", "8",
-            "--micro_train_batch_size", "2", "--max_epochs", "6", "--learning_rate", "5e-3",
-            "--lr_warmup_ratio", "0", "--lr_scheduler", "constant", "--zero_stage", "3", "--param_dtype", "fp32",
-            "--save_path", str(save), "--seed", "7", *extra]
+    return [
+        "--pretrain",
+        str(model),
+        "--dataset",
+        str(data),
+        "--eval_dataset",
+        str(data),
+        "--input_key",
+        "input",
+        "--output_key",
+        "output",
+        "--apply_chat_template",
+        "--max_len",
+        "64",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "2",
+        "--max_epochs",
+        "6",
+        "--learning_rate",
+        "5e-3",
+        "--lr_warmup_ratio",
+        "0",
+        "--lr_scheduler",
+        "constant",
+        "--zero_stage",
+        "3",
+        "--param_dtype",
+        "fp32",
+        "--save_path",
+        str(save),
+        "--seed",
+        "7",
+        *extra,
+    ]
 
 
 @pytest.fixture(scope="module")
@@ -55,8 +86,15 @@ def test_sft_saved_folder_reproduces_eval_loss(sft_run):
     logged = series(read_metrics(save), "eval/sft")[-1][1]
     tok = AutoTokenizer.from_pretrained(save)
     model = AutoModelForCausalLM.from_pretrained(save, dtype=torch.float32).eval()
-    ds = SFTDataset(load_blended_dataset(str(data)), tok, max_len=64, input_key="input", output_key="output",
-                    apply_chat_template=True, input_template=None)
+    ds = SFTDataset(
+        load_blended_dataset(str(data)),
+        tok,
+        max_len=64,
+        input_key="input",
+        output_key="output",
+        apply_chat_template=True,
+        input_template=None,
+    )
     total = 0.0
     batches = 0
     with torch.no_grad():

@@ -45,8 +45,9 @@ def test_save_to_disk_dataset_and_dict_split(tmp_path):
     datasets.Dataset.from_list(ROWS).save_to_disk(str(tmp_path / "single"))
     assert load_blended_dataset(str(tmp_path / "single"))["prompt"] == ["q0", "q1", "q2", "q3"]
 
-    dd = datasets.DatasetDict({"train": datasets.Dataset.from_list(ROWS[:3]),
-                               "test": datasets.Dataset.from_list(ROWS[3:])})
+    dd = datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:3]), "test": datasets.Dataset.from_list(ROWS[3:])}
+    )
     dd.save_to_disk(str(tmp_path / "dict"))
     assert len(load_blended_dataset(str(tmp_path / "dict"))) == 3
     assert load_blended_dataset(str(tmp_path / "dict"), split="test")["prompt"] == ["q3"]
@@ -132,8 +133,10 @@ def test_bad_probs_name_the_probs_flag(tmp_path):
 def test_require_columns_lists_the_columns():
     ds = datasets.Dataset.from_list(ROWS)
     require_columns(ds, {"--input_key": "prompt", "--label_key": None}, "data/train.jsonl")
-    expected = ("--input_key: column 'question' not found in data/train.jsonl (columns: prompt, answer); "
-                "pass --input_key with one of those")
+    expected = (
+        "--input_key: column 'question' not found in data/train.jsonl (columns: prompt, answer); "
+        "pass --input_key with one of those"
+    )
     with pytest.raises(UserError) as err:
         require_columns(ds, {"--input_key": "question"}, "data/train.jsonl")
     assert str(err.value) == expected

@@ -24,10 +24,13 @@ def masked(tokenizer, ids, mask):
 def test_chosen_and_rejected_masks_decode_to_the_responses(tokenizer):
     item = make([{"prompt": "Say hi", "chosen": "hi friend", "rejected": "go away"}], tokenizer)[0]
     assert set(item) == {"chosen_ids", "chosen_loss_mask", "rejected_ids", "rejected_loss_mask"}
-    assert masked(tokenizer, item["chosen_ids"], item["chosen_loss_mask"]) == \
-        "<think>\n\n</think>\n\nhi friend<|im_end|>"
-    assert masked(tokenizer, item["rejected_ids"], item["rejected_loss_mask"]) == \
-        "<think>\n\n</think>\n\ngo away<|im_end|>"
+    assert (
+        masked(tokenizer, item["chosen_ids"], item["chosen_loss_mask"]) == "<think>\n\n</think>\n\nhi friend<|im_end|>"
+    )
+    assert (
+        masked(tokenizer, item["rejected_ids"], item["rejected_loss_mask"])
+        == "<think>\n\n</think>\n\ngo away<|im_end|>"
+    )
     assert tokenizer.decode(item["chosen_ids"]).startswith("<|im_start|>user\nSay hi<|im_end|>\n")
 
 
@@ -58,8 +61,12 @@ def test_whole_conversations_without_prompt_key(tokenizer):
 
 
 def test_plain_text_pairs(tokenizer):
-    item = make([{"prompt": "Q", "chosen": "good", "rejected": "bad"}], tokenizer, apply_chat_template=False,
-                input_template="{}: ")[0]
+    item = make(
+        [{"prompt": "Q", "chosen": "good", "rejected": "bad"}],
+        tokenizer,
+        apply_chat_template=False,
+        input_template="{}: ",
+    )[0]
     assert tokenizer.decode(item["chosen_ids"]) == "Q: good<|im_end|>"
     assert masked(tokenizer, item["rejected_ids"], item["rejected_loss_mask"]) == "bad<|im_end|>"
     # no prompt column: the whole string is the response
@@ -79,11 +86,17 @@ def test_pairs_with_long_prompts_are_dropped(tokenizer, caplog):
 
 
 def test_collate_pairs_puts_chosen_rows_first(tokenizer):
-    ds = make([{"prompt": "p1", "chosen": "c1", "rejected": "r1 longer"}, {"prompt": "p2", "chosen": "c2",
-                                                                          "rejected": "r2"}], tokenizer)
+    ds = make(
+        [{"prompt": "p1", "chosen": "c1", "rejected": "r1 longer"}, {"prompt": "p2", "chosen": "c2", "rejected": "r2"}],
+        tokenizer,
+    )
     batch = collate_pairs([ds[0], ds[1]], pad_token_id=tokenizer.pad_token_id)
-    lengths = [len(ds[0]["chosen_ids"]), len(ds[1]["chosen_ids"]), len(ds[0]["rejected_ids"]),
-               len(ds[1]["rejected_ids"])]
+    lengths = [
+        len(ds[0]["chosen_ids"]),
+        len(ds[1]["chosen_ids"]),
+        len(ds[0]["rejected_ids"]),
+        len(ds[1]["rejected_ids"]),
+    ]
     assert batch["input_ids"].shape == (4, max(lengths))
     assert batch["attention_mask"].sum(1).tolist() == lengths
     rows = [tokenizer.decode(batch["input_ids"][i, :n]) for i, n in enumerate(lengths)]

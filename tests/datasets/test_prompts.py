@@ -27,8 +27,13 @@ def test_items_carry_prompt_ids_label_and_index(tokenizer):
 
 
 def test_no_label_key_and_datasource_column(tokenizer):
-    ds = make([{"question": "q", "datasource": "gsm8k"}], tokenizer, label_key=None, apply_chat_template=False,
-              input_template="Q: {}\nA:")
+    ds = make(
+        [{"question": "q", "datasource": "gsm8k"}],
+        tokenizer,
+        label_key=None,
+        apply_chat_template=False,
+        input_template="Q: {}\nA:",
+    )
     assert ds[0]["label"] is None and ds[0]["datasource"] == "gsm8k"
     assert ds[0]["prompt"] == "Q: q\nA:"
 

@@ -16,8 +16,7 @@ def test_chat_template_string_and_messages(tokenizer):
     assert render_prompt("What is 2+2?", tokenizer, **chat) == QWEN3_PROMPT
     assert render_prompt([{"role": "user", "content": "What is 2+2?"}], tokenizer, **chat) == QWEN3_PROMPT
     assert render_response("What is 2+2?", "4", tokenizer, **chat) == QWEN3_RESPONSE
-    assert render_response("What is 2+2?", [{"role": "assistant", "content": "4"}], tokenizer, **chat) \
-        == QWEN3_RESPONSE
+    assert render_response("What is 2+2?", [{"role": "assistant", "content": "4"}], tokenizer, **chat) == QWEN3_RESPONSE
 
 
 def test_system_prompt_and_arrow_none_fields(tokenizer):
@@ -40,8 +39,9 @@ def test_messages_without_chat_template_name_the_flag(tokenizer):
     with pytest.raises(UserError, match="--input_key holds chat messages; pass --apply_chat_template"):
         render_prompt(msgs, tokenizer, apply_chat_template=False, input_template=None)
     with pytest.raises(UserError, match="--chosen_key holds chat messages; pass --apply_chat_template"):
-        render_response("hi", msgs, tokenizer, apply_chat_template=False, input_template=None,
-                        response_flag="--chosen_key")
+        render_response(
+            "hi", msgs, tokenizer, apply_chat_template=False, input_template=None, response_flag="--chosen_key"
+        )
     with pytest.raises(UserError, match="--input_key: expected a string or a list of"):
         render_prompt(7, tokenizer, apply_chat_template=True, input_template=None)
 
@@ -61,8 +61,10 @@ def test_tokenizer_without_chat_template(tokenizer, monkeypatch):
 
 # Renders the last user turn as "U:" plus "A:" only when a reply follows: the generation-prompt rendering is then
 # not a prefix of the full one, and the response falls back to the bare reply text plus EOS.
-NOT_PREFIX_STABLE = ("{% for m in messages %}{% if m.role == 'user' %}U: {{ m.content }}\n{% else %}A: {{ m.content }}"
-                     "{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}")
+NOT_PREFIX_STABLE = (
+    "{% for m in messages %}{% if m.role == 'user' %}U: {{ m.content }}\n{% else %}A: {{ m.content }}"
+    "{% endif %}{% endfor %}{% if add_generation_prompt %}ASSISTANT:{% endif %}"
+)
 
 
 def test_response_fallback_for_a_template_that_is_not_prefix_stable(tokenizer, monkeypatch):

@@ -29,9 +29,14 @@ def test_zero3_ranks_train_in_lockstep(ray_cpu):
         results = group.run("train", model_dir, 2)
     finally:
         group.shutdown()
-    print(f"group start {started:.1f} s; per rank: " + "; ".join(
-        f"rank {r['rank']}: init_process_group {r['init_process_group_s']:.1f} s, engine "
-        f"{r['build_engine_s']:.1f} s, 2 steps {r['train_s']:.1f} s" for r in results))
+    print(
+        f"group start {started:.1f} s; per rank: "
+        + "; ".join(
+            f"rank {r['rank']}: init_process_group {r['init_process_group_s']:.1f} s, engine "
+            f"{r['build_engine_s']:.1f} s, 2 steps {r['train_s']:.1f} s"
+            for r in results
+        )
+    )
     assert [(r["rank"], r["world_size"]) for r in results] == [(0, 2), (1, 2)]
     assert all(r["zero3_partitioned"] for r in results)
     losses = [r["losses"] for r in results]

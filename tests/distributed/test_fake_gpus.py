@@ -42,8 +42,17 @@ def test_colocated_groups_share_each_gpu(ray_fake_gpus):
     groups = []
     try:
         for name in ("policy", "reference"):
-            groups.append(WorkerGroup(ProbeWorker, 2, placement_group=pg, num_cpus_per_worker=share,
-                                      num_gpus_per_worker=share, name=name, timeout_s=60))
+            groups.append(
+                WorkerGroup(
+                    ProbeWorker,
+                    2,
+                    placement_group=pg,
+                    num_cpus_per_worker=share,
+                    num_gpus_per_worker=share,
+                    name=name,
+                    timeout_s=60,
+                )
+            )
         policy, reference = ([e["CUDA_VISIBLE_DEVICES"] for e in g.run("env")] for g in groups)
         assert policy == reference and sorted(policy) == ["0", "1"]
     finally:

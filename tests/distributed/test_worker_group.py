@@ -7,9 +7,9 @@ import time
 import pytest
 import ray
 
+from openppo.distributed.logs import format_log_tail, read_log_tail, tail_file
 from openppo.distributed.placement import PlacementError, colocated_fraction, device_resources, make_placement_group
 from openppo.distributed.worker_group import WorkerGroup, WorkerGroupError
-from openppo.distributed.logs import format_log_tail, read_log_tail, tail_file
 from tests.distributed.workers import BrokenWorker, ProbeWorker
 
 
@@ -81,8 +81,9 @@ def test_colocated_groups_share_bundles_on_cpu(ray_cpu):
     groups = []
     try:
         for name in ("policy", "reference"):
-            groups.append(WorkerGroup(ProbeWorker, 2, placement_group=pg, num_cpus_per_worker=share, name=name,
-                                      timeout_s=60))
+            groups.append(
+                WorkerGroup(ProbeWorker, 2, placement_group=pg, num_cpus_per_worker=share, name=name, timeout_s=60)
+            )
         assert [g.run("placement_group_id") for g in groups] == [[pg.id.hex()] * 2] * 2
         # Each group is its own torch.distributed world.
         assert groups[0].master_port != groups[1].master_port

@@ -16,20 +16,29 @@ from openppo.distributed.worker import BaseWorker
 logger = logging.getLogger("tests.distributed")
 
 
-def setup_strategy(ds_cfg, *, train_batch_size: int, micro_batch_size: int,
-                   max_norm: float = 1.0, seed: int = 42):
+def setup_strategy(ds_cfg, *, train_batch_size: int, micro_batch_size: int, max_norm: float = 1.0, seed: int = 42):
     """A `DeepSpeedStrategy` for this rank, joined to the group's process group (every rank at once: the start is a
     rendezvous at MASTER_ADDR:MASTER_PORT)."""
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
-    strategy = DeepSpeedStrategy(ds_cfg, train_batch_size=train_batch_size, micro_batch_size=micro_batch_size,
-                                 max_norm=max_norm, seed=seed)
+    strategy = DeepSpeedStrategy(
+        ds_cfg, train_batch_size=train_batch_size, micro_batch_size=micro_batch_size, max_norm=max_norm, seed=seed
+    )
     strategy.setup_distributed()
     logger.info("process group ready: rank %d of %d", strategy.rank, strategy.world_size)
     return strategy
 
-DIST_ENV = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT",
-            "OMP_NUM_THREADS", "CUDA_VISIBLE_DEVICES")
+
+DIST_ENV = (
+    "RANK",
+    "WORLD_SIZE",
+    "LOCAL_RANK",
+    "LOCAL_WORLD_SIZE",
+    "MASTER_ADDR",
+    "MASTER_PORT",
+    "OMP_NUM_THREADS",
+    "CUDA_VISIBLE_DEVICES",
+)
 
 
 class ProbeWorker(BaseWorker):
@@ -90,14 +99,26 @@ class TrainWorker(BaseWorker):
         from openppo.strategy.config import DeepSpeedConfig
 
         t0 = time.monotonic()
-        strategy = setup_strategy(DeepSpeedConfig(zero_stage=3, param_dtype="fp32", dist_timeout=120),
-                                  train_batch_size=2 * self.world_size, micro_batch_size=2, max_norm=1.0,
-                                  seed=0)
+        strategy = setup_strategy(
+            DeepSpeedConfig(zero_stage=3, param_dtype="fp32", dist_timeout=120),
+            train_batch_size=2 * self.world_size,
+            micro_batch_size=2,
+            max_norm=1.0,
+            seed=0,
+        )
         t_dist = time.monotonic()
         with strategy.zero3_init():
             actor = Actor.from_pretrained(model_dir, dtype=torch.float32)
-        engine = strategy.prepare_train(actor, lr=1e-2, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                        warmup_ratio=0.0, min_lr_ratio=0.0, num_training_steps=num_steps)
+        engine = strategy.prepare_train(
+            actor,
+            lr=1e-2,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            scheduler="constant",
+            warmup_ratio=0.0,
+            min_lr_ratio=0.0,
+            num_training_steps=num_steps,
+        )
         t_engine = time.monotonic()
         # The same batch on every rank: ZeRO-3 must then give every rank the same loss at every step.
         input_ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))
@@ -109,9 +130,15 @@ class TrainWorker(BaseWorker):
             engine.step()
             losses.append(loss.item())
         partitioned = all(hasattr(p, "ds_id") for p in engine.module.parameters())
-        return {"losses": losses, "rank": strategy.rank, "world_size": strategy.world_size,
-                "zero3_partitioned": partitioned, "init_process_group_s": t_dist - t0,
-                "build_engine_s": t_engine - t_dist, "train_s": time.monotonic() - t_engine}
+        return {
+            "losses": losses,
+            "rank": strategy.rank,
+            "world_size": strategy.world_size,
+            "zero3_partitioned": partitioned,
+            "init_process_group_s": t_dist - t0,
+            "build_engine_s": t_engine - t_dist,
+            "train_s": time.monotonic() - t_engine,
+        }
 
 
 class CollectiveWorker(BaseWorker):
@@ -122,12 +149,14 @@ class CollectiveWorker(BaseWorker):
 
         from openppo.strategy.config import DeepSpeedConfig
 
-        setup_strategy(DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=300),
-                       train_batch_size=self.world_size, micro_batch_size=1)
+        setup_strategy(
+            DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=300),
+            train_batch_size=self.world_size,
+            micro_batch_size=1,
+        )
         if self.rank == exit_rank:
             print(f"rank {self.rank} exiting before the all-reduce", flush=True)
             os._exit(3)
         t = torch.ones(1)
         torch.distributed.all_reduce(t)
         return float(t.item())
-

@@ -18,8 +18,13 @@ def single_rank(monkeypatch):
     """This process as rank 0 of a world of 1 (DeepSpeed's env:// rendezvous)."""
     from tests.spawn import free_port
 
-    for key, value in {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port())}.items():
+    for key, value in {
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": os.environ.get("MASTER_PORT") or str(free_port()),
+    }.items():
         monkeypatch.setenv(key, value)
 
 

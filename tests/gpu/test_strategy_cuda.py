@@ -21,12 +21,16 @@ def _rows(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     seqs = torch.randint(100, vocab - 100, (ROWS, SEQ), generator=g)
     attn = torch.ones_like(seqs)
     for row in range(ROWS):
-        attn[row, SEQ - 7 * row:] = 0
+        attn[row, SEQ - 7 * row :] = 0
     mask = torch.zeros(ROWS, SEQ - 1)
-    mask[:, PROMPT - 1:] = 1
+    mask[:, PROMPT - 1 :] = 1
     mask *= attn[:, 1:]
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
-            "advantages": torch.randn(ROWS, SEQ - 1, generator=g) * mask}
+    return {
+        "sequences": seqs,
+        "attention_mask": attn,
+        "action_mask": mask,
+        "advantages": torch.randn(ROWS, SEQ - 1, generator=g) * mask,
+    }
 
 
 def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, checkpointing: bool = False):
@@ -34,14 +38,26 @@ def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, che
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=zero_stage, param_dtype="bf16", adam_offload=adam_offload,
-                                                 dist_timeout=600),
-                                 train_batch_size=ROWS, micro_batch_size=MICRO, max_norm=1.0, seed=0)
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=zero_stage, param_dtype="bf16", adam_offload=adam_offload, dist_timeout=600),
+        train_batch_size=ROWS,
+        micro_batch_size=MICRO,
+        max_norm=1.0,
+        seed=0,
+    )
     strategy.setup_distributed()
     with strategy.zero3_init():
         actor = Actor.from_pretrained(str(model_dir), dtype=torch.bfloat16, gradient_checkpointing=checkpointing)
-    engine = strategy.prepare_train(actor, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                    warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=4)
+    engine = strategy.prepare_train(
+        actor,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=4,
+    )
     return strategy, engine
 
 
@@ -50,20 +66,38 @@ def _update(strategy, engine, seed: int = 0) -> dict[str, float]:
     from openppo.ppo.fit import actor_loss, fit_experience
     from openppo.ppo.micro_batches import Batching
 
-    loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0), kl_coef=0.0,
-                         temperature=1.0, generate_max_len=SEQ - PROMPT, is_correction=None, is_threshold=(0.5, 5.0),
-                         pack=True)
-    return fit_experience(engine, _rows(engine.module.config.vocab_size, seed), loss_fn,
-                          batching=Batching(packed=True, rows=MICRO), rows_per_step=ROWS, epochs=1, world_size=1,
-                          seed=seed, device=strategy.device)
+    loss_fn = actor_loss(
+        engine,
+        AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=SEQ - PROMPT,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+        pack=True,
+    )
+    return fit_experience(
+        engine,
+        _rows(engine.module.config.vocab_size, seed),
+        loss_fn,
+        batching=Batching(packed=True, rows=MICRO),
+        rows_per_step=ROWS,
+        epochs=1,
+        world_size=1,
+        seed=seed,
+        device=strategy.device,
+    )
 
 
 def _master_weights(engine) -> dict[str, torch.Tensor]:
     """fp32 master copy of every trainable parameter, gathered (ZeRO-3) and on the CPU."""
     from deepspeed.utils import safe_get_full_fp32_param
 
-    return {name: safe_get_full_fp32_param(p).detach().float().cpu().clone()
-            for name, p in engine.module.named_parameters() if p.requires_grad}
+    return {
+        name: safe_get_full_fp32_param(p).detach().float().cpu().clone()
+        for name, p in engine.module.named_parameters()
+        if p.requires_grad
+    }
 
 
 @pytest.mark.parametrize("adam_offload", [False, True], ids=["fused_adam", "adam_offload"])
@@ -98,8 +132,10 @@ def test_zero3_state_offload_frees_and_restores_gpu_memory(single_rank, gpu_mode
     assert role.reload_states()
     torch.cuda.synchronize()
     reloaded = torch.cuda.memory_allocated()
-    print(f"{params / 1e6:.1f} M params: {held / 2**20:.0f} MiB -> offloaded {offloaded / 2**20:.0f} MiB -> "
-          f"reloaded {reloaded / 2**20:.0f} MiB")
+    print(
+        f"{params / 1e6:.1f} M params: {held / 2**20:.0f} MiB -> offloaded {offloaded / 2**20:.0f} MiB -> "
+        f"reloaded {reloaded / 2**20:.0f} MiB"
+    )
     assert held - offloaded >= 0.9 * 12 * params, (held, offloaded, params)
     assert abs(reloaded - held) <= 0.05 * held, (held, reloaded)
     assert math.isfinite(_update(strategy, engine, seed=1)["loss/policy"])

@@ -27,8 +27,15 @@ def _receive(handle, meta_plain, queue) -> None:
     except RuntimeError:
         refused = True
     buffer = open_local(handle, nbytes)
-    queue.put((refused, {name: (t.double().sum().item(), tuple(t.shape), str(t.dtype)) for name, t in
-                         unpack_bucket(meta_plain, buffer)}))
+    queue.put(
+        (
+            refused,
+            {
+                name: (t.double().sum().item(), tuple(t.shape), str(t.dtype))
+                for name, t in unpack_bucket(meta_plain, buffer)
+            },
+        )
+    )
 
 
 def test_cuda_ipc_bucket_reaches_another_process_exactly():
@@ -36,9 +43,11 @@ def test_cuda_ipc_bucket_reaches_another_process_exactly():
     from openppo.rollout.transport import CUDA_IPC, LocalExporter
 
     g = torch.Generator().manual_seed(0)
-    named = [("model.layers.0.self_attn.q_proj.weight", torch.randn(256, 256, generator=g)),
-             ("model.layers.0.mlp.up_proj.weight", torch.randn(512, 256, generator=g)),
-             ("model.norm.weight", torch.randn(256, generator=g))]
+    named = [
+        ("model.layers.0.self_attn.q_proj.weight", torch.randn(256, 256, generator=g)),
+        ("model.layers.0.mlp.up_proj.weight", torch.randn(512, 256, generator=g)),
+        ("model.norm.weight", torch.randn(256, generator=g)),
+    ]
     exporter = LocalExporter(CUDA_IPC)
     [bucket] = list(iter_buckets(iter(named), 64 << 20, dtype=torch.bfloat16, device=exporter.device))
     ctx = mp.get_context("spawn")
@@ -60,5 +69,6 @@ def test_guard_refuses_two_nccl_ranks_on_this_gpu():
 
     gpu = str(torch.cuda.current_device())
     with pytest.raises(UserError, match="--vllm_sync_backend nccl"):
-        check_broadcast_group([("actor rank 0", Where("local", (gpu,))), ("vLLM engine 0", Where("local", (gpu,)))],
-                              "nccl")
+        check_broadcast_group(
+            [("actor rank 0", Where("local", (gpu,))), ("vLLM engine 0", Where("local", (gpu,)))], "nccl"
+        )

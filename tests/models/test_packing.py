@@ -104,10 +104,13 @@ def test_scalar_model_packed_equals_padded():
     _assert_close(grads, grads_p)
 
 
-@pytest.mark.parametrize("lengths,calls", [
-    ([5, 3, 4], [(3, 5)]),  # similar lengths: one call over the 3 sequences right-padded to 5 (3 x 25 <= 2 x 50)
-    ([9, 1, 2], [(1, 9), (1, 1), (1, 2)]),  # padding would cost 243 scores for 86: one call per sequence
-])
+@pytest.mark.parametrize(
+    "lengths,calls",
+    [
+        ([5, 3, 4], [(3, 5)]),  # similar lengths: one call over the 3 sequences right-padded to 5 (3 x 25 <= 2 x 50)
+        ([9, 1, 2], [(1, 9), (1, 1), (1, 2)]),  # padding would cost 243 scores for 86: one call per sequence
+    ],
+)
 def test_varlen_attention_is_used_and_equals_masked_sdpa(lengths, calls):
     """Packed forwards attend sequence by sequence (no N x N mask), batched when padding wastes little; either way
     the result and its gradient equal sdpa's block-diagonal mask."""
@@ -125,7 +128,7 @@ def test_varlen_attention_is_used_and_equals_masked_sdpa(lengths, calls):
     seq = torch.cat([torch.full((length,), i) for i, length in enumerate(lengths)])
     causal = torch.tril(torch.ones(n, n, dtype=torch.bool))
     block_mask = (causal & (seq[:, None] == seq[None, :]))[None, None]
-    expected, _ = sdpa_attention_forward(module, q, k, v, block_mask, scaling=32 ** -0.5)
+    expected, _ = sdpa_attention_forward(module, q, k, v, block_mask, scaling=32**-0.5)
     seen, original = [], varlen_attention.sdpa_attention_forward
 
     def counted(module, query, *args, **kwargs):
@@ -135,7 +138,7 @@ def test_varlen_attention_is_used_and_equals_masked_sdpa(lengths, calls):
     varlen_attention.sdpa_attention_forward = counted
     try:
         varlen_attention.set_packed_rows(position_ids)
-        out, _ = varlen_attention.varlen_attention_forward(module, q, k, v, None, scaling=32 ** -0.5)
+        out, _ = varlen_attention.varlen_attention_forward(module, q, k, v, None, scaling=32**-0.5)
     finally:
         varlen_attention.sdpa_attention_forward = original
         varlen_attention.set_packed_rows(None)
@@ -159,14 +162,14 @@ def test_half_precision_attention_on_cpu_runs_in_fp32_up_to_the_limit(monkeypatc
     module = model.model.model.layers[0].self_attn
     torch.manual_seed(0)
     q, k, v = (torch.randn(3, 2, 24, 32, dtype=torch.bfloat16, requires_grad=True) for _ in range(3))
-    out, _ = varlen_attention._sdpa(module, q, k, v, None, scaling=32 ** -0.5)
-    upcast, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), None, scaling=32 ** -0.5)
-    native, _ = sdpa_attention_forward(module, q, k, v, None, scaling=32 ** -0.5)
+    out, _ = varlen_attention._sdpa(module, q, k, v, None, scaling=32**-0.5)
+    upcast, _ = sdpa_attention_forward(module, q.float(), k.float(), v.float(), None, scaling=32**-0.5)
+    native, _ = sdpa_attention_forward(module, q, k, v, None, scaling=32**-0.5)
     assert out.dtype == torch.bfloat16 and torch.equal(out, upcast.to(torch.bfloat16))
     assert not torch.equal(out, native)  # the two kernels round differently: the test tells them apart
     assert all(g is not None and g.dtype == torch.bfloat16 for g in torch.autograd.grad(out.float().sum(), (q, k, v)))
     monkeypatch.setattr(varlen_attention, "CPU_FP32_ATTENTION_MAX_LEN", 23)
-    assert torch.equal(varlen_attention._sdpa(module, q, k, v, None, scaling=32 ** -0.5)[0], native)
+    assert torch.equal(varlen_attention._sdpa(module, q, k, v, None, scaling=32**-0.5)[0], native)
 
 
 def test_scoring_only_the_action_positions_changes_nothing_there():

@@ -42,10 +42,20 @@ def tiny_model(attn_implementation: str = "sdpa") -> torch.nn.Module:
 
     torch.manual_seed(0)
     # A wide init (0.3, not 0.02) so attention is far from uniform and a wrong mask moves the numbers.
-    config = Qwen3Config(vocab_size=500, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                         num_attention_heads=4, num_key_value_heads=2, head_dim=16, max_position_embeddings=128,
-                         initializer_range=0.3, tie_word_embeddings=False, use_cache=False,
-                         attn_implementation=attn_implementation)
+    config = Qwen3Config(
+        vocab_size=500,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=16,
+        max_position_embeddings=128,
+        initializer_range=0.3,
+        tie_word_embeddings=False,
+        use_cache=False,
+        attn_implementation=attn_implementation,
+    )
     return Qwen3ForCausalLM(config).float().train()
 
 
@@ -53,8 +63,11 @@ def packed_row(seq_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor, torch.T
     """input_ids, position_ids [1, N] and fixed random per-token loss weights [1, N]."""
     gen = torch.Generator().manual_seed(len(seq_lens) * 100 + sum(seq_lens))
     n = sum(seq_lens)
-    return (torch.randint(1, 500, (1, n), generator=gen), packed_position_ids(seq_lens),
-            torch.randn(1, n, generator=gen))
+    return (
+        torch.randint(1, 500, (1, n), generator=gen),
+        packed_position_ids(seq_lens),
+        torch.randn(1, n, generator=gen),
+    )
 
 
 def next_token_log_probs(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -110,9 +123,11 @@ def _ring_case(model, group, seq_lens, head_stride) -> dict[str, float]:
     for name, p in model.named_parameters():
         dist.all_reduce(p.grad, group=group)  # the row's gradient is the sum of the ranks' parts
         grads[name] = p.grad
-    return {"logits": max_error(full_logits, ref_logits),
-            "grads": max(max_error(grads[k], ref_grads[k]) for k in ref_grads),
-            "pad_len": shard.pad_len}
+    return {
+        "logits": max_error(full_logits, ref_logits),
+        "grads": max(max_error(grads[k], ref_grads[k]) for k in ref_grads),
+        "pad_len": shard.pad_len,
+    }
 
 
 def _attention_case(group, dtype: torch.dtype, head_stride: int) -> dict[str, float]:
@@ -134,7 +149,7 @@ def _attention_case(group, dtype: torch.dtype, head_stride: int) -> dict[str, fl
     module = torch.nn.Module()
     module.is_causal = True
     with ring_context(position_ids, group, head_stride=head_stride):
-        out, _ = ring_attention_forward(module, *local, attention_mask=None, scaling=16 ** -0.5)
+        out, _ = ring_attention_forward(module, *local, attention_mask=None, scaling=16**-0.5)
     out.backward(ring_chunk(dout, rank, size))
     errors = {"out": (out.float() - ring_chunk(ref.transpose(1, 2), rank, size)).abs().max().item()}
     for name, mine, theirs in zip("qkv", local, full):
@@ -170,8 +185,9 @@ def ring_results(tmp_path_factory) -> list[dict]:
     return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("ring"), TIMEOUT_S, "ring attention")
 
 
-@pytest.mark.parametrize("case", [f"{row}-stride{s}" for row in ROWS for s in HEAD_STRIDES]
-                         + ["even-stride0-checkpointing"])
+@pytest.mark.parametrize(
+    "case", [f"{row}-stride{s}" for row in ROWS for s in HEAD_STRIDES] + ["even-stride0-checkpointing"]
+)
 def test_two_ranks_match_single_rank_sdpa(ring_results, case):
     for rank, results in enumerate(ring_results):
         r = results[case]

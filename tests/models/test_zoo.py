@@ -20,8 +20,9 @@ CHAT = [{"role": "user", "content": "What is 2+3? Reply with only the number."}]
 
 
 def run_cli(*args: str, timeout: int = 600) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "openppo.cli.models", *args], cwd=REPO, capture_output=True,
-                          text=True, timeout=timeout)
+    return subprocess.run(
+        [sys.executable, "-m", "openppo.cli.models", *args], cwd=REPO, capture_output=True, text=True, timeout=timeout
+    )
 
 
 def load_weights(model_dir: Path) -> dict[str, torch.Tensor]:
@@ -89,8 +90,16 @@ def test_tiny_seed_cache_and_rebuild(tmp_path, tiny_model_dir):
 def test_tiny_llama_bf16(tmp_path):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    path = build_tiny_model(tmp_path / "llama", arch="llama", num_layers=1, hidden_size=128, num_heads=2,
-                            intermediate_size=256, seed=5, dtype="bfloat16")
+    path = build_tiny_model(
+        tmp_path / "llama",
+        arch="llama",
+        num_layers=1,
+        hidden_size=128,
+        num_heads=2,
+        intermediate_size=256,
+        seed=5,
+        dtype="bfloat16",
+    )
     model = AutoModelForCausalLM.from_pretrained(path, dtype="auto")
     tok = AutoTokenizer.from_pretrained(path)
     assert model.config.model_type == "llama" and model.config.head_dim == 64 and model.dtype == torch.bfloat16
@@ -108,8 +117,7 @@ def test_tiny_gpt2_tokenizer(tmp_path):
     model = AutoModelForCausalLM.from_pretrained(path)
     assert model.config.vocab_size == len(tok) == 50259
     assert (tok.eos_token, tok.pad_token) == ("<|im_end|>", "<|endoftext|>")
-    assert tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True).endswith(
-        "<|im_start|>assistant\n")
+    assert tok.apply_chat_template(CHAT, tokenize=False, add_generation_prompt=True).endswith("<|im_start|>assistant\n")
 
 
 @pytest.mark.parametrize("hidden,heads", [(64, 4), (96, 2), (100, 3)])
@@ -173,8 +181,14 @@ def test_tiny_in_vllm_matches_hf(tiny_model_dir):
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", OMP_NUM_THREADS="1")
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # it would override kv_cache_memory_bytes
     start = time.perf_counter()
-    proc = subprocess.run([sys.executable, "-c", VLLM_SCRIPT, str(tiny_model_dir)], cwd=REPO, env=env,
-                          capture_output=True, text=True, timeout=600)
+    proc = subprocess.run(
+        [sys.executable, "-c", VLLM_SCRIPT, str(tiny_model_dir)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(f"vLLM start + generate: {time.perf_counter() - start:.1f} s")
     assert proc.returncode == 0, proc.stderr[-4000:]
     rows = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("RESULT "))[7:])
@@ -188,7 +202,7 @@ def test_tiny_in_vllm_matches_hf(tiny_model_dir):
             logits = model(ids).logits[0].float()
         # The logits at position t predict token t+1: the response's scores start one before it.
         start = len(row["prompt_ids"]) - 1
-        hf = torch.log_softmax(logits[start:start + len(row["ids"])], dim=-1)
+        hf = torch.log_softmax(logits[start : start + len(row["ids"])], dim=-1)
         hf = hf.gather(-1, torch.tensor(row["ids"])[:, None])[:, 0]
         worst = max(worst, (hf - torch.tensor(row["logprobs"])).abs().max().item())
     print(f"vLLM vs HF sampled-token logprob max |diff|: {worst:.2e}")
@@ -221,7 +235,7 @@ def test_smollm2_cli_materializes_generates_and_caches():
     text = tok.decode(enc["input_ids"][0])
     assert text.startswith("<|im_start|>system\n") and text.endswith("<|im_start|>assistant\n")
     generated = model.generate(**enc, max_new_tokens=16, do_sample=False)
-    reply = tok.decode(generated[0, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    reply = tok.decode(generated[0, enc["input_ids"].shape[1] :], skip_special_tokens=True)
     print(f"SmolLM2 greedy reply: {reply!r}")
     assert reply.strip()
 

@@ -14,5 +14,5 @@ def reward_func(queries, prompts, labels, **kwargs):
         elif label == "never":
             out.append(0.0)
         else:
-            out.append(0.25 + 0.5 * (len(query[len(prompt):]) % 2))
+            out.append(0.25 + 0.5 * (len(query[len(prompt) :]) % 2))
     return out

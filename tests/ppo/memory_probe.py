@@ -4,8 +4,8 @@ STAGE DTYPE` prints one JSON line with the peak RSS growth (GiB) from just befor
 One rank (gloo), DeepSpeed ZeRO STAGE with AdamW, micro-batches of MICRO rows x (PROMPT + RESPONSE) tokens, padded
 (not packed), STEPS optimizer steps of ROWS rows each: what `openppo.cli.plan` sees with the same flags. The first step
 allocates Adam's states after the micro-batches' activations are freed; from the second on, the states, the gradients
-and a micro-batch's activations live at once, which is the peak of any real run and what the plan adds up. RSS is sampled
-every 2 ms by a thread; a fresh process, so nothing else this test session did is counted.
+and a micro-batch's activations live at once, which is the peak of any real run and what the plan adds up. RSS is
+sampled every 2 ms by a thread; a fresh process, so nothing else this test session did is counted.
 """
 
 from __future__ import annotations
@@ -35,8 +35,13 @@ def main(model: str, stage: int, dtype: str) -> dict:
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import smollm2_dir, tiny_model_dir
 
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=120),
-                                 train_batch_size=ROWS, micro_batch_size=MICRO, max_norm=1.0, seed=0)
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=120),
+        train_batch_size=ROWS,
+        micro_batch_size=MICRO,
+        max_norm=1.0,
+        seed=0,
+    )
     strategy.setup_distributed()
     proc, peak, done = psutil.Process(), [0], threading.Event()
 
@@ -49,20 +54,47 @@ def main(model: str, stage: int, dtype: str) -> dict:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     path = str(tiny_model_dir() if model == "tiny" else smollm2_dir())
-    engine = strategy.prepare_train(Actor.from_pretrained(path, dtype=strategy.torch_dtype), lr=1e-6,
-                                    betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant", warmup_ratio=0.0,
-                                    min_lr_ratio=0.1, num_training_steps=2 * STEPS)
+    engine = strategy.prepare_train(
+        Actor.from_pretrained(path, dtype=strategy.torch_dtype),
+        lr=1e-6,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=2 * STEPS,
+    )
     width = PROMPT + RESPONSE
     rows = ROWS * STEPS
     seqs = torch.randint(100, 1000, (rows, width), generator=torch.Generator().manual_seed(0))
     mask = torch.zeros(rows, width - 1)
-    mask[:, PROMPT - 1:] = 1
-    data = {"sequences": seqs, "attention_mask": torch.ones_like(seqs), "action_mask": mask,
-            "advantages": torch.randn(rows, width - 1) * mask}
-    loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0), kl_coef=0.0,
-                         temperature=1.0, generate_max_len=RESPONSE, is_correction=None, is_threshold=(0.5, 5.0))
-    fit_experience(engine, data, loss_fn, batching=Batching(rows=MICRO), rows_per_step=ROWS, epochs=1,
-                   world_size=1, seed=0, device=strategy.device)
+    mask[:, PROMPT - 1 :] = 1
+    data = {
+        "sequences": seqs,
+        "attention_mask": torch.ones_like(seqs),
+        "action_mask": mask,
+        "advantages": torch.randn(rows, width - 1) * mask,
+    }
+    loss_fn = actor_loss(
+        engine,
+        AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=RESPONSE,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+    )
+    fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=Batching(rows=MICRO),
+        rows_per_step=ROWS,
+        epochs=1,
+        world_size=1,
+        seed=0,
+        device=strategy.device,
+    )
     done.set()
     thread.join()
     return {"peak_growth_gib": (peak[0] - base) / 2**30}

@@ -4,20 +4,27 @@ weights and the gradient it is about to apply."""
 from __future__ import annotations
 
 import os
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 
 
 def join_gloo_group(rank: int, port: int, world: int) -> None:
     """The launcher environment of one spawned CPU rank, with one thread (the ranks share the cores)."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
 
 
-def ragged_rows(lengths: list[int], vocab: int, gen: torch.Generator, *, first_action: int = 1,
-                empty_rows: tuple[int, ...] = ()) -> dict[str, torch.Tensor]:
+def ragged_rows(
+    lengths: list[int], vocab: int, gen: torch.Generator, *, first_action: int = 1, empty_rows: tuple[int, ...] = ()
+) -> dict[str, torch.Tensor]:
     """Right-padded rows of the given lengths (random tokens), the action mask from `first_action` to the row's
     second-to-last position (none for `empty_rows`), and random advantages, returns and a small log-prob noise."""
     width = max(lengths)
@@ -26,12 +33,16 @@ def ragged_rows(lengths: list[int], vocab: int, gen: torch.Generator, *, first_a
     mask = torch.zeros(len(lengths), width - 1, dtype=torch.long)
     for row, n in enumerate(lengths):
         attn[row, :n] = 1
-        mask[row, first_action: n - 1] = int(row not in empty_rows)
+        mask[row, first_action : n - 1] = int(row not in empty_rows)
     seqs[attn == 0] = 0
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
-            "advantages": torch.randn(mask.shape, generator=gen) * mask,
-            "returns": torch.randn(mask.shape, generator=gen) * mask,
-            "noise": 0.05 * torch.randn(mask.shape, generator=gen)}
+    return {
+        "sequences": seqs,
+        "attention_mask": attn,
+        "action_mask": mask,
+        "advantages": torch.randn(mask.shape, generator=gen) * mask,
+        "returns": torch.randn(mask.shape, generator=gen) * mask,
+        "noise": 0.05 * torch.randn(mask.shape, generator=gen),
+    }
 
 
 def full_weights(strategy, engine) -> dict[str, torch.Tensor]:
@@ -79,8 +90,13 @@ def fp32_strategy(zero_stage: int, *, max_norm: float = 1.0):
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=zero_stage, param_dtype="fp32", dist_timeout=120),
-                                 train_batch_size=8, micro_batch_size=2, max_norm=max_norm, seed=0)
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=zero_stage, param_dtype="fp32", dist_timeout=120),
+        train_batch_size=8,
+        micro_batch_size=2,
+        max_norm=max_norm,
+        seed=0,
+    )
     strategy.setup_distributed()
     return strategy
 
@@ -101,13 +117,13 @@ def load_model(role: str, path: str, strategy=None, **lora):
 
 # -- the step loss written out from the formulas (docs/algorithms.md), the independent side of gradient parity tests
 
+
 def ppo_per_token(log_probs: torch.Tensor, old: torch.Tensor, adv: torch.Tensor, eps: float) -> torch.Tensor:
     ratio = (log_probs - old).exp()
     return -torch.minimum(ratio * adv, ratio.clamp(1 - eps, 1 + eps) * adv)
 
 
-def value_per_token(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor,
-                    clip: float) -> torch.Tensor:
+def value_per_token(values: torch.Tensor, old_values: torch.Tensor, returns: torch.Tensor, clip: float) -> torch.Tensor:
     clipped = old_values + (values - old_values).clamp(-clip, clip)
     return 0.5 * torch.maximum((values - returns).square(), (clipped - returns).square())
 

@@ -13,8 +13,9 @@ from openppo.rollout.pool import Sample
 
 
 def _sample(version: int) -> Sample:
-    return Sample(prompt_ids=[1], response_ids=[2], rollout_log_probs=[0.0], finish_reason="stop", group=0,
-                  policy_version=version)
+    return Sample(
+        prompt_ids=[1], response_ids=[2], rollout_log_probs=[0.0], finish_reason="stop", group=0, policy_version=version
+    )
 
 
 def _rollout(version: int) -> Rollout:
@@ -42,8 +43,9 @@ def test_batches_start_at_most_ahead_versions_before_training(ahead):
         # training: let the producer run ahead as far as it may (batches done + 1 + ahead started and queued)
         allowed = min(steps, done + 1 + ahead)
         deadline = time.monotonic() + 10
-        while (producer._started < allowed or producer._ready.qsize() < allowed - done - 1) and \
-                time.monotonic() < deadline:
+        while (
+            producer._started < allowed or producer._ready.qsize() < allowed - done - 1
+        ) and time.monotonic() < deadline:
             time.sleep(0.005)
         with lock:
             version["now"] += 1

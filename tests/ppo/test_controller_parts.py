@@ -60,15 +60,18 @@ def _cfg(*flags):
 def test_colocation_pools():
     everything = {"actor", "reference", "critic", "reward", "engines"}
     assert colocation_pools(_cfg(), everything) == []
-    hybrid, = colocation_pools(_cfg("--colocate_all_models"), everything)
+    (hybrid,) = colocation_pools(_cfg("--colocate_all_models"), everything)
     assert hybrid.bundles == 4 and hybrid.members == ("actor", "reference", "critic", "reward", "engines")
     assert hybrid.fraction == 0.2
-    hybrid, = colocation_pools(_cfg("--colocate_all_models"), {"actor", "engines"})
+    (hybrid,) = colocation_pools(_cfg("--colocate_all_models"), {"actor", "engines"})
     assert hybrid.fraction == 0.5
-    pools = colocation_pools(_cfg("--colocate_actor_ref", "--colocate_critic_reward", "--critic_num_gpus_per_node",
-                                  "2"), everything)
-    assert [(p.name, p.bundles, p.members) for p in pools] == [("actor_ref", 4, ("actor", "reference")),
-                                                               ("critic_reward", 2, ("critic", "reward"))]
+    pools = colocation_pools(
+        _cfg("--colocate_actor_ref", "--colocate_critic_reward", "--critic_num_gpus_per_node", "2"), everything
+    )
+    assert [(p.name, p.bundles, p.members) for p in pools] == [
+        ("actor_ref", 4, ("actor", "reference")),
+        ("critic_reward", 2, ("critic", "reward")),
+    ]
     # a pool needs both members: no reference model -> no actor_ref pool
     assert colocation_pools(_cfg("--colocate_actor_ref"), {"actor", "engines"}) == []
 
@@ -79,8 +82,21 @@ def test_engine_placement_covers_every_hybrid_bundle_once():
     processes run them."""
     from openppo.ppo.colocation import engine_placement
 
-    cfg = parse_config(PPOConfig, ["--pretrain", "m", "--actor_num_gpus_per_node", "8", "--colocate_all_models",
-                                   "--vllm_num_engines", "4", "--vllm_tensor_parallel_size", "2"], "t")
+    cfg = parse_config(
+        PPOConfig,
+        [
+            "--pretrain",
+            "m",
+            "--actor_num_gpus_per_node",
+            "8",
+            "--colocate_all_models",
+            "--vllm_num_engines",
+            "4",
+            "--vllm_tensor_parallel_size",
+            "2",
+        ],
+        "t",
+    )
     share = colocation_pools(cfg, {"actor", "engines"})[0].fraction
     gpu = [engine_placement(cfg, i, on_gpu=True, hybrid_share=share) for i in range(4)]
     assert [p.bundles for p in gpu] == [(0, 1), (2, 3), (4, 5), (6, 7)]
@@ -88,8 +104,9 @@ def test_engine_placement_covers_every_hybrid_bundle_once():
     assert dict(gpu[3].env) == {"VLLM_RAY_BUNDLE_INDICES": "6,7", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
     cpu = engine_placement(cfg, 1, on_gpu=False, hybrid_share=share)
     assert cpu.bundles == (2, 3) and cpu.executor is None and cpu.num_gpus == 0 and cpu.env == ()
-    single = engine_placement(_cfg("--colocate_all_models", "--vllm_num_engines", "4"), 3, on_gpu=True,
-                              hybrid_share=0.5)
+    single = engine_placement(
+        _cfg("--colocate_all_models", "--vllm_num_engines", "4"), 3, on_gpu=True, hybrid_share=0.5
+    )
     assert single.bundles == (3,) and single.num_gpus == 0.5 and single.executor is None
     own = engine_placement(cfg, 0, on_gpu=True, hybrid_share=None)
     assert own.bundles is None and own.num_gpus == 2

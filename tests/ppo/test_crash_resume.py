@@ -32,14 +32,55 @@ KILL_AT = 3  # the driver is killed once the save of this step has begun
 
 
 def _args(prompts: Path, save: Path, ckpt_dir: Path) -> list[str]:
-    return ["--pretrain", str(tiny_model_dir()), "--remote_rm_url", str(HERE / "label_reward.py"),
-            "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label", "--apply_chat_template",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
-            "--rollout_batch_size", str(ROLLOUT_BATCH), "--train_batch_size", "4", "--micro_train_batch_size", "2",
-            "--vllm_kv_cache_bytes", str(128 * 2**20), "--init_kl_coef", "0", "--generate_max_len", "8",
-            "--prompt_max_len", "64", "--param_dtype", "fp32", "--zero_stage", "2", "--max_steps", str(MAX_STEPS),
-            "--actor_learning_rate", "1e-4", "--seed", str(SEED), "--save_steps", "1", "--max_ckpt_num", "2",
-            "--save_path", str(save), "--ckpt_path", str(ckpt_dir)]
+    return [
+        "--pretrain",
+        str(tiny_model_dir()),
+        "--remote_rm_url",
+        str(HERE / "label_reward.py"),
+        "--prompt_data",
+        str(prompts),
+        "--input_key",
+        "input",
+        "--label_key",
+        "label",
+        "--apply_chat_template",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "2",
+        "--rollout_batch_size",
+        str(ROLLOUT_BATCH),
+        "--train_batch_size",
+        "4",
+        "--micro_train_batch_size",
+        "2",
+        "--vllm_kv_cache_bytes",
+        str(128 * 2**20),
+        "--init_kl_coef",
+        "0",
+        "--generate_max_len",
+        "8",
+        "--prompt_max_len",
+        "64",
+        "--param_dtype",
+        "fp32",
+        "--zero_stage",
+        "2",
+        "--max_steps",
+        str(MAX_STEPS),
+        "--actor_learning_rate",
+        "1e-4",
+        "--seed",
+        str(SEED),
+        "--save_steps",
+        "1",
+        "--max_ckpt_num",
+        "2",
+        "--save_path",
+        str(save),
+        "--ckpt_path",
+        str(ckpt_dir),
+    ]
 
 
 def _rollouts(save: Path) -> dict[int, dict]:
@@ -53,16 +94,16 @@ def _expected_prompts() -> dict[int, list[int]]:
 
 
 def test_kill_mid_save_then_resume(tmp_path):
-    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(NUM_PROMPTS, seed=6)],
-                          tmp_path / "prompts.jsonl")
+    prompts = write_jsonl(
+        [{**row, "label": "mixed"} for row in make_rows(NUM_PROMPTS, seed=6)], tmp_path / "prompts.jsonl"
+    )
     ckpt_dir, crashed = tmp_path / "ckpt", tmp_path / "crashed"
     tag = f"OPENPPO_CRASH_TEST={uuid.uuid4().hex}"
     env = {**cli_env(), tag.split("=")[0]: tag.split("=")[1]}
     cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *_args(prompts, crashed, ckpt_dir)]
     log = tmp_path / "crashed.log"
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         saving = ckpt_dir / "actor" / ckpt.tag_for_step(KILL_AT)
@@ -84,16 +125,20 @@ def test_kill_mid_save_then_resume(tmp_path):
     partial.mkdir(parents=True, exist_ok=True)
     (partial / "mp_rank_00_model_states.pt").write_bytes(b"PK\x03\x04truncated")
     (ckpt_dir / "actor" / "latest").write_text(ckpt.tag_for_step(k + 1))
-    ckpt.marker_path(ckpt_dir, k + 1).write_text('{"global_step": %d, "tag": "global_st' % (k + 1))
+    ckpt.marker_path(ckpt_dir, k + 1).write_text(f'{{"global_step": {k + 1}, "tag": "global_st')
     assert ckpt.resolve(ckpt_dir).step == k
 
     before, logged = _rollouts(crashed), read_metrics(crashed)
     assert [r["step"] for r in logged] == list(range(1, KILL_AT + 1))
-    proc2 = run_cli("train_ppo_ray", _args(prompts, crashed, ckpt_dir) + ["--load_checkpoint", "--save_hf_ckpt"],
-                    nproc=1, timeout=600)
+    proc2 = run_cli(
+        "train_ppo_ray",
+        _args(prompts, crashed, ckpt_dir) + ["--load_checkpoint", "--save_hf_ckpt"],
+        nproc=1,
+        timeout=600,
+    )
     text = proc2.stdout + proc2.stderr
     assert f"resumed from {ckpt_dir} at step {k} (prompt {k * ROLLOUT_BATCH} of" in text, text[-4000:]
-    assert "global_step%d.json: unreadable" % (k + 1) in text  # the truncated marker was seen and skipped
+    assert f"global_step{k + 1}.json: unreadable" in text  # the truncated marker was seen and skipped
     # Each step once in the shared logs: rows the crashed run wrote after step k were moved aside, and said so.
     records = read_metrics(crashed)
     assert [r["step"] for r in records] == list(range(1, MAX_STEPS + 1))
@@ -121,7 +166,8 @@ def test_kill_mid_save_then_resume(tmp_path):
     assert [c.step for c in ckpt.list_commits(ckpt_dir)] == [MAX_STEPS - 1, MAX_STEPS]
     assert ckpt.list_tags(ckpt_dir / "actor") == [ckpt.tag_for_step(MAX_STEPS - 1), ckpt.tag_for_step(MAX_STEPS)]
     assert sorted(p.name for p in (ckpt_dir / "committed").iterdir()) == [
-        f"{ckpt.tag_for_step(s)}.json" for s in (MAX_STEPS - 1, MAX_STEPS)]
+        f"{ckpt.tag_for_step(s)}.json" for s in (MAX_STEPS - 1, MAX_STEPS)
+    ]
     assert (ckpt_dir / "actor" / "latest").read_text().strip() == ckpt.tag_for_step(MAX_STEPS)
     # --save_hf_ckpt: an HF folder beside each checkpoint, rotated with them; the last one is the final model
     kept = [ckpt.hf_export_dir(ckpt_dir, s).name for s in (MAX_STEPS - 1, MAX_STEPS)]

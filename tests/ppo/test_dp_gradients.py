@@ -24,8 +24,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ppo.rank_helpers import (GradAtBoundary, fp32_strategy, full_grads, full_weights, join_gloo_group,
-                                    load_model, ppo_per_token, ragged_rows, reduce_global, value_per_token)
+from tests.ppo.rank_helpers import (
+    GradAtBoundary,
+    fp32_strategy,
+    full_grads,
+    full_weights,
+    join_gloo_group,
+    load_model,
+    ppo_per_token,
+    ragged_rows,
+    reduce_global,
+    value_per_token,
+)
 from tests.spawn import run_ranks
 
 WORLD = 2
@@ -36,8 +46,11 @@ EPS = 0.2
 VALUE_CLIP = 0.2
 NORM_LEN = 32
 MODES = ("token-mean", "seq-mean-token-mean", "seq-mean-token-sum", "seq-mean-token-sum-norm")
-LAYOUTS = {"padded": dict(rows=2), "packed": dict(packed=True, rows=2),
-           "token_budget": dict(packed=True, rows=4, max_tokens=40)}
+LAYOUTS = {
+    "padded": dict(rows=2),
+    "packed": dict(packed=True, rows=2),
+    "token_budget": dict(packed=True, rows=4, max_tokens=40),
+}
 CONFIGS = [(2, 1), (3, 1), (2, 2)]  # (ZeRO stage, ring size): data-parallel ZeRO-2 and ZeRO-3, one ring of 2
 
 
@@ -61,9 +74,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
+    from openppo.models.sequence_parallel import setup_sequence_parallel
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
-    from openppo.models.sequence_parallel import setup_sequence_parallel
     from openppo.ppo.micro_batches import Batching
     from tests.model_cache import tiny_model_dir
 
@@ -75,9 +88,19 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             model = load_model(role, path, strategy)
             if ring > 1:
                 setup_sequence_parallel(model, model.model, ring, head_stride=1)
-            engine = GradAtBoundary(strategy.prepare_train(
-                model, lr=0.0, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant", warmup_ratio=0.0,
-                min_lr_ratio=0.1, num_training_steps=64), read=full_grads)
+            engine = GradAtBoundary(
+                strategy.prepare_train(
+                    model,
+                    lr=0.0,
+                    betas=(0.9, 0.95),
+                    weight_decay=0.0,
+                    scheduler="constant",
+                    warmup_ratio=0.0,
+                    min_lr_ratio=0.1,
+                    num_training_steps=64,
+                ),
+                read=full_grads,
+            )
             plain = load_model(role, path)
             _plain_copy(strategy, engine, plain)
             data = _global_batch(plain.config.vocab_size)
@@ -108,16 +131,34 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                         continue  # a ring shards packed rows only
                     batching = Batching(**kwargs)
                     if role == "actor":
-                        algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS,
-                                          loss_agg_mode=mode)
-                        loss_fn = actor_loss(engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=NORM_LEN,
-                                             is_correction=None, is_threshold=(0.5, 5.0), pack=batching.packed)
+                        algo = AlgoConfig(
+                            advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS, loss_agg_mode=mode
+                        )
+                        loss_fn = actor_loss(
+                            engine,
+                            algo,
+                            kl_coef=0.0,
+                            temperature=1.0,
+                            generate_max_len=NORM_LEN,
+                            is_correction=None,
+                            is_threshold=(0.5, 5.0),
+                            pack=batching.packed,
+                        )
                     else:
                         loss_fn = critic_loss(engine, AlgoConfig(value_clip=VALUE_CLIP), pack=batching.packed)
                     engine.grads.clear()
-                    metrics = fit_experience(engine, mine, loss_fn, batching=batching,
-                                             rows_per_step=mine["sequences"].size(0), epochs=1, world_size=WORLD,
-                                             seed=0, device=strategy.device, ring_size=ring)
+                    metrics = fit_experience(
+                        engine,
+                        mine,
+                        loss_fn,
+                        batching=batching,
+                        rows_per_step=mine["sequences"].size(0),
+                        epochs=1,
+                        world_size=WORLD,
+                        seed=0,
+                        device=strategy.device,
+                        ring_size=ring,
+                    )
                     assert len(engine.grads) == 1, len(engine.grads)
                     got = engine.grads[0]
                     key = f"{_config_name(zero, ring)}/{role}/{mode}/{layout}"
@@ -137,11 +178,14 @@ def dp_results(tmp_path_factory) -> list[dict]:
     return run_ranks(_worker, WORLD, tmp_path_factory.mktemp("dp"), TIMEOUT_S, "data-parallel gradient")
 
 
-CASES = [(_config_name(zero, ring), role, mode, layout)
-         for zero, ring in CONFIGS
-         for role in ("actor", "critic")
-         for mode in (MODES if role == "actor" else ("token-mean",))
-         for layout, kwargs in LAYOUTS.items() if ring == 1 or kwargs.get("packed")]
+CASES = [
+    (_config_name(zero, ring), role, mode, layout)
+    for zero, ring in CONFIGS
+    for role in ("actor", "critic")
+    for mode in (MODES if role == "actor" else ("token-mean",))
+    for layout, kwargs in LAYOUTS.items()
+    if ring == 1 or kwargs.get("packed")
+]
 
 
 @pytest.mark.parametrize("config,role,mode,layout", CASES, ids=["-".join(c) for c in CASES])

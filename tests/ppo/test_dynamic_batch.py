@@ -30,22 +30,42 @@ def _experience() -> dict[str, torch.Tensor]:
     mask = torch.zeros(len(LENGTHS), width - 1, dtype=torch.long)
     for row, n in enumerate(LENGTHS):
         attn[row, :n] = 1
-        mask[row, 1: n - 1] = 1  # the first token is the prompt
+        mask[row, 1 : n - 1] = 1  # the first token is the prompt
     seqs[attn == 0] = 0
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": mask,
-            "advantages": torch.randn(len(LENGTHS), width - 1) * mask,
-            "returns": torch.randn(len(LENGTHS), width - 1) * mask}
+    return {
+        "sequences": seqs,
+        "attention_mask": attn,
+        "action_mask": mask,
+        "advantages": torch.randn(len(LENGTHS), width - 1) * mask,
+        "returns": torch.randn(len(LENGTHS), width - 1) * mask,
+    }
 
 
 def _engine(model_cls):
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=120),
-                                 train_batch_size=8, micro_batch_size=2, max_norm=1.0, seed=0)
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=120),
+        train_batch_size=8,
+        micro_batch_size=2,
+        max_norm=1.0,
+        seed=0,
+    )
     strategy.setup_distributed()
     path = str(tiny_model_dir())
-    model = (Actor.from_pretrained(path, dtype=torch.float32) if model_cls is Actor
-             else ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain"))
-    engine = strategy.prepare_train(model, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                    warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=4)
+    model = (
+        Actor.from_pretrained(path, dtype=torch.float32)
+        if model_cls is Actor
+        else ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain")
+    )
+    engine = strategy.prepare_train(
+        model,
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=4,
+    )
     return GradAtBoundary(engine), strategy
 
 
@@ -61,15 +81,31 @@ def _run(model_cls, batching: Batching, old: str = "noisy"):
             data["old_log_probs"] += 0.05 * torch.randn_like(data["old_log_probs"])
         elif old == "none":
             del data["old_log_probs"]
-        loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0), kl_coef=0.0,
-                             temperature=1.0, generate_max_len=32, is_correction=None, is_threshold=(0.5, 5.0),
-                             pack=batching.packed)
+        loss_fn = actor_loss(
+            engine,
+            AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0),
+            kl_coef=0.0,
+            temperature=1.0,
+            generate_max_len=32,
+            is_correction=None,
+            is_threshold=(0.5, 5.0),
+            pack=batching.packed,
+        )
     else:
         with torch.no_grad():
             data["old_values"] = engine(data["sequences"], data["attention_mask"])[:, :-1]
         loss_fn = critic_loss(engine, AlgoConfig(value_clip=0.2), pack=batching.packed)
-    metrics = fit_experience(engine, data, loss_fn, batching=batching, rows_per_step=8, epochs=1, world_size=1,
-                             seed=0, device=strategy.device)
+    metrics = fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=batching,
+        rows_per_step=8,
+        epochs=1,
+        world_size=1,
+        seed=0,
+        device=strategy.device,
+    )
     assert len(engine.grads) == 1
     return metrics, engine.grads[0]
 
@@ -77,9 +113,11 @@ def _run(model_cls, batching: Batching, old: str = "noisy"):
 @pytest.mark.parametrize("model_cls,loss_key", [(Actor, "loss/policy"), (ScalarModel, "loss/value")])
 def test_packed_and_token_budget_steps_equal_static_padded(model_cls, loss_key):
     ref_metrics, ref_grads = _run(model_cls, Batching(rows=2))
-    for batching in (Batching(packed=True, rows=2),                    # packing alone
-                     Batching(rows=2, max_tokens=40),                  # dynamic, padded cost
-                     Batching(packed=True, rows=2, max_tokens=40)):    # dynamic + packing
+    for batching in (
+        Batching(packed=True, rows=2),  # packing alone
+        Batching(rows=2, max_tokens=40),  # dynamic, padded cost
+        Batching(packed=True, rows=2, max_tokens=40),
+    ):  # dynamic + packing
         metrics, grads = _run(model_cls, batching)
         assert metrics[loss_key] == pytest.approx(ref_metrics[loss_key], abs=1e-6), batching
         worst = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())

@@ -27,13 +27,51 @@ STOP_WITHIN_S = 120
 
 
 def _args(prompts: Path, save: Path, ckpt_dir: Path) -> list[str]:
-    return ["--pretrain", str(tiny_model_dir()), "--remote_rm_url", str(HERE / "label_reward.py"),
-            "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label", "--apply_chat_template",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--rollout_batch_size", "2",
-            "--train_batch_size", "4", "--micro_train_batch_size", "2", "--vllm_kv_cache_bytes", str(128 * 2**20),
-            "--init_kl_coef", "0", "--generate_max_len", "8", "--prompt_max_len", "64", "--param_dtype", "fp32",
-            "--zero_stage", "0", "--max_steps", "100", "--actor_learning_rate", "1e-4", "--save_steps", "1",
-            "--save_path", str(save), "--ckpt_path", str(ckpt_dir)]
+    return [
+        "--pretrain",
+        str(tiny_model_dir()),
+        "--remote_rm_url",
+        str(HERE / "label_reward.py"),
+        "--prompt_data",
+        str(prompts),
+        "--input_key",
+        "input",
+        "--label_key",
+        "label",
+        "--apply_chat_template",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "2",
+        "--rollout_batch_size",
+        "2",
+        "--train_batch_size",
+        "4",
+        "--micro_train_batch_size",
+        "2",
+        "--vllm_kv_cache_bytes",
+        str(128 * 2**20),
+        "--init_kl_coef",
+        "0",
+        "--generate_max_len",
+        "8",
+        "--prompt_max_len",
+        "64",
+        "--param_dtype",
+        "fp32",
+        "--zero_stage",
+        "0",
+        "--max_steps",
+        "100",
+        "--actor_learning_rate",
+        "1e-4",
+        "--save_steps",
+        "1",
+        "--save_path",
+        str(save),
+        "--ckpt_path",
+        str(ckpt_dir),
+    ]
 
 
 def test_killed_engine_stops_the_run_and_names_it(tmp_path):
@@ -43,8 +81,7 @@ def test_killed_engine_stops_the_run_and_names_it(tmp_path):
     env = {**cli_env(), tag.split("=")[0]: tag.split("=")[1]}
     cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *_args(prompts, tmp_path / "save", ckpt_dir)]
     with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO,
-                                start_new_session=True)
+        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
     try:
         deadline = time.monotonic() + 600
         while ckpt.resolve(ckpt_dir) is None:  # a committed checkpoint first: it must survive the failure
@@ -64,7 +101,7 @@ def test_killed_engine_stops_the_run_and_names_it(tmp_path):
     text = log.read_text()
     assert code == 1, text[-6000:]
     assert stopped_after <= STOP_WITHIN_S, (stopped_after, text[-6000:])
-    error = text[text.index("error: vLLM engine 0 ("):]
+    error = text[text.index("error: vLLM engine 0 (") :]
     assert f"pid {engine_pid}" in error.splitlines()[0] and "died" in error.splitlines()[0], error
     assert "--- last" in error and "lines of std" in error, error  # the engine's own last log lines
     assert "Traceback" not in error, error  # the diagnosis, not the driver's stack

@@ -11,8 +11,14 @@ from openppo.rollout.pool import Sample
 
 
 def _sample(prompt, response, group, finish="stop", action_mask=None):
-    return Sample(prompt_ids=prompt, response_ids=response, rollout_log_probs=[-0.5] * len(response),
-                  finish_reason=finish, group=group, action_mask=action_mask)
+    return Sample(
+        prompt_ids=prompt,
+        response_ids=response,
+        rollout_log_probs=[-0.5] * len(response),
+        finish_reason=finish,
+        group=group,
+        action_mask=action_mask,
+    )
 
 
 def test_collate_aligns_action_mask_with_log_prob_grid():
@@ -36,8 +42,9 @@ def test_grpo_advantages_on_the_grid():
     samples = [_sample([1, 2], [3] * (k + 1), 0) for k in range(4)]
     batch = collate_samples(samples, pad_token_id=0)
     algo = AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0)
-    out = compute_advantages_for_batch(batch, torch.tensor([1.0, 0.0, 0.0, 1.0]), algo=algo, n_samples_per_prompt=4,
-                                       generate_max_len=16, kl_coef=0.0)
+    out = compute_advantages_for_batch(
+        batch, torch.tensor([1.0, 0.0, 0.0, 1.0]), algo=algo, n_samples_per_prompt=4, generate_max_len=16, kl_coef=0.0
+    )
     mask = batch["action_mask"].bool()
     for row, sign in enumerate([1, -1, -1, 1]):
         values = out["advantages"][row][mask[row]]
@@ -51,15 +58,31 @@ def test_kl_penalty_enters_token_rewards():
     algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.1, kl_estimator="k1")
     log_probs = torch.tensor([[-1.0, -1.0]])
     ref = torch.tensor([[-1.5, -1.5]])
-    out = compute_advantages_for_batch(batch, torch.tensor([1.0]), algo=algo, n_samples_per_prompt=1,
-                                       generate_max_len=8, kl_coef=0.1, log_probs=log_probs, ref_log_probs=ref)
+    out = compute_advantages_for_batch(
+        batch,
+        torch.tensor([1.0]),
+        algo=algo,
+        n_samples_per_prompt=1,
+        generate_max_len=8,
+        kl_coef=0.1,
+        log_probs=log_probs,
+        ref_log_probs=ref,
+    )
     # token rewards: [-0.05, 1 - 0.05]; returns (gamma 1): [0.9, 0.95]
     assert out["token_rewards"][0].tolist() == pytest.approx([-0.05, 0.95])
     assert out["returns"][0].tolist() == pytest.approx([0.9, 0.95])
     # with --use_kl_loss the penalty leaves the reward
     algo.use_kl_loss = True
-    out = compute_advantages_for_batch(batch, torch.tensor([1.0]), algo=algo, n_samples_per_prompt=1,
-                                       generate_max_len=8, kl_coef=0.1, log_probs=log_probs, ref_log_probs=ref)
+    out = compute_advantages_for_batch(
+        batch,
+        torch.tensor([1.0]),
+        algo=algo,
+        n_samples_per_prompt=1,
+        generate_max_len=8,
+        kl_coef=0.1,
+        log_probs=log_probs,
+        ref_log_probs=ref,
+    )
     assert out["token_rewards"][0].tolist() == pytest.approx([0.0, 1.0])
 
 
@@ -67,8 +90,15 @@ def test_gae_uses_values():
     # one 2-token response, reward 1, values [0.5, 0.25], gamma 1, lambda 1: G = [1, 1]
     batch = collate_samples([_sample([1], [2, 3], 0)], pad_token_id=0)
     algo = AlgoConfig(advantage_estimator="gae", init_kl_coef=0.0)
-    out = compute_advantages_for_batch(batch, torch.tensor([1.0]), algo=algo, n_samples_per_prompt=1,
-                                       generate_max_len=8, kl_coef=0.0, values=torch.tensor([[0.5, 0.25]]))
+    out = compute_advantages_for_batch(
+        batch,
+        torch.tensor([1.0]),
+        algo=algo,
+        n_samples_per_prompt=1,
+        generate_max_len=8,
+        kl_coef=0.0,
+        values=torch.tensor([[0.5, 0.25]]),
+    )
     assert out["returns"][0].tolist() == pytest.approx([1.0, 1.0])
     # advantages = returns - values = [0.5, 0.75], then whitened over the batch (gae's default): mean 0.625
     adv = out["advantages"][0]
@@ -78,8 +108,10 @@ def test_gae_uses_values():
 def test_summary_table():
     from openppo.ppo.summary import RunHistory, summary_table
 
-    steps = [{"rollout/reward": r, "response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}
-               for i, r in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])]
+    steps = [
+        {"rollout/reward": r, "response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}
+        for i, r in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
+    ]
     table = summary_table(RunHistory.of(steps), window=2)
     assert "first 2 steps: 0.100" in table and "last 2 steps:  0.900" in table
     assert "generate" in table and "75%" in table and "10.0 -> 5.0" in table

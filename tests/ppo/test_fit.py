@@ -29,15 +29,28 @@ def _experience():
 
 
 def _strategy(micro, accum, stage=0):
-    s = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, param_dtype="fp32", dist_timeout=120),
-                          train_batch_size=micro * accum, micro_batch_size=micro, max_norm=1.0, seed=0)
+    s = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=stage, param_dtype="fp32", dist_timeout=120),
+        train_batch_size=micro * accum,
+        micro_batch_size=micro,
+        max_norm=1.0,
+        seed=0,
+    )
     s.setup_distributed()
     return s
 
 
 def _prepare(strategy, model):
-    return strategy.prepare_train(model, lr=1e-4, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                  warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=4)
+    return strategy.prepare_train(
+        model,
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=4,
+    )
 
 
 @pytest.mark.parametrize("micro,accum", [(1, 4), (2, 2), (4, 1)])
@@ -48,10 +61,20 @@ def test_actor_step_loss_is_global_token_mean(micro, accum):
     with torch.no_grad():
         data["old_log_probs"] = engine(data["sequences"], data["attention_mask"]).log_probs
     algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0)
-    loss_fn = actor_loss(engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=8, is_correction=None,
-                         is_threshold=(0.5, 5.0))
-    metrics = fit_experience(engine, data, loss_fn, batching=Batching(rows=micro), rows_per_step=micro * accum,
-                             epochs=1, world_size=1, seed=0, device=strategy.device)
+    loss_fn = actor_loss(
+        engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=8, is_correction=None, is_threshold=(0.5, 5.0)
+    )
+    metrics = fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=Batching(rows=micro),
+        rows_per_step=micro * accum,
+        epochs=1,
+        world_size=1,
+        seed=0,
+        device=strategy.device,
+    )
     # ratio 1 everywhere: per-token loss = -A, so the step loss = -(sum of A over the 14 response tokens) / 14
     expected = -(data["advantages"] * data["action_mask"]).sum() / data["action_mask"].sum()
     assert metrics["loss/policy"] == pytest.approx(expected.item(), abs=1e-5)
@@ -62,13 +85,32 @@ def test_critic_learns_returns():
     data = _experience()
     data["returns"] = torch.full((4, 8), 2.0)
     strategy = _strategy(2, 2)
-    engine = _prepare(strategy, ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32,
-                                                             flag="--critic_pretrain"))
+    engine = _prepare(
+        strategy, ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--critic_pretrain")
+    )
     with torch.no_grad():
         data["old_values"] = engine(data["sequences"], data["attention_mask"])[:, :-1]
     loss_fn = critic_loss(engine, AlgoConfig(value_clip=None))
-    first = fit_experience(engine, data, loss_fn, batching=Batching(rows=2), rows_per_step=4, epochs=1,
-                           world_size=1, seed=0, device=strategy.device)["loss/value"]
-    later = fit_experience(engine, data, loss_fn, batching=Batching(rows=2), rows_per_step=4, epochs=20,
-                           world_size=1, seed=1, device=strategy.device)["loss/value"]
+    first = fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=Batching(rows=2),
+        rows_per_step=4,
+        epochs=1,
+        world_size=1,
+        seed=0,
+        device=strategy.device,
+    )["loss/value"]
+    later = fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=Batching(rows=2),
+        rows_per_step=4,
+        epochs=20,
+        world_size=1,
+        seed=1,
+        device=strategy.device,
+    )["loss/value"]
     assert later < 0.5 * first

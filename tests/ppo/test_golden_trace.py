@@ -39,25 +39,95 @@ from tests.model_cache import tiny_model_dir
 pytestmark = pytest.mark.slow
 ASSET = REPO / "tests" / "assets" / "golden_trace.json"
 # The trace's names -> the metric each is read from. After a rename only the right-hand side changes.
-TRACED = {"reward": "reward", "policy_loss": "policy_loss", "value_loss": "value_loss", "kl": "kl",
-          "kl_coef": "rollout/kl_coef", "clip_ratio": "clip_ratio", "entropy": "entropy",
-          "logprob_diff": "rollout/logprob_diff", "approx_kl": "policy/approx_kl",
-          "response_length": "response_length", "advantage_abs": "rollout/advantage_abs"}
+TRACED = {
+    "reward": "reward",
+    "policy_loss": "policy_loss",
+    "value_loss": "value_loss",
+    "kl": "kl",
+    "kl_coef": "rollout/kl_coef",
+    "clip_ratio": "clip_ratio",
+    "entropy": "entropy",
+    "logprob_diff": "rollout/logprob_diff",
+    "approx_kl": "policy/approx_kl",
+    "response_length": "response_length",
+    "advantage_abs": "rollout/advantage_abs",
+}
 TOLERANCE = dict(rel=1e-3, abs=1e-6)
 
-COMMON = ["--label_key", "label", "--input_key", "input", "--apply_chat_template", "--rollout_batch_size", "4",
-          "--micro_rollout_batch_size", "8", "--actor_num_gpus_per_node", "1", "--vllm_num_engines", "1",
-          "--vllm_kv_cache_bytes", str(128 * 2**20), "--generate_max_len", "12", "--prompt_max_len", "64",
-          "--zero_stage", "0", "--param_dtype", "fp32", "--max_steps", "3", "--actor_learning_rate", "1e-3",
-          "--lr_warmup_ratio", "0", "--seed", "11", "--full_determinism"]
+COMMON = [
+    "--label_key",
+    "label",
+    "--input_key",
+    "input",
+    "--apply_chat_template",
+    "--rollout_batch_size",
+    "4",
+    "--micro_rollout_batch_size",
+    "8",
+    "--actor_num_gpus_per_node",
+    "1",
+    "--vllm_num_engines",
+    "1",
+    "--vllm_kv_cache_bytes",
+    str(128 * 2**20),
+    "--generate_max_len",
+    "12",
+    "--prompt_max_len",
+    "64",
+    "--zero_stage",
+    "0",
+    "--param_dtype",
+    "fp32",
+    "--max_steps",
+    "3",
+    "--actor_learning_rate",
+    "1e-3",
+    "--lr_warmup_ratio",
+    "0",
+    "--seed",
+    "11",
+    "--full_determinism",
+]
 RUNS = {
-    "grpo": ["--remote_rm_url", str(REPO / "tests/ppo/label_reward.py"), "--advantage_estimator", "group_norm",
-             "--n_samples_per_prompt", "4", "--train_batch_size", "8", "--micro_train_batch_size", "4",
-             "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3", "--kl_target", "0.5",
-             "--kl_horizon", "10", "--save_steps", "1"],
-    "ppo": ["--reward_pretrain", str(tiny_model_dir()), "--advantage_estimator", "gae", "--n_samples_per_prompt", "2",
-            "--train_batch_size", "4", "--micro_train_batch_size", "2", "--init_kl_coef", "0.01",
-            "--critic_learning_rate", "1e-3"],
+    "grpo": [
+        "--remote_rm_url",
+        str(REPO / "tests/ppo/label_reward.py"),
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "4",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "4",
+        "--init_kl_coef",
+        "0.01",
+        "--use_kl_loss",
+        "--kl_estimator",
+        "k3",
+        "--kl_target",
+        "0.5",
+        "--kl_horizon",
+        "10",
+        "--save_steps",
+        "1",
+    ],
+    "ppo": [
+        "--reward_pretrain",
+        str(tiny_model_dir()),
+        "--advantage_estimator",
+        "gae",
+        "--n_samples_per_prompt",
+        "2",
+        "--train_batch_size",
+        "4",
+        "--micro_train_batch_size",
+        "2",
+        "--init_kl_coef",
+        "0.01",
+        "--critic_learning_rate",
+        "1e-3",
+    ],
 }
 
 
@@ -65,9 +135,15 @@ def _run(algo: str, tmp: Path, extra: list[str] = ()) -> tuple[Path, str]:
     # label "mixed": rewards 0.25/0.75 by response parity (label_reward.py), so GRPO's advantages are not zero
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(12, seed=21)], tmp / "prompts.jsonl")
     save = tmp / "out"
-    proc = run_cli("train_ppo_ray", ["--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts),
-                                     "--save_path", str(save)] + COMMON + RUNS[algo] + list(extra),
-                   nproc=1, timeout=600)
+    proc = run_cli(
+        "train_ppo_ray",
+        ["--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--save_path", str(save)]
+        + COMMON
+        + RUNS[algo]
+        + list(extra),
+        nproc=1,
+        timeout=600,
+    )
     return save, proc.stdout + proc.stderr
 
 

@@ -19,8 +19,12 @@ def test_model_states_match_the_zero_paper(stage):
 
 def test_offload_tensor_parallel_and_activations():
     shape = ModelShape(num_params=1000, embedding_params=200, num_layers=4, hidden=8, intermediate=16, vocab=50)
-    items = {i.what: i for i in trained_items("actor", shape, param_dtype="bf16", zero_stage=0, data_parallel=1,
-                                              tensor_parallel=2, adam_offload=True)}
+    items = {
+        i.what: i
+        for i in trained_items(
+            "actor", shape, param_dtype="bf16", zero_stage=0, data_parallel=1, tensor_parallel=2, adam_offload=True
+        )
+    }
     # embeddings whole, the other 800 parameters halved: 600 per rank
     assert items["actor weights"].bytes == 2 * 600 and items["actor optimizer states"].bytes == 12 * 600
     assert items["actor optimizer states"].host and not items["actor weights"].host
@@ -34,8 +38,20 @@ def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
     from openppo.cli.plan import main
     from tests.model_cache import tiny_model_dir
 
-    args = ["--pretrain", str(tiny_model_dir()), "--prompt_data", "p.jsonl", "--advantage_estimator", "gae",
-            "--reward_pretrain", str(tiny_model_dir()), "--init_kl_coef", "0.01", "--vllm_kv_cache_bytes", str(2**28)]
+    args = [
+        "--pretrain",
+        str(tiny_model_dir()),
+        "--prompt_data",
+        "p.jsonl",
+        "--advantage_estimator",
+        "gae",
+        "--reward_pretrain",
+        str(tiny_model_dir()),
+        "--init_kl_coef",
+        "0.01",
+        "--vllm_kv_cache_bytes",
+        str(2**28),
+    ]
     assert main(args + ["--device_memory_gib", "64"]) == 0
     out = capsys.readouterr().out
     for device in ("actor device", "ref device", "critic device", "reward device", "engine device"):
@@ -66,17 +82,49 @@ def test_plan_within_25_percent_of_a_measured_peak(stage, dtype):
     from tests.ppo import memory_probe as probe
 
     dtype = auto_param_dtype() if dtype == "auto" else dtype
-    out = subprocess.run([sys.executable, "-m", "tests.ppo.memory_probe", "smollm2", str(stage), dtype], cwd=REPO,
-                         capture_output=True, text=True, timeout=600)
+    out = subprocess.run(
+        [sys.executable, "-m", "tests.ppo.memory_probe", "smollm2", str(stage), dtype],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     measured = json.loads(out.stdout.strip().splitlines()[-1])["peak_growth_gib"]
-    cfg = parse_config(PlanConfig, [
-        "--pretrain", str(smollm2_dir()), "--prompt_data", "p.jsonl", "--remote_rm_url", "r.py",
-        "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2", "--init_kl_coef", "0",
-        "--rollout_batch_size", "4", "--train_batch_size", str(probe.ROWS),
-        "--micro_train_batch_size", str(probe.MICRO), "--micro_rollout_batch_size", str(probe.MICRO),
-        "--prompt_max_len", str(probe.PROMPT), "--generate_max_len", str(probe.RESPONSE),
-        "--zero_stage", str(stage), "--param_dtype", dtype], "plan")
+    cfg = parse_config(
+        PlanConfig,
+        [
+            "--pretrain",
+            str(smollm2_dir()),
+            "--prompt_data",
+            "p.jsonl",
+            "--remote_rm_url",
+            "r.py",
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "2",
+            "--init_kl_coef",
+            "0",
+            "--rollout_batch_size",
+            "4",
+            "--train_batch_size",
+            str(probe.ROWS),
+            "--micro_train_batch_size",
+            str(probe.MICRO),
+            "--micro_rollout_batch_size",
+            str(probe.MICRO),
+            "--prompt_max_len",
+            str(probe.PROMPT),
+            "--generate_max_len",
+            str(probe.RESPONSE),
+            "--zero_stage",
+            str(stage),
+            "--param_dtype",
+            dtype,
+        ],
+        "plan",
+    )
     shape = model_shape(cfg.model.pretrain, "--pretrain")
     actor = next(p for p in plan_devices(cfg, {"actor": shape}, 24 * GIB, on_gpu=False) if p.name == "actor device")
     planned = actor.device_bytes / GIB
@@ -89,22 +137,33 @@ def test_cpu_kv_cache_is_sized_from_the_rollouts_and_capped_by_what_the_trainers
     from openppo.ppo.memory_plan import cpu_kv_cache_bytes
 
     # SmolLM2 in bf16: 30 layers x 3 KV heads x 64 x 2 bytes x (key + value) = 23,040 B a token
-    shape = ModelShape(num_params=1, embedding_params=0, num_layers=30, hidden=576, intermediate=1, vocab=1,
-                       kv_heads=3, head_dim=64)
+    shape = ModelShape(
+        num_params=1, embedding_params=0, num_layers=30, hidden=576, intermediate=1, vocab=1, kv_heads=3, head_dim=64
+    )
     per_token = shape.kv_bytes_per_token(2)
     assert per_token == 23_040
     # the demo: 64 sequences of 128 + 32 tokens, rounded to two 128-token blocks, x 1.25
-    size = cpu_kv_cache_bytes(per_token=per_token, sequences=64, max_model_len=160, available=20 * GIB,
-                              others=4 * GIB, share=0.9, engines=1)
+    size = cpu_kv_cache_bytes(
+        per_token=per_token, sequences=64, max_model_len=160, available=20 * GIB, others=4 * GIB, share=0.9, engines=1
+    )
     assert size.bytes == int(64 * 256 * 23_040 * 1.25) and "64 seqs x 256 tokens" in size.reason
     # more than the cap (0.9 x (20 - 4) GiB / 2 engines = 7.2 GiB): the cap, and the log line says so
-    size = cpu_kv_cache_bytes(per_token=per_token, sequences=256, max_model_len=4096, available=20 * GIB,
-                              others=4 * GIB, share=0.9, engines=2)
+    size = cpu_kv_cache_bytes(
+        per_token=per_token, sequences=256, max_model_len=4096, available=20 * GIB, others=4 * GIB, share=0.9, engines=2
+    )
     assert size.bytes == int(0.9 * 16 * GIB / 2) and "the cap" in size.reason
     # not even one sequence fits: the error names both flags
     with pytest.raises(UserError, match="--vllm_kv_cache_bytes.*--vllm_gpu_memory_utilization"):
-        cpu_kv_cache_bytes(per_token=per_token, sequences=1, max_model_len=1_000_000, available=20 * GIB,
-                           others=4 * GIB, share=0.9, engines=1)
+        cpu_kv_cache_bytes(
+            per_token=per_token,
+            sequences=1,
+            max_model_len=1_000_000,
+            available=20 * GIB,
+            others=4 * GIB,
+            share=0.9,
+            engines=1,
+        )
     with pytest.raises(UserError):
-        cpu_kv_cache_bytes(per_token=per_token, sequences=1, max_model_len=128, available=4 * GIB, others=5 * GIB,
-                           share=0.9, engines=1)
+        cpu_kv_cache_bytes(
+            per_token=per_token, sequences=1, max_model_len=128, available=4 * GIB, others=5 * GIB, share=0.9, engines=1
+        )

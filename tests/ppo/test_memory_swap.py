@@ -64,11 +64,17 @@ def test_hand_over_order_with_both_sleeps(ray_local):
     swap.to_trainer()
     swap.engine_weights()
     swap.to_engines()
-    assert log == [("actor.offload_states",), ("critic.offload_states",),  # before the first generation
-                   ("e0.sleep",), ("actor.reload_states",), ("critic.reload_states",),  # generation done
-                   ("e0.wake_up", ("weights",)),  # weights back before the sync
-                   ("actor.offload_states",), ("critic.offload_states",),  # trainer out before the KV cache
-                   ("e0.wake_up", ("kv_cache",))]
+    assert log == [
+        ("actor.offload_states",),
+        ("critic.offload_states",),  # before the first generation
+        ("e0.sleep",),
+        ("actor.reload_states",),
+        ("critic.reload_states",),  # generation done
+        ("e0.wake_up", ("weights",)),  # weights back before the sync
+        ("actor.offload_states",),
+        ("critic.offload_states",),  # trainer out before the KV cache
+        ("e0.wake_up", ("kv_cache",)),
+    ]
 
 
 def test_nothing_moves_without_the_flags(ray_local):

@@ -47,7 +47,7 @@ def test_balanced_shards_even_out_tokens():
     assert sorted(i for s in shards for i in s) == list(range(64))
     assert all(len(s) == 16 and s == sorted(s) for s in shards)
     totals = [sum(lengths[i] for i in s) for s in shards]
-    contiguous = [sum(lengths[i * 16:(i + 1) * 16]) for i in range(4)]
+    contiguous = [sum(lengths[i * 16 : (i + 1) * 16]) for i in range(4)]
     assert max(totals) - min(totals) <= max(lengths)
     assert max(totals) - min(totals) < max(contiguous) - min(contiguous)
 
@@ -56,8 +56,10 @@ def test_forward_batches_that_do_not_divide_are_dealt_unevenly_and_reassembled()
     from openppo.ppo.groups import in_batch_order, shard_rows, shards
 
     # 10 rows over 3 reference ranks: 4, 3, 3 rows; contiguous and by tokens
-    data = {"sequences": torch.arange(10).unsqueeze(1).repeat(1, 4),
-            "attention_mask": torch.tensor([[1, 1, 1, 1]] * 3 + [[1, 0, 0, 0]] * 7)}
+    data = {
+        "sequences": torch.arange(10).unsqueeze(1).repeat(1, 4),
+        "attention_mask": torch.tensor([[1, 1, 1, 1]] * 3 + [[1, 0, 0, 0]] * 7),
+    }
     for balance in (False, True):
         rows = shard_rows(data, 3, balance)
         assert sorted(len(r) for r in rows) == [3, 3, 4] and sorted(i for r in rows for i in r) == list(range(10))

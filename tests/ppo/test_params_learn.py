@@ -30,7 +30,7 @@ LENGTHS = [9, 14, 6, 11, 12, 7, 10, 13]  # 4 rows per rank
 
 
 def _batch(vocab: int, rank: int) -> dict[str, torch.Tensor]:
-    return ragged_rows(LENGTHS[rank * 4:(rank + 1) * 4], vocab, torch.Generator().manual_seed(rank), first_action=2)
+    return ragged_rows(LENGTHS[rank * 4 : (rank + 1) * 4], vocab, torch.Generator().manual_seed(rank), first_action=2)
 
 
 def _roles(arch: str) -> tuple[str, ...]:
@@ -57,9 +57,16 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             for role in _roles(arch):
                 model = load_model(role, path, strategy, **(dict(lora_rank=4, lora_alpha=8) if role == "lora" else {}))
                 trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-                engine = strategy.prepare_train(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
-                                                scheduler="constant", warmup_ratio=0.0, min_lr_ratio=0.1,
-                                                num_training_steps=8)
+                engine = strategy.prepare_train(
+                    model,
+                    lr=1e-3,
+                    betas=(0.9, 0.95),
+                    weight_decay=0.0,
+                    scheduler="constant",
+                    warmup_ratio=0.0,
+                    min_lr_ratio=0.1,
+                    num_training_steps=8,
+                )
                 data = _batch(model.config.vocab_size, rank)
                 with torch.no_grad():
                     if role == "critic":
@@ -71,19 +78,36 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 if role == "critic":
                     loss_fn = critic_loss(engine, AlgoConfig(value_clip=0.5))
                 else:
-                    loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0),
-                                         kl_coef=0.0, temperature=1.0, generate_max_len=16, is_correction=None,
-                                         is_threshold=(0.5, 5.0))
+                    loss_fn = actor_loss(
+                        engine,
+                        AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0),
+                        kl_coef=0.0,
+                        temperature=1.0,
+                        generate_max_len=16,
+                        is_correction=None,
+                        is_threshold=(0.5, 5.0),
+                    )
                 before = full_weights(strategy, engine)
-                metrics = fit_experience(engine, data, loss_fn, batching=Batching(rows=2),
-                                         rows_per_step=2 if role == "lora" else 4, epochs=1, world_size=WORLD,
-                                         seed=0, device=strategy.device)
+                metrics = fit_experience(
+                    engine,
+                    data,
+                    loss_fn,
+                    batching=Batching(rows=2),
+                    rows_per_step=2 if role == "lora" else 4,
+                    epochs=1,
+                    world_size=WORLD,
+                    seed=0,
+                    device=strategy.device,
+                )
                 after = full_weights(strategy, engine)
                 moved = {n for n in before if not torch.equal(before[n], after[n])}
                 results[f"{arch}/zero{zero}/{role}"] = {
                     "loss": metrics["loss/value" if role == "critic" else "loss/policy"],
-                    "trainable": sorted(trainable), "moved": sorted(moved),
-                    "frozen_moved": sorted(moved - trainable), "num_params": len(before)}
+                    "trainable": sorted(trainable),
+                    "moved": sorted(moved),
+                    "frozen_moved": sorted(moved - trainable),
+                    "num_params": len(before),
+                }
                 del engine, model
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()

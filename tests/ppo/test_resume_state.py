@@ -27,7 +27,7 @@ LENGTHS = [9, 14, 6, 11, 12, 7, 10, 13]
 
 def _batch(vocab: int, rank: int, seed: int) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(100 * seed + rank)
-    data = ragged_rows(LENGTHS[rank * 4:(rank + 1) * 4], vocab, gen, first_action=2)
+    data = ragged_rows(LENGTHS[rank * 4 : (rank + 1) * 4], vocab, gen, first_action=2)
     noise = data.pop("noise")
     return {**data, "old_log_probs": -3.0 + 2 * noise, "old_values": 2 * noise}
 
@@ -46,9 +46,12 @@ def _tensors(obj, prefix: str = "") -> dict[str, torch.Tensor]:
 
 
 def _snapshot(strategy, engine) -> dict[str, dict[str, torch.Tensor]]:
-    return {"weights": full_weights(strategy, engine), "optimizer": _tensors(engine.optimizer.state_dict()),
-            "scheduler": _tensors(engine.lr_scheduler.state_dict()),
-            "steps": {"global_steps": torch.tensor(engine.global_steps), "lr": torch.tensor(engine.get_lr()[0])}}
+    return {
+        "weights": full_weights(strategy, engine),
+        "optimizer": _tensors(engine.optimizer.state_dict()),
+        "scheduler": _tensors(engine.lr_scheduler.state_dict()),
+        "steps": {"global_steps": torch.tensor(engine.global_steps), "lr": torch.tensor(engine.get_lr()[0])},
+    }
 
 
 def _differences(a: dict, b: dict) -> dict[str, list[str]]:
@@ -56,8 +59,14 @@ def _differences(a: dict, b: dict) -> dict[str, list[str]]:
     out = {}
     for part in a:
         names = set(a[part]) | set(b[part])
-        out[part] = sorted(n for n in names if n not in a[part] or n not in b[part]
-                           or a[part][n].shape != b[part][n].shape or not torch.equal(a[part][n], b[part][n]))
+        out[part] = sorted(
+            n
+            for n in names
+            if n not in a[part]
+            or n not in b[part]
+            or a[part][n].shape != b[part][n].shape
+            or not torch.equal(a[part][n], b[part][n])
+        )
     return out
 
 
@@ -73,19 +82,46 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     for zero in (2, 3):
         strategy = fp32_strategy(zero)
         for role in ROLES:
+
             def build():
                 model = load_model(role, path, strategy, **(dict(lora_rank=4, lora_alpha=8) if role == "lora" else {}))
-                return strategy.prepare_train(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.01,
-                                              scheduler="cosine_with_min_lr", warmup_ratio=0.5, min_lr_ratio=0.1,
-                                              num_training_steps=8)
+                return strategy.prepare_train(
+                    model,
+                    lr=1e-3,
+                    betas=(0.9, 0.95),
+                    weight_decay=0.01,
+                    scheduler="cosine_with_min_lr",
+                    warmup_ratio=0.5,
+                    min_lr_ratio=0.1,
+                    num_training_steps=8,
+                )
 
             def train(engine, seed: int) -> None:
                 data = _batch(engine.module.config.vocab_size, rank, seed)
-                loss_fn = critic_loss(engine, AlgoConfig(value_clip=0.5)) if role == "critic" else actor_loss(
-                    engine, AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0), kl_coef=0.0,
-                    temperature=1.0, generate_max_len=16, is_correction=None, is_threshold=(0.5, 5.0))
-                fit_experience(engine, data, loss_fn, batching=Batching(rows=2), rows_per_step=2, epochs=1,
-                               world_size=WORLD, seed=seed, device=strategy.device)
+                loss_fn = (
+                    critic_loss(engine, AlgoConfig(value_clip=0.5))
+                    if role == "critic"
+                    else actor_loss(
+                        engine,
+                        AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0),
+                        kl_coef=0.0,
+                        temperature=1.0,
+                        generate_max_len=16,
+                        is_correction=None,
+                        is_threshold=(0.5, 5.0),
+                    )
+                )
+                fit_experience(
+                    engine,
+                    data,
+                    loss_fn,
+                    batching=Batching(rows=2),
+                    rows_per_step=2,
+                    epochs=1,
+                    world_size=WORLD,
+                    seed=seed,
+                    device=strategy.device,
+                )
 
             saved = build()
             train(saved, seed=1)  # two optimizer steps (rows_per_step 2 of 4 rows)
@@ -104,7 +140,8 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 "continued": continued["weights"],
                 "fresh_differs": {part: len(names) for part, names in _differences(before, fresh).items()},
                 "sizes": {part: len(tensors) for part, tensors in before.items()},
-                "steps": int(before["steps"]["global_steps"])}
+                "steps": int(before["steps"]["global_steps"]),
+            }
             del saved, resumed
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()

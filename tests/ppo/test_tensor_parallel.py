@@ -51,18 +51,33 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     from tests.model_cache import tiny_model_dir
 
     path = str(tiny_model_dir())
-    strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=120),
-                                 train_batch_size=8 * WORLD, micro_batch_size=2, max_norm=0.0, seed=0,
-                                 tensor_parallel_size=WORLD)
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=120),
+        train_batch_size=8 * WORLD,
+        micro_batch_size=2,
+        max_norm=0.0,
+        seed=0,
+        tensor_parallel_size=WORLD,
+    )
     strategy.setup_distributed()
     plain = Actor.from_pretrained(path, dtype=torch.float32)
-    engine = GradAtBoundary(strategy.prepare_train(
-        Actor.from_pretrained(path, dtype=torch.float32), lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0,
-        scheduler="constant", warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=4))
+    engine = GradAtBoundary(
+        strategy.prepare_train(
+            Actor.from_pretrained(path, dtype=torch.float32),
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            scheduler="constant",
+            warmup_ratio=0.0,
+            min_lr_ratio=0.1,
+            num_training_steps=4,
+        )
+    )
     results: dict[str, float] = {}
     shards = {n: p for n, p in engine.module.named_parameters()}
-    results["split_weights"] = float(sum(p.numel() for p in shards.values())
-                                     < sum(p.numel() for p in plain.parameters()))
+    results["split_weights"] = float(
+        sum(p.numel() for p in shards.values()) < sum(p.numel() for p in plain.parameters())
+    )
 
     # The gather of the weight sync: full HF-named weights on rank 0, equal to the unsplit model's.
     full = dict(iter_full_weights(engine.module, rank=rank))
@@ -84,16 +99,34 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
 
     # The reference: plain autograd of the step's token-mean PPO loss over all rows, written from the formulas. The
     # two ranks hold the same rows: the step's token count, all-reduced over both, must be divided by the replicas.
-    per_token = ppo_per_token(plain(data["sequences"], data["attention_mask"]).log_probs, data["old_log_probs"],
-                              data["advantages"], EPS)
+    per_token = ppo_per_token(
+        plain(data["sequences"], data["attention_mask"]).log_probs, data["old_log_probs"], data["advantages"], EPS
+    )
     reference_loss = reduce_global(per_token, data["action_mask"], "token-mean", 32)
     reference_loss.backward()
     algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS, loss_agg_mode="token-mean")
-    loss_fn = actor_loss(engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=32, is_correction=None,
-                         is_threshold=(0.5, 5.0), pack=True)
-    metrics = fit_experience(engine, data, loss_fn, batching=Batching(packed=True, rows=2, max_tokens=40),
-                             rows_per_step=8, epochs=1, world_size=WORLD, seed=0, device=strategy.device,
-                             tensor_parallel_size=WORLD)
+    loss_fn = actor_loss(
+        engine,
+        algo,
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=32,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+        pack=True,
+    )
+    metrics = fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=Batching(packed=True, rows=2, max_tokens=40),
+        rows_per_step=8,
+        epochs=1,
+        world_size=WORLD,
+        seed=0,
+        device=strategy.device,
+        tensor_parallel_size=WORLD,
+    )
     results["loss"] = abs(metrics["loss/policy"] - reference_loss.item())
     grads, reference = engine.grads[0], dict(plain.named_parameters())
     results["grads_rel"] = max(_rel(g, _slice_like(reference[n].grad, g, rank)) for n, g in grads.items())

@@ -5,8 +5,8 @@ from __future__ import annotations
 import pytest
 
 from openppo.ppo.advisor import advice_text, advise, run_means
-from openppo.ppo.summary import RunHistory
 from openppo.ppo.config import PPOConfig
+from openppo.ppo.summary import RunHistory
 from openppo.ppo.throughput import idle_seconds, mfu, peak_flops, step_throughput, train_flops
 from openppo.utils.profiling import parse_profile_steps
 
@@ -32,10 +32,20 @@ def test_idle_is_the_step_outside_its_stages():
 
 
 def test_step_throughput():
-    out = step_throughput(generated_tokens=100, trained_tokens=300, samples=4,
-                          timing={"timing/generate": 2.0, "timing/actor_train": 3.0, "timing/step": 5.0})
-    assert out == pytest.approx({"perf/generate_tokens_per_s": 50.0, "perf/train_tokens_per_s": 100.0,
-                                 "perf/samples_per_s": 0.8, "perf/generated_tokens_per_hour": 72000.0})
+    out = step_throughput(
+        generated_tokens=100,
+        trained_tokens=300,
+        samples=4,
+        timing={"timing/generate": 2.0, "timing/actor_train": 3.0, "timing/step": 5.0},
+    )
+    assert out == pytest.approx(
+        {
+            "perf/generate_tokens_per_s": 50.0,
+            "perf/train_tokens_per_s": 100.0,
+            "perf/samples_per_s": 0.8,
+            "perf/generated_tokens_per_hour": 72000.0,
+        }
+    )
     assert step_throughput(generated_tokens=1, trained_tokens=1, samples=1, timing={}) == {}
 
 
@@ -57,8 +67,9 @@ def test_run_means_skip_the_warm_up_step():
 
 
 def test_balanced_run_fires_nothing():
-    history = _history(generate=3.0, reward=0.5, old_logprob=1.0, actor_train=4.0, weight_sync=0.5, idle=0.5,
-                       perf_padding_share=0.05)
+    history = _history(
+        generate=3.0, reward=0.5, old_logprob=1.0, actor_train=4.0, weight_sync=0.5, idle=0.5, perf_padding_share=0.05
+    )
     assert advise(history, PPOConfig()) == []
     assert "no rule fired" in advice_text([])
 
@@ -94,8 +105,9 @@ def test_training_bound_and_padding_heavy():
 
 
 def test_reward_sync_swap_forward_and_idle_rules():
-    rules = _rules(_history(generate=0.5, reward=3.0, old_logprob=2.5, ref_logprob=1.5, weight_sync=1.5,
-                            swap=2.5, actor_train=0.5))
+    rules = _rules(
+        _history(generate=0.5, reward=3.0, old_logprob=2.5, ref_logprob=1.5, weight_sync=1.5, swap=2.5, actor_train=0.5)
+    )
     assert set(rules) == {"reward-bound", "scoring-forwards", "weight-sync", "memory-swap"}
     assert "25% of the step" in rules["reward-bound"]
     assert "--micro_rollout_batch_size 16" in rules["scoring-forwards"]
@@ -104,8 +116,7 @@ def test_reward_sync_swap_forward_and_idle_rules():
 
 
 def test_memory_bound_on_gpu_and_on_cpu():
-    rules = _rules(_history(generate=3.0, actor_train=3.0, perf_actor_gpu_peak_gib=75.0,
-                            perf_actor_gpu_total_gib=80.0))
+    rules = _rules(_history(generate=3.0, actor_train=3.0, perf_actor_gpu_peak_gib=75.0, perf_actor_gpu_total_gib=80.0))
     assert "75.0 of 80.0 GiB (94%)" in rules["memory-bound"]
     assert "--gradient_checkpointing" in rules["memory-bound"] and "--zero_stage 3" in rules["memory-bound"]
     cpu = _history(generate=3.0, actor_train=3.0, perf_actor_rss_gib=20.0, perf_driver_rss_gib=2.5)

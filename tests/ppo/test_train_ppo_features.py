@@ -35,17 +35,71 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     evals = write_jsonl(_rows(3, seed=5), tmp_path / "eval.jsonl")
     save = tmp_path / "out"
     args = [
-        "--pretrain", str(tiny_model_dir()), "--remote_rm_url", str(HERE / "label_reward.py"),
-        "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label", "--apply_chat_template",
-        "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "2",
-        "--train_batch_size", "4", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
-        "--actor_num_gpus_per_node", "2", "--ref_num_gpus_per_node", "2", "--vllm_num_engines", "2",
-        "--colocate_all_models", "--vllm_enable_sleep", "--deepspeed_enable_sleep", "--zero_stage", "2",
-        "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3", "--dynamic_filtering",
-        "--eval_dataset", str(evals), "--eval_steps", "2", "--eval_n_samples_per_prompt", "2",
-        "--vllm_kv_cache_bytes", str(128 * 2**20), "--generate_max_len", "12", "--prompt_max_len", "64",
-        "--param_dtype", "fp32", "--max_steps", "3", "--save_steps", "2", "--actor_learning_rate", "1e-4",
-        "--seed", "7", "--ds_tensor_parallel_size", "2"]
+        "--pretrain",
+        str(tiny_model_dir()),
+        "--remote_rm_url",
+        str(HERE / "label_reward.py"),
+        "--prompt_data",
+        str(prompts),
+        "--input_key",
+        "input",
+        "--label_key",
+        "label",
+        "--apply_chat_template",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "4",
+        "--rollout_batch_size",
+        "2",
+        "--train_batch_size",
+        "4",
+        "--micro_train_batch_size",
+        "2",
+        "--micro_rollout_batch_size",
+        "4",
+        "--actor_num_gpus_per_node",
+        "2",
+        "--ref_num_gpus_per_node",
+        "2",
+        "--vllm_num_engines",
+        "2",
+        "--colocate_all_models",
+        "--vllm_enable_sleep",
+        "--deepspeed_enable_sleep",
+        "--zero_stage",
+        "2",
+        "--init_kl_coef",
+        "0.01",
+        "--use_kl_loss",
+        "--kl_estimator",
+        "k3",
+        "--dynamic_filtering",
+        "--eval_dataset",
+        str(evals),
+        "--eval_steps",
+        "2",
+        "--eval_n_samples_per_prompt",
+        "2",
+        "--vllm_kv_cache_bytes",
+        str(128 * 2**20),
+        "--generate_max_len",
+        "12",
+        "--prompt_max_len",
+        "64",
+        "--param_dtype",
+        "fp32",
+        "--max_steps",
+        "3",
+        "--save_steps",
+        "2",
+        "--actor_learning_rate",
+        "1e-4",
+        "--seed",
+        "7",
+        "--ds_tensor_parallel_size",
+        "2",
+    ]
     proc = run_cli("train_ppo_ray", args + ["--save_path", str(save), "--vllm_sync_check"], nproc=1, timeout=800)
     log = proc.stdout + proc.stderr
     # both engines hold the AutoTP-gathered weights, tensor by tensor, after the first update
@@ -77,16 +131,22 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     assert 0.0 <= evaluated[0]["eval/pass@1"] <= evaluated[0]["eval/pass@2"] <= 1.0
     ckpts = save / "checkpoints" / "actor"
     assert (ckpts / "global_step2").is_dir() and (ckpts / "latest").read_text().strip() == "global_step3"
-    assert sorted(p.name for p in (save / "checkpoints" / "committed").iterdir()) == ["global_step2.json",
-                                                                                    "global_step3.json"]
+    assert sorted(p.name for p in (save / "checkpoints" / "committed").iterdir()) == [
+        "global_step2.json",
+        "global_step3.json",
+    ]
 
     # Resume from step 2 as if the run had stopped there: step 3 draws the same prompts as the unbroken run.
     resumed = tmp_path / "resumed"
     shutil.copytree(ckpts / "global_step2", tmp_path / "ckpt" / "actor" / "global_step2")
     shutil.copytree(save / "checkpoints" / "committed", tmp_path / "ckpt" / "committed")  # markers of steps 2, 3
     (tmp_path / "ckpt" / "committed" / "global_step3.json").unlink()
-    proc = run_cli("train_ppo_ray", args + ["--save_path", str(resumed), "--ckpt_path", str(tmp_path / "ckpt"),
-                                            "--load_checkpoint"], nproc=1, timeout=800)
+    proc = run_cli(
+        "train_ppo_ray",
+        args + ["--save_path", str(resumed), "--ckpt_path", str(tmp_path / "ckpt"), "--load_checkpoint"],
+        nproc=1,
+        timeout=800,
+    )
     assert "resumed from" in proc.stdout + proc.stderr
     again = _rollouts(resumed)
     assert list(again) == [3], series(read_metrics(resumed), "reward")

@@ -14,10 +14,27 @@ from tests.model_cache import tiny_model_dir
 pytestmark = pytest.mark.slow
 
 SYNC_CHECKED = "--vllm_sync_check: 1 engine(s) compute with the trainer's weights: "
-STEP_METRICS = ["policy_loss", "kl", "reward", "clip_ratio", "entropy", "response_length", "rollout/logprob_diff",
-                "timing/generate", "timing/reward", "timing/old_logprob", "timing/actor_train", "timing/weight_sync",
-                "timing/idle", "perf/generate_tokens_per_s", "perf/train_tokens_per_s", "perf/samples_per_s",
-                "perf/generated_tokens_per_hour", "perf/driver_rss_gib", "perf/actor_rss_gib"]
+STEP_METRICS = [
+    "policy_loss",
+    "kl",
+    "reward",
+    "clip_ratio",
+    "entropy",
+    "response_length",
+    "rollout/logprob_diff",
+    "timing/generate",
+    "timing/reward",
+    "timing/old_logprob",
+    "timing/actor_train",
+    "timing/weight_sync",
+    "timing/idle",
+    "perf/generate_tokens_per_s",
+    "perf/train_tokens_per_s",
+    "perf/samples_per_s",
+    "perf/generated_tokens_per_hour",
+    "perf/driver_rss_gib",
+    "perf/actor_rss_gib",
+]
 
 
 def test_grpo_with_py_reward(tmp_path):
@@ -29,17 +46,71 @@ def test_grpo_with_py_reward(tmp_path):
     table and the bottleneck advice."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
-    proc = run_cli("train_ppo_ray", [
-        "--pretrain", str(tiny_model_dir()), "--remote_rm_url", str(REPO / "examples/reward_funcs/arithmetic.py"),
-        "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label", "--apply_chat_template",
-        "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
-        "--train_batch_size", "8", "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4",
-        "--actor_num_gpus_per_node", "2", "--vllm_num_engines", "1",
-        "--init_kl_coef", "0", "--generate_max_len", "16", "--prompt_max_len", "64", "--zero_stage", "3",
-        "--param_dtype", "fp32", "--max_steps", "2", "--actor_learning_rate", "1e-4", "--save_path", str(save),
-        "--packing_samples", "--ring_attn_size", "2", "--ring_head_stride", "1", "--profile_steps", "2",
-        "--vllm_tensor_parallel_size", "2", "--top_p", "0.9", "--top_k", "1000", "--enable_vllm_is_correction",
-        "--vllm_sync_check"], nproc=1, timeout=600)
+    proc = run_cli(
+        "train_ppo_ray",
+        [
+            "--pretrain",
+            str(tiny_model_dir()),
+            "--remote_rm_url",
+            str(REPO / "examples/reward_funcs/arithmetic.py"),
+            "--prompt_data",
+            str(prompts),
+            "--input_key",
+            "input",
+            "--label_key",
+            "label",
+            "--apply_chat_template",
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "4",
+            "--rollout_batch_size",
+            "4",
+            "--train_batch_size",
+            "8",
+            "--micro_train_batch_size",
+            "2",
+            "--micro_rollout_batch_size",
+            "4",
+            "--actor_num_gpus_per_node",
+            "2",
+            "--vllm_num_engines",
+            "1",
+            "--init_kl_coef",
+            "0",
+            "--generate_max_len",
+            "16",
+            "--prompt_max_len",
+            "64",
+            "--zero_stage",
+            "3",
+            "--param_dtype",
+            "fp32",
+            "--max_steps",
+            "2",
+            "--actor_learning_rate",
+            "1e-4",
+            "--save_path",
+            str(save),
+            "--packing_samples",
+            "--ring_attn_size",
+            "2",
+            "--ring_head_stride",
+            "1",
+            "--profile_steps",
+            "2",
+            "--vllm_tensor_parallel_size",
+            "2",
+            "--top_p",
+            "0.9",
+            "--top_k",
+            "1000",
+            "--enable_vllm_is_correction",
+            "--vllm_sync_check",
+        ],
+        nproc=1,
+        timeout=600,
+    )
     assert SYNC_CHECKED in proc.stdout
     # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 80 tokens, one 128-token block each; a TP-2
     # worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged in one line
@@ -71,12 +142,45 @@ def test_grpo_with_py_reward(tmp_path):
 
 
 def _common(prompts, save):
-    return ["--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--input_key", "input",
-            "--label_key", "label", "--apply_chat_template", "--rollout_batch_size", "4", "--train_batch_size", "8",
-            "--micro_train_batch_size", "2", "--micro_rollout_batch_size", "4", "--actor_num_gpus_per_node", "2",
-            "--vllm_num_engines", "1", "--vllm_kv_cache_bytes", str(256 * 2**20), "--generate_max_len", "16",
-            "--prompt_max_len", "64", "--zero_stage", "3", "--param_dtype", "fp32", "--max_steps", "2",
-            "--actor_learning_rate", "1e-4", "--save_path", str(save)]
+    return [
+        "--pretrain",
+        str(tiny_model_dir()),
+        "--prompt_data",
+        str(prompts),
+        "--input_key",
+        "input",
+        "--label_key",
+        "label",
+        "--apply_chat_template",
+        "--rollout_batch_size",
+        "4",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "2",
+        "--micro_rollout_batch_size",
+        "4",
+        "--actor_num_gpus_per_node",
+        "2",
+        "--vllm_num_engines",
+        "1",
+        "--vllm_kv_cache_bytes",
+        str(256 * 2**20),
+        "--generate_max_len",
+        "16",
+        "--prompt_max_len",
+        "64",
+        "--zero_stage",
+        "3",
+        "--param_dtype",
+        "fp32",
+        "--max_steps",
+        "2",
+        "--actor_learning_rate",
+        "1e-4",
+        "--save_path",
+        str(save),
+    ]
 
 
 def test_ppo_with_critic_reward_model_and_reference(tmp_path):
@@ -88,14 +192,47 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     coefficient adapts (--kl_target, in nats per response)."""
     prompts = write_jsonl(make_rows(16, seed=2), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
-    proc = run_cli("train_ppo_ray", _common(prompts, save) + [
-        "--reward_pretrain", str(tiny_model_dir()), "--advantage_estimator", "gae", "--n_samples_per_prompt", "2",
-        "--init_kl_coef", "0.01", "--critic_num_gpus_per_node", "1", "--ref_num_gpus_per_node", "2",
-        "--reward_num_gpus_per_node", "1", "--critic_learning_rate", "1e-4", "--normalize_reward",
-        "--colocate_actor_ref", "--colocate_critic_reward", "--packing_samples", "--use_dynamic_batch",
-        "--train_max_tokens_per_gpu", "60", "--rollout_max_tokens_per_gpu", "90", "--gradient_checkpointing",
-        "--adam_offload", "--ref_reward_offload", "--overlap_comm", "--kl_target", "6", "--kl_horizon", "100"],
-        nproc=1, timeout=600)
+    proc = run_cli(
+        "train_ppo_ray",
+        _common(prompts, save)
+        + [
+            "--reward_pretrain",
+            str(tiny_model_dir()),
+            "--advantage_estimator",
+            "gae",
+            "--n_samples_per_prompt",
+            "2",
+            "--init_kl_coef",
+            "0.01",
+            "--critic_num_gpus_per_node",
+            "1",
+            "--ref_num_gpus_per_node",
+            "2",
+            "--reward_num_gpus_per_node",
+            "1",
+            "--critic_learning_rate",
+            "1e-4",
+            "--normalize_reward",
+            "--colocate_actor_ref",
+            "--colocate_critic_reward",
+            "--packing_samples",
+            "--use_dynamic_batch",
+            "--train_max_tokens_per_gpu",
+            "60",
+            "--rollout_max_tokens_per_gpu",
+            "90",
+            "--gradient_checkpointing",
+            "--adam_offload",
+            "--ref_reward_offload",
+            "--overlap_comm",
+            "--kl_target",
+            "6",
+            "--kl_horizon",
+            "100",
+        ],
+        nproc=1,
+        timeout=600,
+    )
     log = proc.stdout + proc.stderr
     assert "colocated (actor_ref): actor, reference share 2 device(s), 0.5 of each" in log
     assert "colocated (critic_reward): critic, reward share 1 device(s), 0.5 of each" in log
@@ -128,15 +265,42 @@ def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
     from tests.rewards.conftest import start_servers
 
     # label "mixed": rewards 0.25/0.75 by response parity, so advantages are non-zero and the adapters train
-    server, = start_servers(request, ["--reward_func", str(REPO / "tests/ppo/label_reward.py"), "--port", "0"])
+    (server,) = start_servers(request, ["--reward_func", str(REPO / "tests/ppo/label_reward.py"), "--port", "0"])
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(16, seed=3)], tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
-    proc = run_cli("train_ppo_ray", _common(prompts, save) + [
-        "--remote_rm_url", server.url, "--advantage_estimator", "reinforce_baseline", "--n_samples_per_prompt", "2",
-        "--init_kl_coef", "0.01", "--use_kl_loss", "--kl_estimator", "k3", "--lora_rank", "8", "--lora_alpha", "16",
-        "--actor_learning_rate", "2e-2", "--lr_warmup_ratio", "0", "--colocate_all_models",
-        "--vllm_tensor_parallel_size", "2", "--ref_num_gpus_per_node", "2", "--vllm_sync_check"], nproc=1,
-        timeout=600)
+    proc = run_cli(
+        "train_ppo_ray",
+        _common(prompts, save)
+        + [
+            "--remote_rm_url",
+            server.url,
+            "--advantage_estimator",
+            "reinforce_baseline",
+            "--n_samples_per_prompt",
+            "2",
+            "--init_kl_coef",
+            "0.01",
+            "--use_kl_loss",
+            "--kl_estimator",
+            "k3",
+            "--lora_rank",
+            "8",
+            "--lora_alpha",
+            "16",
+            "--actor_learning_rate",
+            "2e-2",
+            "--lr_warmup_ratio",
+            "0",
+            "--colocate_all_models",
+            "--vllm_tensor_parallel_size",
+            "2",
+            "--ref_num_gpus_per_node",
+            "2",
+            "--vllm_sync_check",
+        ],
+        nproc=1,
+        timeout=600,
+    )
     assert "weight sync: engine(s) 0 via shared memory from actor rank(s) 0,1" in proc.stdout
     # both engine workers compute with base + adapters, tensor by tensor (after step 1's update)
     assert SYNC_CHECKED in proc.stdout
@@ -160,14 +324,54 @@ def test_multi_turn_agent(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
     subprocess.run([sys.executable, str(REPO / "examples/agents/guess_number.py"), str(prompts), "8"], check=True)
     save = tmp_path / "out"
-    run_cli("train_ppo_ray", [
-        "--pretrain", str(tiny_model_dir()), "--agent_func_path", str(REPO / "examples/agents/guess_number.py"),
-        "--agent_max_turns", "3", "--prompt_data", str(prompts), "--input_key", "input", "--label_key", "label",
-        "--apply_chat_template", "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "2",
-        "--rollout_batch_size", "2", "--train_batch_size", "4", "--micro_train_batch_size", "2",
-        "--vllm_kv_cache_bytes", str(128 * 2**20), "--init_kl_coef", "0", "--generate_max_len", "6",
-        "--prompt_max_len", "64", "--param_dtype", "fp32", "--zero_stage", "0", "--max_steps", "2",
-        "--actor_learning_rate", "1e-4", "--save_path", str(save)], nproc=1, timeout=600)
+    run_cli(
+        "train_ppo_ray",
+        [
+            "--pretrain",
+            str(tiny_model_dir()),
+            "--agent_func_path",
+            str(REPO / "examples/agents/guess_number.py"),
+            "--agent_max_turns",
+            "3",
+            "--prompt_data",
+            str(prompts),
+            "--input_key",
+            "input",
+            "--label_key",
+            "label",
+            "--apply_chat_template",
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "2",
+            "--rollout_batch_size",
+            "2",
+            "--train_batch_size",
+            "4",
+            "--micro_train_batch_size",
+            "2",
+            "--vllm_kv_cache_bytes",
+            str(128 * 2**20),
+            "--init_kl_coef",
+            "0",
+            "--generate_max_len",
+            "6",
+            "--prompt_max_len",
+            "64",
+            "--param_dtype",
+            "fp32",
+            "--zero_stage",
+            "0",
+            "--max_steps",
+            "2",
+            "--actor_learning_rate",
+            "1e-4",
+            "--save_path",
+            str(save),
+        ],
+        nproc=1,
+        timeout=600,
+    )
     records = read_metrics(save)
     assert len(records) == 2
     for r in records:
@@ -185,10 +389,29 @@ def test_async_grpo(tmp_path):
     # label "mixed": rewards 0.25/0.75 by response parity, so advantages are non-zero and the weights move
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(16, seed=4)], tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
-    proc = run_cli("train_ppo_ray", _common(prompts, save) + [
-        "--remote_rm_url", str(REPO / "tests/ppo/label_reward.py"), "--advantage_estimator", "group_norm",
-        "--n_samples_per_prompt", "2", "--init_kl_coef", "0", "--max_steps", "3", "--async_train",
-        "--async_queue_size", "1", "--top_p", "0.9"], nproc=1, timeout=600)
+    proc = run_cli(
+        "train_ppo_ray",
+        _common(prompts, save)
+        + [
+            "--remote_rm_url",
+            str(REPO / "tests/ppo/label_reward.py"),
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "2",
+            "--init_kl_coef",
+            "0",
+            "--max_steps",
+            "3",
+            "--async_train",
+            "--async_queue_size",
+            "1",
+            "--top_p",
+            "0.9",
+        ],
+        nproc=1,
+        timeout=600,
+    )
     assert "--async_train: samples from older weights are importance-weighted" in proc.stdout + proc.stderr
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2, 3]

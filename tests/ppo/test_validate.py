@@ -16,10 +16,30 @@ from tests.model_cache import tiny_model_dir
 @pytest.fixture(scope="module")
 def base():
     model = str(tiny_model_dir())
-    return ["--pretrain", model, "--prompt_data", "prompts.jsonl", "--remote_rm_url", "reward.py",
-            "--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4",
-            "--train_batch_size", "8", "--micro_train_batch_size", "2", "--actor_num_gpus_per_node", "2",
-            "--vllm_num_engines", "1", "--init_kl_coef", "0"]
+    return [
+        "--pretrain",
+        model,
+        "--prompt_data",
+        "prompts.jsonl",
+        "--remote_rm_url",
+        "reward.py",
+        "--advantage_estimator",
+        "group_norm",
+        "--n_samples_per_prompt",
+        "4",
+        "--rollout_batch_size",
+        "4",
+        "--train_batch_size",
+        "8",
+        "--micro_train_batch_size",
+        "2",
+        "--actor_num_gpus_per_node",
+        "2",
+        "--vllm_num_engines",
+        "1",
+        "--init_kl_coef",
+        "0",
+    ]
 
 
 def _cfg(base, extra):
@@ -36,8 +56,10 @@ BAD = [
     (["--vllm_enable_sleep"], ["--vllm_enable_sleep", "--colocate_all_models"]),
     (["--deepspeed_enable_sleep", "--adam_offload"], ["--deepspeed_enable_sleep", "--adam_offload"]),
     (["--colocate_all_models", "--vllm_num_engines", "1"], ["--colocate_all_models", "--vllm_num_engines"]),
-    (["--colocate_all_models", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "2"],
-     ["--colocate_all_models", "--vllm_tensor_parallel_size"]),
+    (
+        ["--colocate_all_models", "--vllm_num_engines", "2", "--vllm_tensor_parallel_size", "2"],
+        ["--colocate_all_models", "--vllm_tensor_parallel_size"],
+    ),
     (["--param_dtype", "fp16"], ["--param_dtype"]),
     (["--train_batch_size", "6"], ["--train_batch_size"]),
     (["--micro_train_batch_size", "3"], ["--micro_train_batch_size"]),
@@ -54,17 +76,23 @@ BAD = [
     (["--ds_tensor_parallel_size", "4"], ["--ds_tensor_parallel_size", "--actor_num_gpus_per_node"]),
     (["--ds_tensor_parallel_size", "0"], ["--ds_tensor_parallel_size"]),
     (["--ds_tensor_parallel_size", "2", "--zero_stage", "3"], ["--ds_tensor_parallel_size", "--zero_stage"]),
-    (["--ds_tensor_parallel_size", "2", "--ring_attn_size", "2", "--packing_samples"],
-     ["--ds_tensor_parallel_size", "--ring_attn_size"]),
+    (
+        ["--ds_tensor_parallel_size", "2", "--ring_attn_size", "2", "--packing_samples"],
+        ["--ds_tensor_parallel_size", "--ring_attn_size"],
+    ),
     (["--ds_tensor_parallel_size", "2", "--lora_rank", "4"], ["--ds_tensor_parallel_size", "--lora_rank"]),
     (["--use_dynamic_batch", "--train_max_tokens_per_gpu", "0"], ["--train_max_tokens_per_gpu"]),
     (["--ring_attn_size", "2"], ["--ring_attn_size", "--packing_samples"]),
     (["--ring_attn_size", "3", "--packing_samples"], ["--ring_attn_size", "--actor_num_gpus_per_node"]),
     (["--ring_attn_size", "2", "--packing_samples", "--ring_head_stride", "-1"], ["--ring_head_stride"]),
-    (["--colocate_actor_ref", "--ref_num_gpus_per_node", "1", "--init_kl_coef", "0.01"],
-     ["--colocate_actor_ref", "--ref_num_gpus_per_node"]),
-    (["--colocate_all_models", "--vllm_num_engines", "2", "--init_kl_coef", "0.01"],
-     ["--colocate_all_models", "--ref_num_gpus_per_node"]),
+    (
+        ["--colocate_actor_ref", "--ref_num_gpus_per_node", "1", "--init_kl_coef", "0.01"],
+        ["--colocate_actor_ref", "--ref_num_gpus_per_node"],
+    ),
+    (
+        ["--colocate_all_models", "--vllm_num_engines", "2", "--init_kl_coef", "0.01"],
+        ["--colocate_all_models", "--ref_num_gpus_per_node"],
+    ),
     (["--deepspeed_enable_sleep", "--zero_stage", "0"], ["--deepspeed_enable_sleep", "--zero_stage"]),
     (["--agent_func_path", "agent.py"], ["--agent_func_path", "--remote_rm_url"]),
     (["--save_steps", "0"], ["--save_steps"]),
@@ -117,9 +145,22 @@ def test_deepcompile_is_gpu_only_and_reaches_the_deepspeed_config(base):
 
 
 def test_colocation_and_sleep_notices_on_cpu(base):
-    notices = validate(_cfg(base, ["--colocate_all_models", "--vllm_num_engines", "2", "--vllm_enable_sleep",
-                                   "--deepspeed_enable_sleep", "--zero_stage", "3", "--colocate_actor_ref"]),
-                       on_gpu=False)
+    notices = validate(
+        _cfg(
+            base,
+            [
+                "--colocate_all_models",
+                "--vllm_num_engines",
+                "2",
+                "--vllm_enable_sleep",
+                "--deepspeed_enable_sleep",
+                "--zero_stage",
+                "3",
+                "--colocate_actor_ref",
+            ],
+        ),
+        on_gpu=False,
+    )
     assert any("--vllm_enable_sleep is a no-op on CPU" in n for n in notices)
     assert any("--deepspeed_enable_sleep with --zero_stage 3 on CPU" in n for n in notices)
     assert any("--colocate_actor_ref: no reference model" in n for n in notices)
@@ -141,8 +182,10 @@ def test_old_log_prob_pass_only_when_the_policy_moves_or_a_reference_measures_kl
 # Accepted, valid, and without effect in that run: each says so in one line at start (flags, what the line names).
 NO_EFFECT = [
     (["--normalize_reward"], "--normalize_reward has no effect with --remote_rm_url"),
-    (["--ref_reward_offload", "--init_kl_coef", "0.01", "--zero_stage", "2"],
-     "--ref_reward_offload has no effect with --zero_stage 2"),
+    (
+        ["--ref_reward_offload", "--init_kl_coef", "0.01", "--zero_stage", "2"],
+        "--ref_reward_offload has no effect with --zero_stage 2",
+    ),
     (["--zpg", "2", "--zero_stage", "2"], "--zpg 2 has no effect with --zero_stage 2"),
     (["--adam_offload"], "--adam_offload saves no memory on CPU"),
     (["--logging_steps", "5"], "--logging_steps 5 thins only the progress lines on stdout"),
@@ -183,8 +226,10 @@ LOSS_RULES = [
     (["--eps_clip", "1.0"], "--eps_clip"),
     (["--eps_clip", "0"], "--eps_clip"),
     (["--eps_clip_low_high", "1.0", "0.28"], "--eps_clip_low_high"),
-    (["--value_clip", "0", "--advantage_estimator", "gae", "--n_samples_per_prompt", "1",
-      "--train_batch_size", "4"], "--value_clip"),
+    (
+        ["--value_clip", "0", "--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--train_batch_size", "4"],
+        "--value_clip",
+    ),
     (["--vllm_is_truncated_threshold", "2", "1"], "--vllm_is_truncated_threshold"),
     (["--overlong_buffer_len", "4", "--overlong_penalty_factor", "-1"], "--overlong_penalty_factor"),
     (["--stop_properly_penalty_coef", "2"], "--stop_properly_penalty_coef"),
@@ -203,10 +248,15 @@ def test_role_ranks_against_the_batch(base):
     validate(_cfg(base, ["--init_kl_coef", "0.01", "--ref_num_gpus_per_node", "3"]), on_gpu=False)
     # a critic trains: --train_batch_size 8 over 3 critic ranks of micro-batches of 2 does not divide
     gae = ["--advantage_estimator", "gae", "--n_samples_per_prompt", "1", "--rollout_batch_size", "16"]
-    with pytest.raises(UserError, match=r"--train_batch_size 8 .* 3 data-parallel critic ranks .*"
-                                        r"--critic_num_gpus_per_node"):
+    with pytest.raises(
+        UserError,
+        match=r"--train_batch_size 8 .* 3 data-parallel critic ranks .*"
+        r"--critic_num_gpus_per_node",
+    ):
         validate(_cfg(base, gae + ["--critic_num_gpus_per_node", "3"]), on_gpu=False)
     # more reward-model ranks than samples: one would get no row
     with pytest.raises(UserError, match=r"16 samples per step cannot feed 32 data-parallel reward ranks"):
-        validate(_cfg(base, ["--reward_pretrain", base[1], "--remote_rm_url", "", "--reward_num_gpus_per_node",
-                             "32"]), on_gpu=False)
+        validate(
+            _cfg(base, ["--reward_pretrain", base[1], "--remote_rm_url", "", "--reward_num_gpus_per_node", "32"]),
+            on_gpu=False,
+        )

@@ -9,26 +9,59 @@ import torch
 from openppo.config.schema import parse_config
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.experience import collate_samples
-from openppo.rollout.pool import Sample
 from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
+from openppo.rollout.pool import Sample
 from tests.model_cache import tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def cfg():
     model = str(tiny_model_dir())
-    return parse_config(PPOConfig, ["--pretrain", model, "--reward_pretrain", model, "--prompt_data", "x",
-                                    "--zero_stage", "3", "--param_dtype", "fp32", "--rollout_batch_size", "4",
-                                    "--train_batch_size", "4", "--micro_train_batch_size", "2",
-                                    "--micro_rollout_batch_size", "3", "--actor_learning_rate", "1e-3",
-                                    "--lr_warmup_ratio", "0", "--temperature", "0.7"], "t")
+    return parse_config(
+        PPOConfig,
+        [
+            "--pretrain",
+            model,
+            "--reward_pretrain",
+            model,
+            "--prompt_data",
+            "x",
+            "--zero_stage",
+            "3",
+            "--param_dtype",
+            "fp32",
+            "--rollout_batch_size",
+            "4",
+            "--train_batch_size",
+            "4",
+            "--micro_train_batch_size",
+            "2",
+            "--micro_rollout_batch_size",
+            "3",
+            "--actor_learning_rate",
+            "1e-3",
+            "--lr_warmup_ratio",
+            "0",
+            "--temperature",
+            "0.7",
+        ],
+        "t",
+    )
 
 
 @pytest.fixture(scope="module")
 def batch():
     torch.manual_seed(0)
-    samples = [Sample(prompt_ids=torch.randint(10, 900, (p,)).tolist(), response_ids=torch.randint(10, 900, (r,)).tolist(),
-                      rollout_log_probs=[0.0] * r, finish_reason="stop", group=0) for p, r in [(3, 4), (5, 2), (2, 6), (4, 3)]]
+    samples = [
+        Sample(
+            prompt_ids=torch.randint(10, 900, (p,)).tolist(),
+            response_ids=torch.randint(10, 900, (r,)).tolist(),
+            rollout_log_probs=[0.0] * r,
+            finish_reason="stop",
+            group=0,
+        )
+        for p, r in [(3, 4), (5, 2), (2, 6), (4, 3)]
+    ]
     return collate_samples(samples, pad_token_id=0)
 
 

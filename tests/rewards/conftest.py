@@ -48,8 +48,7 @@ class Server:
 
 def launch(args: list[str]) -> Server:
     cmd = [sys.executable, "-m", "openppo.cli.serve_rm", "--port", "0", *args]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO,
-                            env=cli_env())
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, cwd=REPO, env=cli_env())
     server = Server(proc, started=time.monotonic(), line_queue=queue.Queue())
     lines = server.line_queue
 
@@ -70,7 +69,7 @@ def wait_ready(server: Server, timeout: float = 120.0) -> Server:
             line = server.line_queue.get(timeout=max(deadline - time.monotonic(), 0.01))
         except queue.Empty:
             server.stop()
-            raise AssertionError(f"serve_rm not ready after {timeout} s:\n{server.log()}")
+            raise AssertionError(f"serve_rm not ready after {timeout} s:\n{server.log()}") from None
         if line is None:
             raise AssertionError(f"serve_rm exited with {server.proc.wait()} before it was ready:\n{server.log()}")
         match = READY.search(line)

@@ -47,13 +47,16 @@ def test_empty_batch_does_not_call_the_function(tmp_path):
     assert FunctionReward(str(path)).score([], [], []).rewards == []
 
 
-@pytest.mark.parametrize("text, match", [
-    (None, "not found"),
-    ("def other(q, p, l):\n    return [0.0]\n", "defines no reward_func"),
-    ("reward_func = 3\n", "not a function"),
-    ("def reward_func(q, p, l:\n", "importing .* failed: SyntaxError"),
-    ("import no_such_module_xyz\n", "importing .* failed: ModuleNotFoundError"),
-])
+@pytest.mark.parametrize(
+    "text, match",
+    [
+        (None, "not found"),
+        ("def other(q, p, l):\n    return [0.0]\n", "defines no reward_func"),
+        ("reward_func = 3\n", "not a function"),
+        ("def reward_func(q, p, l:\n", "importing .* failed: SyntaxError"),
+        ("import no_such_module_xyz\n", "importing .* failed: ModuleNotFoundError"),
+    ],
+)
 def test_bad_files_are_user_errors(tmp_path, text, match):
     path = tmp_path / "reward.py"
     if text is not None:
@@ -65,8 +68,9 @@ def test_bad_files_are_user_errors(tmp_path, text, match):
 
 def raising_file(tmp_path):
     path = tmp_path / "picky.py"
-    path.write_text("def reward_func(queries, prompts, labels, **kwargs):\n"
-                    "    return [1.0 / len(label) for label in labels]\n")
+    path.write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n    return [1.0 / len(label) for label in labels]\n"
+    )
     return str(path)
 
 
@@ -92,16 +96,19 @@ def test_default_reward_replaces_the_batch(tmp_path, caplog):
     assert source.score(["a"], [""], ["xy"]).rewards == [0.5]  # later batches are scored normally
 
 
-@pytest.mark.parametrize("output, match", [
-    ([1.0, 2.0], "2 values for 3 queries"),
-    ([1.0, float("nan"), 0.0], r"rewards\[1\] is nan"),
-    ([1.0, "2", 0.0], r"rewards\[1\] is str"),
-    ("1,2,3", "must be a list"),
-    ({"scores": [1, 2, 3]}, "no 'rewards'"),
-    ({"rewards": [1, 2, 3], "score": [1, 2, 3]}, "unknown keys"),
-    ({"rewards": [1, 2, 3], "scores": [1, math.inf, 3]}, r"scores\[1\] is inf"),
-    ({"rewards": [1, 2, 3], "extra_logs": {"acc": [1, 2]}}, r"extra_logs\['acc'\] has 2 values"),
-])
+@pytest.mark.parametrize(
+    "output, match",
+    [
+        ([1.0, 2.0], "2 values for 3 queries"),
+        ([1.0, float("nan"), 0.0], r"rewards\[1\] is nan"),
+        ([1.0, "2", 0.0], r"rewards\[1\] is str"),
+        ("1,2,3", "must be a list"),
+        ({"scores": [1, 2, 3]}, "no 'rewards'"),
+        ({"rewards": [1, 2, 3], "score": [1, 2, 3]}, "unknown keys"),
+        ({"rewards": [1, 2, 3], "scores": [1, math.inf, 3]}, r"scores\[1\] is inf"),
+        ({"rewards": [1, 2, 3], "extra_logs": {"acc": [1, 2]}}, r"extra_logs\['acc'\] has 2 values"),
+    ],
+)
 def test_bad_outputs_name_the_source(output, match):
     with pytest.raises(RewardError, match=match) as info:
         to_result(output, 3, "my source")
@@ -111,8 +118,9 @@ def test_bad_outputs_name_the_source(output, match):
 def test_accepted_output_forms():
     assert to_result(torch.tensor([1.0, 0.5]), 2, "s").rewards == [1.0, 0.5]
     assert to_result((1, 0), 2, "s").rewards == [1.0, 0.0]
-    full = to_result({"rewards": torch.tensor([1.0, 0.0]), "scores": [1, 0],
-                      "extra_logs": {"len": [3, 4], "const": 2.0}}, 2, "s")
+    full = to_result(
+        {"rewards": torch.tensor([1.0, 0.0]), "scores": [1, 0], "extra_logs": {"len": [3, 4], "const": 2.0}}, 2, "s"
+    )
     assert full.scores == [1.0, 0.0] and full.extra_logs == {"len": [3.0, 4.0], "const": [2.0, 2.0]}
     assert RewardResult(rewards=[0.5]).scores == [0.5]
 

@@ -56,6 +56,7 @@ def scripted(request):
         server = Scripted(script)
         request.addfinalizer(server.close)
         return server
+
     return make
 
 
@@ -93,11 +94,14 @@ def test_5xx_until_the_retries_are_spent(scripted):
     assert len(server.requests) == 3
 
 
-@pytest.mark.parametrize("body, match", [
-    ({"rewards": [1.0]}, "1 values for 2 queries"),
-    ({"reward": [1.0, 2.0]}, "no 'rewards'"),
-    ({"rewards": [1.0, None]}, r"rewards\[1\] is NoneType"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        ({"rewards": [1.0]}, "1 values for 2 queries"),
+        ({"reward": [1.0, 2.0]}, "no 'rewards'"),
+        ({"rewards": [1.0, None]}, r"rewards\[1\] is NoneType"),
+    ],
+)
 def test_bad_answers_name_the_url(scripted, body, match):
     server = scripted((200, body))
     with pytest.raises(RewardError, match=match) as info:

@@ -22,14 +22,29 @@ TARGET = str(EXAMPLES / "target_token.py")
 @pytest.fixture(scope="module")
 def func_servers(request):
     """Two servers of the target-token function; the first has small request limits."""
-    return start_servers(request, ["--reward_func", TARGET, "--max_request_samples", "16",
-                                   "--max_request_bytes", "4096"], ["--reward_func", TARGET])
+    return start_servers(
+        request,
+        ["--reward_func", TARGET, "--max_request_samples", "16", "--max_request_bytes", "4096"],
+        ["--reward_func", TARGET],
+    )
 
 
 @pytest.fixture(scope="module")
 def rm_server(request, rm_dir):
-    (server,) = start_servers(request, ["--reward_pretrain", str(rm_dir), "--normalize_reward", "--max_len", "12",
-                                        "--batch_size", "3", "--device", "cpu"])
+    (server,) = start_servers(
+        request,
+        [
+            "--reward_pretrain",
+            str(rm_dir),
+            "--normalize_reward",
+            "--max_len",
+            "12",
+            "--batch_size",
+            "3",
+            "--device",
+            "cpu",
+        ],
+    )
     return server
 
 
@@ -58,16 +73,19 @@ def test_function_servers_split_and_merge_in_order(func_servers):
     assert (samples_scored(a) - before[0], samples_scored(b) - before[1]) == (6, 4)
 
 
-@pytest.mark.parametrize("body, match", [
-    (b"not json", "not JSON"),
-    (b"[1, 2]", "JSON object"),
-    (b'{"prompts": ["a"]}', "missing 'query'"),
-    (b'{"query": "abc"}', "list of strings"),
-    (b'{"query": [1]}', "list of strings"),
-    (b'{"query": ["a"], "prompts": ["a", "b"], "labels": ["x"]}', "lengths disagree"),
-    (b'{"query": ["a"], "prompts": [3]}', "'prompts' must be a list of strings"),
-    (b'{"query": ["a"], "labels": "x"}', "'labels' must be a list"),
-])
+@pytest.mark.parametrize(
+    "body, match",
+    [
+        (b"not json", "not JSON"),
+        (b"[1, 2]", "JSON object"),
+        (b'{"prompts": ["a"]}', "missing 'query'"),
+        (b'{"query": "abc"}', "list of strings"),
+        (b'{"query": [1]}', "list of strings"),
+        (b'{"query": ["a"], "prompts": ["a", "b"], "labels": ["x"]}', "lengths disagree"),
+        (b'{"query": ["a"], "prompts": [3]}', "'prompts' must be a list of strings"),
+        (b'{"query": ["a"], "labels": "x"}', "'labels' must be a list"),
+    ],
+)
 def test_malformed_request_is_400_and_server_keeps_serving(func_servers, body, match):
     server = func_servers[1]
     resp = requests.post(server.url, data=body, headers={"Content-Type": "application/json"}, timeout=10)
@@ -120,10 +138,15 @@ def direct_scores(rm_dir, queries, max_len):
 
 def test_reward_model_server_matches_direct_scores(rm_server, rm_dir):
     print(f"reward-model server startup: {rm_server.startup_s:.2f} s")
-    queries = ["Hello<|im_end|>", "a", "What is 2 + 2? 4<|im_end|>",
-               "a long query " * 10 + "that is cut to its last twelve tokens<|im_end|>", "b c", "x y z w"]
-    resp = requests.post(rm_server.url, json={"query": queries, "prompts": [""] * 6, "labels": [None] * 6},
-                         timeout=30)
+    queries = [
+        "Hello<|im_end|>",
+        "a",
+        "What is 2 + 2? 4<|im_end|>",
+        "a long query " * 10 + "that is cut to its last twelve tokens<|im_end|>",
+        "b c",
+        "x y z w",
+    ]
+    resp = requests.post(rm_server.url, json={"query": queries, "prompts": [""] * 6, "labels": [None] * 6}, timeout=30)
     assert resp.status_code == 200, resp.text
     got = resp.json()
     want = direct_scores(rm_dir, queries, max_len=12)
@@ -141,17 +164,26 @@ def test_reward_model_server_matches_direct_scores(rm_server, rm_dir):
 
 
 def run_serve_rm(*args, timeout=60):
-    return subprocess.run([sys.executable, "-m", "openppo.cli.serve_rm", *args], capture_output=True, text=True,
-                          timeout=timeout, cwd=REPO, env=cli_env())
+    return subprocess.run(
+        [sys.executable, "-m", "openppo.cli.serve_rm", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        cwd=REPO,
+        env=cli_env(),
+    )
 
 
-@pytest.mark.parametrize("args, match", [
-    ([], "pass exactly one of --reward_pretrain"),
-    (["--reward_pretrain", "no/such/folder"], "--reward_pretrain: model folder no/such/folder not found"),
-    (["--reward_func", TARGET, "--normalize_reward"], "--normalize_reward only apply to --reward_pretrain"),
-    (["--reward_func", TARGET, "--port", "70000"], "--port must be in 0..65535"),
-    (["--reward_func", TARGET, "--batch_size", "x"], "argument --batch_size: invalid int value"),
-])
+@pytest.mark.parametrize(
+    "args, match",
+    [
+        ([], "pass exactly one of --reward_pretrain"),
+        (["--reward_pretrain", "no/such/folder"], "--reward_pretrain: model folder no/such/folder not found"),
+        (["--reward_func", TARGET, "--normalize_reward"], "--normalize_reward only apply to --reward_pretrain"),
+        (["--reward_func", TARGET, "--port", "70000"], "--port must be in 0..65535"),
+        (["--reward_func", TARGET, "--batch_size", "x"], "argument --batch_size: invalid int value"),
+    ],
+)
 def test_bad_flags_exit_2_with_one_line(args, match):
     proc = run_serve_rm(*args)
     assert proc.returncode == 2, proc.stderr

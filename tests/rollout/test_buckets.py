@@ -7,8 +7,15 @@ import pickle
 import pytest
 import torch
 
-from openppo.rollout.buckets import (ALIGN_BYTES, BucketMeta, iter_buckets, layer_key, pack_buckets, plan_buckets,
-                                     unpack_bucket)
+from openppo.rollout.buckets import (
+    ALIGN_BYTES,
+    BucketMeta,
+    iter_buckets,
+    layer_key,
+    pack_buckets,
+    plan_buckets,
+    unpack_bucket,
+)
 
 
 def _named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
@@ -16,12 +23,14 @@ def _named(seed: int = 0) -> list[tuple[str, torch.Tensor]]:
     out = [("model.embed_tokens.weight", torch.randn(50, 8, generator=g))]
     for i in range(3):
         p = f"model.layers.{i}."
-        out += [(p + "self_attn.q_proj.weight", torch.randn(8, 8, generator=g)),
-                (p + "self_attn.q_proj.bias", torch.randn(8, generator=g).to(torch.bfloat16)),
-                (p + "mlp.up_proj.weight", torch.randn(7, 8, generator=g).to(torch.bfloat16)),
-                (p + "input_layernorm.weight", torch.randn(3, generator=g).to(torch.float16)),
-                (p + "step", torch.tensor(5, dtype=torch.int64)),  # 0-dim, integer
-                (p + "mask", torch.rand(5, generator=g) > 0.5)]
+        out += [
+            (p + "self_attn.q_proj.weight", torch.randn(8, 8, generator=g)),
+            (p + "self_attn.q_proj.bias", torch.randn(8, generator=g).to(torch.bfloat16)),
+            (p + "mlp.up_proj.weight", torch.randn(7, 8, generator=g).to(torch.bfloat16)),
+            (p + "input_layernorm.weight", torch.randn(3, generator=g).to(torch.float16)),
+            (p + "step", torch.tensor(5, dtype=torch.int64)),  # 0-dim, integer
+            (p + "mask", torch.rand(5, generator=g) > 0.5),
+        ]
     return out + [("model.norm.weight", torch.randn(8, generator=g)), ("empty", torch.empty(0, 4))]
 
 
@@ -83,8 +92,9 @@ def test_plan_matches_packing_and_meta_survives_plain_rpc():
     for b in packed:
         plain = pickle.loads(pickle.dumps(b.meta.to_plain()))
         assert BucketMeta.coerce(plain) == b.meta
-        assert all(torch.equal(x, y) for (_, x), (_, y) in zip(unpack_bucket(plain, b.buffer),
-                                                               unpack_bucket(b.meta, b.buffer)))
+        assert all(
+            torch.equal(x, y) for (_, x), (_, y) in zip(unpack_bucket(plain, b.buffer), unpack_bucket(b.meta, b.buffer))
+        )
 
 
 def test_dtype_cast_only_touches_floating_tensors_and_streams():
@@ -101,7 +111,9 @@ def test_dtype_cast_only_touches_floating_tensors_and_streams():
 
 def test_layer_key():
     assert layer_key("model.layers.12.mlp.up_proj.weight") == "model.layers.12"
-    assert layer_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight") == \
-        "base_model.model.model.layers.0"
+    assert (
+        layer_key("base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight")
+        == "base_model.model.model.layers.0"
+    )
     assert layer_key("transformer.h.3.attn.c_attn.weight") == "transformer.h.3"
     assert layer_key("model.embed_tokens.weight") == ""

@@ -12,9 +12,8 @@ import pytest
 import torch
 
 from openppo.rollout.buckets import pack_bucket, plan_buckets
-from openppo.rollout.sender import (broadcast_weights, connect_engines, iter_full_weights, sync_weights,
-                                    tensors_checksum)
 from openppo.rollout.readback import WeightCheck, check_engine_weights
+from openppo.rollout.sender import broadcast_weights, connect_engines, iter_full_weights, sync_weights, tensors_checksum
 from tests.engines import logprob_gap, tiny_engine_actor
 from tests.model_cache import tiny_model_dir
 
@@ -43,8 +42,9 @@ def test_generate_logprobs_match_hf(engine, hf_model):
 
     for temperature in (1.0, 0.7):
         t0 = time.monotonic()
-        out = ray.get(engine.generate.remote(PROMPTS, n=3, max_new_tokens=12, temperature=temperature, top_p=1.0),
-                      timeout=120)
+        out = ray.get(
+            engine.generate.remote(PROMPTS, n=3, max_new_tokens=12, temperature=temperature, top_p=1.0), timeout=120
+        )
         print(f"generate 2x3x12 at T={temperature}: {time.monotonic() - t0:.2f} s")
         assert len(out) == 2 and all(len(samples) == 3 for samples in out)
         for prompt, samples in zip(PROMPTS, out):
@@ -56,8 +56,12 @@ def test_generate_logprobs_match_hf(engine, hf_model):
                 assert logprob_gap(hf_model, prompt, s, temperature) < TOL
     # Stop tokens: generation ends at the first even token id, which is kept; min_new_tokens holds it off.
     even = list(range(0, 151669, 2))
-    [samples] = ray.get(engine.generate.remote(PROMPTS[:1], n=4, max_new_tokens=40, temperature=1.0, top_p=1.0,
-                                               min_new_tokens=2, stop_token_ids=even), timeout=120)
+    [samples] = ray.get(
+        engine.generate.remote(
+            PROMPTS[:1], n=4, max_new_tokens=40, temperature=1.0, top_p=1.0, min_new_tokens=2, stop_token_ids=even
+        ),
+        timeout=120,
+    )
     for s in samples:
         ids = s["token_ids"]
         assert s["finish_reason"] == "stop" and ids[-1] % 2 == 0 and len(ids) >= 3
@@ -71,8 +75,9 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
     import ray
 
     def check(model, what):
-        [[sample]] = ray.get(engine.generate.remote([LONG_PROMPT], n=1, max_new_tokens=8, temperature=1.0,
-                                                    top_p=1.0), timeout=60)
+        [[sample]] = ray.get(
+            engine.generate.remote([LONG_PROMPT], n=1, max_new_tokens=8, temperature=1.0, top_p=1.0), timeout=60
+        )
         gap = logprob_gap(model, LONG_PROMPT, sample, 1.0)
         assert gap < TOL, f"{what}: engine log-probs {gap:.3g} off the HF model"
 
@@ -91,7 +96,8 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
         print(f"sync (tiny model, 64 KiB buckets): {stats}")
         assert stats["num_buckets"] >= 4
         assert ray.get(engine.last_sync_checksum.remote()) == pytest.approx(
-            tensors_checksum(iter_full_weights(hf_model, rank=0)), rel=1e-12)
+            tensors_checksum(iter_full_weights(hf_model, rank=0)), rel=1e-12
+        )
         # what the engine's kernels compute with, per tensor (the tied LM head's GEMM included): exactly the model's
         synced = engine_weights(engine, hf_model)
         assert synced.ok() and max(synced.rel_diff.values()) == 0.0, synced.summary()
@@ -146,7 +152,9 @@ def test_lora_sync_puts_the_merged_weights_in_the_engine(engine, hf_model):
 
     from peft import LoraConfig, get_peft_model
 
-    lora = get_peft_model(copy.deepcopy(hf_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"]))
+    lora = get_peft_model(
+        copy.deepcopy(hf_model), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "down_proj"])
+    )
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():
         for name, p in lora.named_parameters():
@@ -172,8 +180,9 @@ def test_seeded_generation_repeats_whatever_ran_before(engine):
     import ray
 
     def draw(seed=None):
-        out = ray.get(engine.generate.remote(PROMPTS, n=3, max_new_tokens=12, temperature=1.0, top_p=1.0,
-                                             seed=seed), timeout=120)
+        out = ray.get(
+            engine.generate.remote(PROMPTS, n=3, max_new_tokens=12, temperature=1.0, top_p=1.0, seed=seed), timeout=120
+        )
         return [[tuple(s["token_ids"]) for s in samples] for samples in out]
 
     first = draw(seed=7)
@@ -194,10 +203,10 @@ def _engine_batch(samples_per_prompt: list[list[dict]]) -> tuple[torch.Tensor, .
     engine_lp = torch.zeros(len(rows), width - 1)
     for i, (prompt, s) in enumerate(rows):
         n = len(s["token_ids"])
-        seqs[i, :len(prompt) + n] = torch.tensor(prompt + s["token_ids"])
-        attn[i, :len(prompt) + n] = 1
-        mask[i, len(prompt) - 1:len(prompt) - 1 + n] = 1
-        engine_lp[i, len(prompt) - 1:len(prompt) - 1 + n] = torch.tensor(s["logprobs"])
+        seqs[i, : len(prompt) + n] = torch.tensor(prompt + s["token_ids"])
+        attn[i, : len(prompt) + n] = 1
+        mask[i, len(prompt) - 1 : len(prompt) - 1 + n] = 1
+        engine_lp[i, len(prompt) - 1 : len(prompt) - 1 + n] = torch.tensor(s["logprobs"])
     return seqs, attn, mask, engine_lp
 
 
@@ -226,19 +235,26 @@ def test_on_policy_importance_weights_are_one_under_top_p(engine, hf_model, top_
     from openppo.algorithms import SamplingFilter, importance_weights, policy_loss
     from openppo.models.actor import Actor
 
-    out = ray.get(engine.generate.remote(PROMPTS, n=4, max_new_tokens=12, temperature=0.8, top_p=top_p,
-                                         top_k=top_k), timeout=120)
+    out = ray.get(
+        engine.generate.remote(PROMPTS, n=4, max_new_tokens=12, temperature=0.8, top_p=top_p, top_k=top_k), timeout=120
+    )
     seqs, attn, mask, engine_lp = _engine_batch(out)
     valid = mask.bool()
     with torch.no_grad():
         scored = Actor(hf_model)(seqs, attn, temperature=0.8, score_mask=mask, sampling=SamplingFilter(top_k, top_p))
     band = (0.0, 100.0)
-    loss, metrics = policy_loss(scored.log_probs, scored.log_probs, torch.ones_like(mask), mask,
-                                rollout_log_probs=engine_lp, is_correction="tis", is_threshold=band,
-                                old_sampling_log_probs=scored.sampling_log_probs)
+    loss, metrics = policy_loss(
+        scored.log_probs,
+        scored.log_probs,
+        torch.ones_like(mask),
+        mask,
+        rollout_log_probs=engine_lp,
+        is_correction="tis",
+        is_threshold=band,
+        old_sampling_log_probs=scored.sampling_log_probs,
+    )
     weights, _ = importance_weights(scored.sampling_log_probs, engine_lp, mask, "tis", band)
-    print(f"top_k {top_k} top_p {top_p}: {int(valid.sum())} tokens, |w - 1| max "
-          f"{(weights[valid] - 1).abs().max():.2e}")
+    print(f"top_k {top_k} top_p {top_p}: {int(valid.sum())} tokens, |w - 1| max {(weights[valid] - 1).abs().max():.2e}")
     torch.testing.assert_close(weights[valid], torch.ones(int(valid.sum())), rtol=0, atol=1e-4)
     torch.testing.assert_close(loss[valid], -torch.ones(int(valid.sum())), rtol=0, atol=1e-4)  # ratio x weight
     assert float(metrics["is_ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
@@ -258,8 +274,7 @@ def test_one_step_stale_importance_weights_are_the_policy_ratio(engine, hf_model
     from openppo.algorithms import SamplingFilter, importance_weights
     from openppo.models.actor import Actor
 
-    out = ray.get(engine.generate.remote(PROMPTS, n=4, max_new_tokens=12, temperature=1.0, top_p=0.9),
-                  timeout=120)
+    out = ray.get(engine.generate.remote(PROMPTS, n=4, max_new_tokens=12, temperature=1.0, top_p=0.9), timeout=120)
     seqs, attn, mask, engine_lp = _engine_batch(out)
     valid = mask.bool()
     stepped = copy.deepcopy(hf_model).train()  # B: one step of SGD on the sampled responses' likelihood

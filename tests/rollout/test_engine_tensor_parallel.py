@@ -34,18 +34,25 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
         engine = ray.remote(num_cpus=1)(VLLMEngine).remote(
-            str(tiny_model_dir()), dtype="float32", seed=0, max_model_len=256, kv_cache_bytes=64 << 20,
-            tensor_parallel_size=2)
+            str(tiny_model_dir()),
+            dtype="float32",
+            seed=0,
+            max_model_len=256,
+            kv_cache_bytes=64 << 20,
+            tensor_parallel_size=2,
+        )
         ray.get(engine.ready.remote(), timeout=300)
 
         def check(what):
-            [[sample]] = ray.get(engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0, top_p=1.0),
-                                 timeout=120)
+            [[sample]] = ray.get(
+                engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0, top_p=1.0), timeout=120
+            )
             assert logprob_gap(model, PROMPT, sample) < TOL, f"{what}: TP-2 engine log-probs off the HF model"
 
         check("at start")
-        group = connect_engines([engine], backend="gloo", master_addr="127.0.0.1", tensor_parallel_size=2,
-                                timeout_s=120)
+        group = connect_engines(
+            [engine], backend="gloo", master_addr="127.0.0.1", tensor_parallel_size=2, timeout_s=120
+        )
         try:
             assert group.world_size == 3  # the trainer and both workers of the engine
             g = torch.Generator().manual_seed(1)

@@ -11,18 +11,27 @@ from openppo.rollout.readback import Shard, check_engine_weights, from_bytes, to
 
 def _trainer() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
-    return {"embed.weight": torch.randn(10, 4, generator=g), "q.weight": torch.randn(6, 4, generator=g),
-            "o.weight": torch.randn(4, 6, generator=g), "norm.weight": torch.randn(4, generator=g)}
+    return {
+        "embed.weight": torch.randn(10, 4, generator=g),
+        "q.weight": torch.randn(6, 4, generator=g),
+        "o.weight": torch.randn(4, 6, generator=g),
+        "norm.weight": torch.randn(4, generator=g),
+    }
 
 
 def _tp2_engine(w: dict[str, torch.Tensor]) -> list[list[Shard]]:
     """Two workers: vocabulary rows and column-parallel rows split on dim 0, row-parallel on dim 1, norms whole; an
     LM head tied to the embedding."""
-    return [[Shard("embed.weight", 0, 5 * r, w["embed.weight"][5 * r:5 * r + 5]),
-             Shard("lm_head.weight", 0, 5 * r, w["embed.weight"][5 * r:5 * r + 5], tied_to="embed.weight"),
-             Shard("q.weight", 0, 3 * r, w["q.weight"][3 * r:3 * r + 3]),
-             Shard("o.weight", 1, 3 * r, w["o.weight"][:, 3 * r:3 * r + 3]),
-             Shard("norm.weight", None, 0, w["norm.weight"])] for r in range(2)]
+    return [
+        [
+            Shard("embed.weight", 0, 5 * r, w["embed.weight"][5 * r : 5 * r + 5]),
+            Shard("lm_head.weight", 0, 5 * r, w["embed.weight"][5 * r : 5 * r + 5], tied_to="embed.weight"),
+            Shard("q.weight", 0, 3 * r, w["q.weight"][3 * r : 3 * r + 3]),
+            Shard("o.weight", 1, 3 * r, w["o.weight"][:, 3 * r : 3 * r + 3]),
+            Shard("norm.weight", None, 0, w["norm.weight"]),
+        ]
+        for r in range(2)
+    ]
 
 
 def _perturbed(engine: list[list[Shard]], worker: int, name: str, index: tuple[int, ...]) -> list[list[Shard]]:
@@ -44,8 +53,11 @@ def test_equal_slices_pass_and_every_difference_is_named():
     assert max(check.rel_diff.values()) == 0.0
 
     # a column of o held by worker 1, a row of the tied LM head, the norm copy of worker 1
-    for worker, name, index, full in [(1, "o.weight", (2, 1), "o.weight"), (1, "lm_head.weight", (2, 1), "embed.weight"),
-                                      (1, "norm.weight", (3,), "norm.weight")]:
+    for worker, name, index, full in [
+        (1, "o.weight", (2, 1), "o.weight"),
+        (1, "lm_head.weight", (2, 1), "embed.weight"),
+        (1, "norm.weight", (3,), "norm.weight"),
+    ]:
         check = check_engine_weights(w.items(), _perturbed(_tp2_engine(w), worker, name, index))
         assert not check.ok() and check.worst()[0] == name, (name, check.summary())
         assert check.worst()[1] == pytest.approx(0.5 / w[full].abs().max().item(), rel=1e-6)
@@ -65,8 +77,9 @@ def test_missing_uncovered_unexpected_and_misshapen():
     assert check_engine_weights(w.items(), _tp2_engine(_trainer())).unexpected == ["norm.weight"]
 
     w = _trainer()
-    bad = [[s if s.name != "q.weight" else s._replace(tensor=s.tensor[:, :3]) for s in shards]
-           for shards in _tp2_engine(w)]
+    bad = [
+        [s if s.name != "q.weight" else s._replace(tensor=s.tensor[:, :3]) for s in shards] for shards in _tp2_engine(w)
+    ]
     assert check_engine_weights(w.items(), bad).rel_diff["q.weight"] == float("inf")
 
 

@@ -41,8 +41,9 @@ def test_other_ranks_get_nothing(hf_model):
 
 
 def test_lora_adapters_are_merged_under_base_names(hf_model):
-    peft_model = apply_lora(copy.deepcopy(hf_model), rank=4, alpha=8, dropout=0.0, target_modules=None,
-                            task_type="CAUSAL_LM")
+    peft_model = apply_lora(
+        copy.deepcopy(hf_model), rank=4, alpha=8, dropout=0.0, target_modules=None, task_type="CAUSAL_LM"
+    )
     g = torch.Generator().manual_seed(0)
     with torch.no_grad():  # lora_B starts at zero: make the adapters matter
         for name, p in peft_model.named_parameters():
@@ -62,8 +63,14 @@ def test_lora_adapters_are_merged_under_base_names(hf_model):
 def test_zero3_parameters_are_gathered_per_layer():
     """DeepSpeed ZeRO-3 engine around our Actor (world size 1, CPU), in a subprocess."""
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO))
-    proc = subprocess.run([sys.executable, "-m", "tests.rollout.zero3_weights"], capture_output=True, text=True,
-                          timeout=240, env=env, cwd=REPO)
+    proc = subprocess.run(
+        [sys.executable, "-m", "tests.rollout.zero3_weights"],
+        capture_output=True,
+        text=True,
+        timeout=240,
+        env=env,
+        cwd=REPO,
+    )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"partitioned": True, "names_match": True, "values_match": True, "released_after": True}

@@ -15,9 +15,20 @@ import torch
 from openppo.errors import UserError
 from openppo.rollout import transport
 from openppo.rollout.sender import broadcast_weights, connect_engines, iter_full_weights, sync_weights
-from openppo.rollout.transport import (BROADCAST, CUDA_IPC, SHARED_MEMORY, SharedSlots, SyncPlan, Where,
-                                       check_broadcast_group, choose_transports, describe, open_local, read_shared,
-                                       shared_slots)
+from openppo.rollout.transport import (
+    BROADCAST,
+    CUDA_IPC,
+    SHARED_MEMORY,
+    SharedSlots,
+    SyncPlan,
+    Where,
+    check_broadcast_group,
+    choose_transports,
+    describe,
+    open_local,
+    read_shared,
+    shared_slots,
+)
 from tests.engines import logprob_gap
 from tests.model_cache import tiny_model_dir
 
@@ -40,8 +51,9 @@ def test_transport_per_engine_from_the_placement():
     tp2 = choose_transports(ranks, [ranks[:2], ranks[2:]], colocated=True, on_gpu=True)
     assert tp2.sources == ((0, 1), (2, 3))
     # mixed: an engine on another node, one on a GPU no actor rank has; rank 0 then hands over alone
-    mixed = choose_transports(ranks[:1], [[ranks[0]], [Where("10.0.0.2", ("0",))], [ranks[3]]], colocated=True,
-                              on_gpu=True)
+    mixed = choose_transports(
+        ranks[:1], [[ranks[0]], [Where("10.0.0.2", ("0",))], [ranks[3]]], colocated=True, on_gpu=True
+    )
     assert mixed == SyncPlan((CUDA_IPC, BROADCAST, BROADCAST), ((0,), (), ()))
     assert mixed.exporters == (0,) and mixed.exchange_ranks == ()
     # a worker on another rank's GPU than its own index: fed by the rank that shares it
@@ -53,17 +65,22 @@ def test_transport_per_engine_from_the_placement():
     assert plan == SyncPlan((SHARED_MEMORY, SHARED_MEMORY, BROADCAST), ((0,), (1,), ()))
     assert choose_transports(cpu, engines, colocated=False, on_gpu=False).transports == (BROADCAST,) * 3
     assert describe(plan, "gloo") == (
-        "weight sync: engine(s) 0,1 via shared memory from actor rank(s) 0,1; engine(s) 2 via gloo broadcast")
+        "weight sync: engine(s) 0,1 via shared memory from actor rank(s) 0,1; engine(s) 2 via gloo broadcast"
+    )
     assert SyncPlan.of([SHARED_MEMORY, BROADCAST]) == SyncPlan((SHARED_MEMORY, BROADCAST), ((0,), ()))
 
 
 def test_nccl_group_with_two_members_on_one_gpu_is_refused():
-    ok = [("actor rank 0", Where("n", ("0",))), ("vLLM engine 1", Where("n", ("1",))),
-          ("vLLM engine 2", Where("m", ("0",)))]
+    ok = [
+        ("actor rank 0", Where("n", ("0",))),
+        ("vLLM engine 1", Where("n", ("1",))),
+        ("vLLM engine 2", Where("m", ("0",))),
+    ]
     check_broadcast_group(ok, "nccl")
     clash = ok + [("vLLM engine 0", Where("n", ("0",)))]
-    with pytest.raises(UserError,
-                       match="actor rank 0 and vLLM engine 0 on GPU 0.*--vllm_sync_backend nccl.*--colocate_all_models"):
+    with pytest.raises(
+        UserError, match="actor rank 0 and vLLM engine 0 on GPU 0.*--vllm_sync_backend nccl.*--colocate_all_models"
+    ):
         check_broadcast_group(clash, "nccl")
     check_broadcast_group(clash, "gloo")  # gloo does not care
 
@@ -73,8 +90,8 @@ def test_guard_reads_fake_gpu_placement():
     and the guard refuses them in one nccl group; on separate GPUs it passes."""
     import ray
 
-    from openppo.distributed.placement import colocated_fraction, make_placement_group
     from openppo.distributed.logs import actor_location
+    from openppo.distributed.placement import colocated_fraction, make_placement_group
 
     @ray.remote
     class Probe:
@@ -88,8 +105,11 @@ def test_guard_reads_fake_gpu_placement():
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
         def probe(bundle):
-            return Probe.options(num_cpus=share, num_gpus=share, scheduling_strategy=PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=bundle)).remote()
+            return Probe.options(
+                num_cpus=share,
+                num_gpus=share,
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=bundle),
+            ).remote()
 
         rank0, engine0, engine1 = probe(0), probe(0), probe(1)
         wheres = [Where.of(info) for info in ray.get([a.where.remote() for a in (rank0, engine0, engine1)])]
@@ -126,9 +146,11 @@ def test_shared_memory_slots_are_reused_and_released():
 def test_shared_memory_outlives_no_killed_process():
     """A slot is an anonymous memfd, not a /dev/shm file: a sender killed without clean-up (Ray kills its actors)
     leaves nothing behind."""
-    code = ("import os, signal, torch; from openppo.rollout.transport import shared_slots; "
-            "path, name = shared_slots().write(0, torch.ones(4096, dtype=torch.uint8)); "
-            "print(os.readlink(path), flush=True); os.kill(os.getpid(), signal.SIGKILL)")
+    code = (
+        "import os, signal, torch; from openppo.rollout.transport import shared_slots; "
+        "path, name = shared_slots().write(0, torch.ones(4096, dtype=torch.uint8)); "
+        "print(os.readlink(path), flush=True); os.kill(os.getpid(), signal.SIGKILL)"
+    )
     before = _shm_files()
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=REPO)
     assert out.returncode == -9 and out.stdout.startswith("/memfd:openppo-sync-"), out.stderr
@@ -164,9 +186,12 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
     ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
     try:
-        engines = [ray.remote(num_cpus=1)(VLLMEngine).remote(str(tiny_model_dir()), dtype="float32", seed=i,
-                                                             max_model_len=256, kv_cache_bytes=32 << 20)
-                   for i in range(2)]
+        engines = [
+            ray.remote(num_cpus=1)(VLLMEngine).remote(
+                str(tiny_model_dir()), dtype="float32", seed=i, max_model_len=256, kv_cache_bytes=32 << 20
+            )
+            for i in range(2)
+        ]
         ray.get([e.ready.remote() for e in engines], timeout=300)
         group = connect_engines(engines[1:], backend="gloo", master_addr="127.0.0.1", timeout_s=120)
         plan = [SHARED_MEMORY, BROADCAST]
@@ -177,13 +202,15 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
                 with torch.no_grad():
                     for p in model.parameters():
                         p.add_(torch.randn(p.shape, generator=g) * 0.02)
-                stats = sync_weights(model, group, engines, bucket_bytes=64 << 10, timeout_s=120, plan=plan,
-                                     verify=sync == 0)
+                stats = sync_weights(
+                    model, group, engines, bucket_bytes=64 << 10, timeout_s=120, plan=plan, verify=sync == 0
+                )
                 assert stats["num_buckets"] > 3  # more buckets than the three buffers kept valid
                 assert len(shared_slots().paths()) == 3 and _shm_files() == before  # reused, and nothing named
                 for engine in engines:
-                    [[sample]] = ray.get(engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0,
-                                                                top_p=1.0), timeout=120)
+                    [[sample]] = ray.get(
+                        engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0, top_p=1.0), timeout=120
+                    )
                     gap = logprob_gap(model, PROMPT, sample)
                     assert gap < TOL, f"sync {sync + 1}: engine log-probs {gap:.3g} off the trainer's"
                 if sync == 0:  # verified: every engine received exactly what was sent

@@ -13,8 +13,16 @@ from openppo.strategy.distributed import free_port
 
 
 def main() -> None:
-    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
-                       "MASTER_PORT": str(free_port()), "DS_ACCELERATOR": "cpu"})
+    os.environ.update(
+        {
+            "RANK": "0",
+            "WORLD_SIZE": "1",
+            "LOCAL_RANK": "0",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(free_port()),
+            "DS_ACCELERATOR": "cpu",
+        }
+    )
     import deepspeed
     import deepspeed.ops
     import torch
@@ -28,12 +36,15 @@ def main() -> None:
     deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 60-160 s JIT build on CPU
     deepspeed.init_distributed(dist_backend="gloo")
     reference = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).named_parameters())
-    config = {"zero_optimization": {"stage": 3}, "train_batch_size": 1, "train_micro_batch_size_per_gpu": 1,
-              "zero_allow_untested_optimizer": True}
+    config = {
+        "zero_optimization": {"stage": 3},
+        "train_batch_size": 1,
+        "train_micro_batch_size_per_gpu": 1,
+        "zero_allow_untested_optimizer": True,
+    }
     holder = HfDeepSpeedConfig(config)  # noqa: F841 -- makes from_pretrained partition under ZeRO-3
     actor = Actor(AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32))
-    engine, *_ = deepspeed.initialize(model=actor, optimizer=torch.optim.SGD(actor.parameters(), lr=0.0),
-                                      config=config)
+    engine, *_ = deepspeed.initialize(model=actor, optimizer=torch.optim.SGD(actor.parameters(), lr=0.0), config=config)
     first = next(unwrap_model(engine).parameters())
     named = list(iter_full_weights(engine))
     result = {

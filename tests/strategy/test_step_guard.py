@@ -33,17 +33,29 @@ from tests.spawn import run_ranks
 
 
 def _strategy(stage: int, dtype: str, *, limit: int = 3, micro: int = 2, accum: int = 2) -> DeepSpeedStrategy:
-    s = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=120,
-                                          max_nonfinite_steps=limit),
-                          train_batch_size=micro * accum, micro_batch_size=micro, max_norm=1.0, seed=0)
+    s = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=120, max_nonfinite_steps=limit),
+        train_batch_size=micro * accum,
+        micro_batch_size=micro,
+        max_norm=1.0,
+        seed=0,
+    )
     s.setup_distributed()
     return s
 
 
 def _engine(strategy: DeepSpeedStrategy):
     model = Actor.from_pretrained(str(tiny_model_dir()), dtype=strategy.torch_dtype)
-    return strategy.prepare_train(model, lr=1e-3, betas=(0.9, 0.95), weight_decay=0.0, scheduler="constant",
-                                  warmup_ratio=0.0, min_lr_ratio=0.1, num_training_steps=8)
+    return strategy.prepare_train(
+        model,
+        lr=1e-3,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=8,
+    )
 
 
 def _weights(strategy: DeepSpeedStrategy, engine) -> dict[str, torch.Tensor]:
@@ -59,8 +71,12 @@ def _experience(nan_advantage: bool = False) -> dict[str, torch.Tensor]:
     seqs = torch.randint(10, 1000, (4, 9), generator=g)
     mask = torch.zeros(4, 8, dtype=torch.long)
     mask[:, 3:] = 1
-    data = {"sequences": seqs, "attention_mask": torch.ones_like(seqs), "action_mask": mask,
-            "advantages": torch.randn(4, 8, generator=g) * mask}
+    data = {
+        "sequences": seqs,
+        "attention_mask": torch.ones_like(seqs),
+        "action_mask": mask,
+        "advantages": torch.randn(4, 8, generator=g) * mask,
+    }
     if nan_advantage:
         data["advantages"][1, 5] = float("nan")  # one response token of one row
     return data
@@ -80,8 +96,15 @@ class _NanGrad(torch.autograd.Function):
 
 def _loss_fn(engine, nan_grad: bool = False):
     # no old log-probs: one on-policy step (ratio 1), so the loss is -mean(A) and every batch moves the weights
-    loss_fn = actor_loss(engine, AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0), kl_coef=0.0,
-                         temperature=1.0, generate_max_len=8, is_correction=None, is_threshold=(0.5, 5.0))
+    loss_fn = actor_loss(
+        engine,
+        AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0),
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=8,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+    )
     if not nan_grad:
         return loss_fn
 
@@ -94,13 +117,30 @@ def _loss_fn(engine, nan_grad: bool = False):
 
 def _fit(engine, strategy, data, loss_fn, guard, epochs: int = 1):
     """One optimizer step per epoch (4 rows, 2 micro-batches of 2)."""
-    return fit_experience(engine, data, loss_fn, batching=Batching(rows=2), rows_per_step=4, epochs=epochs,
-                          world_size=1, seed=0, device=strategy.device, guard=guard)
+    return fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=Batching(rows=2),
+        rows_per_step=4,
+        epochs=epochs,
+        world_size=1,
+        seed=0,
+        device=strategy.device,
+        guard=guard,
+    )
 
 
 # Every setup once, both causes on the path openppo checks itself (fp32 ZeRO-0) and on each DeepSpeed wrapper kind.
-SKIP_CASES = [(0, "fp32", "loss"), (0, "fp32", "gradient"), (2, "fp32", "gradient"), (0, "bf16", "loss"),
-              (2, "bf16", "gradient"), (1, "fp32", "loss"), (3, "bf16", "gradient")]
+SKIP_CASES = [
+    (0, "fp32", "loss"),
+    (0, "fp32", "gradient"),
+    (2, "fp32", "gradient"),
+    (0, "bf16", "loss"),
+    (2, "bf16", "gradient"),
+    (1, "fp32", "loss"),
+    (3, "bf16", "gradient"),
+]
 
 
 @pytest.mark.parametrize("stage,dtype,cause", SKIP_CASES)
@@ -117,8 +157,10 @@ def test_nonfinite_step_is_skipped_without_a_trace(stage, dtype, cause, caplog):
     assert "loss/policy" not in bad  # a skipped step's NaN loss stays out of the means
     # (ZeRO-1/2/3 log DeepSpeed's own "OVERFLOW! Skipping step" line too)
     warnings = [r.getMessage() for r in caplog.records if r.name == "openppo.strategy.step_guard"]
-    assert warnings == [f"actor: skipped optimizer step 1: NaN/Inf {cause}; weights and optimizer state unchanged "
-                        f"(1 in a row, --max_nonfinite_steps 3)"]
+    assert warnings == [
+        f"actor: skipped optimizer step 1: NaN/Inf {cause}; weights and optimizer state unchanged "
+        f"(1 in a row, --max_nonfinite_steps 3)"
+    ]
 
     good = _fit(engine, strategy, _experience(), _loss_fn(engine), guard)
     assert good["policy/skipped_steps"] == 0.0 and guard.consecutive == 0 and guard.skipped == 1
@@ -147,8 +189,10 @@ def test_too_many_nonfinite_steps_in_a_row_stop_the_run(stage):
     with pytest.raises(UserError) as err:
         _fit(engine, strategy, bad, loss_fn, guard)  # the third in a row
     message = str(err.value)
-    assert message.startswith("critic: 3 optimizer steps in a row (up to step 6) had a NaN/Inf loss and were "
-                              "skipped, more than --max_nonfinite_steps 2")
+    assert message.startswith(
+        "critic: 3 optimizer steps in a row (up to step 6) had a NaN/Inf loss and were "
+        "skipped, more than --max_nonfinite_steps 2"
+    )
     assert "lower the learning rate" in message and "--max_norm" in message and "\n" not in message
     assert _same(_weights(strategy, engine), before)  # the last one was skipped too
 
@@ -168,8 +212,14 @@ def test_negative_limit_is_rejected():
 # ---------------------------------------------------------------------------------------------- two ranks
 def _two_rank_worker(rank: int, out_dir: str, port: int) -> None:
     """Only rank 1 sees the NaN (its loss, then its gradient): both ranks must skip the same steps."""
-    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                      MASTER_PORT=str(port), OMP_NUM_THREADS="1")
+    os.environ.update(
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE="2",
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(port),
+        OMP_NUM_THREADS="1",
+    )
     torch.set_num_threads(1)
     messages: list[str] = []
     handler = logging.Handler()
@@ -178,8 +228,13 @@ def _two_rank_worker(rank: int, out_dir: str, port: int) -> None:
     logging.getLogger("openppo.strategy.step_guard").setLevel(logging.WARNING)
     results: dict = {}
     for stage, dtype in TWO_RANK_SETUPS:
-        strategy = DeepSpeedStrategy(DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=60),
-                                     train_batch_size=8, micro_batch_size=2, max_norm=1.0, seed=0)
+        strategy = DeepSpeedStrategy(
+            DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=60),
+            train_batch_size=8,
+            micro_batch_size=2,
+            max_norm=1.0,
+            seed=0,
+        )
         strategy.setup_distributed()
         engine = _engine(strategy)
         guard = strategy.step_guard(engine, "actor")
@@ -188,16 +243,29 @@ def _two_rank_worker(rank: int, out_dir: str, port: int) -> None:
             return {k: v.detach().clone() for k, v in engine.module.state_dict().items()}
 
         def fit(data, nan_grad=False):
-            return fit_experience(engine, data, _loss_fn(engine, nan_grad), batching=Batching(rows=2),
-                                  rows_per_step=4, epochs=1, world_size=2, seed=0, device=strategy.device,
-                                  guard=guard)["train/skipped_steps"]
+            return fit_experience(
+                engine,
+                data,
+                _loss_fn(engine, nan_grad),
+                batching=Batching(rows=2),
+                rows_per_step=4,
+                epochs=1,
+                world_size=2,
+                seed=0,
+                device=strategy.device,
+                guard=guard,
+            )["train/skipped_steps"]
 
         before = local_weights()
         skipped = [fit(_experience(nan_advantage=rank == 1)), fit(_experience(), nan_grad=rank == 1)]
         unchanged = _same(local_weights(), before)
         skipped.append(fit(_experience()))
-        results[f"{stage}-{dtype}"] = {"skipped": skipped, "unchanged": unchanged,
-                                        "trained": not _same(local_weights(), before), "messages": list(messages)}
+        results[f"{stage}-{dtype}"] = {
+            "skipped": skipped,
+            "unchanged": unchanged,
+            "trained": not _same(local_weights(), before),
+            "messages": list(messages),
+        }
         messages.clear()
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
@@ -212,9 +280,15 @@ def test_ranks_skip_together_when_one_rank_sees_nan(tmp_path):
         for setup, r in results.items():
             assert r["skipped"] == [1.0, 1.0, 0.0], (rank, setup)
             assert r["unchanged"] and r["trained"], (rank, setup)
-            expected = [] if rank else [
-                f"actor: skipped optimizer step {step}: NaN/Inf {cause}; weights and optimizer state unchanged "
-                f"({step} in a row, --max_nonfinite_steps 3)" for step, cause in ((1, "loss"), (2, "gradient"))]
+            expected = (
+                []
+                if rank
+                else [
+                    f"actor: skipped optimizer step {step}: NaN/Inf {cause}; weights and optimizer state unchanged "
+                    f"({step} in a row, --max_nonfinite_steps 3)"
+                    for step, cause in ((1, "loss"), (2, "gradient"))
+                ]
+            )
             assert r["messages"] == expected, (rank, setup)
 
 
@@ -268,13 +342,28 @@ def _trainer(tmp_path, stage: int, bad_steps: set[int], limit: int, steps: int =
     from openppo.config.common import CheckpointConfig, LoggingConfig, OptimConfig
 
     strategy = _strategy(stage, "fp32", limit=limit)
-    optim = OptimConfig(train_batch_size=4, micro_train_batch_size=2, max_epochs=1, learning_rate=1e-3,
-                        lr_scheduler="constant", lr_warmup_ratio=0.0, seed=0)
-    return _NLLTrainer(bad_steps, strategy=strategy, engine=_engine(strategy),
-                       tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir()), train_dataset=_Rows(4 * steps),
-                       eval_dataset=None, collate_fn=_collate, optim=optim,
-                       ckpt=CheckpointConfig(save_path=str(tmp_path / "out")), logging_cfg=LoggingConfig(),
-                       tracker=_Tracker())
+    optim = OptimConfig(
+        train_batch_size=4,
+        micro_train_batch_size=2,
+        max_epochs=1,
+        learning_rate=1e-3,
+        lr_scheduler="constant",
+        lr_warmup_ratio=0.0,
+        seed=0,
+    )
+    return _NLLTrainer(
+        bad_steps,
+        strategy=strategy,
+        engine=_engine(strategy),
+        tokenizer=AutoTokenizer.from_pretrained(tiny_model_dir()),
+        train_dataset=_Rows(4 * steps),
+        eval_dataset=None,
+        collate_fn=_collate,
+        optim=optim,
+        ckpt=CheckpointConfig(save_path=str(tmp_path / "out")),
+        logging_cfg=LoggingConfig(),
+        tracker=_Tracker(),
+    )
 
 
 @pytest.mark.parametrize("stage", [0, 2])

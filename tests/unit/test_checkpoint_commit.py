@@ -64,8 +64,9 @@ def test_marker_whose_folder_is_gone_ignored(tmp_path):
 def test_marker_with_wrong_content_ignored(tmp_path):
     _save(tmp_path, 1)
     _save(tmp_path, 2)
-    (tmp_path / "committed" / "global_step2.json").write_text(json.dumps({"global_step": 7, "parts": ["actor"],
-                                                                         "state": {}}))
+    (tmp_path / "committed" / "global_step2.json").write_text(
+        json.dumps({"global_step": 7, "parts": ["actor"], "state": {}})
+    )
     assert ckpt.resolve(tmp_path).step == 1
 
 

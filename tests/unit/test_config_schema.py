@@ -3,15 +3,37 @@
 import subprocess
 import sys
 
-
 from openppo.config.schema import flag_names, parse_config
 from openppo.trainers.configs import DPOConfig, RMConfig, SFTConfig
 
-OPENRLHF_FLAGS = ["--pretrain", "--dataset", "--input_key", "--output_key", "--max_len", "--train_batch_size",
-                  "--micro_train_batch_size", "--max_epochs", "--learning_rate", "--zero_stage", "--save_path",
-                  "--ckpt_path", "--save_steps", "--load_checkpoint", "--lora_rank", "--adam_offload",
-                  "--gradient_checkpointing", "--overlap_comm", "--max_norm", "--max_ckpt_num", "--packing_samples",
-                  "--apply_chat_template", "--input_template", "--use_wandb", "--use_tensorboard", "--lr_warmup_ratio"]
+OPENRLHF_FLAGS = [
+    "--pretrain",
+    "--dataset",
+    "--input_key",
+    "--output_key",
+    "--max_len",
+    "--train_batch_size",
+    "--micro_train_batch_size",
+    "--max_epochs",
+    "--learning_rate",
+    "--zero_stage",
+    "--save_path",
+    "--ckpt_path",
+    "--save_steps",
+    "--load_checkpoint",
+    "--lora_rank",
+    "--adam_offload",
+    "--gradient_checkpointing",
+    "--overlap_comm",
+    "--max_norm",
+    "--max_ckpt_num",
+    "--packing_samples",
+    "--apply_chat_template",
+    "--input_template",
+    "--use_wandb",
+    "--use_tensorboard",
+    "--lr_warmup_ratio",
+]
 
 
 def test_sft_has_openrlhf_flags():
@@ -27,8 +49,24 @@ def test_preference_flags():
 
 
 def test_parse_nested_and_types():
-    cfg = parse_config(SFTConfig, ["--pretrain", "m", "--zero_stage", "3", "--adam_betas", "0.9", "0.99",
-                                   "--packing_samples", "--target_modules", "q_proj", "v_proj", "--use_wandb"], "t")
+    cfg = parse_config(
+        SFTConfig,
+        [
+            "--pretrain",
+            "m",
+            "--zero_stage",
+            "3",
+            "--adam_betas",
+            "0.9",
+            "0.99",
+            "--packing_samples",
+            "--target_modules",
+            "q_proj",
+            "v_proj",
+            "--use_wandb",
+        ],
+        "t",
+    )
     assert cfg.model.pretrain == "m" and cfg.ds.zero_stage == 3 and cfg.data.packing_samples
     assert cfg.optim.adam_betas == (0.9, 0.99) and cfg.model.target_modules == ["q_proj", "v_proj"]
     assert cfg.logging.use_wandb == "auto"
@@ -36,8 +74,12 @@ def test_parse_nested_and_types():
 
 
 def test_bad_choice_is_one_line_naming_the_flag():
-    proc = subprocess.run([sys.executable, "-m", "openppo.cli.train_sft", "--zero_stage", "4"], capture_output=True,
-                          text=True, timeout=120)
+    proc = subprocess.run(
+        [sys.executable, "-m", "openppo.cli.train_sft", "--zero_stage", "4"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
     assert proc.returncode == 2
     lines = [line for line in proc.stderr.splitlines() if line.strip()]
     assert len(lines) == 1 and "--zero_stage" in lines[0] and "choose from" in lines[0], proc.stderr

@@ -4,8 +4,16 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.utils.hardware import (ISA_CAP_VARIABLES, NATIVE_BF16_MAX_SLOWDOWN, Bf16Support, bf16_support,
-                                    device_record, isa_caps, probe_bf16_slowdown, resolve_param_dtype)
+from openppo.utils.hardware import (
+    ISA_CAP_VARIABLES,
+    NATIVE_BF16_MAX_SLOWDOWN,
+    Bf16Support,
+    bf16_support,
+    device_record,
+    isa_caps,
+    probe_bf16_slowdown,
+    resolve_param_dtype,
+)
 
 AVX2 = Bf16Support("AMD EPYC 7B13 (AVX2)", on_gpu=False, native=False, slowdown=52.0)
 SAPPHIRE = Bf16Support("Intel Xeon (AVX512, AVX512_BF16+AMX)", on_gpu=False, native=True, slowdown=0.4)
@@ -14,13 +22,16 @@ H100 = Bf16Support("NVIDIA H100 80GB HBM3", on_gpu=True, native=True, slowdown=N
 V100 = Bf16Support("Tesla V100-SXM2-32GB", on_gpu=True, native=False, slowdown=None)
 
 
-@pytest.mark.parametrize("support,dtype,why", [
-    (AVX2, "fp32", "no bf16 instructions, a bf16 matmul measured 52.0x the fp32 time"),
-    (SAPPHIRE, "bf16", "native bf16 instructions, a bf16 matmul measured 0.4x the fp32 time"),
-    (BROKEN, "fp32", "bf16 instructions present but a bf16 matmul measured 9.0x the fp32 time"),
-    (H100, "bf16", "the GPU supports bf16"),
-    (V100, "fp32", "the GPU has no bf16 (pre-Ampere)"),
-])
+@pytest.mark.parametrize(
+    "support,dtype,why",
+    [
+        (AVX2, "fp32", "no bf16 instructions, a bf16 matmul measured 52.0x the fp32 time"),
+        (SAPPHIRE, "bf16", "native bf16 instructions, a bf16 matmul measured 0.4x the fp32 time"),
+        (BROKEN, "fp32", "bf16 instructions present but a bf16 matmul measured 9.0x the fp32 time"),
+        (H100, "bf16", "the GPU supports bf16"),
+        (V100, "fp32", "the GPU has no bf16 (pre-Ampere)"),
+    ],
+)
 def test_auto_picks_bf16_only_where_it_is_fast(support, dtype, why):
     resolved, info, warning = resolve_param_dtype("auto", support)
     assert resolved == dtype and warning is None

@@ -56,8 +56,12 @@ def test_every_package_has_a_layer():
 
 
 def _upward(edges: dict[str, set[tuple[str, str]]]) -> list[str]:
-    return sorted(f"{source} -> {target} ({where})" for source, targets in edges.items()
-                  for target, where in targets if LAYER[target] >= LAYER[source])
+    return sorted(
+        f"{source} -> {target} ({where})"
+        for source, targets in edges.items()
+        for target, where in targets
+        if LAYER[target] >= LAYER[source]
+    )
 
 
 def test_imports_only_go_down_the_layers():

@@ -27,25 +27,33 @@ def test_logexp_equals_sigmoid_without_margin():
 
 def test_dpo_hand_value_and_rewards():
     # h = (-1 - -3) - (-2 - -2) = 2; beta 0.5 -> -log sigmoid(1) = 0.313262
-    loss, chosen_r, rejected_r = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]),
-                                          torch.tensor([-2.0]), beta=0.5)
+    loss, chosen_r, rejected_r = dpo_loss(
+        torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5
+    )
     assert loss.item() == pytest.approx(math.log1p(math.exp(-1.0)), abs=1e-6)
-    assert chosen_r.item() == pytest.approx(0.5)   # 0.5 * (-1 - -2)
+    assert chosen_r.item() == pytest.approx(0.5)  # 0.5 * (-1 - -2)
     assert rejected_r.item() == pytest.approx(-0.5)  # 0.5 * (-3 - -2)
 
 
 def test_cdpo_label_smoothing_hand_value():
     # h = 2, beta 0.5, eps 0.1: 0.9 * log(1+e^-1) + 0.1 * log(1+e^1)
-    loss, _, _ = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]),
-                          beta=0.5, label_smoothing=0.1)
+    loss, _, _ = dpo_loss(
+        torch.tensor([-1.0]),
+        torch.tensor([-3.0]),
+        torch.tensor([-2.0]),
+        torch.tensor([-2.0]),
+        beta=0.5,
+        label_smoothing=0.1,
+    )
     expected = 0.9 * math.log1p(math.exp(-1.0)) + 0.1 * math.log1p(math.exp(1.0))
     assert loss.item() == pytest.approx(expected, abs=1e-6)
 
 
 def test_ipo_hand_value():
     # h = 2, beta 0.5 -> (2 - 1/(2*0.5))^2 = 1
-    loss, _, _ = dpo_loss(torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]),
-                          beta=0.5, ipo=True)
+    loss, _, _ = dpo_loss(
+        torch.tensor([-1.0]), torch.tensor([-3.0]), torch.tensor([-2.0]), torch.tensor([-2.0]), beta=0.5, ipo=True
+    )
     assert loss.item() == pytest.approx(1.0)
 
 

@@ -13,8 +13,14 @@ def _steps(n: int, seed: int = 0) -> list[dict[str, float]]:
     rng = random.Random(seed)
     steps = []
     for i in range(n):
-        step = {"rollout/reward": rng.random(), "response_length": float(rng.randint(1, 30)), "kl": rng.random(),
-                "timing/generate": rng.random(), "timing/step": 2.0 + rng.random(), "perf/driver_rss_gib": 0.6}
+        step = {
+            "rollout/reward": rng.random(),
+            "response_length": float(rng.randint(1, 30)),
+            "kl": rng.random(),
+            "timing/generate": rng.random(),
+            "timing/step": 2.0 + rng.random(),
+            "perf/driver_rss_gib": 0.6,
+        }
         if i % 3 == 0:  # a stage that runs every third step (eval, a checkpoint)
             step["timing/save"] = rng.random()
         if i == 0:
@@ -33,7 +39,8 @@ def test_same_numbers_as_the_full_list(n):
     rest = timed[1:] if n > 1 else timed
     rest_keys = {k for s in rest for k in s}
     assert history.means(skip_first=True) == pytest.approx(
-        {k: sum(s.get(k, 0.0) for s in rest) / len(rest) for k in rest_keys})
+        {k: sum(s.get(k, 0.0) for s in rest) / len(rest) for k in rest_keys}
+    )
     first, last = history.rewards(5)
     assert first == [s["rollout/reward"] for s in steps[:5]] and last == [s["rollout/reward"] for s in steps[-5:]]
     assert history.response_length == (steps[0]["response_length"], steps[-1]["response_length"])

@@ -10,15 +10,25 @@ from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 def test_non_finite_metrics_are_written_not_dropped(tmp_path, caplog):
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-    tracker = MetricsTracker(save_dir=str(tmp_path), tensorboard_dir=str(tmp_path / "tb"), wandb=None,
-                             wandb_project="p", run_name="r", config={})
+    tracker = MetricsTracker(
+        save_dir=str(tmp_path),
+        tensorboard_dir=str(tmp_path / "tb"),
+        wandb=None,
+        wandb_project="p",
+        run_name="r",
+        config={},
+    )
     with caplog.at_level(logging.INFO, logger="openppo.utils.tracking"):
         tracker.log(1, {"loss": float("nan"), "grad": float("inf"), "neg": float("-inf"), "ok": 0.5})
         tracker.log(2, {"loss": float("nan"), "ok": 0.25})
     tracker.close()
     rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
-    assert {k: rows[0][k] for k in ("loss", "grad", "neg", "ok")} == {"loss": "nan", "grad": "inf", "neg": "-inf",
-                                                                       "ok": 0.5}
+    assert {k: rows[0][k] for k in ("loss", "grad", "neg", "ok")} == {
+        "loss": "nan",
+        "grad": "inf",
+        "neg": "-inf",
+        "ok": 0.5,
+    }
     assert rows[1]["loss"] == "nan"
     # stdout shows them, and one warning names each non-finite metric once
     echoed = [r.getMessage() for r in caplog.records if r.getMessage().startswith("step 1 |")]
@@ -41,6 +51,9 @@ def test_a_resume_sets_aside_the_rows_after_its_step(tmp_path):
     writer.write(json.dumps({"step": 3, "x": 30}) + "\n")  # the resumed run's step 3, after the kept rows
     writer.close()
     assert [json.loads(line) for line in path.read_text().splitlines()] == [
-        {"step": 1, "x": 1}, {"step": 2, "x": 2}, {"step": 3, "x": 30}]
+        {"step": 1, "x": 1},
+        {"step": 2, "x": 2},
+        {"step": 3, "x": 30},
+    ]
     assert set_aside_rows_after(path, 3) is None  # nothing after step 3: untouched
     assert set_aside_rows_after(tmp_path / "absent.jsonl", 1) is None
