@@ -16,6 +16,7 @@ from openppo.models.loading import load_tokenizer
 from openppo.ppo import launch
 from openppo.ppo.advisor import advice_text, advise
 from openppo.ppo.config import PPOConfig
+from openppo.ppo.plan import make_plan
 from openppo.ppo.summary import summary_table
 from openppo.ppo.trainer import PPOTrainer
 from openppo.ppo.validate import validate
@@ -46,8 +47,10 @@ def train(cfg: PPOConfig) -> None:
     eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
     agent_rollout = launch.agent_rollout(cfg, tokenizer) if cfg.rollout.agent_func_path else None
     kv_bytes = launch.kv_cache_bytes(cfg)  # before any model loads (it reads the free RAM) and before any write
+    plan = make_plan(cfg, len(prompts))  # every derived number, once
     config = to_dict(cfg)
-    log_run_info(run_info(config, "train_ppo_ray"), cfg.ckpt.save_path)
+    log_run_info({**run_info(config, "train_ppo_ray"), "plan": plan.to_dict()}, cfg.ckpt.save_path)
+    logger.info(plan.describe())
     tracker = MetricsTracker(
         save_dir=cfg.ckpt.save_path,
         tensorboard_dir=cfg.logging.use_tensorboard,
@@ -59,9 +62,9 @@ def train(cfg: PPOConfig) -> None:
     groups = None
     try:
         launch.start_ray()
-        groups = launch.build_groups(cfg, len(prompts), reward_source, kv_bytes)
+        groups = launch.build_groups(cfg, plan, reward_source, kv_bytes)
         trainer = PPOTrainer(
-            cfg, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts, agent_rollout=agent_rollout
+            cfg, plan, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts, agent_rollout=agent_rollout
         )
         try:
             history = trainer.fit()

@@ -217,7 +217,7 @@ def actor_loss(
                 norm_len=generate_max_len,
             )
 
-        if on_policy:  # one on-policy step per batch (see validate.needs_old_logprob_pass): old = current
+        if on_policy:  # one on-policy step per batch (see plan.RunPlan.old_logprob_pass): old = current
             old = out.log_probs.detach()
             old_sampling = out.sampling_log_probs
         else:

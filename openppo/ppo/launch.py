@@ -11,9 +11,10 @@ import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
 from openppo.ppo.colocation import colocation_pools, engine_placement
-from openppo.ppo.config import PPOConfig, ranks_per_shard
+from openppo.ppo.config import PPOConfig
 from openppo.ppo.groups import Groups
-from openppo.ppo.validate import actor_world_size, engine_dtype, needs_critic_group, needs_reference
+from openppo.ppo.plan import RunPlan
+from openppo.ppo.validate import actor_world_size
 
 logger = logging.getLogger(__name__)
 
@@ -89,16 +90,6 @@ def agent_rollout(cfg: PPOConfig, tokenizer):
     return rollout
 
 
-def num_training_steps(cfg: PPOConfig, num_prompts: int) -> int:
-    """Optimizer steps of the actor over the whole run (the LR schedule's length)."""
-    r, t = cfg.rollout, cfg.train
-    rl_steps = (num_prompts // r.rollout_batch_size) * t.num_episodes
-    if t.max_steps > 0:
-        rl_steps = min(rl_steps, t.max_steps)
-    per_step = r.rollout_batch_size * r.n_samples_per_prompt * t.max_epochs // t.train_batch_size
-    return max(1, rl_steps * per_step)
-
-
 def kv_cache_bytes(cfg: PPOConfig) -> int | None:
     """Each engine worker's KV cache in bytes: --vllm_kv_cache_bytes when given; on GPU otherwise None (vLLM sizes
     it from --vllm_gpu_memory_utilization); on CPU sized from the rollouts the run generates and capped by the RAM
@@ -166,7 +157,7 @@ def start_ray() -> None:
     ray.init(**kwargs)
 
 
-def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int | None) -> Groups:
+def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | None) -> Groups:
     """Start every model group and the engines; `kv_bytes` is each engine worker's KV cache (`kv_cache_bytes`)."""
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
@@ -179,52 +170,42 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
     from openppo.rollout import VLLMEngine
     from openppo.rollout.pool import EnginePool
 
-    res, timeout = cfg.resources, float(cfg.ds.dist_timeout)
-    steps = num_training_steps(cfg, num_prompts)
+    timeout = float(cfg.ds.dist_timeout)
     env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg))}
     gpu = 1.0 if torch.cuda.is_available() else 0.0
-    present = (
-        {"actor", "engines"}
-        | ({"reference"} if needs_reference(cfg) else set())
-        | ({"critic"} if needs_critic_group(cfg) else set())
-        | ({"reward"} if reward_source is None and not cfg.rollout.agent_func_path else set())
-    )
     shared = {}  # role -> (placement group, share of each bundle)
-    for pool in colocation_pools(cfg, present):
+    for colocated in colocation_pools(cfg, set(plan.roles) | {"engines"}):
         pg = make_placement_group(
-            pool.bundles, cpus_per_bundle=1.0, gpus_per_bundle=gpu, timeout_s=timeout, name=f"{pool.name}-pg"
+            colocated.bundles, cpus_per_bundle=1.0, gpus_per_bundle=gpu, timeout_s=timeout, name=f"{colocated.name}-pg"
         )
-        shared.update({role: (pg, pool.fraction) for role in pool.members})
-        logger.info("colocated (%s): %s", pool.name, pool.describe())
-    # deal rows by tokens when micro-batches are costed by tokens (packing, token budgets)
-    balance = cfg.rollout.packing_samples or cfg.rollout.use_dynamic_batch
+        shared.update({role: (pg, colocated.fraction) for role in colocated.members})
+        logger.info("colocated (%s): %s", colocated.name, colocated.describe())
 
-    def group(handle, worker, nodes, per_node, role):
-        pg, share = shared.get(role, (None, 1.0))
+    def start(handle, worker, name):
+        """The role's worker group, its `setup` started on every rank (its models load in parallel with the
+        other groups' and the engines')."""
+        role = plan.roles[name]
+        pg, share = shared.get(name, (None, 1.0))
         workers = WorkerGroup(
             worker,
-            nodes * per_node,
+            role.ranks,
             placement_group=pg,
             num_cpus_per_worker=share,
             num_gpus_per_worker=gpu * share,
             env=env,
-            name=role,
+            name=name,
             timeout_s=timeout,
         )
-        return handle(workers, replicas=ranks_per_shard(cfg, role), balance=balance)
+        return handle(workers, replicas=role.replicas, balance=plan.balance), workers.run_async(worker.setup, cfg, role)
 
-    actor = group(ActorGroup, ActorWorker, res.actor_num_nodes, res.actor_num_gpus_per_node, "actor")
-    pending = [(actor, actor.workers.run_async(ActorWorker.setup, cfg, steps))]
-    reference = critic = reward = None
-    if "reference" in present:
-        reference = group(ReferenceGroup, ReferenceWorker, res.ref_num_nodes, res.ref_num_gpus_per_node, "reference")
-        pending.append((reference, reference.workers.run_async(ReferenceWorker.setup, cfg)))
-    if "critic" in present:
-        critic = group(CriticGroup, CriticWorker, res.critic_num_nodes, res.critic_num_gpus_per_node, "critic")
-        pending.append((critic, critic.workers.run_async(CriticWorker.setup, cfg, steps)))
-    if "reward" in present:
-        reward = group(RewardGroup, RewardWorker, res.reward_num_nodes, res.reward_num_gpus_per_node, "reward")
-        pending.append((reward, reward.workers.run_async(RewardWorker.setup, cfg)))
+    handles = {
+        "actor": (ActorGroup, ActorWorker),
+        "reference": (ReferenceGroup, ReferenceWorker),
+        "critic": (CriticGroup, CriticWorker),
+        "reward": (RewardGroup, RewardWorker),
+    }
+    started = {name: start(*handles[name], name) for name in plan.roles}
+    groups = {name: group for name, (group, _) in started.items()}
     engine_cls = ray.remote(VLLMEngine)
     engines = []
     for i in range(cfg.vllm.vllm_num_engines):
@@ -242,7 +223,7 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
         engines.append(
             engine_cls.options(**options).remote(
                 cfg.model.pretrain,
-                dtype=engine_dtype(cfg),
+                dtype=plan.engine_dtype,
                 seed=cfg.train.seed + i,
                 max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
                 enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
@@ -258,14 +239,20 @@ def build_groups(cfg: PPOConfig, num_prompts: int, reward_source, kv_bytes: int 
     pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout)
     for i, info in enumerate(pool.infos):
         logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
-    results = {id(g): g.workers.get(refs) for g, refs in pending}
-    if reward is not None:
-        reward.normalization = results[id(reward)][0]
+    results = {name: group.workers.get(setups) for name, (group, setups) in started.items()}
+    if "reward" in groups:
+        groups["reward"].normalization = results["reward"][0]
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
-    plan = sync_plan(cfg, actor.worker_infos, pool.infos, backend, on_gpu=bool(gpu))
-    actor.connect_engines(pool, plan, backend, cfg.vllm.vllm_tensor_parallel_size)
+    actor = groups["actor"]
+    transports = sync_plan(cfg, actor.worker_infos, pool.infos, backend, on_gpu=bool(gpu))
+    actor.connect_engines(pool, transports, backend, cfg.vllm.vllm_tensor_parallel_size)
     return Groups(
-        actor=actor, engines=pool, critic=critic, reference=reference, reward=reward, reward_source=reward_source
+        actor=actor,
+        engines=pool,
+        critic=groups.get("critic"),
+        reference=groups.get("reference"),
+        reward=groups.get("reward"),
+        reward_source=reward_source,
     )
 
 

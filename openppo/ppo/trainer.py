@@ -43,10 +43,10 @@ from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups import Groups, TrainedGroup
 from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
+from openppo.ppo.plan import RunPlan
 from openppo.ppo.prompt_stream import PromptStream
 from openppo.ppo.summary import RunHistory
 from openppo.ppo.throughput import idle_seconds, step_throughput
-from openppo.ppo.validate import engine_dtype, needs_old_logprob_pass
 from openppo.rollout.pool import Sample
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
@@ -68,6 +68,7 @@ class PPOTrainer:
     def __init__(
         self,
         cfg: PPOConfig,
+        plan: RunPlan,
         groups: Groups,
         tokenizer,
         prompts,
@@ -75,7 +76,7 @@ class PPOTrainer:
         eval_prompts=None,
         agent_rollout: Callable | None = None,
     ):
-        self.cfg = cfg
+        self.cfg, self.plan = cfg, plan
         self.groups = groups
         self.tokenizer = tokenizer
         self.prompts = prompts  # PromptDataset: items with prompt, prompt_ids, label, index, datasource
@@ -89,10 +90,7 @@ class PPOTrainer:
             num_episodes=cfg.train.num_episodes,
             seed=cfg.train.seed,
         )
-        self.steps_per_episode = self.stream.per_episode // cfg.rollout.rollout_batch_size
-        self.total_steps = self.steps_per_episode * cfg.train.num_episodes
-        if cfg.train.max_steps > 0:
-            self.total_steps = min(self.total_steps, cfg.train.max_steps)
+        self.total_steps = plan.rl_steps
         self.global_step = 0
         self.policy_version = 0  # weight syncs done: the version the engines generate with
         self._sync_checked = False  # --vllm_sync_check ran
@@ -103,8 +101,7 @@ class PPOTrainer:
         self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
         self._producer: RolloutProducer | None = None
         self._profiler: StepProfiler | None = None  # the driver's trace while a --profile_steps step runs
-        self._old_logprob_pass = needs_old_logprob_pass(cfg)
-        if not self._old_logprob_pass:
+        if not plan.old_logprob_pass:
             logger.info(
                 "one on-policy optimizer step per batch and no reference model: the update's own "
                 "log-probs are the old log-probs (no separate old-log-prob pass)"
@@ -282,7 +279,7 @@ class PPOTrainer:
     def sync_weights(self) -> dict[str, float]:
         cfg = self.cfg
         stats = self.groups.actor.sync_weights(
-            self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20, engine_dtype(cfg)
+            self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20, self.plan.engine_dtype
         )
         self.policy_version += 1
         if cfg.vllm.vllm_sync_check and not self._sync_checked:
@@ -321,7 +318,7 @@ class PPOTrainer:
         # forwards: pi_old for the PPO ratio (none when the update is a single on-policy step), with --top_k/--top_p
         # also under the engines' truncation (the distribution their log-probs are of); pi_ref for the KL; V for GAE
         old = old_sampling = None
-        if self._old_logprob_pass:
+        if self.plan.old_logprob_pass:
             with self.timer("old_logprob"):
                 if cfg.rollout.sampling.active:
                     old, old_sampling = g.actor.log_probs_and_sampling(model_in)

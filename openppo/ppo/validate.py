@@ -35,25 +35,6 @@ def needs_critic_group(cfg: PPOConfig) -> bool:
     return needs_critic(cfg.algo.advantage_estimator)
 
 
-def needs_old_logprob_pass(cfg: PPOConfig) -> bool:
-    """Whether the actor must score the batch in a separate forward pass before training on it.
-
-    Not when the whole batch is one optimizer step of one epoch and no reference model is used: the old policy is
-    then the current one, and the update's own log-probs, detached, are the old log-probs (ratio 1 with the same
-    gradient; the separate pass would give the same numbers up to float rounding). Several optimizer steps or
-    epochs per batch move the policy before later micro-batches are trained on, and a reference model's KL is
-    measured against the old log-probs before the update: both need the pass.
-    """
-    r, t = cfg.rollout, cfg.train
-    one_step = t.max_epochs == 1 and r.rollout_batch_size * r.n_samples_per_prompt == t.train_batch_size
-    return not one_step or needs_reference(cfg)
-
-
-def engine_dtype(cfg: PPOConfig) -> str:
-    """vLLM's dtype: the trainer's (resolved from auto by the CLI), so engine and trainer log-probs compare."""
-    return {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}[cfg.ds.param_dtype]
-
-
 def actor_world_size(cfg: PPOConfig) -> int:
     return role_ranks(cfg, "actor")
 

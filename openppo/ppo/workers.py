@@ -6,13 +6,13 @@ typed handles are in `openppo.ppo.groups`):
 - `CriticWorker`: the trained value model (gae only); values, value update.
 - `ReferenceWorker`: frozen actor copy; reference log-probs for the KL term.
 - `RewardWorker`: frozen reward model; one score per sequence.
-`setup` builds the model once the group's process group can form (the driver calls it on every rank at once); a
+`setup(cfg, role)` builds the model, with the role's slice of the run plan (`openppo.ppo.plan`), once the group's
+process group can form (the driver calls it on every rank at once); a
 worker also runs in-process, without Ray (tests), by calling `setup` itself. Calls take and return CPU tensors.
 """
 
 from __future__ import annotations
 
-import os
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -24,34 +24,33 @@ from openppo.distributed.worker import BaseWorker
 from openppo.models.actor import Actor
 from openppo.models.packing import pad_to_width
 from openppo.models.scalar import ScalarModel, last_token_index
-from openppo.ppo.config import PPOConfig, ranks_per_shard
+from openppo.ppo.config import PPOConfig
 from openppo.ppo.fit import actor_loss, critic_loss, fit_experience, plan_on_all_ranks, row_lengths, select_rows
 from openppo.ppo.micro_batches import Batching
+from openppo.ppo.plan import RolePlan
 from openppo.ppo.throughput import mfu, peak_flops, train_flops
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.utils.resources import device_name, device_stats, trim_host_heap
 
 
-def make_strategy(cfg: PPOConfig, *, trained: bool, role: str = "critic") -> DeepSpeedStrategy:
+def make_strategy(cfg: PPOConfig, role: RolePlan) -> DeepSpeedStrategy:
     """A strategy whose batch arithmetic is the training one (frozen models only use the micro size)."""
     t = cfg.train
-    if trained:
+    if role.optimizer_steps:
         # DeepSpeed counts every rank as a replica; the ranks of a ring or a tensor-parallel group share their rows.
-        tp = cfg.ds.ds_tensor_parallel_size if role == "actor" else 1
         return DeepSpeedStrategy(
             cfg.ds,
-            train_batch_size=t.train_batch_size * ranks_per_shard(cfg, role),
+            train_batch_size=t.train_batch_size * role.replicas,
             micro_batch_size=t.micro_train_batch_size,
             max_norm=t.max_norm,
             seed=t.seed,
-            tensor_parallel_size=tp,
+            tensor_parallel_size=role.tensor_parallel,
         )
     # Frozen models never step an optimizer; DeepSpeed still wants batch sizes that divide over the ranks.
     micro = cfg.rollout.micro_rollout_batch_size
-    world = int(os.environ.get("WORLD_SIZE", "1"))
     return DeepSpeedStrategy(
-        cfg.ds, train_batch_size=micro * world, micro_batch_size=micro, max_norm=t.max_norm, seed=t.seed
+        cfg.ds, train_batch_size=micro * role.ranks, micro_batch_size=micro, max_norm=t.max_norm, seed=t.seed
     )
 
 
@@ -99,12 +98,6 @@ def forward_in_chunks(
     return torch.cat(out)
 
 
-def _rows_per_step(cfg: PPOConfig, strategy: DeepSpeedStrategy, role: str) -> int:
-    """Rows of one optimizer step on one rank: --train_batch_size over the data-parallel ranks (a ring or a
-    tensor-parallel group is one data-parallel rank)."""
-    return cfg.train.train_batch_size * ranks_per_shard(cfg, role) // strategy.world_size
-
-
 def _sequence_parallel(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
     """--ring_attn_size K: shard every packed row over K consecutive ranks (collective: all ranks call it)."""
     if cfg.rollout.ring_attn_size > 1:
@@ -138,14 +131,15 @@ class _TrainedWorker(BaseWorker):
     strategy: DeepSpeedStrategy
     engine: object
     cfg: PPOConfig
+    role: RolePlan
     num_params: int
 
-    def _perf(self, name: str, data: dict[str, torch.Tensor], seconds: float, replicas: int) -> dict[str, float]:
+    def _perf(self, name: str, data: dict[str, torch.Tensor], seconds: float) -> dict[str, float]:
         """perf/<name>_*: this rank's memory, and on a known GPU the MFU of the update (averaged over the ranks by
         the caller: each rank counts 1/replicas of the tokens it shares with its ring or tensor-parallel group)."""
         trim_host_heap()  # at most once a minute: the update's freed host memory goes back before the RSS is read
         out = {f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in device_stats().items()}
-        tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / replicas
+        tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / self.role.replicas
         peak = peak_flops(device_name(), self.cfg.ds.param_dtype) if torch.cuda.is_available() else None
         value = mfu(train_flops(self.num_params, tokens, self.cfg.model.gradient_checkpointing), seconds, peak)
         if value is not None:
@@ -187,9 +181,9 @@ class ActorWorker(_TrainedWorker):
     sync_plan = None  # openppo.rollout.transport.SyncPlan, set by connect_engines
     exchange = None  # the hand-over exchange with the other exporting ranks, when there is one
 
-    def setup(self, cfg: PPOConfig, num_training_steps: int) -> None:
-        self.cfg = cfg
-        self.strategy = make_strategy(cfg, trained=True, role="actor")
+    def setup(self, cfg: PPOConfig, role: RolePlan) -> None:
+        self.cfg, self.role = cfg, role
+        self.strategy = make_strategy(cfg, role)
         self.strategy.setup_distributed()
         with self.strategy.zero3_init():
             model = Actor.from_pretrained(
@@ -198,7 +192,7 @@ class ActorWorker(_TrainedWorker):
         _sequence_parallel(cfg, model)
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
-            model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, num_training_steps)
+            model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, role.optimizer_steps)
         )
         self.guard = self.strategy.step_guard(self.engine, "actor", "policy/skipped_steps")
         # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
@@ -267,13 +261,13 @@ class ActorWorker(_TrainedWorker):
             data,
             loss_fn,
             batching=train_batching(cfg),
-            rows_per_step=_rows_per_step(cfg, self.strategy, "actor"),
+            rows_per_step=self.role.rows_per_step,
             epochs=cfg.train.max_epochs,
             world_size=self.strategy.world_size,
             seed=cfg.train.seed + 1000 * global_step,
             device=self.strategy.device,
-            ring_size=cfg.rollout.ring_attn_size,
-            tensor_parallel_size=cfg.ds.ds_tensor_parallel_size,
+            ring_size=self.role.ring,
+            tensor_parallel_size=self.role.tensor_parallel,
             guard=self.guard,
         )
         metrics["policy/lr"] = self.engine.get_lr()[0]
@@ -282,7 +276,7 @@ class ActorWorker(_TrainedWorker):
             metrics["perf/ring_token_share"] = ring.token_share()
         if self.strategy.tensor_parallel_size > 1:
             metrics["perf/actor_weight_share"] = self.weight_share
-        metrics.update(self._perf("actor", data, time.perf_counter() - start, ranks_per_shard(cfg, "actor")))
+        metrics.update(self._perf("actor", data, time.perf_counter() - start))
         return self.strategy.all_reduce_mean(metrics)
 
     def connect_engines(
@@ -308,7 +302,7 @@ class ActorWorker(_TrainedWorker):
         """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats."""
         from openppo.rollout.sender import sync_weights
 
-        dtype = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}[engine_dtype]
+        dtype = getattr(torch, engine_dtype)  # vLLM's names are torch's
         out = sync_weights(
             self.engine.module,
             self.sync_group,
@@ -333,9 +327,9 @@ class ActorWorker(_TrainedWorker):
 
 
 class CriticWorker(_TrainedWorker):
-    def setup(self, cfg: PPOConfig, num_training_steps: int) -> None:
-        self.cfg = cfg
-        self.strategy = make_strategy(cfg, trained=True)
+    def setup(self, cfg: PPOConfig, role: RolePlan) -> None:
+        self.cfg, self.role = cfg, role
+        self.strategy = make_strategy(cfg, role)
         self.strategy.setup_distributed()
         path = cfg.model.critic_pretrain or cfg.model.reward_pretrain or cfg.model.pretrain
         with self.strategy.zero3_init():
@@ -345,7 +339,7 @@ class CriticWorker(_TrainedWorker):
         _sequence_parallel(cfg, model)
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
-            model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, num_training_steps)
+            model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, role.optimizer_steps)
         )
         self.guard = self.strategy.step_guard(self.engine, "critic", "critic/skipped_steps")
 
@@ -368,24 +362,24 @@ class CriticWorker(_TrainedWorker):
             data,
             critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
             batching=train_batching(cfg),
-            rows_per_step=_rows_per_step(cfg, self.strategy, "critic"),
+            rows_per_step=self.role.rows_per_step,
             epochs=cfg.train.max_epochs,
             world_size=self.strategy.world_size,
             seed=cfg.train.seed + 1000 * global_step + 1,
             device=self.strategy.device,
-            ring_size=cfg.rollout.ring_attn_size,
+            ring_size=self.role.ring,
             guard=self.guard,
         )
-        metrics.update(self._perf("critic", data, time.perf_counter() - start, ranks_per_shard(cfg, "critic")))
+        metrics.update(self._perf("critic", data, time.perf_counter() - start))
         return self.strategy.all_reduce_mean(metrics)
 
 
 class _FrozenWorker(BaseWorker):
     """A model that only runs forward passes (reference, reward): ZeRO-3 sharded and optionally offloaded."""
 
-    def _build(self, cfg: PPOConfig, build: Callable[[torch.dtype], Any]) -> None:
-        self.cfg = cfg
-        self.strategy = make_strategy(cfg, trained=False)
+    def _build(self, cfg: PPOConfig, role: RolePlan, build: Callable[[torch.dtype], Any]) -> None:
+        self.cfg, self.role = cfg, role
+        self.strategy = make_strategy(cfg, role)
         self.strategy.setup_distributed()
         offload = cfg.model.ref_reward_offload
         with self.strategy.zero3_init(for_training=False, offload=offload):
@@ -395,9 +389,10 @@ class _FrozenWorker(BaseWorker):
 
 
 class ReferenceWorker(_FrozenWorker):
-    def setup(self, cfg: PPOConfig) -> None:
+    def setup(self, cfg: PPOConfig, role: RolePlan) -> None:
         self._build(
             cfg,
+            role,
             lambda dtype: Actor.from_pretrained(
                 cfg.model.pretrain, dtype=dtype, attn_implementation=cfg.model.attn_implementation
             ),
@@ -407,10 +402,11 @@ class ReferenceWorker(_FrozenWorker):
 
 
 class RewardWorker(_FrozenWorker):
-    def setup(self, cfg: PPOConfig) -> tuple[float, float]:
+    def setup(self, cfg: PPOConfig, role: RolePlan) -> tuple[float, float]:
         """Returns the reward model's normalisation (mean, std) saved with it."""
         self._build(
             cfg,
+            role,
             lambda dtype: ScalarModel.from_pretrained(
                 cfg.model.reward_pretrain,
                 dtype=dtype,

@@ -9,6 +9,7 @@ import torch
 from openppo.config.schema import parse_config
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.experience import collate_samples
+from openppo.ppo.plan import make_plan
 from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
 from openppo.rollout.pool import Sample
 from tests.model_cache import tiny_model_dir
@@ -65,15 +66,15 @@ def batch():
     return collate_samples(samples, pad_token_id=0)
 
 
-def _ready(worker, *args):
-    worker.setup(*args)
+def _ready(worker, cfg, role: str):
+    worker.setup(cfg, make_plan(cfg, num_prompts=4).roles[role])
     return worker
 
 
 def test_workers(cfg, batch):
     data = {k: batch[k] for k in ("sequences", "attention_mask")}
-    policy = _ready(ActorWorker(), cfg, 4)
-    reference = _ready(ReferenceWorker(), cfg)
+    policy = _ready(ActorWorker(), cfg, "actor")
+    reference = _ready(ReferenceWorker(), cfg, "reference")
     old = policy.log_probs(data)
     assert old.shape == batch["action_mask"].shape
     assert torch.allclose(old, reference.log_probs(data), atol=1e-6)
@@ -88,10 +89,10 @@ def test_workers(cfg, batch):
     mask = batch["action_mask"].bool()
     assert (new[mask] - old[mask]).mean() > 0  # positive advantages raise the log-probs of the taken tokens
 
-    critic = _ready(CriticWorker(), cfg, 4)
+    critic = _ready(CriticWorker(), cfg, "critic")
     values = critic.values(data)
     assert values.shape == batch["action_mask"].shape
-    scores = _ready(RewardWorker(), cfg).scores(data)
+    scores = _ready(RewardWorker(), cfg, "reward").scores(data)
     assert scores.shape == (4,)
     # the reward role reads the critic-identical head at each row's last real token
     last = batch["attention_mask"].sum(-1) - 1

@@ -1,0 +1,59 @@
+"""The run plan against hand-computed values: steps, the rows of a rank's optimizer step, the LR schedule's length,
+which roles run, and the old-log-prob pass."""
+
+from __future__ import annotations
+
+import json
+
+from openppo.config.schema import parse_config
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.plan import make_plan
+
+
+def _plan(flags: str, num_prompts: int):
+    args = "--pretrain m --prompt_data p --remote_rm_url r.py".split() + flags.split()
+    return make_plan(parse_config(PPOConfig, args, "t"), num_prompts)
+
+
+def test_ppo_with_a_ring_and_a_critic():
+    # 50 prompts, 4 a step: 12 steps an episode (2 prompts never drawn), 2 episodes, capped at 20 by --max_steps.
+    # 4 prompts x 2 samples = 8 rows a step, --max_epochs 2, --train_batch_size 4: 4 optimizer steps an RL step.
+    # actor: 4 ranks in rings of 2 -> 2 data-parallel ranks, 2 rows each per optimizer step.
+    plan = _plan(
+        "--rollout_batch_size 4 --n_samples_per_prompt 2 --train_batch_size 4 --max_epochs 2 --num_episodes 2 "
+        "--max_steps 20 --actor_num_gpus_per_node 4 --critic_num_gpus_per_node 2 --ring_attn_size 2 "
+        "--packing_samples --param_dtype bf16",
+        num_prompts=50,
+    )
+    assert (plan.rl_steps, plan.steps_per_episode) == (20, 12)
+    assert set(plan.roles) == {"actor", "reference", "critic"}  # gae, --init_kl_coef 0.01 by default
+    actor, critic, ref = plan.roles["actor"], plan.roles["critic"], plan.roles["reference"]
+    assert (actor.ranks, actor.replicas, actor.data_parallel, actor.rows_per_step) == (4, 2, 2, 2)
+    assert actor.optimizer_steps == critic.optimizer_steps == 20 * 4
+    assert (critic.ranks, critic.replicas, critic.data_parallel, critic.rows_per_step) == (2, 2, 1, 4)
+    assert (ref.rows_per_step, ref.optimizer_steps) == (0, 0)  # frozen
+    assert plan.engine_dtype == "bfloat16" and plan.balance and plan.old_logprob_pass
+    assert "20 RL steps (12 an episode)" in plan.describe()
+    assert json.loads(json.dumps(plan.to_dict()))["roles"]["actor"]["rows_per_step"] == 2  # logged with the run
+
+
+def test_one_on_policy_step_needs_no_old_log_prob_pass():
+    # GRPO, no reference, the whole batch one optimizer step of one epoch: pi_old is the policy being trained
+    grpo = "--advantage_estimator group_norm --rollout_batch_size 2 --n_samples_per_prompt 4 --param_dtype fp32 "
+    plan = _plan(grpo + "--init_kl_coef 0 --train_batch_size 8", num_prompts=8)
+    assert set(plan.roles) == {"actor"} and not plan.old_logprob_pass and not plan.balance
+    assert plan.engine_dtype == "float32" and plan.rl_steps == 4 and plan.roles["actor"].optimizer_steps == 4
+    assert _plan(grpo + "--init_kl_coef 0 --train_batch_size 8 --max_epochs 2", 8).old_logprob_pass  # 2nd epoch
+    assert _plan(grpo + "--init_kl_coef 0 --train_batch_size 4", 8).old_logprob_pass  # 2 optimizer steps a batch
+    assert _plan(grpo + "--train_batch_size 8", 8).old_logprob_pass  # a reference's KL is measured against pi_old
+
+
+def test_tensor_parallel_actor_shares_rows_and_a_reward_model_runs():
+    plan = _plan(
+        "--ds_tensor_parallel_size 2 --actor_num_gpus_per_node 4 --rollout_batch_size 4 --train_batch_size 4 "
+        "--reward_pretrain m --param_dtype fp16",
+        num_prompts=4,
+    )
+    actor = plan.roles["actor"]
+    assert (actor.tensor_parallel, actor.replicas, actor.data_parallel, actor.rows_per_step) == (2, 2, 2, 2)
+    assert plan.roles["reward"].ranks == 1 and plan.engine_dtype == "float16"
