@@ -45,7 +45,7 @@ def train(cfg: PPOConfig) -> None:
     tokenizer = load_tokenizer(cfg.model.pretrain)
     prompts = launch.load_prompts(cfg, tokenizer, rows)
     eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
-    agent_rollout = launch.agent_rollout(cfg, tokenizer) if cfg.rollout.agent_func_path else None
+    agent_episodes = launch.agent_episodes(cfg, tokenizer) if cfg.rollout.agent_func_path else None
     kv_bytes = launch.kv_cache_bytes(cfg)  # before any model loads (it reads the free RAM) and before any write
     plan = make_plan(cfg, len(prompts))  # every derived number, once
     config = to_dict(cfg)
@@ -63,9 +63,8 @@ def train(cfg: PPOConfig) -> None:
     try:
         launch.start_ray()
         groups = launch.build_groups(cfg, plan, reward_source, kv_bytes)
-        trainer = PPOTrainer(
-            cfg, plan, groups, tokenizer, prompts, tracker, eval_prompts=eval_prompts, agent_rollout=agent_rollout
-        )
+        source = launch.rollout_source(cfg, groups, tokenizer, agent_episodes)
+        trainer = PPOTrainer(cfg, plan, groups, tokenizer, prompts, tracker, source, eval_prompts=eval_prompts)
         try:
             history = trainer.fit()
         except Exception as exc:

@@ -10,6 +10,7 @@ import datasets
 import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
+from openppo.ppo.collector import RolloutSource
 from openppo.ppo.colocation import colocation_pools, engine_placement
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.groups import Groups
@@ -64,7 +65,18 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
     )
 
 
-def agent_rollout(cfg: PPOConfig, tokenizer):
+def rollout_source(cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=None) -> RolloutSource:
+    """The run's rollout source, chosen once: the agent's episodes (`agent_episodes(cfg, tokenizer)`, built before
+    Ray starts so that a broken agent file fails first) or single-turn generation scored by the reward source or
+    the reward model."""
+    from openppo.ppo.collector import AgentEpisodes, SingleTurn
+
+    if agent_episodes is not None:
+        return AgentEpisodes(groups.engines, cfg, agent_episodes)
+    return SingleTurn(groups.engines, cfg, tokenizer, reward_source=groups.reward_source, reward_model=groups.reward)
+
+
+def agent_episodes(cfg: PPOConfig, tokenizer):
     """`(generate, items, n) -> samples` running the `--agent_func_path` environment's episodes.
 
     Each model turn may use up to --generate_max_len new tokens; prompt, every turn and the environment's feedback

@@ -7,6 +7,10 @@ tokens over `timing/actor_train`, samples and generated tokens per hour over the
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections.abc import Iterator
+
 # Dense bf16/fp16 tensor-core peak per device, in FLOP/s (vendor data sheets, SXM parts without sparsity).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
@@ -66,3 +70,14 @@ def step_throughput(
         out["perf/samples_per_s"] = samples / step
         out["perf/generated_tokens_per_hour"] = generated_tokens / step * 3600
     return out
+
+
+@contextlib.contextmanager
+def timed(timing: dict[str, float], stage: str) -> Iterator[None]:
+    """Adds the block's wall time to `timing["timing/<stage>"]`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"timing/{stage}"
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - start

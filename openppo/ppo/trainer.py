@@ -4,31 +4,27 @@
 
 Where each call goes (driver: this process; ranks and engines: Ray actors):
 
-    step - EnginePool.generate ---------------> VLLMEngine.generate (rollout/engine.py) --> vLLM LLM.generate
-         |                                        +- worker_extension.py inside each vLLM worker (weights, seeds)
-         + RewardSource.score / RewardGroup.scores (reward function, HTTP server, or reward-model ranks)
-         + ActorGroup.log_probs / ReferenceGroup.log_probs / CriticGroup.values     (ppo/groups.py: deal rows)
-         |    +-> ActorWorker.log_probs ... (ppo/workers.py, one per rank) --> DeepSpeed engine --> Actor.forward
-         + compute_advantages_for_batch (ppo/experience.py --> algorithms/: pure tensor math)
-         + CriticGroup.train / ActorGroup.train
-         |    +-> CriticWorker.train / ActorWorker.train --> fit_experience (ppo/fit.py) --> engine.backward, step
-         + ActorGroup.sync_weights --> ActorWorker.sync_weights --> rollout/sender.py --> the engines' workers
+    step -+ Collector.collect (ppo/collector.py: prompt order, dynamic filtering; --async_train: a thread ahead)
+          |    +-> RolloutSource.generate --> EnginePool.generate --> VLLMEngine.generate --> vLLM
+          |    +-> RolloutSource.score --> reward function / HTTP server / RewardGroup.scores (reward-model ranks)
+          + ActorGroup.log_probs / ReferenceGroup.log_probs / CriticGroup.values     (ppo/groups.py: deal rows)
+          |    +-> ActorWorker.log_probs ... (ppo/workers.py, one per rank) --> DeepSpeed engine --> Actor.forward
+          + compute_advantages_for_batch (ppo/experience.py --> algorithms/: pure tensor math)
+          + CriticGroup.train / ActorGroup.train
+          |    +-> CriticWorker.train / ActorWorker.train --> fit_experience (ppo/fit.py) --> engine.backward, step
+          + ActorGroup.sync_weights --> ActorWorker.sync_weights --> rollout/sender.py --> the engines' workers
 
-The controller holds no model: it owns the prompt order (`PromptStream`), the KL controller, checkpoints of its
-own state and the metrics. Memory swapping for colocated runs (engines asleep while the trainer works, trainer
-states offloaded while the engines generate) is in `MemorySwap`; generating ahead of training (--async_train) in
-`RolloutProducer`.
+The controller holds no model: it owns the step count, the KL controller, checkpoints of its own state and the
+metrics. Memory swapping for colocated runs (engines asleep while the trainer works, trainer states offloaded
+while the engines generate) is in `MemorySwap`.
 """
 
 from __future__ import annotations
 
-import contextlib
-import itertools
 import json
 import logging
-import threading
 import time
-from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from pathlib import Path
 
 import torch
@@ -36,18 +32,14 @@ from tqdm import tqdm
 
 from openppo.algorithms import build_kl_controller, engine_gap, masked_mean, sequence_kl
 from openppo.errors import UserError
-from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
+from openppo.ppo.collector import Collector, PromptStream, Rollout, RolloutProducer, RolloutSource, staleness
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.evaluation import eval_metrics
 from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups import Groups, TrainedGroup
-from openppo.ppo.groups_filter import expand_to_samples, keep_groups
 from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.plan import RunPlan
-from openppo.ppo.prompt_stream import PromptStream
 from openppo.ppo.summary import RunHistory
-from openppo.ppo.throughput import idle_seconds, step_throughput
-from openppo.rollout.pool import Sample
+from openppo.ppo.throughput import idle_seconds, step_throughput, timed
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
 from openppo.utils.resources import rss_gib
@@ -73,15 +65,13 @@ class PPOTrainer:
         tokenizer,
         prompts,
         tracker: MetricsTracker,
+        source: RolloutSource,
         eval_prompts=None,
-        agent_rollout: Callable | None = None,
     ):
         self.cfg, self.plan = cfg, plan
         self.groups = groups
         self.tokenizer = tokenizer
-        self.prompts = prompts  # PromptDataset: items with prompt, prompt_ids, label, index, datasource
         self.eval_prompts = eval_prompts
-        self.agent_rollout = agent_rollout  # agent episodes instead of single-turn generation (openppo.agents)
         self.tracker = tracker
         self.kl_ctl = build_kl_controller(cfg.algo.init_kl_coef, cfg.algo.kl_target, cfg.algo.kl_horizon)
         self.stream = PromptStream(
@@ -90,14 +80,14 @@ class PPOTrainer:
             num_episodes=cfg.train.num_episodes,
             seed=cfg.train.seed,
         )
+        # prompts (PromptDataset items: prompt, prompt_ids, label, index, datasource) -> scored rollout batches
+        self.collector = Collector(cfg, prompts, source, self.stream, lambda: self.policy_version)
         self.total_steps = plan.rl_steps
         self.global_step = 0
         self.policy_version = 0  # weight syncs done: the version the engines generate with
         self._sync_checked = False  # --vllm_sync_check ran
         self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
-        self._local = threading.local()  # stage timings per thread (--async_train collects on its own thread)
-        # a reward-model group runs collectives: calls from the rollout thread and from eval must not interleave
-        self._reward_lock = threading.Lock()
+        self._timing: dict[str, float] = {}  # this step's timing/* (the batch's own come with it)
         self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
         self._producer: RolloutProducer | None = None
         self._profiler: StepProfiler | None = None  # the driver's trace while a --profile_steps step runs
@@ -110,151 +100,15 @@ class PPOTrainer:
         Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
         self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
 
-    @property
-    def _timing(self) -> dict[str, float]:
-        if not hasattr(self._local, "timing"):
-            self._local.timing = {}
-        return self._local.timing
-
-    @_timing.setter
-    def _timing(self, value: dict[str, float]) -> None:
-        self._local.timing = value
-
-    @contextlib.contextmanager
-    def timer(self, stage: str) -> Iterator[None]:
-        """Adds the block's wall time to `timing/<stage>` of this step (per thread: --async_train generates on its
-        own)."""
-        start = time.perf_counter()
-        try:
-            yield
-        finally:
-            key = f"timing/{stage}"
-            self._timing[key] = self._timing.get(key, 0.0) + time.perf_counter() - start
+    def timer(self, stage: str) -> AbstractContextManager:
+        """`with self.timer("stage"):` adds the block's wall time to this step's `timing/<stage>`."""
+        return timed(self._timing, stage)
 
     # ------------------------------------------------------------------------------------------------ rollout
-    def generate(self, items: list[dict], *, n: int, temperature: float, seed: int | None = None) -> list[Sample]:
-        """n samples per prompt, grouped: the n samples of a prompt are consecutive, prompts in order. Each sample
-        records the weight version at the start of its generation (the oldest that can have produced it).
-        `seed` (--full_determinism) reseeds the engines' sampling; each agent turn gets its own."""
-        version = self.policy_version
-        if self.agent_rollout is not None:
-            turns = itertools.count()
-            samples = self.agent_rollout(
-                lambda ids, budgets: [
-                    c[0]
-                    for c in self._generate(
-                        ids,
-                        n=1,
-                        temperature=temperature,
-                        max_new_tokens=budgets,
-                        seed=None if seed is None else seed + next(turns),
-                    )
-                ],
-                items,
-                n,
-            )
-            for s in samples:
-                s.policy_version = version
-            return samples
-        outputs = self._generate(
-            [it["prompt_ids"] for it in items],
-            n=n,
-            temperature=temperature,
-            max_new_tokens=self.cfg.data.generate_max_len,
-            seed=seed,
-        )
-        return [
-            Sample(
-                prompt_ids=list(item["prompt_ids"]),
-                response_ids=c["token_ids"],
-                rollout_log_probs=c["logprobs"],
-                finish_reason=c["finish_reason"],
-                group=item["index"],
-                label=item["label"],
-                prompt_text=item["prompt"],
-                policy_version=version,
-            )
-            for item, completions in zip(items, outputs)
-            for c in completions
-        ]
-
-    def _generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[dict]]:
-        r = self.cfg.rollout
-        return self.groups.engines.generate(prompt_ids, top_p=r.top_p, top_k=r.top_k, **kwargs)
-
-    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict]:
-        """Raw rewards [B]: the agent's episode rewards, the reward source (on text) or the reward model."""
-        if self.agent_rollout is not None:
-            keys = sorted({k for s in samples for k in s.extra})
-            extra = {k: sum(s.extra.get(k, 0.0) for s in samples) / len(samples) for k in keys}
-            return torch.tensor([s.reward for s in samples], dtype=torch.float32), extra
-        if self.groups.reward_source is not None:
-            responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-            prompts = [s.prompt_text for s in samples]
-            result = self.groups.reward_source.score(
-                [p + r for p, r in zip(prompts, responses)], prompts, [s.label for s in samples]
-            )
-            extra = {f"reward/{k}": sum(v) / len(v) for k, v in result.extra_logs.items() if v}
-            return torch.tensor(result.rewards, dtype=torch.float32), extra
-        batch = collate_samples(samples, self.tokenizer.pad_token_id)
-        data = {k: batch[k] for k in ("sequences", "attention_mask")}
-        with self._reward_lock:
-            return self.groups.reward.scores(data), {}
-
-    def collect(self) -> Rollout | None:
-        """One rollout batch of `--rollout_batch_size` groups, or None when the prompts ran out first.
-
-        With `--dynamic_filtering`, groups outside the reward range are dropped and only the missing number of new
-        prompts is generated in the next round, until the batch is full.
-        """
-        r = self.cfg.rollout
-        n = r.n_samples_per_prompt
-        self._timing = {}
-        samples: list[Sample] = []
-        scores: list[torch.Tensor] = []
-        logs: dict[str, float] = {}
-        generated: list[torch.Tensor] = []
-        taken: list[int] = []
-        rounds = 0
-        while len(samples) < r.rollout_batch_size * n:
-            # --full_determinism: the round's seed follows from the prompt position, which a resume restores
-            seed = self._round_seed(self.stream.cursor) if self.cfg.train.full_determinism else None
-            indices = self.stream.take(r.rollout_batch_size - len(samples) // n)
-            if not indices:
-                return None
-            taken += [self.prompts[j]["index"] for j in indices]
-            rounds += 1
-            items = [self.prompts[j] for j in indices]
-            with self.timer("generate"):
-                new = self.generate(items, n=n, temperature=r.temperature, seed=seed)
-            with self.timer("reward"):
-                new_scores, logs = self.score(new)
-            generated.append(new_scores)
-            if r.dynamic_filtering:
-                keep = expand_to_samples(keep_groups(new_scores, n, tuple(r.dynamic_filtering_reward_range)), n)
-                new, new_scores = [new[i] for i in keep], new_scores[keep]
-            samples += new
-            scores.append(new_scores)
-        if r.dynamic_filtering:
-            all_scores = torch.cat(generated)
-            logs.update(
-                {
-                    "rollout/generate_rounds": rounds,
-                    "rollout/filtered_ratio": 1.0 - len(samples) / all_scores.numel(),
-                    "rollout/reward_before_filter": all_scores.mean().item(),
-                }
-            )
-        return Rollout(samples, torch.cat(scores), logs, taken, self.stream.state_dict(), dict(self._timing))
-
-    def _round_seed(self, cursor: int) -> int:
-        """The sampling seed of the generation round that starts at prompt position `cursor` (each request of the
-        round adds its own offset, each agent turn one more)."""
-        return (self.cfg.train.seed * 1_000_003 + cursor) * 1_000_000 % 2**62
-
     def next_rollout(self) -> Rollout | None:
         """This step's batch: collected now, or (--async_train) taken from the batches generated ahead."""
         if self._producer is None:
-            return self.collect()
+            return self.collector.collect()
         rollout, waited = self._producer.get()
         if rollout is not None:
             rollout.timing["timing/wait_rollout"] = waited
@@ -445,17 +299,10 @@ class PPOTrainer:
     def evaluate(self) -> dict[str, float]:
         """pass@1 / pass@k on the whole eval set with the current weights (engines must be awake)."""
         d = self.cfg.data
-        items = list(self.eval_prompts)
-        start = time.perf_counter()
-        samples = self.generate(items, n=d.eval_n_samples_per_prompt, temperature=d.eval_temperature)
-        scores, _ = self.score(samples)
-        metrics = eval_metrics(
-            scores.view(len(items), d.eval_n_samples_per_prompt),
-            [it.get("datasource", "default") for it in items],
-            torch.tensor([len(s.response_ids) for s in samples]),
-        )
-        metrics["timing/eval"] = time.perf_counter() - start
-        return metrics
+        timing: dict[str, float] = {}
+        with timed(timing, "eval"):
+            metrics = self.collector.evaluate(list(self.eval_prompts), d.eval_n_samples_per_prompt, d.eval_temperature)
+        return {**metrics, **timing}
 
     def _eval_due(self, episode_end: bool) -> bool:
         every = self.cfg.logging.eval_steps
@@ -555,7 +402,7 @@ class PPOTrainer:
         self.swap.start()
         if cfg.rollout.async_train:
             self._producer = RolloutProducer(
-                self.collect,
+                self.collector.collect,
                 ahead=cfg.rollout.async_queue_size,
                 limit=self.total_steps - self.global_step,
                 timeout_s=float(cfg.ds.dist_timeout),

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from openppo.ppo.async_rollout import Rollout, RolloutProducer, staleness
+from openppo.ppo.collector import Rollout, RolloutProducer, staleness
 from openppo.rollout.pool import Sample
 
 

@@ -6,11 +6,9 @@ import pytest
 import torch
 
 from openppo.config.schema import parse_config
+from openppo.ppo.collector import PromptStream, eval_metrics, expand_to_samples, keep_groups, pass_at_k
 from openppo.ppo.colocation import colocation_pools
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.evaluation import eval_metrics, pass_at_k
-from openppo.ppo.groups_filter import expand_to_samples, keep_groups
-from openppo.ppo.prompt_stream import PromptStream
 
 
 def test_prompt_stream_order_and_resume():

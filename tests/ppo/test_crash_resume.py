@@ -18,7 +18,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from openppo.ppo.prompt_stream import PromptStream
+from openppo.ppo.collector import PromptStream
 from openppo.strategy import checkpoint as ckpt
 from openppo.tasks.arithmetic import make_rows, write_jsonl
 from tests.cli.helpers import REPO, cli_env, read_metrics, run_cli

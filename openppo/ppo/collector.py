@@ -1,0 +1,406 @@
+"""Where a step's batch comes from: prompts in a resumable order, a rollout source that turns them into scored
+samples, dynamic filtering, generating ahead (--async_train), and the eval set's pass@k.
+
+    Collector.collect: PromptStream.take -> RolloutSource.generate (engines) -> RolloutSource.score -> [filter]
+
+The rollout source is chosen once per run: `SingleTurn` (one response per request, scored by a reward function,
+an HTTP reward server or the reward model's ranks) or `AgentEpisodes` (multi-turn episodes of an --agent_func_path
+environment, which also gives the rewards).
+
+Prompt order. Every episode is a fresh random permutation of the prompt set, seeded by `(seed, episode)` alone, so
+a resumed run rebuilds the same order without replaying earlier episodes. Each episode uses a whole number of
+rollout batches (the remainder of a permutation is skipped, as a `drop_last` loader would). The only state is the
+cursor: how many prompts have been handed out. Dynamic filtering takes more prompts per step than the batch
+holds, so steps and prompts are counted apart.
+
+Dynamic filtering (DAPO dynamic sampling, Yu et al. 2025, arXiv:2503.14476, section 3.2): a group whose samples all
+score the same gives every sample a zero group-normalised advantage, so it costs compute and teaches nothing. Such
+groups are dropped and the batch is refilled with new prompts. OpenRLHF's rule is kept: a group stays when
+`lo < mean score < hi` (strict), which for 0/1 rewards and the default range (0, 1) is exactly "not all wrong and
+not all right".
+
+Generating ahead (`RolloutProducer`) runs `Collector.collect` on a background thread, so the engines generate
+batch k+1 while the trainer works on batch k. Staleness is bounded by `--async_queue_size` Q: batch b (trained at
+step b, with policy version b-1) may only start once b-1-Q steps are done, so every sample it holds was generated
+by a policy at most Q versions old. The engine pool's lock keeps generation and weight syncs apart; each sample
+records the version that generated it.
+
+Eval: pass@1 and pass@k over k samples per prompt, overall and per datasource. With a 0/1 correctness reward,
+pass@1 is the mean success rate and pass@k the share of prompts with at least one success among k samples
+(k = --eval_n_samples_per_prompt; the plain estimator with n = k, Chen et al. 2021, arXiv:2107.03374). With graded
+rewards the same numbers read as mean reward and mean best-of-k reward.
+"""
+
+from __future__ import annotations
+
+import itertools
+import queue
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.experience import collate_samples
+from openppo.ppo.throughput import timed
+from openppo.rollout.pool import EnginePool, Sample
+
+# -- prompt order ------------------------------------------------------------------------------------------------
+
+
+class PromptStream:
+    def __init__(self, num_prompts: int, *, rollout_batch_size: int, num_episodes: int, seed: int):
+        if num_prompts < rollout_batch_size:
+            raise ValueError(f"{num_prompts} prompts do not fill one rollout batch of {rollout_batch_size}")
+        self.num_prompts = num_prompts
+        self.per_episode = (num_prompts // rollout_batch_size) * rollout_batch_size
+        self.num_episodes = num_episodes
+        self.seed = seed
+        self.cursor = 0
+        self._orders: dict[int, list[int]] = {}
+
+    @property
+    def total(self) -> int:
+        return self.per_episode * self.num_episodes
+
+    @property
+    def episode(self) -> int:
+        return self.cursor // self.per_episode
+
+    def remaining(self) -> int:
+        return self.total - self.cursor
+
+    def _order(self, episode: int) -> list[int]:
+        if episode not in self._orders:
+            self._orders = {
+                episode: torch.randperm(
+                    self.num_prompts, generator=torch.Generator().manual_seed(self.seed * 100_003 + episode)
+                ).tolist()
+            }
+        return self._orders[episode]
+
+    def take(self, n: int) -> list[int]:
+        """The next `n` prompt indices (fewer, possibly none, when the episodes are used up)."""
+        out = []
+        while len(out) < n and self.cursor < self.total:
+            episode, offset = divmod(self.cursor, self.per_episode)
+            out.append(self._order(episode)[offset])
+            self.cursor += 1
+        return out
+
+    def state_dict(self) -> dict[str, int]:
+        return {"cursor": self.cursor, "per_episode": self.per_episode}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        if state["per_episode"] != self.per_episode:
+            raise ValueError(
+                f"the checkpoint was taken with {state['per_episode']} prompts per episode, this run has "
+                f"{self.per_episode}: resume with the same --prompt_data, --max_samples and "
+                f"--rollout_batch_size"
+            )
+        self.cursor = int(state["cursor"])
+
+
+# -- dynamic filtering ------------------------------------------------------------------------------------------
+
+
+def keep_groups(scores: torch.Tensor, n_samples_per_prompt: int, reward_range: tuple[float, float]) -> torch.Tensor:
+    """bool [num_groups]: which groups of `n_samples_per_prompt` consecutive scores to keep."""
+    if scores.numel() % n_samples_per_prompt:
+        raise ValueError(f"{scores.numel()} scores do not form groups of {n_samples_per_prompt}")
+    lo, hi = reward_range
+    means = scores.float().view(-1, n_samples_per_prompt).mean(dim=1)
+    return (means > lo) & (means < hi)
+
+
+def expand_to_samples(group_mask: torch.Tensor, n_samples_per_prompt: int) -> list[int]:
+    """Sample positions belonging to the kept groups, in order."""
+    return [
+        g * n_samples_per_prompt + i
+        for g in torch.nonzero(group_mask).flatten().tolist()
+        for i in range(n_samples_per_prompt)
+    ]
+
+
+# -- rollout sources ---------------------------------------------------------------------------------------------
+
+
+class RolloutSource:
+    """Prompts -> samples -> raw rewards. `generate` returns the n samples of each prompt consecutively, prompts in
+    order; `seed` (--full_determinism) reseeds the engines' sampling; `version` is the weight version at the start
+    of the generation (the oldest that can have produced a sample)."""
+
+    def __init__(self, engines: EnginePool, cfg: PPOConfig):
+        self.engines, self.cfg = engines, cfg
+
+    def _engine_generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[dict]]:
+        r = self.cfg.rollout
+        return self.engines.generate(prompt_ids, top_p=r.top_p, top_k=r.top_k, **kwargs)
+
+    def generate(
+        self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
+    ) -> list[Sample]:
+        raise NotImplementedError
+
+    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
+        raise NotImplementedError
+
+
+class SingleTurn(RolloutSource):
+    """One response per request; rewards from `reward_source` (a function or HTTP server, on the decoded text) or,
+    without one, from the reward model's ranks (`reward_model.scores`)."""
+
+    def __init__(
+        self, engines: EnginePool, cfg: PPOConfig, tokenizer, *, reward_source: Any = None, reward_model: Any = None
+    ):
+        super().__init__(engines, cfg)
+        self.tokenizer, self.reward_source, self.reward_model = tokenizer, reward_source, reward_model
+        # the reward model's ranks run collectives: the rollout thread and eval must not interleave their calls
+        self._reward_lock = threading.Lock()
+
+    def generate(
+        self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
+    ) -> list[Sample]:
+        outputs = self._engine_generate(
+            [it["prompt_ids"] for it in items],
+            n=n,
+            temperature=temperature,
+            max_new_tokens=self.cfg.data.generate_max_len,
+            seed=seed,
+        )
+        return [
+            Sample(
+                prompt_ids=list(item["prompt_ids"]),
+                response_ids=c["token_ids"],
+                rollout_log_probs=c["logprobs"],
+                finish_reason=c["finish_reason"],
+                group=item["index"],
+                label=item["label"],
+                prompt_text=item["prompt"],
+                policy_version=version,
+            )
+            for item, completions in zip(items, outputs)
+            for c in completions
+        ]
+
+    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
+        if self.reward_source is not None:
+            responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+            prompts = [s.prompt_text for s in samples]
+            result = self.reward_source.score(
+                [p + r for p, r in zip(prompts, responses)], prompts, [s.label for s in samples]
+            )
+            extra = {f"reward/{k}": sum(v) / len(v) for k, v in result.extra_logs.items() if v}
+            return torch.tensor(result.rewards, dtype=torch.float32), extra
+        batch = collate_samples(samples, self.tokenizer.pad_token_id)
+        with self._reward_lock:
+            return self.reward_model.scores({k: batch[k] for k in ("sequences", "attention_mask")}), {}
+
+
+class AgentEpisodes(RolloutSource):
+    """Multi-turn episodes of an --agent_func_path environment; `episodes(generate, items, n)` plays them
+    (`openppo.agents.run_agent_episodes`), each sample carrying its episode's reward."""
+
+    def __init__(self, engines: EnginePool, cfg: PPOConfig, episodes: Callable):
+        super().__init__(engines, cfg)
+        self.episodes = episodes
+
+    def generate(
+        self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
+    ) -> list[Sample]:
+        turns = itertools.count()  # each turn reseeds with its own number
+
+        def one_turn(ids: list[list[int]], budgets: list[int]) -> list[dict]:
+            turn_seed = None if seed is None else seed + next(turns)
+            outputs = self._engine_generate(ids, n=1, temperature=temperature, max_new_tokens=budgets, seed=turn_seed)
+            return [completions[0] for completions in outputs]
+
+        samples = self.episodes(one_turn, items, n)
+        for s in samples:
+            s.policy_version = version
+        return samples
+
+    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
+        keys = sorted({k for s in samples for k in s.extra})
+        extra = {k: sum(s.extra.get(k, 0.0) for s in samples) / len(samples) for k in keys}
+        return torch.tensor([s.reward for s in samples], dtype=torch.float32), extra
+
+
+# -- one rollout batch -------------------------------------------------------------------------------------------
+
+
+class Collector:
+    """One rollout batch of `--rollout_batch_size` groups per `collect()`, drawn from `stream`."""
+
+    def __init__(
+        self, cfg: PPOConfig, prompts, source: RolloutSource, stream: PromptStream, version: Callable[[], int]
+    ):
+        self.cfg, self.prompts, self.source, self.stream = cfg, prompts, source, stream
+        self.version = version  # the weight version the engines generate with now
+
+    def round_seed(self, cursor: int) -> int:
+        """The sampling seed of the generation round that starts at prompt position `cursor` (each request of the
+        round adds its own offset, each agent turn one more)."""
+        return (self.cfg.train.seed * 1_000_003 + cursor) * 1_000_000 % 2**62
+
+    def collect(self) -> Rollout | None:
+        """The next batch, or None when the prompts ran out first. With `--dynamic_filtering`, groups outside the
+        reward range are dropped and only the missing number of new prompts is generated in the next round."""
+        r = self.cfg.rollout
+        n = r.n_samples_per_prompt
+        timing: dict[str, float] = {}
+        samples: list[Sample] = []
+        scores: list[torch.Tensor] = []
+        generated: list[torch.Tensor] = []
+        logs: dict[str, float] = {}
+        taken: list[int] = []
+        while len(samples) < r.rollout_batch_size * n:
+            # --full_determinism: the round's seed follows from the prompt position, which a resume restores
+            seed = self.round_seed(self.stream.cursor) if self.cfg.train.full_determinism else None
+            indices = self.stream.take(r.rollout_batch_size - len(samples) // n)
+            if not indices:
+                return None
+            items = [self.prompts[j] for j in indices]
+            taken += [item["index"] for item in items]
+            with timed(timing, "generate"):
+                new = self.source.generate(items, n=n, temperature=r.temperature, seed=seed, version=self.version())
+            with timed(timing, "reward"):
+                new_scores, logs = self.source.score(new)
+            generated.append(new_scores)
+            if r.dynamic_filtering:
+                keep = expand_to_samples(keep_groups(new_scores, n, tuple(r.dynamic_filtering_reward_range)), n)
+                new, new_scores = [new[i] for i in keep], new_scores[keep]
+            samples += new
+            scores.append(new_scores)
+        if r.dynamic_filtering:
+            drawn = torch.cat(generated)
+            logs.update(
+                {
+                    "rollout/generate_rounds": len(generated),
+                    "rollout/filtered_ratio": 1.0 - len(samples) / drawn.numel(),
+                    "rollout/reward_before_filter": drawn.mean().item(),
+                }
+            )
+        return Rollout(samples, torch.cat(scores), logs, taken, self.stream.state_dict(), timing)
+
+    def evaluate(self, items: list[dict], n: int, temperature: float) -> dict[str, float]:
+        """pass@1 / pass@k of `n` samples per eval prompt with the current weights (`eval_metrics`)."""
+        samples = self.source.generate(items, n=n, temperature=temperature, seed=None, version=self.version())
+        scores, _ = self.source.score(samples)
+        return eval_metrics(
+            scores.view(len(items), n),
+            [it.get("datasource", "default") for it in items],
+            torch.tensor([len(s.response_ids) for s in samples]),
+        )
+
+
+# -- generating ahead (--async_train) ------------------------------------------------------------------------------
+
+
+@dataclass
+class Rollout:
+    """One collected rollout batch and where it came from."""
+
+    samples: list[Sample]
+    scores: torch.Tensor  # [B] raw rewards, group order
+    logs: dict[str, float]
+    taken: list[int]  # dataset indices of every prompt drawn for it (dynamic filtering draws more)
+    stream_state: dict  # the PromptStream state right after this batch was drawn: a checkpoint's data position
+    timing: dict[str, float] = field(default_factory=dict)
+
+
+def staleness(samples: list[Sample], version: int) -> dict[str, float]:
+    """How many weight versions behind the trained policy the samples' generating policies were."""
+    lags = [version - s.policy_version for s in samples]
+    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
+
+
+class RolloutProducer:
+    """Calls `produce()` on a thread, at most `ahead` batches ahead of the finished steps (see module doc)."""
+
+    def __init__(self, produce: Callable[[], Rollout | None], *, ahead: int, limit: int, timeout_s: float):
+        self._produce = produce
+        self._ahead = ahead
+        self._limit = limit  # batches still to train: none is generated beyond the run's last step
+        self._timeout_s = timeout_s
+        self._ready: queue.Queue = queue.Queue()
+        self._done_steps = 0
+        self._started = 0
+        self._cond = threading.Condition()
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="rollout-producer", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            while True:
+                with self._cond:
+                    # batch number `_started + 1` is trained with version `_started`: it may start once
+                    # `_started - ahead` steps are done
+                    self._cond.wait_for(lambda: self._stop or self._done_steps >= self._started - self._ahead)
+                    if self._stop or self._started == self._limit:
+                        return
+                    self._started += 1
+                rollout = self._produce()
+                self._ready.put(rollout)
+                if rollout is None:
+                    return
+        except BaseException as err:  # handed to the trainer, which raises it
+            self._ready.put(err)
+
+    def get(self) -> tuple[Rollout | None, float]:
+        """The next batch (None when the prompts ran out) and the seconds the trainer waited for it."""
+        start = time.perf_counter()
+        try:
+            item = self._ready.get(timeout=self._timeout_s)
+        except queue.Empty:
+            raise TimeoutError(
+                f"no rollout batch within {self._timeout_s:.0f} s (--dist_timeout): the engines or "
+                f"the reward source stopped answering"
+            ) from None
+        if isinstance(item, BaseException):
+            raise RuntimeError(f"rollout generation failed: {item}") from item
+        return item, time.perf_counter() - start
+
+    def step_done(self) -> None:
+        """A training step and its weight sync are finished: one more batch may start."""
+        with self._cond:
+            self._done_steps += 1
+            self._cond.notify_all()
+
+    def stop(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(timeout=self._timeout_s)
+
+
+# -- eval ------------------------------------------------------------------------------------------------------
+
+
+def pass_at_k(rewards: torch.Tensor) -> dict[str, float]:
+    """rewards [num_prompts, k] -> {"pass@1", "pass@k"} (k is the literal sample count in the key)."""
+    k = rewards.size(1)
+    out = {"pass@1": rewards.float().mean().item()}
+    if k > 1:
+        out[f"pass@{k}"] = rewards.float().max(dim=1).values.mean().item()
+    return out
+
+
+def eval_metrics(rewards: torch.Tensor, datasources: list[str], response_lengths: torch.Tensor) -> dict[str, float]:
+    """`eval/pass@1`, `eval/pass@k`, `eval/response_length`, and `eval/<datasource>/pass@...` when there are several."""
+    metrics = {f"eval/{key}": value for key, value in pass_at_k(rewards).items()}
+    metrics["eval/response_length"] = response_lengths.float().mean().item()
+    rows: dict[str, list[int]] = defaultdict(list)
+    for row, source in enumerate(datasources):
+        rows[source].append(row)
+    if len(rows) > 1:
+        for source, idx in rows.items():
+            metrics.update({f"eval/{source}/{key}": value for key, value in pass_at_k(rewards[idx]).items()})
+    return metrics
