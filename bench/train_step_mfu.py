@@ -13,7 +13,7 @@ vocabulary, tied embeddings; one KV head per query head, so 0.53B parameters) wi
 `.cache/bench/models`.
 
 Step time is the mean wall time of steps 2..N (step 1 pays the allocator and kernel warm-ups). FLOPs per step are
-6 x parameters x tokens (8 x with --gradient_checkpointing; `openppo.ppo.throughput.train_flops`), the count the
+6 x parameters x tokens (8 x with --gradient_checkpointing; `openppo.ppo.reporting.train_flops`), the count the
 trainer's own `perf/actor_mfu` uses. MFU is reported twice: against the device's data-sheet dense peak when it is
 listed (`throughput.peak_flops`: H100, H200, A100...; none for CPUs), and against a large matmul in the same dtype
 timed in this process (the device's practical peak), which also gives CPU runs a ratio. The last line printed is
@@ -94,7 +94,7 @@ def main() -> None:
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
     from openppo.ppo.micro_batches import Batching
-    from openppo.ppo.throughput import mfu, peak_flops, train_flops
+    from openppo.ppo.reporting import mfu, peak_flops, train_flops
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from openppo.utils.resources import trim_host_heap

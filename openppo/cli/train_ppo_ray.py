@@ -14,10 +14,9 @@ from openppo.cli.runner import run_cli
 from openppo.config.schema import to_dict
 from openppo.models.loading import load_tokenizer
 from openppo.ppo import launch
-from openppo.ppo.advisor import advice_text, advise
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.plan import make_plan
-from openppo.ppo.summary import summary_table
+from openppo.ppo.reporting import advice_text, advise, summary_table
 from openppo.ppo.trainer import PPOTrainer
 from openppo.ppo.validate import validate
 from openppo.rewards import build_reward_source

@@ -46,7 +46,7 @@ import torch
 
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.experience import collate_samples
-from openppo.ppo.throughput import timed
+from openppo.ppo.reporting import timed
 from openppo.rollout.pool import EnginePool, Sample
 
 # -- prompt order ------------------------------------------------------------------------------------------------

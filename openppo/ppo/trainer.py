@@ -38,8 +38,7 @@ from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups import Groups, TrainedGroup
 from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.plan import RunPlan
-from openppo.ppo.summary import RunHistory
-from openppo.ppo.throughput import idle_seconds, step_throughput, timed
+from openppo.ppo.reporting import RunHistory, idle_seconds, step_throughput, timed
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
 from openppo.utils.resources import rss_gib

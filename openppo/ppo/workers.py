@@ -28,7 +28,7 @@ from openppo.ppo.config import PPOConfig
 from openppo.ppo.fit import actor_loss, critic_loss, fit_experience, plan_on_all_ranks, row_lengths, select_rows
 from openppo.ppo.micro_batches import Batching
 from openppo.ppo.plan import RolePlan
-from openppo.ppo.throughput import mfu, peak_flops, train_flops
+from openppo.ppo.reporting import mfu, peak_flops, train_flops
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.utils.resources import device_name, device_stats, trim_host_heap

@@ -106,7 +106,7 @@ def test_gae_uses_values():
 
 
 def test_summary_table():
-    from openppo.ppo.summary import RunHistory, summary_table
+    from openppo.ppo.reporting import RunHistory, summary_table
 
     steps = [
         {"rollout/reward": r, "response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}

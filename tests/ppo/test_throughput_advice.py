@@ -4,10 +4,18 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.ppo.advisor import advice_text, advise, run_means
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.summary import RunHistory
-from openppo.ppo.throughput import idle_seconds, mfu, peak_flops, step_throughput, train_flops
+from openppo.ppo.reporting import (
+    RunHistory,
+    advice_text,
+    advise,
+    idle_seconds,
+    mfu,
+    peak_flops,
+    run_means,
+    step_throughput,
+    train_flops,
+)
 from openppo.utils.profiling import parse_profile_steps
 
 

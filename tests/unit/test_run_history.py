@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from openppo.ppo.summary import RunHistory
+from openppo.ppo.reporting import RunHistory
 
 
 def _steps(n: int, seed: int = 0) -> list[dict[str, float]]:

@@ -1,17 +1,201 @@
-"""The bottleneck advisor: rules that read a run's measured stage shares and suggest the flags that would help.
+"""What an RL run reports: each step's timing and throughput, the end-of-run summary, and the bottleneck advice.
 
-`advise(history, cfg, host_memory_gib)` is pure: it looks at the mean of every logged `timing/*` and `perf/*`
-over the run (the first step is left out when there are more, because it pays the warm-ups) and returns one
-`Advice` per rule that fires, with the numbers that fired it. Thresholds are shares of the step's wall time
+Throughput (pure arithmetic on token counts and stage timings). All rates are over wall time of the stage that did
+the work: generated tokens over `timing/generate`, trained tokens over `timing/actor_train`, samples and generated
+tokens per hour over the whole step (`timing/step`). `timing/idle` is the part of the step outside every timed
+stage (collation, metrics, controller work, waits).
+
+The summary (`RunHistory`, `summary_table`): how the reward moved and where the time went, from memory that does not
+grow with the run.
+
+The advisor (`advise(history, cfg, host_memory_gib)`) is pure: it looks at the mean of every logged `timing/*` and
+`perf/*` over the run (the first step is left out when there are more, because it pays the warm-ups) and returns
+one `Advice` per rule that fires, with the numbers that fired it. Thresholds are shares of the step's wall time
 (`timing/step`). A rule only suggests flags the run did not already use.
 """
 
 from __future__ import annotations
 
+import contextlib
+import time
+from collections import deque
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.summary import RunHistory
+
+# -- throughput ---------------------------------------------------------------------------------------------------
+
+# Dense bf16/fp16 tensor-core peak per device, in FLOP/s (vendor data sheets, SXM parts without sparsity).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10G": 125e12,
+    "L4": 121e12,
+}
+
+_STAGE_EXCLUDED = ("timing/step", "timing/idle")
+
+
+def peak_flops(device_name: str, dtype: str) -> float | None:
+    """The device's dense peak for `dtype` ("bf16"/"fp16"), or None when unknown (fp32, CPUs, unlisted parts)."""
+    if dtype not in ("bf16", "fp16"):
+        return None
+    name = device_name.upper()
+    for key, value in PEAK_BF16_FLOPS.items():
+        if key in name:
+            return value
+    return None
+
+
+def train_flops(num_params: int, tokens: int, gradient_checkpointing: bool = False) -> float:
+    """FLOPs of forward + backward over `tokens` tokens: 6 N per token (2 forward, 4 backward; Kaplan et al. 2020),
+    8 N with activation checkpointing, which repeats the forward."""
+    return (8 if gradient_checkpointing else 6) * num_params * tokens
+
+
+def mfu(flops: float, seconds: float, peak: float | None, devices: int = 1) -> float | None:
+    """Model FLOPs utilisation: achieved FLOP/s over `devices` x the peak."""
+    if peak is None or seconds <= 0:
+        return None
+    return flops / (seconds * peak * devices)
+
+
+def idle_seconds(timing: dict[str, float], step_seconds: float) -> float:
+    """The step's wall time outside every stage timed on the step's own thread. With --async_train (the step then
+    has `timing/wait_rollout`) generation and scoring ran on the producer thread, beside the step."""
+    overlapped = ("timing/generate", "timing/reward") if "timing/wait_rollout" in timing else ()
+    staged = sum(v for k, v in timing.items() if k.startswith("timing/") and k not in _STAGE_EXCLUDED + overlapped)
+    return max(0.0, step_seconds - staged)
+
+
+def step_throughput(
+    *, generated_tokens: int, trained_tokens: int, samples: int, timing: dict[str, float]
+) -> dict[str, float]:
+    """perf/* rates of one step from its token counts and `timing/*` seconds (missing stages give no rate)."""
+    out: dict[str, float] = {}
+    generate, train, step = (timing.get(k, 0.0) for k in ("timing/generate", "timing/actor_train", "timing/step"))
+    if generate > 0:
+        out["perf/generate_tokens_per_s"] = generated_tokens / generate
+    if train > 0:
+        out["perf/train_tokens_per_s"] = trained_tokens / train
+    if step > 0:
+        out["perf/samples_per_s"] = samples / step
+        out["perf/generated_tokens_per_hour"] = generated_tokens / step * 3600
+    return out
+
+
+@contextlib.contextmanager
+def timed(timing: dict[str, float], stage: str) -> Iterator[None]:
+    """Adds the block's wall time to `timing["timing/<stage>"]`."""
+    start = time.perf_counter()
+    try:
+        yield
+    finally:
+        key = f"timing/{stage}"
+        timing[key] = timing.get(key, 0.0) + time.perf_counter() - start
+
+
+# -- the end-of-run summary ---------------------------------------------------------------------------------------
+
+
+def _mean(values: list[float]) -> float:
+    return sum(values) / len(values) if values else float("nan")
+
+
+def _summarized(key: str) -> bool:
+    return key.startswith(("timing/", "perf/"))
+
+
+class RunHistory:
+    """What the end-of-run table and advice read from the steps, in memory that does not grow with the run: running
+    sums of every `timing/*` and `perf/*` value, the first step's values (the advice leaves out the warm-up), the
+    first and last `KEEP` rewards and the first and last response length. A 10k-step run holds what a 20-step
+    one does."""
+
+    KEEP = 16
+
+    def __init__(self) -> None:
+        self.steps = 0
+        self._sums: dict[str, float] = {}
+        self._first: dict[str, float] = {}
+        self._after_first: set[str] = set()  # keys seen in a step other than the first
+        self._rewards_first: list[float] = []
+        self._rewards_last: deque[float] = deque(maxlen=self.KEEP)
+        self.response_length: tuple[float, float] = (float("nan"), float("nan"))  # first, last
+
+    @classmethod
+    def of(cls, steps: Iterable[dict[str, float]]) -> RunHistory:
+        history = cls()
+        for metrics in steps:
+            history.add(metrics)
+        return history
+
+    def __len__(self) -> int:
+        return self.steps
+
+    def add(self, metrics: dict[str, float]) -> None:
+        timed = {k: float(v) for k, v in metrics.items() if _summarized(k)}
+        if self.steps == 0:
+            self._first = timed
+        else:
+            self._after_first.update(timed)
+        for k, v in timed.items():
+            self._sums[k] = self._sums.get(k, 0.0) + v
+        self.steps += 1
+        reward = float(metrics.get("rollout/reward", float("nan")))
+        if len(self._rewards_first) < self.KEEP:
+            self._rewards_first.append(reward)
+        self._rewards_last.append(reward)
+        length = float(metrics.get("response_length", float("nan")))
+        self.response_length = (length if self.steps == 1 else self.response_length[0], length)
+
+    def means(self, skip_first: bool = False) -> dict[str, float]:
+        """Mean of each timing/perf value over the steps (a step without it counts 0); `skip_first` leaves out the
+        first step when there are more."""
+        if skip_first and self.steps > 1:
+            return {k: (self._sums[k] - self._first.get(k, 0.0)) / (self.steps - 1) for k in self._after_first}
+        return {k: v / self.steps for k, v in self._sums.items()} if self.steps else {}
+
+    def rewards(self, window: int) -> tuple[list[float], list[float]]:
+        """The first and last `window` (at most KEEP) steps' mean rewards."""
+        window = min(window, self.KEEP, self.steps)
+        return self._rewards_first[:window], list(self._rewards_last)[len(self._rewards_last) - window :]
+
+
+def summary_table(history: RunHistory, window: int = 5) -> str:
+    """A plain-text table: reward over the first vs last `window` steps, then each stage's mean seconds and share."""
+    if not history.steps:
+        return "no steps were run"
+    first, last = history.rewards(window)
+    lines = [
+        f"steps: {history.steps}",
+        f"reward, mean of first {len(first)} steps: {_mean(first):.3f}",
+        f"reward, mean of last {len(last)} steps:  {_mean(last):.3f}",
+        f"response length, first -> last step: {history.response_length[0]:.1f} -> {history.response_length[1]:.1f}",
+        "",
+        f"{'stage':<22}{'s/step':>10}{'share':>9}",
+    ]
+    all_means = history.means()
+    # timing/step is the whole step's wall time, not a stage: it is the total the stages are shares of
+    means = {k: v for k, v in all_means.items() if k.startswith("timing/") and k != "timing/step"}
+    # --async_train: generation and scoring ran beside the step, on the producer thread
+    overlapped = {"timing/generate", "timing/reward"} if "timing/wait_rollout" in means else set()
+    staged = sum(v for k, v in means.items() if k not in overlapped)
+    has_step = "timing/step" in all_means
+    total = (all_means["timing/step"] if has_step else staged) or 1.0
+    if has_step and "timing/idle" not in means and total - staged > 0.005 * total:
+        means["timing/idle"] = total - staged  # collation, metrics, controller work between the stages
+    for key in sorted(means, key=lambda k: -means[k]):
+        name = key.split("/", 1)[1] + (" (async)" if key in overlapped else "")
+        lines.append(f"{name:<22}{means[key]:>10.2f}{means[key] / total:>8.0%}")
+    lines.append(f"{'step':<22}{total:>10.2f}")
+    return "\n".join(lines)
+
+
+# -- the bottleneck advisor ---------------------------------------------------------------------------------------
 
 GENERATION_SHARE = 0.4  # generation (or, async, the wait for it) above this share of the step
 REWARD_SHARE = 0.25
