@@ -11,7 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.validate import needs_critic_group, needs_reference
+from openppo.ppo.validate import needs_critic_group, needs_reference, role_ranks
 
 # vLLM's name for the trainer's (resolved) dtype: engine and trainer log-probs then compare
 ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
@@ -66,7 +66,7 @@ class RunPlan:
 def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
     """The plan of a validated config whose --param_dtype is resolved (`openppo.cli.runner` resolves auto)."""
     assert cfg.ds.param_dtype in ENGINE_DTYPES, f"--param_dtype {cfg.ds.param_dtype} must be resolved first"
-    r, t, res = cfg.rollout, cfg.train, cfg.resources
+    r, t = cfg.rollout, cfg.train
     steps_per_episode = num_prompts // r.rollout_batch_size
     rl_steps = steps_per_episode * t.num_episodes
     if t.max_steps > 0:
@@ -79,7 +79,7 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
     one_step = t.max_epochs == 1 and samples == t.train_batch_size
 
     def role(name: str, flag: str, trained: bool) -> RolePlan:
-        ranks = getattr(res, f"{flag}_num_nodes") * getattr(res, f"{flag}_num_gpus_per_node")
+        ranks = role_ranks(cfg, flag)
         tp = cfg.ds.ds_tensor_parallel_size if name == "actor" else 1
         data_parallel = ranks // (r.ring_attn_size * tp)
         return RolePlan(
