@@ -75,7 +75,7 @@ def run(name: str, flags: list[str], threads: int, workdir: Path) -> dict:
         "wait_rollout_s": mean("timing/wait_rollout"),
         "staleness_max": max(r.get("rollout/staleness_max", 0) for r in records),
         "process_wall_s": round(wall, 1),
-        "reward_last": records[-1]["reward"],
+        "reward_last": records[-1]["train/reward"],
     }
     print(f"{name}: {out}", flush=True)
     return out

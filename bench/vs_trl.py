@@ -208,7 +208,8 @@ def run_openppo(args, prompts: Path, model: str, workdir: Path) -> dict:
         sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
         raise SystemExit(f"openppo exited with {proc.returncode}")
     records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
-    out = _summary([r["timing/step"] for r in records], [r["reward"] for r in records], time.perf_counter() - start)
+    rewards = [r["train/reward"] for r in records]
+    out = _summary([r["timing/step"] for r in records], rewards, time.perf_counter() - start)
     later = records[1:] or records
     out["stages_s"] = {
         k.removeprefix("timing/"): round(sum(r.get(k, 0.0) for r in later) / len(later), 2)

@@ -93,8 +93,9 @@ def fit_experience(
     Each epoch shuffles the rows (seeded, so a resume repeats it) and takes `rows_per_step` rows per optimizer step,
     cut into micro-batches by `batching` (a row count, or a token budget with --use_dynamic_batch).
     `loss_fn(micro_batch, normalizers)` returns (contribution to the step loss, metrics). `normalizers` is the
-    all-reduced int64 [2] (num_tokens, num_seqs) of the step's action masks. The returned loss/* values, averaged
-    over ranks, are the mean step loss; the other metrics are means over the real micro-batches.
+    all-reduced int64 [2] (num_tokens, num_seqs) of the step's action masks. The metrics named `*_loss` are the
+    micro-batch's share of a step loss: summed over micro-batches and averaged over ranks they are the mean step loss;
+    the other metrics are means over the real micro-batches.
 
     With `ring_size` K > 1 the K ranks of a ring hold the same rows and each backpropagates its chunk's part of the
     gradient: the parts sum to the row's gradient, so the backward scale stays `world_size`, while token counts and
@@ -140,7 +141,7 @@ def fit_experience(
                     engine.step()
                     applied = True
                 for key, value in metrics.items():
-                    if key.startswith("loss/"):
+                    if key.endswith("_loss"):
                         step_losses[key] += value * data_parallel
                     elif planned:
                         step_sums[key] += value
@@ -237,12 +238,12 @@ def actor_loss(
             old_sampling_log_probs=old_sampling,
         )
         loss = agg(per_token)
-        metrics = {"loss/policy": loss.item(), **{f"policy/{k}": float(v) for k, v in pg_metrics.items()}}
+        metrics = {"train/policy_loss": loss.item(), **{f"train/{k}": float(v) for k, v in pg_metrics.items()}}
         if on_policy and "rollout_log_probs" in batch:
             # the engine-vs-trainer log-prob gap, measured here since no separate pass measured it
             metrics.update(
                 {
-                    f"policy/rollout_{k}": v
+                    f"rollout/{k}": v
                     for k, v in engine_gap(
                         batch["rollout_log_probs"], old if old_sampling is None else old_sampling, mask
                     ).items()
@@ -251,11 +252,11 @@ def actor_loss(
         if algo.use_kl_loss and "ref_log_probs" in batch:
             kl_term = agg(kl_loss(out.log_probs, batch["ref_log_probs"], mask, algo.kl_estimator))
             loss = loss + kl_coef * kl_term
-            metrics["loss/kl"] = kl_term.item()
+            metrics["train/kl_loss"] = kl_term.item()
         if entropy_in_loss:
             loss = loss - algo.entropy_loss_coef * agg(out.entropy)
         # a plain mean of this micro-batch (averaged over micro-batches and ranks), not a step-loss contribution
-        metrics["policy/entropy"] = masked_mean(out.entropy.detach(), mask).item()
+        metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask).item()
         return loss, metrics
 
     return loss_fn
@@ -270,9 +271,9 @@ def critic_loss(engine, algo: AlgoConfig, pack: bool = False) -> LossFn:
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
         return loss, {
-            "loss/value": loss.item(),
-            "critic/values": masked_mean(values.detach(), mask).item(),
-            **{f"critic/{k}": float(v) for k, v in v_metrics.items()},
+            "train/value_loss": loss.item(),
+            "train/values": masked_mean(values.detach(), mask).item(),
+            **{f"train/{k}": float(v) for k, v in v_metrics.items()},
         }
 
     return loss_fn

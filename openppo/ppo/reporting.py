@@ -145,11 +145,11 @@ class RunHistory:
         for k, v in timed.items():
             self._sums[k] = self._sums.get(k, 0.0) + v
         self.steps += 1
-        reward = float(metrics.get("rollout/reward", float("nan")))
+        reward = float(metrics.get("train/reward", float("nan")))
         if len(self._rewards_first) < self.KEEP:
             self._rewards_first.append(reward)
         self._rewards_last.append(reward)
-        length = float(metrics.get("response_length", float("nan")))
+        length = float(metrics.get("train/response_length", float("nan")))
         self.response_length = (length if self.steps == 1 else self.response_length[0], length)
 
     def means(self, skip_first: bool = False) -> dict[str, float]:
@@ -275,7 +275,7 @@ def _reward(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
 
 
 def _padding(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
-    padding = means.get("perf/padding_share", 0.0)
+    padding = means.get("perf/actor_padding_share", 0.0)
     if padding < PADDING_SHARE:
         return None
     flags = [] if cfg.rollout.packing_samples else ["--packing_samples (no padding is computed)"]

@@ -45,14 +45,8 @@ from openppo.utils.resources import rss_gib
 from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
 logger = logging.getLogger(__name__)
-_PROGRESS_KEYS = ("reward", "kl", "policy_loss", "response_length", "rollout/logprob_diff")
-_SHORT_NAMES = {
-    "rollout/logprob_diff": "policy/rollout_logprob_diff",
-    "policy_loss": "loss/policy",
-    "value_loss": "loss/value",
-    "clip_ratio": "policy/clip_ratio",
-    "entropy": "policy/entropy",
-}
+# the progress bar's figures (the log lines and the sinks carry every metric)
+_PROGRESS_KEYS = ("train/reward", "train/kl", "train/policy_loss", "train/response_length", "rollout/logprob_diff")
 
 
 class PPOTrainer:
@@ -244,14 +238,13 @@ class PPOTrainer:
         self.kl_ctl.update(kl_response, len(rollout.samples))
         metrics.update(
             {
-                "rollout/reward": scores.mean().item(),
-                "reward": scores.mean().item(),
-                "kl": kl,
-                "rollout/kl_per_response": kl_response,
-                "rollout/kl_coef": self.kl_ctl.value,
-                "response_length": batch["response_length"].float().mean().item(),
+                "train/reward": scores.mean().item(),
+                "train/kl": kl,
+                "train/kl_per_response": kl_response,
+                "train/kl_coef": self.kl_ctl.value,
+                "train/response_length": batch["response_length"].float().mean().item(),
                 "rollout/truncated_ratio": batch["truncated"].float().mean().item(),
-                "rollout/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
+                "train/advantage_abs": masked_mean(adv["advantages"].abs(), mask).item(),
                 "train/episode": (rollout.stream_state["cursor"] - 1) // self.stream.per_episode,
                 **rollout.logs,
             }
@@ -260,11 +253,6 @@ class PPOTrainer:
             metrics.update(
                 {f"rollout/{k}": v for k, v in engine_gap(batch["rollout_log_probs"], old_sampling, mask).items()}
             )
-        # Short names of the headline metrics, only where the step produced them: a placeholder NaN would now be
-        # logged (non-finite values are kept) and read as a diverged run.
-        for short, name in _SHORT_NAMES.items():
-            if name in metrics:
-                metrics[short] = metrics[name]
         timing = {**self._timing, "timing/step": time.perf_counter() - start}
         timing["timing/idle"] = idle_seconds(timing, timing["timing/step"])
         trained = int(batch["attention_mask"].sum()) * cfg.train.max_epochs
@@ -440,7 +428,7 @@ class PPOTrainer:
                 self._producer.step_done()
             history.add(metrics)
             progress.update(1)
-            progress.set_postfix({k: f"{metrics[k]:.3g}" for k in _PROGRESS_KEYS if k in metrics})
+            progress.set_postfix({k.split("/")[-1]: f"{metrics[k]:.3g}" for k in _PROGRESS_KEYS if k in metrics})
             # (with dynamic filtering an episode of prompts takes fewer steps than steps_per_episode)
             episode_end = self._episode() != episode or self.global_step == self.total_steps
             if self._eval_due(episode_end):

@@ -134,11 +134,17 @@ class _TrainedWorker(BaseWorker):
     role: RolePlan
     num_params: int
 
-    def _perf(self, name: str, data: dict[str, torch.Tensor], seconds: float) -> dict[str, float]:
-        """perf/<name>_*: this rank's memory, and on a known GPU the MFU of the update (averaged over the ranks by
-        the caller: each rank counts 1/replicas of the tokens it shares with its ring or tensor-parallel group)."""
+    def _perf(
+        self, name: str, metrics: dict[str, float], data: dict[str, torch.Tensor], seconds: float
+    ) -> dict[str, float]:
+        """The update's `metrics` with every perf/* figure named perf/<name>_* (the actor's and the critic's are
+        logged side by side): the update's padding and micro-batch counts, this rank's memory, and on a known GPU
+        the update's MFU (averaged over the ranks by the caller: each rank counts 1/replicas of the tokens it shares
+        with its ring or tensor-parallel group)."""
         trim_host_heap()  # at most once a minute: the update's freed host memory goes back before the RSS is read
-        out = {f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in device_stats().items()}
+        out = {k: v for k, v in metrics.items() if not k.startswith("perf/")}
+        perf = {**{k: v for k, v in metrics.items() if k.startswith("perf/")}, **device_stats()}
+        out.update({f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in perf.items()})
         tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / self.role.replicas
         peak = peak_flops(device_name(), self.cfg.ds.param_dtype) if torch.cuda.is_available() else None
         value = mfu(train_flops(self.num_params, tokens, self.cfg.model.gradient_checkpointing), seconds, peak)
@@ -194,7 +200,7 @@ class ActorWorker(_TrainedWorker):
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, role.optimizer_steps)
         )
-        self.guard = self.strategy.step_guard(self.engine, "actor", "policy/skipped_steps")
+        self.guard = self.strategy.step_guard(self.engine, "actor", "train/actor_skipped_steps")
         # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
         self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(self.num_params, 1)
 
@@ -270,14 +276,13 @@ class ActorWorker(_TrainedWorker):
             tensor_parallel_size=self.role.tensor_parallel,
             guard=self.guard,
         )
-        metrics["policy/lr"] = self.engine.get_lr()[0]
+        metrics["train/actor_lr"] = self.engine.get_lr()[0]
         ring = self.engine.module.sequence_parallel
         if ring is not None:
             metrics["perf/ring_token_share"] = ring.token_share()
         if self.strategy.tensor_parallel_size > 1:
-            metrics["perf/actor_weight_share"] = self.weight_share
-        metrics.update(self._perf("actor", data, time.perf_counter() - start))
-        return self.strategy.all_reduce_mean(metrics)
+            metrics["perf/weight_share"] = self.weight_share
+        return self.strategy.all_reduce_mean(self._perf("actor", metrics, data, time.perf_counter() - start))
 
     def connect_engines(
         self, engines: list[Any], plan: Any, backend: str, tensor_parallel_size: int, timeout_s: float
@@ -341,7 +346,7 @@ class CriticWorker(_TrainedWorker):
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, role.optimizer_steps)
         )
-        self.guard = self.strategy.step_guard(self.engine, "critic", "critic/skipped_steps")
+        self.guard = self.strategy.step_guard(self.engine, "critic", "train/critic_skipped_steps")
 
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
@@ -370,8 +375,7 @@ class CriticWorker(_TrainedWorker):
             ring_size=self.role.ring,
             guard=self.guard,
         )
-        metrics.update(self._perf("critic", data, time.perf_counter() - start))
-        return self.strategy.all_reduce_mean(metrics)
+        return self.strategy.all_reduce_mean(self._perf("critic", metrics, data, time.perf_counter() - start))
 
 
 class _FrozenWorker(BaseWorker):

@@ -42,17 +42,17 @@ class DPOTrainer(SupervisedTrainer):
             label_smoothing=self.label_smoothing,
             ipo=self.ipo,
         )
-        metrics = {"loss/dpo": loss.item()}
+        metrics = {"train/loss": loss.item()}
         if self.nll_loss_coef > 0:
             nll = -(policy[:half] / lengths[:half].clamp(min=1)).mean()
             loss = loss + self.nll_loss_coef * nll
-            metrics["loss/nll"] = nll.item()
+            metrics["train/nll_loss"] = nll.item()
         metrics.update(
             {
-                "dpo/chosen_reward": chosen_r.mean().item(),
-                "dpo/rejected_reward": rejected_r.mean().item(),
-                "dpo/reward_margin": (chosen_r - rejected_r).mean().item(),
-                "dpo/reward_acc": (chosen_r > rejected_r).float().mean().item(),
+                "train/chosen_reward": chosen_r.mean().item(),
+                "train/rejected_reward": rejected_r.mean().item(),
+                "train/margin": (chosen_r - rejected_r).mean().item(),
+                "train/acc": (chosen_r > rejected_r).float().mean().item(),
             }
         )
         return loss, metrics

@@ -179,9 +179,7 @@ class SupervisedTrainer:
                     last["train/epoch"] = (
                         epoch + (done_in_epoch + (micro_step + 1) // self.accum) / self.steps_per_epoch
                     )
-                    progress.set_postfix(
-                        {k.split("/")[-1]: f"{v:.4g}" for k, v in last.items() if k.startswith("loss")}
-                    )
+                    progress.set_postfix({k.split("/")[-1]: f"{v:.4g}" for k, v in last.items() if k.endswith("loss")})
                     self.tracker.log(global_step, last, echo=False)
                     sums.clear()
                     count = skipped = 0

@@ -35,11 +35,11 @@ class RewardModelTrainer(SupervisedTrainer):
         chosen, rejected = self._scores(batch)
         loss = pairwise_rm_loss(chosen, rejected, kind=self.loss_kind, margin=self.margin)
         return loss, {
-            "loss/rm": loss.item(),
-            "rm/acc": (chosen > rejected).float().mean().item(),
-            "rm/chosen_reward": chosen.mean().item(),
-            "rm/rejected_reward": rejected.mean().item(),
-            "rm/margin": (chosen - rejected).mean().item(),
+            "train/loss": loss.item(),
+            "train/acc": (chosen > rejected).float().mean().item(),
+            "train/chosen_reward": chosen.mean().item(),
+            "train/rejected_reward": rejected.mean().item(),
+            "train/margin": (chosen - rejected).mean().item(),
         }
 
     @torch.no_grad()

@@ -26,4 +26,4 @@ class SFTTrainer(SupervisedTrainer):
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         out = self.engine(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
         loss, tokens = masked_nll(out.log_probs, batch["loss_mask"])
-        return loss, {"loss/sft": loss.item(), "train/target_tokens": tokens.item()}
+        return loss, {"train/loss": loss.item(), "train/target_tokens": tokens.item()}

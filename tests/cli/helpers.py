@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -56,10 +58,29 @@ _NON_FINITE = {"nan", "inf", "-inf"}
 
 
 def read_metrics(save_path: Path) -> list[dict]:
-    """metrics.jsonl rows, with the tracker's "nan"/"inf"/"-inf" strings read back as floats."""
+    """metrics.jsonl rows, with the tracker's "nan"/"inf"/"-inf" strings read back as floats. Every metric in them
+    must be listed in docs/metrics.md: each test that reads a run's metrics checks the docs against that run."""
     lines = (Path(save_path) / "metrics.jsonl").read_text().splitlines()
     rows = [json.loads(line) for line in lines if line.strip()]
+    missing = undocumented_metrics({k for row in rows for k in row} - {"step", "time"})
+    assert not missing, f"metrics logged but not listed in docs/metrics.md: {missing}"
     return [{k: float(v) if isinstance(v, str) and v in _NON_FINITE else v for k, v in row.items()} for row in rows]
+
+
+@functools.cache
+def documented_metrics() -> re.Pattern:
+    """The names in the first column of docs/metrics.md's tables, as one pattern (`<...>` matches one name part)."""
+    names = []
+    for line in (REPO / "docs" / "metrics.md").read_text().splitlines():
+        cells = line.split("|")
+        if len(cells) > 2:
+            names += re.findall(r"`([a-z_]+/[^`]+)`", cells[1])
+    parts = [re.escape(name).replace(r"\<", "<").replace(r"\>", ">") for name in names]
+    return re.compile("|".join(re.sub(r"<[^>]+>", r"[^/]+", part) for part in parts))
+
+
+def undocumented_metrics(names) -> list[str]:
+    return sorted(name for name in names if not documented_metrics().fullmatch(name))
 
 
 def series(records: list[dict], key: str) -> list[tuple[int, float]]:

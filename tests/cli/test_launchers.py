@@ -40,7 +40,7 @@ def _args(tmp_path, stage: str):
 
 def test_single_process_zero0(tmp_path):
     run_cli("train_sft", _args(tmp_path, "0"), nproc=1)
-    assert len(series(read_metrics(tmp_path / "out"), "loss/sft")) == 2
+    assert len(series(read_metrics(tmp_path / "out"), "train/loss")) == 2
     assert (tmp_path / "out" / "model.safetensors").is_file()
 
 
@@ -59,7 +59,7 @@ def test_deepspeed_launcher_zero1(tmp_path):
     ]
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=REPO)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert len(series(read_metrics(tmp_path / "out"), "loss/sft")) == 2
+    assert len(series(read_metrics(tmp_path / "out"), "train/loss")) == 2
     # each rank resolves --param_dtype auto itself (no process group yet); ranks that disagreed would fail the
     # gradient all-reduce. Rank 0 logs the choice, and the logged config holds the concrete dtype.
     from openppo.utils.hardware import auto_param_dtype

@@ -93,7 +93,7 @@ def test_lora_sft_adapter_and_merge(tmp_path):
         ),
     )
     assert (save / "adapter_config.json").is_file() and (save / "adapter_model.safetensors").is_file()
-    losses = [v for _, v in series(read_metrics(save), "loss/sft")]
+    losses = [v for _, v in series(read_metrics(save), "train/loss")]
     assert losses[-1] < losses[0]
     merged = tmp_path / "merged"
     run_cli(
@@ -144,8 +144,8 @@ def test_packed_sft_learns_and_matches_padded_loss(tmp_path):
             ["--zero_stage", "3", "--max_epochs", "1", "--gradient_checkpointing", "--adam_offload", "--overlap_comm"],
         ),
     )
-    packed_losses = [v for _, v in series(read_metrics(packed), "loss/sft")]
-    padded_losses = [v for _, v in series(read_metrics(padded), "loss/sft")]
+    packed_losses = [v for _, v in series(read_metrics(packed), "train/loss")]
+    padded_losses = [v for _, v in series(read_metrics(padded), "train/loss")]
     assert packed_losses[-1] < 0.7 * packed_losses[0]
     # Step 1 runs on the initial weights in both: the token-mean per micro-batch is identical packed or padded.
     assert packed_losses[0] == pytest.approx(padded_losses[0], rel=1e-4)

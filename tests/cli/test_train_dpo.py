@@ -72,11 +72,11 @@ def dpo_run(tmp_path_factory):
 def test_dpo_reward_margin_rises(dpo_run):
     *_, save = dpo_run
     records = read_metrics(save)
-    margins = [v for _, v in series(records, "dpo/reward_margin")]
+    margins = [v for _, v in series(records, "train/margin")]
     assert len(margins) == 12
     assert margins[-1] > margins[0] and margins[-1] > 0
     assert series(records, "eval/reward_margin")[-1][1] > 0
-    assert series(records, "loss/nll")  # the optional NLL term is logged when on
+    assert series(records, "train/nll_loss")  # the optional NLL term is logged when on
 
 
 def test_dpo_logs_to_tensorboard_and_wandb_offline(dpo_run):
@@ -128,4 +128,4 @@ def test_dpo_resume_continues_at_same_step(dpo_run):
     ckpt = checkpoint_copy(save, 8, tmp / "resume_ckpt")
     resumed = tmp / "resumed"
     run_cli("train_dpo", _args(model, data, resumed, ["--ckpt_path", str(ckpt), "--load_checkpoint"]))
-    assert_resumed_like_unbroken(save, resumed, "loss/dpo", 9, 12)
+    assert_resumed_like_unbroken(save, resumed, "train/loss", 9, 12)

@@ -71,7 +71,7 @@ def test_rm_learns_separable_set(rm_run):
     *_, save = rm_run
     records = read_metrics(save)
     assert series(records, "eval/acc")[-1][1] > 0.9
-    losses = [v for _, v in series(records, "loss/rm")]
+    losses = [v for _, v in series(records, "train/loss")]
     assert losses[-1] < losses[0]
 
 
@@ -112,4 +112,4 @@ def test_rm_resume_continues_at_same_step(rm_run):
     ckpt = checkpoint_copy(save, 16, tmp / "resume_ckpt")
     resumed = tmp / "resumed"
     run_cli("train_rm", _args(model, data, resumed, ["--ckpt_path", str(ckpt), "--load_checkpoint"]))
-    assert_resumed_like_unbroken(save, resumed, "loss/rm", 17, 20)
+    assert_resumed_like_unbroken(save, resumed, "train/loss", 17, 20)

@@ -63,7 +63,7 @@ def sft_run(tmp_path_factory):
 
 def test_sft_loss_falls_by_half(sft_run):
     *_, save, _ = sft_run
-    losses = [v for _, v in series(read_metrics(save), "loss/sft")]
+    losses = [v for _, v in series(read_metrics(save), "train/loss")]
     assert len(losses) == 24  # 32 samples / 8 per step x 6 epochs
     assert losses[-1] < 0.5 * losses[0], losses
 
@@ -83,7 +83,7 @@ def test_sft_saved_folder_reproduces_eval_loss(sft_run):
     from openppo.datasets import SFTDataset, collate_padded, load_blended_dataset
 
     _, data, _, save, _ = sft_run
-    logged = series(read_metrics(save), "eval/sft")[-1][1]
+    logged = series(read_metrics(save), "eval/loss")[-1][1]
     tok = AutoTokenizer.from_pretrained(save)
     model = AutoModelForCausalLM.from_pretrained(save, dtype=torch.float32).eval()
     ds = SFTDataset(
@@ -115,4 +115,4 @@ def test_sft_resume_continues_at_same_step(sft_run):
     resumed = tmp / "resumed"
     proc = run_cli("train_sft", _args(model, data, resumed, ["--ckpt_path", str(ckpt), "--load_checkpoint"]))
     assert "resumed from" in proc.stdout + proc.stderr
-    assert_resumed_like_unbroken(save, resumed, "loss/sft", 17, 24)
+    assert_resumed_like_unbroken(save, resumed, "train/loss", 17, 24)

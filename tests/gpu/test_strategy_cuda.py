@@ -109,7 +109,7 @@ def test_zero3_bf16_update_changes_every_parameter(single_rank, gpu_model_dir, a
     before = _master_weights(engine)
     metrics = _update(strategy, engine)
     after = _master_weights(engine)
-    assert math.isfinite(metrics["loss/policy"]) and metrics.get("policy/skipped_steps", 0) == 0
+    assert math.isfinite(metrics["train/policy_loss"]) and metrics.get("train/actor_skipped_steps", 0) == 0
     frozen = [name for name in before if torch.equal(before[name], after[name])]
     assert not frozen, f"{len(frozen)} of {len(before)} parameters did not change: {frozen[:5]}"
 
@@ -138,4 +138,4 @@ def test_zero3_state_offload_frees_and_restores_gpu_memory(single_rank, gpu_mode
     )
     assert held - offloaded >= 0.9 * 12 * params, (held, offloaded, params)
     assert abs(reloaded - held) <= 0.05 * held, (held, reloaded)
-    assert math.isfinite(_update(strategy, engine, seed=1)["loss/policy"])
+    assert math.isfinite(_update(strategy, engine, seed=1)["train/policy_loss"])

@@ -165,7 +165,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     results[key + "/grad"] = max(_rel(got[n], g) for n, g in expected.items())
                     results[key + "/untouched"] = float(all(got[n].abs().max() == 0 for n in got if n not in expected))
                     # the logged step loss: this rank's contributions, times the ranks, then averaged by the caller
-                    loss_key = "loss/policy" if role == "actor" else "loss/value"
+                    loss_key = "train/policy_loss" if role == "actor" else "train/value_loss"
                     results[key + "/loss_rank"] = metrics[loss_key]
                     results[key + "/loss_expected"] = reference_loss.item()
             del engine

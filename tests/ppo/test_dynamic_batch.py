@@ -110,7 +110,7 @@ def _run(model_cls, batching: Batching, old: str = "noisy"):
     return metrics, engine.grads[0]
 
 
-@pytest.mark.parametrize("model_cls,loss_key", [(Actor, "loss/policy"), (ScalarModel, "loss/value")])
+@pytest.mark.parametrize("model_cls,loss_key", [(Actor, "train/policy_loss"), (ScalarModel, "train/value_loss")])
 def test_packed_and_token_budget_steps_equal_static_padded(model_cls, loss_key):
     ref_metrics, ref_grads = _run(model_cls, Batching(rows=2))
     for batching in (
@@ -129,7 +129,7 @@ def test_one_on_policy_step_needs_no_old_log_prob_pass():
     """The update's own detached log-probs as the old ones: the same loss and gradient as a separate pass."""
     ref_metrics, ref_grads = _run(Actor, Batching(packed=True, rows=2), old="exact")
     metrics, grads = _run(Actor, Batching(packed=True, rows=2), old="none")
-    assert metrics["loss/policy"] == pytest.approx(ref_metrics["loss/policy"], abs=1e-6)
-    assert metrics["policy/clip_ratio"] == ref_metrics["policy/clip_ratio"] == 0.0
+    assert metrics["train/policy_loss"] == pytest.approx(ref_metrics["train/policy_loss"], abs=1e-6)
+    assert metrics["train/clip_ratio"] == ref_metrics["train/clip_ratio"] == 0.0
     worst = max((grads[n] - g).abs().max().item() for n, g in ref_grads.items())
     assert worst <= 1e-5 * max(max(g.abs().max().item() for g in ref_grads.values()), 1.0), worst

@@ -109,7 +109,7 @@ def test_summary_table():
     from openppo.ppo.reporting import RunHistory, summary_table
 
     steps = [
-        {"rollout/reward": r, "response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}
+        {"train/reward": r, "train/response_length": 10.0 - i, "timing/generate": 3.0, "timing/actor_train": 1.0}
         for i, r in enumerate([0.0, 0.2, 0.4, 0.6, 0.8, 1.0])
     ]
     table = summary_table(RunHistory.of(steps), window=2)

@@ -77,8 +77,8 @@ def test_actor_step_loss_is_global_token_mean(micro, accum):
     )
     # ratio 1 everywhere: per-token loss = -A, so the step loss = -(sum of A over the 14 response tokens) / 14
     expected = -(data["advantages"] * data["action_mask"]).sum() / data["action_mask"].sum()
-    assert metrics["loss/policy"] == pytest.approx(expected.item(), abs=1e-5)
-    assert metrics["policy/clip_ratio"] == 0.0
+    assert metrics["train/policy_loss"] == pytest.approx(expected.item(), abs=1e-5)
+    assert metrics["train/clip_ratio"] == 0.0
 
 
 def test_critic_learns_returns():
@@ -101,7 +101,7 @@ def test_critic_learns_returns():
         world_size=1,
         seed=0,
         device=strategy.device,
-    )["loss/value"]
+    )["train/value_loss"]
     later = fit_experience(
         engine,
         data,
@@ -112,5 +112,5 @@ def test_critic_learns_returns():
         world_size=1,
         seed=1,
         device=strategy.device,
-    )["loss/value"]
+    )["train/value_loss"]
     assert later < 0.5 * first

@@ -40,17 +40,17 @@ pytestmark = pytest.mark.slow
 ASSET = REPO / "tests" / "assets" / "golden_trace.json"
 # The trace's names -> the metric each is read from. After a rename only the right-hand side changes.
 TRACED = {
-    "reward": "reward",
-    "policy_loss": "policy_loss",
-    "value_loss": "value_loss",
-    "kl": "kl",
-    "kl_coef": "rollout/kl_coef",
-    "clip_ratio": "clip_ratio",
-    "entropy": "entropy",
+    "reward": "train/reward",
+    "policy_loss": "train/policy_loss",
+    "value_loss": "train/value_loss",
+    "kl": "train/kl",
+    "kl_coef": "train/kl_coef",
+    "clip_ratio": "train/clip_ratio",
+    "entropy": "train/entropy",
     "logprob_diff": "rollout/logprob_diff",
-    "approx_kl": "policy/approx_kl",
-    "response_length": "response_length",
-    "advantage_abs": "rollout/advantage_abs",
+    "approx_kl": "train/approx_kl",
+    "response_length": "train/response_length",
+    "advantage_abs": "train/advantage_abs",
 }
 TOLERANCE = dict(rel=1e-3, abs=1e-6)
 

@@ -67,7 +67,7 @@ def test_grpo_reward_rises_on_target_word_task(tmp_path):
         nproc=1,
         timeout=800,
     )
-    rewards = [v for _, v in series(read_metrics(save), "reward")]
+    rewards = [v for _, v in series(read_metrics(save), "train/reward")]
     assert len(rewards) == 10
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
     # measured: 0.09 0.16 0.18 0.44 0.69 0.75 0.76 0.81 0.91 0.87

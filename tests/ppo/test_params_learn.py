@@ -102,7 +102,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 after = full_weights(strategy, engine)
                 moved = {n for n in before if not torch.equal(before[n], after[n])}
                 results[f"{arch}/zero{zero}/{role}"] = {
-                    "loss": metrics["loss/value" if role == "critic" else "loss/policy"],
+                    "loss": metrics["train/value_loss" if role == "critic" else "train/policy_loss"],
                     "trainable": sorted(trainable),
                     "moved": sorted(moved),
                     "frozen_moved": sorted(moved - trainable),

@@ -127,7 +127,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         device=strategy.device,
         tensor_parallel_size=WORLD,
     )
-    results["loss"] = abs(metrics["loss/policy"] - reference_loss.item())
+    results["loss"] = abs(metrics["train/policy_loss"] - reference_loss.item())
     grads, reference = engine.grads[0], dict(plain.named_parameters())
     results["grads_rel"] = max(_rel(g, _slice_like(reference[n].grad, g, rank)) for n, g in grads.items())
 

@@ -76,7 +76,13 @@ def test_run_means_skip_the_warm_up_step():
 
 def test_balanced_run_fires_nothing():
     history = _history(
-        generate=3.0, reward=0.5, old_logprob=1.0, actor_train=4.0, weight_sync=0.5, idle=0.5, perf_padding_share=0.05
+        generate=3.0,
+        reward=0.5,
+        old_logprob=1.0,
+        actor_train=4.0,
+        weight_sync=0.5,
+        idle=0.5,
+        perf_actor_padding_share=0.05,
     )
     assert advise(history, PPOConfig()) == []
     assert "no rule fired" in advice_text([])
@@ -104,12 +110,12 @@ def test_async_run_is_generation_bound_when_it_waits():
 
 
 def test_training_bound_and_padding_heavy():
-    rules = _rules(_history(generate=2.0, actor_train=7.0, idle=1.0, perf_padding_share=0.35))
+    rules = _rules(_history(generate=2.0, actor_train=7.0, idle=1.0, perf_actor_padding_share=0.35))
     assert "70% of the step" in rules["training-bound"] and "--packing_samples" in rules["training-bound"]
     assert "35% of the positions" in rules["padding-heavy"] and "--use_dynamic_batch" in rules["padding-heavy"]
     cfg = PPOConfig()
     cfg.rollout.packing_samples = cfg.rollout.use_dynamic_batch = True  # nothing left to suggest for padding
-    assert "padding-heavy" not in _rules(_history(generate=2.0, actor_train=7.0, perf_padding_share=0.35), cfg)
+    assert "padding-heavy" not in _rules(_history(generate=2.0, actor_train=7.0, perf_actor_padding_share=0.35), cfg)
 
 
 def test_reward_sync_swap_forward_and_idle_rules():

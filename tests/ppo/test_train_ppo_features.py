@@ -115,7 +115,7 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     for r in records:
         assert r["timing/swap"] > 0  # ZeRO-2 states offloaded and reloaded around every generation
         assert r["rollout/logprob_diff"] < 1e-4
-        assert 0.25 <= r["reward"] <= 0.75
+        assert 0.25 <= r["train/reward"] <= 0.75
         # --ds_tensor_parallel_size 2: each actor rank holds part of the weights (the embeddings stay whole)
         assert 0.5 < r["perf/actor_weight_share"] < 1.0
     labels = {i: row["label"] for i, row in enumerate(rows)}
@@ -149,6 +149,6 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     )
     assert "resumed from" in proc.stdout + proc.stderr
     again = _rollouts(resumed)
-    assert list(again) == [3], series(read_metrics(resumed), "reward")
+    assert list(again) == [3], series(read_metrics(resumed), "train/reward")
     assert again[3]["taken"] == steps[3]["taken"] and again[3]["prompts"] == steps[3]["prompts"]
     assert read_metrics(resumed)[0]["rollout/logprob_diff"] < 1e-4  # engines re-synced to the checkpoint

@@ -15,12 +15,12 @@ pytestmark = pytest.mark.slow
 
 SYNC_CHECKED = "--vllm_sync_check: 1 engine(s) compute with the trainer's weights: "
 STEP_METRICS = [
-    "policy_loss",
-    "kl",
-    "reward",
-    "clip_ratio",
-    "entropy",
-    "response_length",
+    "train/policy_loss",
+    "train/kl",
+    "train/reward",
+    "train/clip_ratio",
+    "train/entropy",
+    "train/response_length",
     "rollout/logprob_diff",
     "timing/generate",
     "timing/reward",
@@ -123,7 +123,7 @@ def test_grpo_with_py_reward(tmp_path):
     for r in records:  # the stages and the idle rest add up to the step (sync run: nothing overlaps)
         staged = sum(v for k, v in r.items() if k.startswith("timing/") and k != "timing/step")
         assert staged == pytest.approx(r["timing/step"], rel=1e-6)
-        generated = r["response_length"] * 16  # 4 prompts x 4 samples
+        generated = r["train/response_length"] * 16  # 4 prompts x 4 samples
         assert r["perf/generate_tokens_per_s"] == pytest.approx(generated / r["timing/generate"], rel=1e-6)
     traces = sorted(p.name for p in (save / "profile" / "step2").iterdir())
     assert traces == ["actor_rank0.json", "actor_rank1.json", "driver.json"], traces
@@ -134,9 +134,10 @@ def test_grpo_with_py_reward(tmp_path):
     # and top-p truncation, which the trainer recomputes through the ring: IS weights 1
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
     assert all(r["rollout/outside_support"] == 0.0 for r in records), series(records, "rollout/outside_support")
-    assert all(abs(r["policy/is_ratio_mean"] - 1) < 1e-4 for r in records), series(records, "policy/is_ratio_mean")
+    assert all(abs(r["train/is_ratio_mean"] - 1) < 1e-4 for r in records), series(records, "train/is_ratio_mean")
     # each rank ran half of every row (plus at most one pad token per row) through the model
-    assert all(0.5 <= r["perf/ring_token_share"] < 0.52 for r in records), series(records, "perf/ring_token_share")
+    shares = series(records, "perf/actor_ring_token_share")
+    assert len(shares) == len(records) and all(0.5 <= share < 0.52 for _, share in shares), shares
     assert (save / "model.safetensors").is_file()
     assert json.loads((save / "run_info.json").read_text())["config"]["algo"]["advantage_estimator"] == "group_norm"
 
@@ -238,23 +239,24 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     assert "colocated (critic_reward): critic, reward share 1 device(s), 0.5 of each" in log
     records = read_metrics(save)
     assert len(records) == 2
-    for key in STEP_METRICS + ["value_loss", "timing/values", "timing/ref_logprob", "timing/critic_train"]:
+    for key in STEP_METRICS + ["train/value_loss", "timing/values", "timing/ref_logprob", "timing/critic_train"]:
         assert all(key in r for r in records), key
     # a NaN would be logged as such (never dropped): finite means the critic trained
-    assert all(math.isfinite(r["value_loss"]) for r in records), series(records, "value_loss")
+    assert all(math.isfinite(r["train/value_loss"]) for r in records), series(records, "train/value_loss")
     # The adaptive controller sees nats per response: the per-token mean x the mean response length. Each step it
     # moves beta by clip(KL / 6 - 1, +-0.2) x 8 samples / 100 (Ziegler et al.), from --init_kl_coef 0.01.
     beta = 0.01
     for r in records:
-        assert r["rollout/kl_per_response"] == pytest.approx(r["kl"] * r["response_length"], rel=1e-4, abs=1e-9)
-        beta *= 1 + min(max(r["rollout/kl_per_response"] / 6 - 1, -0.2), 0.2) * 8 / 100
-        assert r["rollout/kl_coef"] == pytest.approx(beta, rel=1e-9)
+        per_response = r["train/kl"] * r["train/response_length"]
+        assert r["train/kl_per_response"] == pytest.approx(per_response, rel=1e-4, abs=1e-9)
+        beta *= 1 + min(max(r["train/kl_per_response"] / 6 - 1, -0.2), 0.2) * 8 / 100
+        assert r["train/kl_coef"] == pytest.approx(beta, rel=1e-9)
     assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
     assert records[1]["kl"] != 0.0  # after one update the policy has moved away from the reference
     # packed log-probs equal the engine's; no padding was computed; 4 rows of ~40 tokens per rank and step do not
     # fit one 60-token budget
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records)
-    assert all(r["perf/padding_share"] == 0.0 and r["perf/micro_batches"] >= 2 for r in records), records
+    assert all(r["perf/actor_padding_share"] == 0.0 and r["perf/actor_micro_batches"] >= 2 for r in records), records
 
 
 def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
@@ -306,7 +308,7 @@ def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
     assert SYNC_CHECKED in proc.stdout
     assert "weight sync group ready" not in proc.stdout
     records = read_metrics(save)
-    assert len(records) == 2 and all("reward" in r and "loss/kl" in r for r in records)
+    assert len(records) == 2 and all("train/reward" in r and "train/kl_loss" in r for r in records)
     # Step 2 samples come from the synced engine. The trained adapters moved the policy away from the reference
     # (the base model): an engine without them would be off by about the KL; it agrees 100x more closely.
     assert records[1]["kl"] > 1e-3, records[1]["kl"]
@@ -377,7 +379,7 @@ def test_multi_turn_agent(tmp_path):
     for r in records:
         # a random tiny model never names a digit: every episode runs all 3 turns and collects feedback
         assert r["agent/turns"] == 3 and r["guess_number/solved"] == 0.0
-        assert r["response_length"] > 3 * 6 * 0.5  # model turns plus feedback tokens
+        assert r["train/response_length"] > 3 * 6 * 0.5  # model turns plus feedback tokens
         assert r["rollout/logprob_diff"] < 1e-4
         # the batch is one on-policy optimizer step: no separate old-log-prob pass, the gap is measured in the update
         assert "timing/old_logprob" not in r
@@ -416,9 +418,9 @@ def test_async_grpo(tmp_path):
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2, 3]
     assert [r["rollout/staleness_max"] for r in records] == [0.0, 1.0, 1.0], records
-    assert all("timing/wait_rollout" in r and "policy/is_ratio_mean" in r for r in records), records[0].keys()
+    assert all("timing/wait_rollout" in r and "train/is_ratio_mean" in r for r in records), records[0].keys()
     # fresh engine == trainer at step 1 (under the engine's top-p truncation, recomputed in the update: weights 1);
     # later the samples' log-probs are those of the previous weights
     assert records[0]["rollout/logprob_diff"] < 1e-4
-    assert abs(records[0]["policy/is_ratio_mean"] - 1) < 1e-4 and records[0]["policy/rollout_outside_support"] == 0
+    assert abs(records[0]["train/is_ratio_mean"] - 1) < 1e-4 and records[0]["rollout/outside_support"] == 0
     assert all(r["rollout/logprob_diff"] > 1e-4 for r in records[1:]), series(records, "rollout/logprob_diff")

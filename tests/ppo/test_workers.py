@@ -84,7 +84,7 @@ def test_workers(cfg, batch):
     cfg.rollout.temperature = 0.7
     train = {**batch, "old_log_probs": old, "advantages": torch.ones_like(old) * batch["action_mask"]}
     metrics = policy.train(train, kl_coef=0.0, global_step=1)
-    assert {"loss/policy", "policy/clip_ratio", "policy/approx_kl"} <= set(metrics)
+    assert {"train/policy_loss", "train/clip_ratio", "train/approx_kl"} <= set(metrics)
     new = policy.log_probs(data)
     mask = batch["action_mask"].bool()
     assert (new[mask] - old[mask]).mean() > 0  # positive advantages raise the log-probs of the taken tokens

@@ -147,14 +147,14 @@ SKIP_CASES = [
 def test_nonfinite_step_is_skipped_without_a_trace(stage, dtype, cause, caplog):
     strategy = _strategy(stage, dtype)
     engine = _engine(strategy)
-    guard = strategy.step_guard(engine, "actor", "policy/skipped_steps")
+    guard = strategy.step_guard(engine, "actor", "train/actor_skipped_steps")
     before = _weights(strategy, engine)
     bad_data = _experience(nan_advantage=cause == "loss")
     with caplog.at_level(logging.WARNING, logger="openppo.strategy.step_guard"):
         bad = _fit(engine, strategy, bad_data, _loss_fn(engine, nan_grad=cause == "gradient"), guard)
     assert _same(_weights(strategy, engine), before)
-    assert bad["policy/skipped_steps"] == 1.0 and guard.consecutive == 1
-    assert "loss/policy" not in bad  # a skipped step's NaN loss stays out of the means
+    assert bad["train/actor_skipped_steps"] == 1.0 and guard.consecutive == 1
+    assert "train/policy_loss" not in bad  # a skipped step's NaN loss stays out of the means
     # (ZeRO-1/2/3 log DeepSpeed's own "OVERFLOW! Skipping step" line too)
     warnings = [r.getMessage() for r in caplog.records if r.name == "openppo.strategy.step_guard"]
     assert warnings == [
@@ -163,8 +163,8 @@ def test_nonfinite_step_is_skipped_without_a_trace(stage, dtype, cause, caplog):
     ]
 
     good = _fit(engine, strategy, _experience(), _loss_fn(engine), guard)
-    assert good["policy/skipped_steps"] == 0.0 and guard.consecutive == 0 and guard.skipped == 1
-    assert math.isfinite(good["loss/policy"])
+    assert good["train/actor_skipped_steps"] == 0.0 and guard.consecutive == 0 and guard.skipped == 1
+    assert math.isfinite(good["train/policy_loss"])
     after = _weights(strategy, engine)
     assert not _same(after, before)
 
@@ -178,13 +178,13 @@ def test_nonfinite_step_is_skipped_without_a_trace(stage, dtype, cause, caplog):
 def test_too_many_nonfinite_steps_in_a_row_stop_the_run(stage):
     strategy = _strategy(stage, "fp32", limit=2)
     engine = _engine(strategy)
-    guard = strategy.step_guard(engine, "critic", "critic/skipped_steps")
+    guard = strategy.step_guard(engine, "critic", "train/critic_skipped_steps")
     loss_fn = _loss_fn(engine)
     bad = _experience(nan_advantage=True)
     # bad, bad, good, bad, bad: an applied step resets the count, so 2 in a row never exceed the limit
-    assert _fit(engine, strategy, bad, loss_fn, guard, epochs=2)["critic/skipped_steps"] == 2.0
+    assert _fit(engine, strategy, bad, loss_fn, guard, epochs=2)["train/critic_skipped_steps"] == 2.0
     _fit(engine, strategy, _experience(), loss_fn, guard)
-    assert _fit(engine, strategy, bad, loss_fn, guard, epochs=2)["critic/skipped_steps"] == 2.0
+    assert _fit(engine, strategy, bad, loss_fn, guard, epochs=2)["train/critic_skipped_steps"] == 2.0
     before = _weights(strategy, engine)
     with pytest.raises(UserError) as err:
         _fit(engine, strategy, bad, loss_fn, guard)  # the third in a row
@@ -333,7 +333,7 @@ class _NLLTrainer(SupervisedTrainer):
         loss = -self.engine(ids, torch.ones_like(ids)).log_probs.float().mean()
         if step in self.bad_steps:
             loss = loss * float("nan")
-        return loss, {"loss/nll": loss.item()}
+        return loss, {"train/loss": loss.item()}
 
 
 def _trainer(tmp_path, stage: int, bad_steps: set[int], limit: int, steps: int = 3) -> _NLLTrainer:
@@ -372,8 +372,8 @@ def test_supervised_loop_skips_a_nonfinite_step(tmp_path, stage):
     trainer.fit()
     logged = dict(trainer.tracker.logged)
     assert [logged[s]["train/skipped_steps"] for s in (1, 2, 3)] == [0, 1, 0]
-    assert "loss/nll" not in logged[2]  # the skipped step's NaN is not averaged in
-    assert all(math.isfinite(logged[s]["loss/nll"]) for s in (1, 3))
+    assert "train/loss" not in logged[2]  # the skipped step's NaN is not averaged in
+    assert all(math.isfinite(logged[s]["train/loss"]) for s in (1, 3))
     assert trainer.guard.skipped == 1 and trainer.guard.consecutive == 0
 
 

@@ -14,9 +14,9 @@ def _steps(n: int, seed: int = 0) -> list[dict[str, float]]:
     steps = []
     for i in range(n):
         step = {
-            "rollout/reward": rng.random(),
-            "response_length": float(rng.randint(1, 30)),
-            "kl": rng.random(),
+            "train/reward": rng.random(),
+            "train/response_length": float(rng.randint(1, 30)),
+            "train/kl": rng.random(),
             "timing/generate": rng.random(),
             "timing/step": 2.0 + rng.random(),
             "perf/driver_rss_gib": 0.6,
@@ -42,8 +42,8 @@ def test_same_numbers_as_the_full_list(n):
         {k: sum(s.get(k, 0.0) for s in rest) / len(rest) for k in rest_keys}
     )
     first, last = history.rewards(5)
-    assert first == [s["rollout/reward"] for s in steps[:5]] and last == [s["rollout/reward"] for s in steps[-5:]]
-    assert history.response_length == (steps[0]["response_length"], steps[-1]["response_length"])
+    assert first == [s["train/reward"] for s in steps[:5]] and last == [s["train/reward"] for s in steps[-5:]]
+    assert history.response_length == (steps[0]["train/response_length"], steps[-1]["train/response_length"])
 
 
 def test_memory_does_not_grow_with_steps():
