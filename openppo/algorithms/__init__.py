@@ -41,9 +41,6 @@ from openppo.algorithms.kl import (
 )
 from openppo.algorithms.losses import (
     IS_CORRECTION_TYPES,
-    check_dual_clip,
-    check_is_threshold,
-    check_value_clip,
     clip_bounds,
     gspo_sequence_log_ratio,
     importance_weights,
@@ -54,9 +51,6 @@ from openppo.algorithms.masking import masked_mean, masked_sum
 from openppo.algorithms.rewards import (
     GRPO_STD_EPS,
     apply_truncation_penalty,
-    check_overlong,
-    check_reward_clip_range,
-    check_truncation_penalty,
     clip_rewards,
     normalize_reward,
     overlong_penalty,
@@ -66,7 +60,6 @@ from openppo.algorithms.rewards import (
 )
 from openppo.algorithms.sampling import (
     SamplingFilter,
-    check_sampling_filter,
     engine_gap,
     sampling_log_probs,
 )
@@ -98,17 +91,11 @@ __all__ = [
     "overlong_penalty",
     "apply_truncation_penalty",
     "token_level_rewards",
-    "check_overlong",
-    "check_reward_clip_range",
-    "check_truncation_penalty",
     "policy_loss",
     "value_loss",
     "gspo_sequence_log_ratio",
     "importance_weights",
     "clip_bounds",
-    "check_dual_clip",
-    "check_is_threshold",
-    "check_value_clip",
     "aggregate_loss",
     "loss_normalizers",
     "default_loss_agg_mode",
@@ -120,7 +107,6 @@ __all__ = [
     "masked_mean",
     "masked_sum",
     "SamplingFilter",
-    "check_sampling_filter",
     "engine_gap",
     "sampling_log_probs",
 ]

@@ -12,13 +12,11 @@ from __future__ import annotations
 import torch
 
 from openppo.algorithms.estimators import GROUP_ESTIMATORS, check_advantage_estimator, whitens_by_default
-from openppo.algorithms.masking import bool_mask, check_same_shape
-from openppo.errors import UserError
+from openppo.algorithms.masking import bool_mask, check_arg, check_same_shape
 
 
-def _check_discount(flag: str, value: float) -> None:
-    if not 0.0 <= value <= 1.0:
-        raise UserError(f"{flag}: must be in [0, 1], got {value}")
+def _check_discount(name: str, value: float) -> None:
+    check_arg(0.0 <= value <= 1.0, f"{name} must be in [0, 1], got {value}")
 
 
 def _zero(x: torch.Tensor) -> torch.Tensor:
@@ -39,8 +37,8 @@ def compute_gae(
     masked. With lambd = 1, A_t is the discounted return minus V_t; with lambd = 0 it is the one-step TD error.
     """
     check_same_shape(rewards=rewards, values=values, mask=mask)
-    _check_discount("--gamma", gamma)
-    _check_discount("--lambd", lambd)
+    _check_discount("gamma", gamma)
+    _check_discount("lambd", lambd)
     keep = bool_mask(mask)
     rewards = torch.where(keep, rewards, _zero(rewards))
     values = torch.where(keep, values, _zero(values)).to(rewards.dtype)
@@ -65,7 +63,7 @@ def compute_returns(rewards: torch.Tensor, mask: torch.Tensor, gamma: float = 1.
     Shapes: rewards, mask [B, T] -> [B, T]; no reduction; detached; 0 where masked.
     """
     check_same_shape(rewards=rewards, mask=mask)
-    _check_discount("--gamma", gamma)
+    _check_discount("gamma", gamma)
     keep = bool_mask(mask)
     rewards = torch.where(keep, rewards, _zero(rewards))
     if gamma == 1.0:
@@ -144,9 +142,7 @@ def compute_advantages(
     """
     check_advantage_estimator(estimator)
     if estimator in GROUP_ESTIMATORS and gamma != 1.0:
-        raise UserError(
-            f"--gamma: --advantage_estimator {estimator} needs gamma 1 (the reward is per response), got {gamma}"
-        )
+        raise ValueError(f"{estimator} needs gamma 1 (the reward is per response), got {gamma}")
     if estimator == "gae":
         if values is None:
             raise ValueError("compute_advantages: estimator 'gae' needs the critic's values")

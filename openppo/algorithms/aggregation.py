@@ -58,7 +58,7 @@ def aggregate_loss(
 
     Sequences with n_i = 0 contribute nothing and are not counted in M (see `loss_normalizers`).
     """
-    check_choice("--loss_agg_mode", mode, LOSS_AGG_MODES)
+    check_choice("mode", mode, LOSS_AGG_MODES)
     check_same_shape(per_token_loss=per_token_loss, mask=mask)
     if mode == "token-mean":
         if num_tokens_global is None:

@@ -22,8 +22,6 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
-from openppo.errors import UserError
-
 DEFAULT_CHUNK_SIZE = 1024
 
 
@@ -123,7 +121,7 @@ class _Entropy(torch.autograd.Function):
 
 def _as_3d(logits: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
     if temperature <= 0:
-        raise UserError(f"--temperature: must be > 0, got {temperature}")
+        raise ValueError(f"temperature must be > 0, got {temperature}")
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
     if logits.dim() == 2:

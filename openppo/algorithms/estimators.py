@@ -27,8 +27,8 @@ POLICY_LOSS_TYPES = ("ppo", "gspo")
 
 
 def check_advantage_estimator(estimator: str) -> None:
-    """Raise `UserError` naming `--advantage_estimator` for an unknown name."""
-    check_choice("--advantage_estimator", estimator, ADVANTAGE_ESTIMATORS)
+    """Raise ValueError for an unknown estimator name."""
+    check_choice("estimator", estimator, ADVANTAGE_ESTIMATORS)
 
 
 def needs_critic(estimator: str) -> bool:
@@ -50,7 +50,7 @@ def whitens_by_default(estimator: str) -> bool:
 def default_loss_agg_mode(estimator: str, policy_loss_type: str = "ppo") -> str:
     """The loss aggregation used when `--loss_agg_mode` is not given (see the module table)."""
     check_advantage_estimator(estimator)
-    check_choice("--policy_loss_type", policy_loss_type, POLICY_LOSS_TYPES)
+    check_choice("policy_loss_type", policy_loss_type, POLICY_LOSS_TYPES)
     if policy_loss_type == "gspo":
         return "seq-mean-token-mean"
     if estimator == "dr_grpo":

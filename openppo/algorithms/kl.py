@@ -18,8 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from openppo.algorithms.masking import bool_mask, check_choice, check_same_shape, masked_sum
-from openppo.errors import UserError
+from openppo.algorithms.masking import bool_mask, check_arg, check_choice, check_same_shape, masked_sum
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 
@@ -44,7 +43,7 @@ def compute_approx_kl(
     OpenRLHF and verl; None disables it). A saturated token has zero gradient.
     Gradients flow through both inputs; detach `ref_log_probs` yourself (or use `kl_loss`) for a loss term.
     """
-    check_choice("--kl_estimator", estimator, KL_ESTIMATORS)
+    check_choice("estimator", estimator, KL_ESTIMATORS)
     check_same_shape(log_probs=log_probs, ref_log_probs=ref_log_probs, mask=mask)
     log_ratio = log_probs - ref_log_probs
     if estimator == "k1":
@@ -87,8 +86,7 @@ class FixedKLController:
     """A constant KL coefficient beta (`--init_kl_coef`, used when `--kl_target` is unset)."""
 
     def __init__(self, init_kl_coef: float):
-        if init_kl_coef < 0:
-            raise UserError(f"--init_kl_coef: must be >= 0, got {init_kl_coef}; use 0 to disable the KL term")
+        check_arg(init_kl_coef >= 0, f"init_kl_coef must be >= 0, got {init_kl_coef}")
         self.value = float(init_kl_coef)
 
     def update(self, current_kl: float, n_steps: int) -> None:
@@ -109,14 +107,9 @@ class AdaptiveKLController:
     """
 
     def __init__(self, init_kl_coef: float, kl_target: float, kl_horizon: float = 10000):
-        if init_kl_coef <= 0:
-            raise UserError(
-                f"--init_kl_coef: the adaptive controller (--kl_target set) needs a coefficient > 0, got {init_kl_coef}"
-            )
-        if kl_target <= 0:
-            raise UserError(f"--kl_target: must be > 0 nats per response, got {kl_target}")
-        if kl_horizon <= 0:
-            raise UserError(f"--kl_horizon: must be > 0, got {kl_horizon}")
+        check_arg(init_kl_coef > 0, f"the adaptive controller needs init_kl_coef > 0, got {init_kl_coef}")
+        check_arg(kl_target > 0, f"kl_target must be > 0 nats per response, got {kl_target}")
+        check_arg(kl_horizon > 0, f"kl_horizon must be > 0, got {kl_horizon}")
         self.value = float(init_kl_coef)
         self.target = float(kl_target)
         self.horizon = float(kl_horizon)

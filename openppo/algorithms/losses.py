@@ -14,8 +14,7 @@ from __future__ import annotations
 import torch
 
 from openppo.algorithms.estimators import POLICY_LOSS_TYPES
-from openppo.algorithms.masking import bool_mask, check_choice, check_same_shape, masked_mean
-from openppo.errors import UserError
+from openppo.algorithms.masking import bool_mask, check_arg, check_choice, check_same_shape, masked_mean
 
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 LOG_RATIO_CLAMP = 20.0
@@ -25,45 +24,9 @@ def _zero(x: torch.Tensor) -> torch.Tensor:
     return torch.zeros((), dtype=x.dtype, device=x.device)
 
 
-# The option rules of the losses below, in one place: the losses call them, and so does the up-front validation of
-# the CLIs, so a value a loss would reject stops the run before any process starts.
-
-
 def clip_bounds(eps_clip: float, eps_clip_low_high: tuple[float, float] | None = None) -> tuple[float, float]:
-    """(low, high) of the ratio clip [1 - low, 1 + high]: `--eps_clip_low_high` if given, else `--eps_clip` twice.
-    Raises UserError naming the flag that was given: low must be in (0, 1) (1 - low is the lower ratio bound), high
-    positive."""
-    if eps_clip_low_high is None:
-        if not 0 < eps_clip < 1:
-            raise UserError(
-                f"--eps_clip: must be in (0, 1) (the ratio is clipped to [1 - eps, 1 + eps]), got "
-                f"{eps_clip}; 0.2 is usual"
-            )
-        return eps_clip, eps_clip
-    low, high = eps_clip_low_high
-    check_clip_low_high(low, high)
-    return low, high
-
-
-def check_clip_low_high(low: float, high: float) -> None:
-    if not (0 < low < 1 and high > 0):
-        raise UserError(f"--eps_clip_low_high: need 0 < low < 1 and high > 0, got {low} {high}; e.g. 0.2 0.28")
-
-
-def check_dual_clip(dual_clip: float | None) -> None:
-    if dual_clip is not None and dual_clip <= 1:
-        raise UserError(f"--dual_clip: must be > 1 (e.g. 3), got {dual_clip}")
-
-
-def check_is_threshold(threshold: tuple[float, float]) -> None:
-    low, high = threshold
-    if not 0 <= low < high:
-        raise UserError(f"--vllm_is_truncated_threshold: need 0 <= low < high, got {low} {high}")
-
-
-def check_value_clip(value_clip: float | None) -> None:
-    if value_clip is not None and value_clip <= 0:
-        raise UserError(f"--value_clip: must be > 0, got {value_clip}")
+    """(low, high) of the ratio clip [1 - low, 1 + high]: `eps_clip_low_high` if given, else `eps_clip` twice."""
+    return (eps_clip, eps_clip) if eps_clip_low_high is None else tuple(eps_clip_low_high)
 
 
 def gspo_sequence_log_ratio(log_probs: torch.Tensor, old_log_probs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -94,9 +57,9 @@ def importance_weights(
     Shapes: [B, T] -> (weights [B, T], 0 where masked; metrics). Metrics: is_ratio_mean (mean applied weight),
     vllm_kl (k1 estimate of KL(pi_rollout || pi_old), sampled from the rollout), is_masked_ratio (tokens dropped).
     """
-    check_choice("--vllm_is_correction_type", correction, IS_CORRECTION_TYPES)
-    check_is_threshold(threshold)
+    check_choice("correction", correction, IS_CORRECTION_TYPES)
     low, high = threshold
+    check_arg(0 <= low < high, f"threshold: need 0 <= low < high, got {threshold}")
     keep = bool_mask(mask)
     log_rho = (old_log_probs.detach() - rollout_log_probs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_rho = torch.where(keep, log_rho, _zero(log_rho))
@@ -157,7 +120,7 @@ def policy_loss(
     is the active one), approx_kl (k3 estimate of KL(pi_old || pi)), dual_clip_ratio if dual clip is on, and
     the `importance_weights` metrics if IS correction is on.
     """
-    check_choice("--policy_loss_type", loss_type, POLICY_LOSS_TYPES)
+    check_choice("loss_type", loss_type, POLICY_LOSS_TYPES)
     check_same_shape(
         log_probs=log_probs,
         old_log_probs=old_log_probs,
@@ -166,8 +129,9 @@ def policy_loss(
         rollout_log_probs=rollout_log_probs,
         old_sampling_log_probs=old_sampling_log_probs,
     )
-    check_clip_low_high(eps_clip_low, eps_clip_high)
-    check_dual_clip(dual_clip)
+    bounds = f"eps_clip_low={eps_clip_low}, eps_clip_high={eps_clip_high}"
+    check_arg(0 < eps_clip_low < 1 and eps_clip_high > 0, f"need 0 < eps_clip_low < 1 and eps_clip_high > 0: {bounds}")
+    check_arg(dual_clip is None or dual_clip > 1, f"dual_clip must be > 1, got {dual_clip}")
     keep = bool_mask(mask)
     old_log_probs = old_log_probs.detach()
     advantages = torch.where(keep, advantages.detach(), _zero(advantages))
@@ -227,7 +191,7 @@ def value_loss(
     if value_clip is None:
         loss = 0.5 * unclipped
     else:
-        check_value_clip(value_clip)
+        check_arg(value_clip > 0, f"value_clip must be > 0, got {value_clip}")
         old_values = old_values.detach()
         clipped = (old_values + (values - old_values).clamp(-value_clip, value_clip) - returns).square()
         loss = 0.5 * torch.maximum(unclipped, clipped)

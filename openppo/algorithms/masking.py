@@ -12,8 +12,6 @@ from collections.abc import Sequence
 
 import torch
 
-from openppo.errors import UserError
-
 
 def float_mask(mask: torch.Tensor, like: torch.Tensor) -> torch.Tensor:
     """The mask as 0/1 values in `like`'s dtype and device (shape unchanged)."""
@@ -44,10 +42,19 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> 
     return masked_sum(x, mask, dim) / count.clamp(min=1)
 
 
-def check_choice(flag: str, value: str, choices: Sequence[str]) -> None:
-    """Raise `UserError` naming `flag` unless `value` is one of `choices`."""
-    if value not in choices:
-        raise UserError(f"{flag}: unknown value {value!r}; choose one of {', '.join(choices)}")
+# The math asserts its invariants with ValueError and the argument's name; the user-facing rules, which name the
+# flags, are checked once by the CLIs' validation before anything starts (openppo/ppo/validate.py).
+
+
+def check_arg(ok: bool, message: str) -> None:
+    """Raise ValueError (a caller bug: validation has already rejected bad flags) unless `ok`."""
+    if not ok:
+        raise ValueError(message)
+
+
+def check_choice(name: str, value: str, choices: Sequence[str]) -> None:
+    """Raise ValueError unless the argument `name` is one of `choices`."""
+    check_arg(value in choices, f"{name}={value!r} is not one of {', '.join(choices)}")
 
 
 def check_same_shape(**tensors: torch.Tensor | None) -> None:

@@ -23,8 +23,7 @@ from __future__ import annotations
 import torch
 
 from openppo.algorithms.estimators import GROUP_ESTIMATORS, check_advantage_estimator
-from openppo.algorithms.masking import bool_mask, check_same_shape
-from openppo.errors import UserError
+from openppo.algorithms.masking import bool_mask, check_arg, check_same_shape
 
 # verl's GRPO epsilon. OpenRLHF's 1e-9 is below fp32 resolution next to a std of order 1 (so it only guards an exact
 # zero), and TRL's 1e-4 visibly shrinks advantages (0.8659 instead of 0.8660 for rewards [1, 0, 0, 1]).
@@ -51,10 +50,7 @@ def shape_group_rewards(
     if estimator not in GROUP_ESTIMATORS:
         return rewards
     if n_samples_per_prompt < 2:
-        raise UserError(
-            f"--n_samples_per_prompt: --advantage_estimator {estimator} compares the responses to one "
-            f"prompt and needs at least 2, got {n_samples_per_prompt}"
-        )
+        raise ValueError(f"{estimator} compares the responses to one prompt: needs n >= 2, got {n_samples_per_prompt}")
     if rewards.dim() != 1 or rewards.numel() % n_samples_per_prompt:
         raise ValueError(
             f"shape_group_rewards: rewards must be [B] with B a multiple of {n_samples_per_prompt}, "
@@ -76,42 +72,15 @@ def shape_group_rewards(
 
 def normalize_reward(rewards: torch.Tensor, mean: float, std: float) -> torch.Tensor:
     """(r - mean) / std with the statistics stored with the reward model (`--normalize_reward`). [B] -> [B]."""
-    if not std > 0:
-        raise UserError(
-            f"--normalize_reward: the reward model's stored std must be > 0, got {std}; retrain the "
-            f"reward model with statistics or drop --normalize_reward"
-        )
+    check_arg(std > 0, f"std must be > 0, got {std}")
     return (rewards.detach() - mean) / std
-
-
-def check_reward_clip_range(clip_range: tuple[float, float]) -> None:
-    """The rule of `clip_rewards`' range (also checked by the CLIs' validation)."""
-    low, high = clip_range
-    if not low < high:
-        raise UserError(f"--reward_clip_range: low must be < high, got {low} {high}")
 
 
 def clip_rewards(rewards: torch.Tensor, clip_range: tuple[float, float]) -> torch.Tensor:
     """Clamp to [low, high] (`--reward_clip_range`). [B] -> [B]."""
-    check_reward_clip_range(clip_range)
     low, high = clip_range
+    check_arg(low < high, f"clip_range: low must be < high, got {clip_range}")
     return rewards.detach().clamp(low, high)
-
-
-def check_overlong(buffer_len: int, max_new_tokens: int, factor: float) -> None:
-    """The rules of `overlong_penalty`'s options (also checked by the CLIs' validation before anything starts)."""
-    if not 0 < buffer_len <= max_new_tokens:
-        raise UserError(f"--overlong_buffer_len: must be in (0, --generate_max_len={max_new_tokens}], got {buffer_len}")
-    if factor < 0:
-        raise UserError(f"--overlong_penalty_factor: must be >= 0, got {factor}")
-
-
-def check_truncation_penalty(coef: float) -> None:
-    """The rule of `apply_truncation_penalty`'s coefficient (also checked by the CLIs' validation)."""
-    if coef > 1:
-        raise UserError(
-            f"--stop_properly_penalty_coef: must be <= 1 (a factor in [0, 1] or a negative fixed reward), got {coef}"
-        )
 
 
 def overlong_penalty(
@@ -130,7 +99,8 @@ def overlong_penalty(
     0 up to max_new_tokens - buffer_len, linear down to -factor at max_new_tokens (and beyond).
     Shapes: response_lengths [B] (token counts) -> [B] in `dtype`.
     """
-    check_overlong(buffer_len, max_new_tokens, factor)
+    check_arg(0 < buffer_len <= max_new_tokens, f"buffer_len must be in (0, {max_new_tokens}], got {buffer_len}")
+    check_arg(factor >= 0, f"factor must be >= 0, got {factor}")
     exceed = (response_lengths.to(dtype) - (max_new_tokens - buffer_len)).clamp(0, buffer_len)
     return -factor * exceed / buffer_len
 
@@ -141,7 +111,7 @@ def apply_truncation_penalty(rewards: torch.Tensor, truncated: torch.Tensor, coe
     coef in [0, 1]: r <- coef * r for truncated responses; coef < 0: r <- coef (a fixed penalty).
     Shapes: rewards [B], truncated [B] (bool or 0/1) -> [B].
     """
-    check_truncation_penalty(coef)
+    check_arg(coef <= 1, f"coef must be <= 1, got {coef}")
     rewards = rewards.detach()
     penalised = torch.full_like(rewards, coef) if coef < 0 else rewards * coef
     return torch.where(bool_mask(truncated), penalised, rewards)

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openppo.errors import UserError
+from openppo.algorithms.masking import check_arg
 
 # positions per chunk: a sort of chunk x V values (plus int64 indices) is the extra memory, ~60 MB at V = 150k
 _CHUNK_ROWS = 64
@@ -38,18 +38,12 @@ class SamplingFilter:
     top_p: float = 1.0
 
     def __post_init__(self):
-        check_sampling_filter(self.top_k, self.top_p)
+        check_arg(self.top_k == -1 or self.top_k >= 1, f"top_k must be -1 (off) or >= 1, got {self.top_k}")
+        check_arg(0.0 < self.top_p <= 1.0, f"top_p must be in (0, 1], got {self.top_p}")
 
     @property
     def active(self) -> bool:
         return self.top_k > 0 or self.top_p < 1.0
-
-
-def check_sampling_filter(top_k: int, top_p: float) -> None:
-    if top_k == 0 or top_k < -1:
-        raise UserError(f"--top_k: must be -1 (off) or >= 1, got {top_k}")
-    if not 0.0 < top_p <= 1.0:
-        raise UserError(f"--top_p: must be in (0, 1], got {top_p}")
 
 
 def _kept(z: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:

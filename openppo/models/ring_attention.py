@@ -58,8 +58,6 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
-from openppo.errors import UserError
-
 ATTN_IMPLEMENTATION = "ring_attention"
 """The name to pass as `attn_implementation` (registered by `register_ring_attention`)."""
 
@@ -119,7 +117,7 @@ def ring_context(
     if position_ids.dim() == 2 and position_ids.shape[0] != 1:
         raise ValueError(f"ring attention takes one packed row [1, N]; got position_ids {tuple(position_ids.shape)}")
     if head_stride < 0:
-        raise UserError(f"--ring_head_stride must be >= 0 (0 = all heads at once), got {head_stride}")
+        raise ValueError(f"head_stride must be >= 0 (0 = all heads at once), got {head_stride}")
     size = 1 if group is None else dist.get_world_size(group)
     rank = 0 if group is None else dist.get_rank(group)
     n = position_ids.shape[-1]
@@ -456,7 +454,7 @@ def ring_attention_forward(
         raise NotImplementedError("ring attention supports causal attention without dropout, sliding window or softcap")
     num_kv = key.shape[1]
     if ring.head_stride and num_kv % ring.head_stride:
-        raise UserError(f"--ring_head_stride {ring.head_stride} must divide the number of KV heads ({num_kv})")
+        raise ValueError(f"head_stride {ring.head_stride} must divide the number of KV heads ({num_kv})")
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
     if (
         llama3_flash_attn_varlen_func is not None

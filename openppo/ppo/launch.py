@@ -15,7 +15,7 @@ from openppo.ppo.colocation import colocation_pools, engine_placement
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.groups import Groups
 from openppo.ppo.plan import RunPlan
-from openppo.ppo.validate import actor_world_size
+from openppo.ppo.validate import actor_world_size, check_reward_normalization
 
 logger = logging.getLogger(__name__)
 
@@ -253,7 +253,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
     results = {name: group.workers.get(setups) for name, (group, setups) in started.items()}
     if "reward" in groups:
-        groups["reward"].normalization = results["reward"][0]
+        groups["reward"].normalization = check_reward_normalization(cfg, results["reward"][0])
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     actor = groups["actor"]
     transports = sync_plan(cfg, actor.worker_infos, pool.infos, backend, on_gpu=bool(gpu))

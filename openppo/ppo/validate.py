@@ -6,18 +6,7 @@ for options that are accepted but cannot take effect here. It never rewrites the
 
 from __future__ import annotations
 
-from openppo.algorithms import (
-    GROUP_ESTIMATORS,
-    check_dual_clip,
-    check_is_threshold,
-    check_overlong,
-    check_reward_clip_range,
-    check_sampling_filter,
-    check_truncation_penalty,
-    check_value_clip,
-    clip_bounds,
-    needs_critic,
-)
+from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.loading import resolve_model_path
@@ -105,12 +94,22 @@ def _algorithm(cfg: PPOConfig) -> None:
     require(algo.init_kl_coef >= 0, f"--init_kl_coef must be >= 0, got {algo.init_kl_coef}")
     if algo.kl_target is not None:
         _positive(algo.kl_target, "--kl_target")
+        _positive(algo.kl_horizon, "--kl_horizon")
         require(algo.init_kl_coef > 0, "--kl_target adapts the KL coefficient: set --init_kl_coef > 0")
-    # the losses' own rules (algorithms/losses.py), checked here so that they fail before Ray starts
-    clip_bounds(algo.eps_clip, algo.eps_clip_low_high)
-    check_dual_clip(algo.dual_clip)
-    check_value_clip(algo.value_clip)
-    check_is_threshold(tuple(cfg.vllm.vllm_is_truncated_threshold))
+    # the RL math's option rules: the math itself only asserts them, without flag names (algorithms/masking.py)
+    if algo.eps_clip_low_high is None:
+        require(
+            0 < algo.eps_clip < 1,
+            f"--eps_clip: must be in (0, 1) (the ratio is clipped to [1 - eps, 1 + eps]), got {algo.eps_clip}; "
+            f"0.2 is usual",
+        )
+    else:
+        low, high = algo.eps_clip_low_high
+        require(0 < low < 1 and high > 0, f"--eps_clip_low_high: need 0 < low < 1 and high > 0, got {low} {high}")
+    require(algo.dual_clip is None or algo.dual_clip > 1, f"--dual_clip: must be > 1 (e.g. 3), got {algo.dual_clip}")
+    require(algo.value_clip is None or algo.value_clip > 0, f"--value_clip: must be > 0, got {algo.value_clip}")
+    low, high = cfg.vllm.vllm_is_truncated_threshold
+    require(0 <= low < high, f"--vllm_is_truncated_threshold: need 0 <= low < high, got {low} {high}")
     require(0 < algo.gamma <= 1, f"--gamma must be in (0, 1], got {algo.gamma}")
     require(0 <= algo.lambd <= 1, f"--lambd must be in [0, 1], got {algo.lambd}")
     if algo.advantage_estimator in GROUP_ESTIMATORS and algo.gamma != 1.0:
@@ -118,15 +117,22 @@ def _algorithm(cfg: PPOConfig) -> None:
             f"--gamma {algo.gamma} with --advantage_estimator {algo.advantage_estimator}: group "
             f"estimators score whole responses; use --gamma 1"
         )
-    check_reward_clip_range(tuple(algo.reward_clip_range))
+    low, high = algo.reward_clip_range
+    require(low < high, f"--reward_clip_range: low must be < high, got {low} {high}")
     require(
         algo.entropy_loss_coef is None or algo.entropy_loss_coef >= 0,
         f"--entropy_loss_coef must be >= 0, got {algo.entropy_loss_coef}",
     )
     if algo.overlong_buffer_len is not None:
-        check_overlong(algo.overlong_buffer_len, cfg.data.generate_max_len, algo.overlong_penalty_factor)
-    if algo.stop_properly_penalty_coef is not None:
-        check_truncation_penalty(algo.stop_properly_penalty_coef)
+        limit, buffer = cfg.data.generate_max_len, algo.overlong_buffer_len
+        require(0 < buffer <= limit, f"--overlong_buffer_len: must be in (0, --generate_max_len={limit}], got {buffer}")
+        factor = algo.overlong_penalty_factor
+        require(factor >= 0, f"--overlong_penalty_factor: must be >= 0, got {factor}")
+    coef = algo.stop_properly_penalty_coef
+    require(
+        coef is None or coef <= 1,
+        f"--stop_properly_penalty_coef: must be <= 1 (a factor in [0, 1] or a negative fixed reward), got {coef}",
+    )
     lo, hi = r.dynamic_filtering_reward_range
     require(lo < hi, f"--dynamic_filtering_reward_range needs low < high, got {lo} {hi}")
 
@@ -147,7 +153,8 @@ def _batches(cfg: PPOConfig) -> None:
         (cfg.vllm.vllm_num_engines, "--vllm_num_engines"),
     ):
         _positive(value, flag)
-    check_sampling_filter(r.top_k, r.top_p)
+    require(r.top_k == -1 or r.top_k >= 1, f"--top_k: must be -1 (off) or >= 1, got {r.top_k}")
+    require(0.0 < r.top_p <= 1.0, f"--top_p: must be in (0, 1], got {r.top_p}")
     samples = r.rollout_batch_size * r.n_samples_per_prompt
     if samples % t.train_batch_size:
         raise UserError(
@@ -212,6 +219,25 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
                 f"--ring_attn_size {r.ring_attn_size} must divide the {role} ranks (--{role}_num_nodes x "
                 f"--{role}_num_gpus_per_node = {ranks})"
             )
+    m, stride = cfg.model, r.ring_head_stride
+    for flag, path in (
+        ("--pretrain", m.pretrain),
+        ("--critic_pretrain", m.critic_pretrain),
+        ("--reward_pretrain", m.reward_pretrain),
+    ):
+        heads = _kv_heads(path) if stride and path else 0
+        require(
+            heads % max(stride, 1) == 0, f"--ring_head_stride {stride} must divide the KV heads of {flag} ({heads})"
+        )
+
+
+def _kv_heads(model_path: str) -> int:
+    """Key/value heads of a model folder (its config.json only; the ring exchanges them `--ring_head_stride` at a
+    time)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def _tensor_parallel(cfg: PPOConfig) -> None:
@@ -390,3 +416,14 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     _no_effect(cfg, notices)
     validate_outputs(cfg.ckpt, cfg.logging)
     return notices
+
+
+def check_reward_normalization(cfg: PPOConfig, mean_std: tuple[float, float]) -> tuple[float, float]:
+    """The reward model's saved (mean, std), once it has loaded: --normalize_reward divides by the std."""
+    std = mean_std[1]
+    require(
+        not cfg.algo.normalize_reward or std > 0,
+        f"--normalize_reward: the reward model's stored std must be > 0, got {std}; retrain the reward model with "
+        f"statistics or drop --normalize_reward",
+    )
+    return mean_std

@@ -122,7 +122,8 @@ class VLLMEngine:
         executor: str | None = None,
     ):
         self.on_cpu = not torch.cuda.is_available()
-        require(tensor_parallel_size >= 1, f"--vllm_tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
+        if tensor_parallel_size < 1:
+            raise ValueError(f"tensor_parallel_size must be >= 1, got {tensor_parallel_size}")
         require(
             logprobs_mode in LOGPROBS_MODES,
             f"logprobs_mode {logprobs_mode!r} is not supported: pass one of {', '.join(LOGPROBS_MODES)}",

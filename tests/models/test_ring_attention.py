@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from openppo.errors import UserError
 from openppo.models.positions import packed_position_ids
 from openppo.models.ring_attention import (
     ATTN_IMPLEMENTATION,
@@ -258,9 +257,9 @@ def test_head_stride_must_divide_kv_heads():
     model = tiny_model(ATTN_IMPLEMENTATION)
     assert model.config._attn_implementation == ATTN_IMPLEMENTATION
     input_ids, position_ids, _ = packed_row(ROWS["even"])
-    with pytest.raises(UserError, match="--ring_head_stride"):
+    with pytest.raises(ValueError, match="head_stride 3 must divide"):
         with ring_context(position_ids, None, head_stride=3):
             model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
-    with pytest.raises(UserError, match="--ring_head_stride"):
+    with pytest.raises(ValueError, match="head_stride must be >= 0"):
         with ring_context(position_ids, None, head_stride=-1):
             pass

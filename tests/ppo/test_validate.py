@@ -9,7 +9,7 @@ import pytest
 from openppo.config.schema import parse_config
 from openppo.errors import UserError
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.validate import validate
+from openppo.ppo.validate import check_reward_normalization, validate
 from tests.model_cache import tiny_model_dir
 
 
@@ -218,7 +218,15 @@ def test_options_with_effect_say_nothing(base):
 
 
 LOSS_RULES = [
-    # values the loss functions would reject inside the actor, after the first rollout; validation stops them first
+    # the RL math's rules: checked only here, with the flag's name (the math raises a plain ValueError)
+    (["--kl_target", "0.1", "--init_kl_coef", "0.01", "--kl_horizon", "0"], "--kl_horizon"),
+    (["--lambd", "1.5"], "--lambd"),
+    (["--ring_attn_size", "2", "--packing_samples", "--ring_head_stride", "3"], "--ring_head_stride"),  # 2 KV heads
+    (["--dual_clip", "1"], "--dual_clip"),
+    (["--reward_clip_range", "1", "1"], "--reward_clip_range"),
+    (["--overlong_buffer_len", "0"], "--overlong_buffer_len"),
+    (["--top_k", "0"], "--top_k"),
+    (["--top_p", "0"], "--top_p"),
     (["--eps_clip", "1.0"], "--eps_clip"),
     (["--eps_clip", "0"], "--eps_clip"),
     (["--eps_clip_low_high", "1.0", "0.28"], "--eps_clip_low_high"),
@@ -256,3 +264,11 @@ def test_role_ranks_against_the_batch(base):
             _cfg(base, ["--reward_pretrain", base[1], "--remote_rm_url", "", "--reward_num_gpus_per_node", "32"]),
             on_gpu=False,
         )
+
+
+def test_a_reward_model_without_a_std_fails_normalize_reward(base):
+    cfg = _cfg(base, ["--normalize_reward"])
+    assert check_reward_normalization(cfg, (0.5, 2.0)) == (0.5, 2.0)
+    with pytest.raises(UserError, match=r"^--normalize_reward: the reward model's stored std must be > 0, got 0.0"):
+        check_reward_normalization(cfg, (0.0, 0.0))
+    assert check_reward_normalization(_cfg(base, []), (0.0, 0.0)) == (0.0, 0.0)  # not used without the flag
