@@ -75,7 +75,7 @@ def test_dpo_reward_margin_rises(dpo_run):
     margins = [v for _, v in series(records, "train/margin")]
     assert len(margins) == 12
     assert margins[-1] > margins[0] and margins[-1] > 0
-    assert series(records, "eval/reward_margin")[-1][1] > 0
+    assert series(records, "eval/margin")[-1][1] > 0
     assert series(records, "train/nll_loss")  # the optional NLL term is logged when on
 
 
@@ -92,7 +92,7 @@ def test_dpo_saved_folder_reproduces_margin(dpo_run):
     from openppo.datasets import PreferenceDataset, collate_pairs, load_blended_dataset
 
     _, data, model_dir, save = dpo_run
-    logged = series(read_metrics(save), "eval/reward_margin")[-1][1]
+    logged = series(read_metrics(save), "eval/margin")[-1][1]
     tok = AutoTokenizer.from_pretrained(save)
     ds = PreferenceDataset(
         load_blended_dataset(str(data)),
