@@ -85,10 +85,9 @@ def main() -> None:
     import torch
 
     from openppo.models.actor import Actor
+    from openppo.ppo.batching import Batching, forward_in_chunks
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
-    from openppo.ppo.micro_batches import Batching
-    from openppo.ppo.roles import forward_in_chunks
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import smollm2_dir, tiny_model_dir

@@ -91,9 +91,9 @@ def main() -> None:
 
     from openppo.models.actor import Actor
     from openppo.models.zoo import build_tiny_model
+    from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
-    from openppo.ppo.micro_batches import Batching
     from openppo.ppo.reporting import mfu, peak_flops, train_flops
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy

@@ -1,7 +1,7 @@
 """The one training loop for actor and critic on a batch of experience, inside a DeepSpeed rank.
 
 Each optimizer step takes a fixed number of rows on every rank, cut into micro-batches by a row count or a token
-budget (`openppo.ppo.micro_batches`); every rank runs the same number of micro-batches. Before the first of them the
+budget (`openppo.ppo.batching`); every rank runs the same number of micro-batches. Before the first of them the
 step's global normalisers (response tokens and responses over all its micro-batches and ranks) are all-reduced, so
 the loss is one exact token-mean (or sequence-mean) over the step, not a mean of micro-batch means, however the rows
 were cut. We own the accumulation boundary (the micro-batch count varies) and backpropagate each contribution
@@ -30,47 +30,11 @@ from openppo.algorithms import (
     policy_loss,
     value_loss,
 )
-from openppo.models.packing import trim_padding
+from openppo.ppo.batching import Batching, all_reduce, noop_rows, plan_on_all_ranks, row_lengths, select_rows
 from openppo.ppo.config import AlgoConfig
-from openppo.ppo.micro_batches import Batching, equalize
 from openppo.strategy.step_guard import StepGuard
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
-
-
-def _all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
-    if world_size > 1:
-        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
-    return t
-
-
-def row_lengths(data: dict[str, torch.Tensor]) -> list[int]:
-    return data["attention_mask"].sum(-1).tolist()
-
-
-def plan_on_all_ranks(
-    batching: Batching, lengths: list[list[int]], world_size: int, device: torch.device
-) -> list[list[list[int]]]:
-    """One micro-batch plan per group of rows (an optimizer step, or a whole forward pass), with the same number
-    of micro-batches on every rank (one all-reduce for all groups)."""
-    plans = [batching.plan(group) for group in lengths]
-    counts = _all_reduce(
-        torch.tensor([len(p) for p in plans], device=device), world_size, torch.distributed.ReduceOp.MAX
-    )
-    return [equalize(p, group, int(c), batching.packed) for p, group, c in zip(plans, lengths, counts.tolist())]
-
-
-def select_rows(data: dict[str, torch.Tensor], rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
-    """The rows of a micro-batch, trimmed to its own longest row."""
-    index = torch.as_tensor(rows, dtype=torch.long)
-    return trim_padding({k: v[index] for k, v in data.items()})
-
-
-def _noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """An empty micro-batch as a real one that weighs nothing: row 0 with no action tokens. Its forward and backward
-    still run, because the other ranks' collectives wait for them."""
-    batch = select_rows(data, [0])
-    return {**batch, "action_mask": torch.zeros_like(batch["action_mask"])}
 
 
 def fit_experience(
@@ -121,9 +85,9 @@ def fit_experience(
         step_rows = [order[i : i + rows_per_step] for i in range(0, size, rows_per_step)]
         plans = plan_on_all_ranks(batching, [[lengths[r] for r in rows] for rows in step_rows], world_size, device)
         for rows, plan in zip(step_rows, plans):
-            micros = [select_rows(data, [rows[j] for j in m]) if m else _noop_rows(data) for m in plan]
+            micros = [select_rows(data, [rows[j] for j in m]) if m else noop_rows(data) for m in plan]
             counts = sum(loss_normalizers(b["action_mask"]) for b in micros)
-            normalizers = _all_reduce(counts.to(device), world_size) // replicas
+            normalizers = all_reduce(counts.to(device), world_size) // replicas
             step_losses: dict[str, float] = defaultdict(float)
             step_sums: dict[str, float] = defaultdict(float)
             step_count = 0

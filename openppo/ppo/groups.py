@@ -19,55 +19,9 @@ import torch
 
 from openppo.distributed.worker import BaseWorker
 from openppo.distributed.worker_group import Method, WorkerGroup
-from openppo.ppo.micro_batches import balanced_shards, shard_sizes
+from openppo.ppo.batching import in_batch_order, replicated, shard_rows, shards
 from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, _TrainedWorker
 from openppo.rollout.pool import EnginePool
-
-# -- dealing rows to ranks (pure) -------------------------------------------------------------------------------------
-
-
-def shard_rows(data: dict[str, torch.Tensor], n: int, balance: bool) -> list[list[int]]:
-    """Row indices per rank: contiguous shards, or (`balance`) shards with even token totals; sizes differ by at
-    most one row where the batch does not divide (forward-only passes)."""
-    if balance and n > 1:
-        return balanced_shards(data["attention_mask"].sum(-1).tolist(), n)
-    bounds = [0]
-    for rows in shard_sizes(data["sequences"].size(0), n):
-        bounds.append(bounds[-1] + rows)
-    return [list(range(start, end)) for start, end in zip(bounds, bounds[1:])]
-
-
-def take_rows(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
-    index = torch.tensor(rows, dtype=torch.long)
-    return {k: v[index] for k, v in data.items()}
-
-
-def in_batch_order(results: list[torch.Tensor], rows_per_shard: list[list[int]]) -> torch.Tensor:
-    """The shards' results (one tensor per shard, rows in the shard's order) put back in the batch's row order."""
-    stacked = torch.cat(results)
-    out = torch.empty_like(stacked)
-    out[torch.tensor([i for rows in rows_per_shard for i in rows], dtype=torch.long)] = stacked
-    return out
-
-
-def replicated(
-    data: dict[str, torch.Tensor], rows_per_shard: list[list[int]], replicas: int
-) -> list[dict[str, torch.Tensor]]:
-    """Each shard's rows, once for each of the `replicas` consecutive ranks (a ring, a tensor-parallel group) that
-    hold them."""
-    return [take_rows(data, rows) for rows in rows_per_shard for _ in range(replicas)]
-
-
-def shards(
-    data: dict[str, torch.Tensor], n: int, balance: bool = False, replicas: int = 1
-) -> list[dict[str, torch.Tensor]]:
-    """One shard per rank of a group of `n` ranks, for training: the shards hold equal numbers of rows (validation
-    makes --train_batch_size divide over the data-parallel ranks of the actor and the critic)."""
-    size, data_parallel = data["sequences"].size(0), n // replicas
-    if size % data_parallel:
-        raise ValueError(f"a training batch of {size} rows does not split over {data_parallel} data-parallel ranks")
-    return replicated(data, shard_rows(data, data_parallel, balance), replicas)
-
 
 # -- the handles ------------------------------------------------------------------------------------------------------
 

@@ -22,11 +22,10 @@ import torch
 
 from openppo.distributed.worker import BaseWorker
 from openppo.models.actor import Actor
-from openppo.models.packing import pad_to_width
 from openppo.models.scalar import ScalarModel, last_token_index
+from openppo.ppo.batching import forward_batching, forward_in_chunks, train_batching
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.fit import actor_loss, critic_loss, fit_experience, plan_on_all_ranks, row_lengths, select_rows
-from openppo.ppo.micro_batches import Batching
+from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
 from openppo.ppo.plan import RolePlan
 from openppo.ppo.reporting import mfu, peak_flops, train_flops
 from openppo.strategy.config import state_offload_supported
@@ -52,50 +51,6 @@ def make_strategy(cfg: PPOConfig, role: RolePlan) -> DeepSpeedStrategy:
     return DeepSpeedStrategy(
         cfg.ds, train_batch_size=micro * role.ranks, micro_batch_size=micro, max_norm=t.max_norm, seed=t.seed
     )
-
-
-def train_batching(cfg: PPOConfig) -> Batching:
-    r = cfg.rollout
-    return Batching(
-        packed=r.packing_samples,
-        rows=cfg.train.micro_train_batch_size,
-        max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None,
-    )
-
-
-def forward_batching(cfg: PPOConfig) -> Batching:
-    """Forward-only passes keep no activations for a backward, so their micro-batches may be larger."""
-    r = cfg.rollout
-    budget = r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu
-    return Batching(
-        packed=r.packing_samples, rows=r.micro_rollout_batch_size, max_tokens=budget if r.use_dynamic_batch else None
-    )
-
-
-@torch.no_grad()
-def forward_in_chunks(
-    engine,
-    strategy: DeepSpeedStrategy,
-    data: dict[str, torch.Tensor],
-    batching: Batching,
-    fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
-) -> torch.Tensor:
-    """`fn(engine, micro_batch)` (tensors on the device) over micro-batches (each trimmed to its longest row),
-    re-padded to the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
-    busiest one (ZeRO-3 gathers parameters collectively); the extra ones are thrown away."""
-    engine.eval()
-    width = data["sequences"].size(1)
-    plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device)[0]
-    out = []
-    for rows in plan:
-        batch = select_rows(data, rows or [0])
-        result = fn(engine, {k: v.to(strategy.device) for k, v in batch.items()})
-        if rows:
-            result = result.float().cpu()
-            if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
-                result = pad_to_width(result, result.size(1) + width - batch["sequences"].size(1))
-            out.append(result)
-    return torch.cat(out)
 
 
 def _sequence_parallel(cfg: PPOConfig, model: Actor | ScalarModel) -> None:

@@ -62,9 +62,9 @@ def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, che
 
 
 def _update(strategy, engine, seed: int = 0) -> dict[str, float]:
+    from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
-    from openppo.ppo.micro_batches import Batching
 
     loss_fn = actor_loss(
         engine,

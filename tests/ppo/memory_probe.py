@@ -28,9 +28,9 @@ def main(model: str, stage: int, dtype: str) -> dict:
     import torch
 
     from openppo.models.actor import Actor
+    from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
-    from openppo.ppo.micro_batches import Batching
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import smollm2_dir, tiny_model_dir

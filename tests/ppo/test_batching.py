@@ -7,7 +7,7 @@ import random
 import pytest
 import torch
 
-from openppo.ppo.micro_batches import Batching, balanced_shards, cost, equalize, split_by_tokens
+from openppo.ppo.batching import Batching, balanced_shards, cost, equalize, split_by_tokens
 
 
 def test_cost_of_packed_and_padded_rows():
@@ -53,7 +53,7 @@ def test_balanced_shards_even_out_tokens():
 
 
 def test_forward_batches_that_do_not_divide_are_dealt_unevenly_and_reassembled():
-    from openppo.ppo.groups import in_batch_order, shard_rows, shards
+    from openppo.ppo.batching import in_batch_order, shard_rows, shards
 
     # 10 rows over 3 reference ranks: 4, 3, 3 rows; contiguous and by tokens
     data = {

@@ -75,9 +75,9 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
     from openppo.models.sequence_parallel import setup_sequence_parallel
+    from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
-    from openppo.ppo.micro_batches import Batching
     from tests.model_cache import tiny_model_dir
 
     path = str(tiny_model_dir())

@@ -11,9 +11,9 @@ import torch
 
 from openppo.models.actor import Actor
 from openppo.models.scalar import ScalarModel
+from openppo.ppo.batching import Batching
 from openppo.ppo.config import AlgoConfig
 from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
-from openppo.ppo.micro_batches import Batching
 from openppo.strategy.config import DeepSpeedConfig
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from tests.model_cache import tiny_model_dir

@@ -44,9 +44,9 @@ def _model_dir(tiny_model_dir, arch: str):
 
 def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
+    from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
-    from openppo.ppo.micro_batches import Batching
     from tests.model_cache import tiny_model_dir
 
     results: dict[str, dict] = {}

@@ -42,9 +42,9 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
     from openppo.models.actor import Actor
     from openppo.models.loading import load_tokenizer
+    from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
-    from openppo.ppo.micro_batches import Batching
     from openppo.rollout.sender import iter_full_weights
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy

@@ -19,9 +19,9 @@ import torch
 
 from openppo.errors import UserError
 from openppo.models.actor import Actor
+from openppo.ppo.batching import Batching
 from openppo.ppo.config import AlgoConfig
 from openppo.ppo.fit import actor_loss, fit_experience
-from openppo.ppo.micro_batches import Batching
 from openppo.strategy.config import DeepSpeedConfig, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.trainers.loop import SupervisedTrainer

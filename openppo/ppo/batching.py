@@ -1,0 +1,239 @@
+"""Which rows go to which rank and which micro-batch.
+
+The driver deals a batch to a model group's ranks (`shards`, `shard_rows`): contiguous rows, or rows dealt by tokens
+when micro-batches are costed by tokens; the K ranks of a ring or a tensor-parallel group all receive their shard.
+Each rank then cuts its rows into micro-batches (`Batching`): a row count, or with `--use_dynamic_batch` a token
+budget. The cost of a micro-batch is the number of token positions its forward computes: the sum of the row lengths
+when the rows are packed (`--packing_samples`), rows x the longest row when they are padded (each micro-batch is
+trimmed to its own longest row). A row longer than the budget goes alone.
+
+DeepSpeed needs the same number of micro-steps on every rank (gradient reduction in ZeRO-2/3 and parameter gathers
+in ZeRO-3 are collectives), so `plan_on_all_ranks` all-reduces the counts and `equalize` splits the most expensive
+micro-batches of a rank until it has as many as the busiest rank; a rank with fewer rows than that gets empty
+micro-batches, run as no-op steps (`noop_rows`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from openppo.models.packing import pad_to_width, trim_padding
+from openppo.ppo.config import PPOConfig
+
+if TYPE_CHECKING:
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+# -- the cost of a micro-batch, and cutting rows into micro-batches (pure) ---------------------------------------------
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How one rank cuts its rows into micro-batches."""
+
+    packed: bool = False  # --packing_samples
+    rows: int = 1  # rows per micro-batch when no token budget is set
+    max_tokens: int | None = None  # token budget per micro-batch (--use_dynamic_batch)
+
+    def plan(self, lengths: list[int]) -> list[list[int]]:
+        """Micro-batches (lists of indices into `lengths`, in order) covering every row once."""
+        if self.max_tokens is None:
+            return [list(range(i, min(i + self.rows, len(lengths)))) for i in range(0, len(lengths), self.rows)]
+        return split_by_tokens(lengths, self.max_tokens, self.packed)
+
+
+def cost(lengths: list[int], packed: bool) -> int:
+    """Token positions a forward over these rows computes."""
+    if not lengths:
+        return 0
+    return sum(lengths) if packed else len(lengths) * max(lengths)
+
+
+def split_by_tokens(lengths: list[int], max_tokens: int, packed: bool) -> list[list[int]]:
+    """Consecutive rows while the micro-batch's cost stays within `max_tokens` (at least one row each)."""
+    micros: list[list[int]] = []
+    current: list[int] = []
+    for i, length in enumerate(lengths):
+        if current and cost([lengths[j] for j in current] + [length], packed) > max_tokens:
+            micros.append(current)
+            current = []
+        current.append(i)
+    if current:
+        micros.append(current)
+    return micros
+
+
+def equalize(micros: list[list[int]], lengths: list[int], count: int, packed: bool) -> list[list[int]]:
+    """Split the costliest micro-batches (halving them) until there are `count`; pad with empty ones when every
+    micro-batch is a single row. The order of the rows is kept."""
+    micros = [list(m) for m in micros]
+    while len(micros) < count:
+        splittable = [i for i, m in enumerate(micros) if len(m) > 1]
+        if not splittable:
+            micros += [[] for _ in range(count - len(micros))]
+            break
+        i = max(splittable, key=lambda k: cost([lengths[j] for j in micros[k]], packed))
+        half = len(micros[i]) // 2
+        micros[i : i + 1] = [micros[i][:half], micros[i][half:]]
+    return micros
+
+
+def shard_sizes(size: int, num_shards: int) -> list[int]:
+    """Rows per rank when `size` rows are dealt to `num_shards` ranks: equal, or one more for the first ranks.
+
+    Training batches always split evenly (validation sees to it); forward-only batches (log-probs, values,
+    scores, eval) may not, and every rank runs as many micro-batches as the busiest one anyway."""
+    if size < num_shards:
+        raise ValueError(f"a batch of {size} rows cannot be dealt to {num_shards} ranks (each needs one)")
+    per, extra = divmod(size, num_shards)
+    return [per + (k < extra) for k in range(num_shards)]
+
+
+def balanced_shards(lengths: list[int], num_shards: int) -> list[list[int]]:
+    """Deal rows to `num_shards` data-parallel ranks, as many each as `shard_sizes` gives, evening out their token
+    totals.
+
+    Longest first, each row to the shard with the fewest tokens that still has room (greedy LPT). Each shard's
+    indices are returned sorted, so a shard keeps the batch's order.
+    """
+    size = len(lengths)
+    room = shard_sizes(size, num_shards)
+    shards: list[list[int]] = [[] for _ in range(num_shards)]
+    totals = [0] * num_shards
+    for i in sorted(range(size), key=lambda k: -lengths[k]):
+        s = min((k for k in range(num_shards) if len(shards[k]) < room[k]), key=lambda k: totals[k])
+        shards[s].append(i)
+        totals[s] += lengths[i]
+    return [sorted(s) for s in shards]
+
+
+# -- dealing a batch to a group's ranks (the driver) -------------------------------------------------------------------
+
+
+def shard_rows(data: dict[str, torch.Tensor], n: int, balance: bool) -> list[list[int]]:
+    """Row indices per rank: contiguous shards, or (`balance`) shards with even token totals; sizes differ by at
+    most one row where the batch does not divide (forward-only passes)."""
+    if balance and n > 1:
+        return balanced_shards(data["attention_mask"].sum(-1).tolist(), n)
+    bounds = [0]
+    for rows in shard_sizes(data["sequences"].size(0), n):
+        bounds.append(bounds[-1] + rows)
+    return [list(range(start, end)) for start, end in zip(bounds, bounds[1:])]
+
+
+def take_rows(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
+    index = torch.tensor(rows, dtype=torch.long)
+    return {k: v[index] for k, v in data.items()}
+
+
+def in_batch_order(results: list[torch.Tensor], rows_per_shard: list[list[int]]) -> torch.Tensor:
+    """The shards' results (one tensor per shard, rows in the shard's order) put back in the batch's row order."""
+    stacked = torch.cat(results)
+    out = torch.empty_like(stacked)
+    out[torch.tensor([i for rows in rows_per_shard for i in rows], dtype=torch.long)] = stacked
+    return out
+
+
+def replicated(
+    data: dict[str, torch.Tensor], rows_per_shard: list[list[int]], replicas: int
+) -> list[dict[str, torch.Tensor]]:
+    """Each shard's rows, once for each of the `replicas` consecutive ranks (a ring, a tensor-parallel group) that
+    hold them."""
+    return [take_rows(data, rows) for rows in rows_per_shard for _ in range(replicas)]
+
+
+def shards(
+    data: dict[str, torch.Tensor], n: int, balance: bool = False, replicas: int = 1
+) -> list[dict[str, torch.Tensor]]:
+    """One shard per rank of a group of `n` ranks, for training: the shards hold equal numbers of rows (validation
+    makes --train_batch_size divide over the data-parallel ranks of the actor and the critic)."""
+    size, data_parallel = data["sequences"].size(0), n // replicas
+    if size % data_parallel:
+        raise ValueError(f"a training batch of {size} rows does not split over {data_parallel} data-parallel ranks")
+    return replicated(data, shard_rows(data, data_parallel, balance), replicas)
+
+
+def all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
+    """Sum (or `op`) over the ranks; a no-op on one rank (tests and benchmarks run without a process group)."""
+    if world_size > 1:
+        torch.distributed.all_reduce(t, op=op or torch.distributed.ReduceOp.SUM)
+    return t
+
+
+# -- a rank's micro-batches --------------------------------------------------------------------------------------------
+
+
+def row_lengths(data: dict[str, torch.Tensor]) -> list[int]:
+    return data["attention_mask"].sum(-1).tolist()
+
+
+def plan_on_all_ranks(
+    batching: Batching, lengths: list[list[int]], world_size: int, device: torch.device
+) -> list[list[list[int]]]:
+    """One micro-batch plan per group of rows (an optimizer step, or a whole forward pass), with the same number
+    of micro-batches on every rank (one all-reduce for all groups)."""
+    plans = [batching.plan(group) for group in lengths]
+    counts = all_reduce(
+        torch.tensor([len(p) for p in plans], device=device), world_size, torch.distributed.ReduceOp.MAX
+    )
+    return [equalize(p, group, int(c), batching.packed) for p, group, c in zip(plans, lengths, counts.tolist())]
+
+
+def select_rows(data: dict[str, torch.Tensor], rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
+    """The rows of a micro-batch, trimmed to its own longest row."""
+    index = torch.as_tensor(rows, dtype=torch.long)
+    return trim_padding({k: v[index] for k, v in data.items()})
+
+
+def noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """An empty micro-batch as a real one that weighs nothing: row 0 with no action tokens. Its forward and backward
+    still run, because the other ranks' collectives wait for them."""
+    batch = select_rows(data, [0])
+    return {**batch, "action_mask": torch.zeros_like(batch["action_mask"])}
+
+
+def train_batching(cfg: PPOConfig) -> Batching:
+    r = cfg.rollout
+    return Batching(
+        packed=r.packing_samples,
+        rows=cfg.train.micro_train_batch_size,
+        max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None,
+    )
+
+
+def forward_batching(cfg: PPOConfig) -> Batching:
+    """Forward-only passes keep no activations for a backward, so their micro-batches may be larger."""
+    r = cfg.rollout
+    budget = r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu
+    return Batching(
+        packed=r.packing_samples, rows=r.micro_rollout_batch_size, max_tokens=budget if r.use_dynamic_batch else None
+    )
+
+
+@torch.no_grad()
+def forward_in_chunks(
+    engine,
+    strategy: DeepSpeedStrategy,
+    data: dict[str, torch.Tensor],
+    batching: Batching,
+    fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
+) -> torch.Tensor:
+    """`fn(engine, micro_batch)` (tensors on the device) over micro-batches (each trimmed to its longest row),
+    re-padded to the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
+    busiest one (ZeRO-3 gathers parameters collectively); the extra ones are thrown away."""
+    engine.eval()
+    width = data["sequences"].size(1)
+    plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device)[0]
+    out = []
+    for rows in plan:
+        batch = select_rows(data, rows or [0])
+        result = fn(engine, {k: v.to(strategy.device) for k, v in batch.items()})
+        if rows:
+            result = result.float().cpu()
+            if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
+                result = pad_to_width(result, result.size(1) + width - batch["sequences"].size(1))
+            out.append(result)
+    return torch.cat(out)
