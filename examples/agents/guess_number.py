@@ -3,7 +3,7 @@
 The label is the secret integer 0..9. Each model turn is read for its first integer; the environment answers
 "higher", "lower", or, when the turn holds no integer, asks for one. A correct guess ends the episode with
 reward 1.0; wrong guesses earn nothing, so the policy can only gain by using the feedback within
-`--agent_max_turns` turns. `guess_number/solved` is logged per sample.
+`--agent_max_turns` turns. `guess_number/solved` is logged as `env/guess_number/solved`, the mean over the batch.
 
 Prompts: `python examples/agents/guess_number.py prompts.jsonl 256` writes 256 rows {"input", "label"} for
 `--prompt_data prompts.jsonl --input_key input --label_key label`.

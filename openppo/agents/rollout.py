@@ -87,8 +87,8 @@ def run_agent_episodes(
         feedback_template: `feedback_template.format(feedback)` is what gets encoded (e.g. chat turn markers).
 
     Returns samples in item order, n consecutive per item, with `group = item["index"]`, the summed step rewards
-    in `reward`, `extra["agent/turns"]` plus the environment's last `extra`, and `finish_reason` "length" when
-    the episode hit `max_total_len` or its last model turn hit `max_new_tokens`.
+    in `reward`, `extra["rollout/agent_turns"]` plus the environment's last `extra` as `env/<name>`, and
+    `finish_reason` "length" when the episode hit `max_total_len` or its last model turn hit `max_new_tokens`.
     """
     if max_turns < 1 or max_new_tokens < 1 or n_samples_per_prompt < 1:
         raise ValueError(
@@ -150,7 +150,7 @@ def _to_sample(ep: _Episode, tokenizer) -> Sample:
         response_text=tokenizer.decode(ep.response_ids, skip_special_tokens=True),
         action_mask=ep.action_mask,
         reward=ep.reward,
-        extra={"agent/turns": float(ep.num_turns), **ep.extra},
+        extra={"rollout/agent_turns": float(ep.num_turns), **{f"env/{k}": v for k, v in ep.extra.items()}},
     )
 
 

@@ -59,7 +59,7 @@ class ScriptedEnv(AgentEnv):
 
     def step(self, response_text: str, turn: int) -> StepResult:
         ScriptedEnv.seen.append((response_text, turn))
-        return StepResult(feedback="FB", reward=0.5, done=turn == self.label, extra={"env/last_turn": float(turn)})
+        return StepResult(feedback="FB", reward=0.5, done=turn == self.label, extra={"last_turn": float(turn)})
 
 
 def _items(*labels) -> list[dict]:
@@ -101,7 +101,7 @@ def test_tokens_masks_logprobs_rewards_and_group_order():
     assert three_turns.action_mask == [1, 1, 1, 0, 0, 1, 1, 1, 0, 0, 1, 1, 1]
     assert three_turns.rollout_log_probs[8:10] == [0.0, 0.0]
     assert [s.reward for s in samples] == [1.0, 1.0, 1.5, 1.5]
-    assert [s.extra["agent/turns"] for s in samples] == [2.0, 2.0, 3.0, 3.0]
+    assert [s.extra["rollout/agent_turns"] for s in samples] == [2.0, 2.0, 3.0, 3.0]
     assert three_turns.extra["env/last_turn"] == 2.0
     assert all(s.finish_reason == "stop" and s.prompt_ids == [ord("P")] and s.prompt_text == "P" for s in samples)
     assert two_turns.label == 1 and three_turns.label == 99
@@ -132,7 +132,7 @@ def test_total_budget_cuts_the_last_model_turn_and_ends_with_length():
     assert s.response_ids == [B, B, EOS] + FB + [F + 1, F + 1]
     assert s.action_mask == [1, 1, 1, 0, 0, 1, 1]
     assert len(s.prompt_ids) + len(s.response_ids) == 8 and s.finish_reason == "length"
-    assert s.extra["agent/turns"] == 2.0
+    assert s.extra["rollout/agent_turns"] == 2.0
 
 
 def test_feedback_that_does_not_fit_is_cut_and_ends_the_episode():
@@ -141,7 +141,7 @@ def test_feedback_that_does_not_fit_is_cut_and_ends_the_episode():
     assert len(generate.calls) == 1
     assert s.response_ids == [B, B, EOS, ord("F")] and s.action_mask == [1, 1, 1, 0]
     assert s.rollout_log_probs == [-0.5, -0.25, -0.125, 0.0]
-    assert s.finish_reason == "length" and s.extra["agent/turns"] == 1.0
+    assert s.finish_reason == "length" and s.extra["rollout/agent_turns"] == 1.0
     # Feedback that fills the last free token leaves no room for a model turn: the episode ends there too.
     samples, generate = _run([99], max_total_len=6)
     assert len(generate.calls) == 1 and samples[0].response_ids == [B, B, EOS] + FB
@@ -300,7 +300,7 @@ def test_guess_number_on_vllm_masks_exactly_the_feedback(engine):
             offset += len(feedback)
             num_feedback_tokens += len(feedback)
         assert offset == len(resp) and s.action_mask == expected_mask
-        assert s.extra["agent/turns"] == turn + 1 and s.reward == float(result.done)
+        assert s.extra["rollout/agent_turns"] == turn + 1 and s.reward == float(result.done)
     assert num_feedback_tokens > 0, "no episode got feedback: the test checked no masking"
 
     batch = collate_samples(samples, tokenizer.pad_token_id)

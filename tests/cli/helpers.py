@@ -69,14 +69,14 @@ def read_metrics(save_path: Path) -> list[dict]:
 
 @functools.cache
 def documented_metrics() -> re.Pattern:
-    """The names in the first column of docs/metrics.md's tables, as one pattern (`<...>` matches one name part)."""
+    """The names in the first column of docs/metrics.md's tables, as one pattern (`<...>` matches any text)."""
     names = []
     for line in (REPO / "docs" / "metrics.md").read_text().splitlines():
         cells = line.split("|")
         if len(cells) > 2:
             names += re.findall(r"`([a-z_]+/[^`]+)`", cells[1])
     parts = [re.escape(name).replace(r"\<", "<").replace(r"\>", ">") for name in names]
-    return re.compile("|".join(re.sub(r"<[^>]+>", r"[^/]+", part) for part in parts))
+    return re.compile("|".join(re.sub(r"<[^>]+>", r".+", part) for part in parts))
 
 
 def undocumented_metrics(names) -> list[str]:

@@ -251,8 +251,8 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
         assert r["train/kl_per_response"] == pytest.approx(per_response, rel=1e-4, abs=1e-9)
         beta *= 1 + min(max(r["train/kl_per_response"] / 6 - 1, -0.2), 0.2) * 8 / 100
         assert r["train/kl_coef"] == pytest.approx(beta, rel=1e-9)
-    assert records[0]["kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
-    assert records[1]["kl"] != 0.0  # after one update the policy has moved away from the reference
+    assert records[0]["train/kl"] == pytest.approx(0.0, abs=1e-6)  # step 1: policy == reference
+    assert records[1]["train/kl"] != 0.0  # after one update the policy has moved away from the reference
     # packed log-probs equal the engine's; no padding was computed; 4 rows of ~40 tokens per rank and step do not
     # fit one 60-token budget
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records)
@@ -311,8 +311,8 @@ def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
     assert len(records) == 2 and all("train/reward" in r and "train/kl_loss" in r for r in records)
     # Step 2 samples come from the synced engine. The trained adapters moved the policy away from the reference
     # (the base model): an engine without them would be off by about the KL; it agrees 100x more closely.
-    assert records[1]["kl"] > 1e-3, records[1]["kl"]
-    assert records[1]["rollout/logprob_diff"] < min(1e-4, records[1]["kl"] / 100), records[1]
+    assert records[1]["train/kl"] > 1e-3, records[1]["train/kl"]
+    assert records[1]["rollout/logprob_diff"] < min(1e-4, records[1]["train/kl"] / 100), records[1]
     assert (save / "adapter_config.json").is_file()
 
 
@@ -378,7 +378,7 @@ def test_multi_turn_agent(tmp_path):
     assert len(records) == 2
     for r in records:
         # a random tiny model never names a digit: every episode runs all 3 turns and collects feedback
-        assert r["agent/turns"] == 3 and r["guess_number/solved"] == 0.0
+        assert r["rollout/agent_turns"] == 3 and r["env/guess_number/solved"] == 0.0
         assert r["train/response_length"] > 3 * 6 * 0.5  # model turns plus feedback tokens
         assert r["rollout/logprob_diff"] < 1e-4
         # the batch is one on-policy optimizer step: no separate old-log-prob pass, the gap is measured in the update
