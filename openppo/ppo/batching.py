@@ -113,19 +113,23 @@ def balanced_shards(lengths: list[int], num_shards: int) -> list[list[int]]:
 # -- dealing a batch to a group's ranks (the driver) -------------------------------------------------------------------
 
 
+def row_lengths(data: dict[str, torch.Tensor]) -> list[int]:
+    return data["attention_mask"].sum(-1).tolist()
+
+
 def shard_rows(data: dict[str, torch.Tensor], n: int, balance: bool) -> list[list[int]]:
     """Row indices per rank: contiguous shards, or (`balance`) shards with even token totals; sizes differ by at
     most one row where the batch does not divide (forward-only passes)."""
     if balance and n > 1:
-        return balanced_shards(data["attention_mask"].sum(-1).tolist(), n)
+        return balanced_shards(row_lengths(data), n)
     bounds = [0]
     for rows in shard_sizes(data["sequences"].size(0), n):
         bounds.append(bounds[-1] + rows)
     return [list(range(start, end)) for start, end in zip(bounds, bounds[1:])]
 
 
-def take_rows(data: dict[str, torch.Tensor], rows: list[int]) -> dict[str, torch.Tensor]:
-    index = torch.tensor(rows, dtype=torch.long)
+def take_rows(data: dict[str, torch.Tensor], rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
+    index = torch.as_tensor(rows, dtype=torch.long)
     return {k: v[index] for k, v in data.items()}
 
 
@@ -166,10 +170,6 @@ def all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
 # -- a rank's micro-batches --------------------------------------------------------------------------------------------
 
 
-def row_lengths(data: dict[str, torch.Tensor]) -> list[int]:
-    return data["attention_mask"].sum(-1).tolist()
-
-
 def plan_on_all_ranks(
     batching: Batching, lengths: list[list[int]], world_size: int, device: torch.device
 ) -> list[list[list[int]]]:
@@ -184,8 +184,7 @@ def plan_on_all_ranks(
 
 def select_rows(data: dict[str, torch.Tensor], rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:
     """The rows of a micro-batch, trimmed to its own longest row."""
-    index = torch.as_tensor(rows, dtype=torch.long)
-    return trim_padding({k: v[index] for k, v in data.items()})
+    return trim_padding(take_rows(data, rows))
 
 
 def noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -220,15 +220,10 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
                 f"--{role}_num_gpus_per_node = {ranks})"
             )
     m, stride = cfg.model, r.ring_head_stride
-    for flag, path in (
-        ("--pretrain", m.pretrain),
-        ("--critic_pretrain", m.critic_pretrain),
-        ("--reward_pretrain", m.reward_pretrain),
-    ):
-        heads = _kv_heads(path) if stride and path else 0
-        require(
-            heads % max(stride, 1) == 0, f"--ring_head_stride {stride} must divide the KV heads of {flag} ({heads})"
-        )
+    models = {"--pretrain": m.pretrain, "--critic_pretrain": m.critic_pretrain, "--reward_pretrain": m.reward_pretrain}
+    for flag, path in models.items() if stride else ():
+        heads = _kv_heads(path) if path else 0
+        require(heads % stride == 0, f"--ring_head_stride {stride} must divide the KV heads of {flag} ({heads})")
 
 
 def _kv_heads(model_path: str) -> int:
