@@ -85,6 +85,7 @@ def main() -> None:
     import torch
 
     from openppo.models.actor import Actor
+    from openppo.models.row_layout import RowLayout
     from openppo.ppo.batching import Batching, forward_in_chunks
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
@@ -125,12 +126,13 @@ def main() -> None:
     }
 
     def forward(b: Batching) -> torch.Tensor:
+        engine.module.layout = RowLayout(packed=b.packed)
         return forward_in_chunks(
             engine,
             strategy,
             data,
             b,
-            lambda e, m: e(m["sequences"], m["attention_mask"], pack=b.packed, score_mask=m["action_mask"]).log_probs,
+            lambda e, m: e(m["sequences"], m["attention_mask"], score_mask=m["action_mask"]).log_probs,
         )
 
     with torch.no_grad():
@@ -146,8 +148,8 @@ def main() -> None:
             generate_max_len=args.max_response,
             is_correction=None,
             is_threshold=(0.5, 5.0),
-            pack=b.packed,
         )
+        engine.module.layout = RowLayout(packed=b.packed)
         return fit_experience(
             engine,
             data,

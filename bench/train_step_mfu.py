@@ -90,6 +90,7 @@ def main() -> None:
     import torch
 
     from openppo.models.actor import Actor
+    from openppo.models.row_layout import RowLayout
     from openppo.models.zoo import build_tiny_model
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
@@ -140,8 +141,8 @@ def main() -> None:
         generate_max_len=response,
         is_correction=None,
         is_threshold=(0.5, 5.0),
-        pack=args.pack,
     )
+    actor.layout = RowLayout(packed=args.pack)
     gen = torch.Generator().manual_seed(0)
     times = []
     for step in range(args.steps):

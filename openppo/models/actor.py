@@ -1,7 +1,8 @@
 """The actor: a causal LM that scores given tokens (per-token log-probs at a temperature, optional entropy).
 
-Used for the policy in RL, for SFT and for DPO (policy and reference). Padded batches pass an attention mask;
-packed batches (several sequences in one row) pass `position_ids` restarting at 0 and no attention mask.
+Used for the policy in RL, for SFT and for DPO (policy and reference). It takes a right-padded batch with its
+attention mask (or a row packed by the caller: `position_ids` restarting at 0, no mask) and runs it in its
+`RowLayout` (padded, packed or ring: `openppo.models.row_layout`), chosen once when the model is set up.
 `use_cache=False` always: with transformers 5 a packed row is silently mis-attended when the cache is on.
 """
 
@@ -21,7 +22,7 @@ from openppo.algorithms import (
     sampling_log_probs,
 )
 from openppo.models.loading import finish_model, resolve_model_path
-from openppo.models.packing import next_token_values, prepare_inputs, unpack_rows
+from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 
 
@@ -38,7 +39,7 @@ class ActorOutput(NamedTuple):
 class Actor(nn.Module):
     """Wraps an HF causal LM (optionally with LoRA adapters)."""
 
-    sequence_parallel = None  # a SequenceParallel when packed rows are sharded over a ring (--ring_attn_size)
+    layout = RowLayout()  # padded unless set up otherwise (--packing_samples, --ring_attn_size)
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -94,7 +95,6 @@ class Actor(nn.Module):
         temperature: float = 1.0,
         return_entropy: bool | str = False,
         return_logits: bool = False,
-        pack: bool = False,
         score_mask: torch.Tensor | None = None,
         sampling: SamplingFilter | None = None,
     ) -> ActorOutput:
@@ -105,34 +105,29 @@ class Actor(nn.Module):
         head and the full-vocabulary softmax then skip the prompt, often most of an RL row (as TRL's
         `logits_to_keep`). Ignored with a ring or `return_logits`.
 
-        `pack=True` runs a right-padded batch as one packed row (`--packing_samples`) and returns the same padded
-        [B, T-1] outputs: the padding is never computed, the numbers are those of the padded forward.
-
         `sampling` (an active top-k/top-p filter): also score the tokens under the engine's truncated distribution,
         from the same logits (`openppo.algorithms.sampling`), for comparisons with the engine's log-probs.
         """
-        input_ids, attention_mask, position_ids, packed = prepare_inputs(input_ids, attention_mask, position_ids, pack)
-        ring = self.sequence_parallel if packed is not None else None
-        if ring is not None:
-            assert not return_logits, "ring attention returns per-token values, not logits"
-            num_tokens = input_ids.size(1)
-            input_ids, position_ids, labels = ring.shard(input_ids, position_ids)
+        rows = self.layout.rows(input_ids, attention_mask, position_ids)
+        assert rows.ring is None or not return_logits, "ring attention returns per-token values, not logits"
         keep = None
-        if score_mask is not None and ring is None and not return_logits and self._takes_logits_to_keep:
-            keep = scored_positions(score_mask, packed.token_mask if packed is not None else None)
+        if score_mask is not None and rows.ring is None and not return_logits and self._takes_logits_to_keep:
+            keep = scored_positions(score_mask, rows.token_mask)
         extra = {} if keep is None else {"logits_to_keep": keep}
         out = self.model(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False, **extra
+            input_ids=rows.input_ids,
+            attention_mask=rows.attention_mask,
+            position_ids=rows.position_ids,
+            use_cache=False,
+            **extra,
         )
-        # Position t scores token t + 1. Every position is scored, the last one against a wrapped-around label, and
-        # its value dropped afterwards: slicing the [B, T, V] logits instead would make autograd build a zero-filled
-        # full-vocabulary gradient for the slice. With a ring, this rank's chunk scores its own tokens' successors
-        # (labels cross into the next chunk). The temperature is applied chunk by chunk, without a divided copy.
+        # Position t scores token t + 1 (`rows.labels`; with a ring, this rank's chunk scores its own tokens'
+        # successors, across into the next chunk). Every position is scored, the last one against a wrapped-around
+        # label, and its value dropped afterwards: slicing the [B, T, V] logits instead would make autograd build a
+        # zero-filled full-vocabulary gradient for the slice. The temperature is applied chunk by chunk, without a
+        # divided copy.
         logits = out.logits
-        if ring is None:
-            labels = input_ids.roll(-1, dims=1)
-        if keep is not None:
-            labels = labels[:, keep]
+        labels = rows.labels if keep is None else rows.labels[:, keep]
         entropy = None
         if return_entropy == "log":  # for logging: from the same pass as the log-probs, no gradient
             log_probs, entropy = log_probs_and_entropy(logits, labels, temperature)
@@ -147,23 +142,17 @@ class Actor(nn.Module):
         )
 
         def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
-            """Row values of the scored positions -> [B, T-1] on the caller's (padded) grid."""
+            """Values of the scored positions -> [B, T-1] on the caller's (padded) grid."""
             if values is None:
                 return None
-            if ring is not None:  # whole-row values again
-                values = ring.gather(values, num_tokens)
             if keep is not None:  # back on the row's positions, zeros where nothing was scored
-                values = scatter_positions(values, keep, input_ids.size(1))
-            values = values[:, :-1]
-            return next_token_values(values, packed.token_mask) if packed is not None else values
+                values = scatter_positions(values, keep, rows.input_ids.size(1))
+            return rows.next_token_grid(values)
 
-        full_logits = out.logits if return_logits else None
-        if packed is not None and full_logits is not None:
-            full_logits = unpack_rows(full_logits, packed.token_mask)
         return ActorOutput(
             log_probs=per_token(log_probs),
             entropy=per_token(entropy),
-            logits=full_logits,
+            logits=rows.to_grid(out.logits) if return_logits else None,
             sampling_log_probs=per_token(behaviour),
         )
 

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from openppo.models.loading import finish_model, resolve_model_path
-from openppo.models.packing import prepare_inputs, unpack_rows
+from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 
 
@@ -28,7 +28,7 @@ def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
 class ScalarModel(nn.Module):
     """Backbone + linear head giving one scalar per token."""
 
-    sequence_parallel = None  # a SequenceParallel when packed rows are sharded over a ring (--ring_attn_size)
+    layout = RowLayout()  # padded unless set up otherwise (--packing_samples, --ring_attn_size)
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -93,24 +93,14 @@ class ScalarModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         normalize: bool = False,
-        pack: bool = False,
     ) -> torch.Tensor:
-        """Per-token scalars [B, T] (fp32). `pack=True`: a right-padded batch run as one packed row, same output."""
-        input_ids, attention_mask, position_ids, packed = prepare_inputs(input_ids, attention_mask, position_ids, pack)
+        """Per-token scalars [B, T] (fp32) of a right-padded batch, computed in the model's `layout`."""
+        rows = self.layout.rows(input_ids, attention_mask, position_ids)
         hf = self.hf_model
         backbone = getattr(hf, hf.base_model_prefix)
-        ring = self.sequence_parallel if packed is not None else None
-        if ring is not None:
-            num_tokens = input_ids.size(1)
-            input_ids, position_ids, _ = ring.shard(input_ids, position_ids)
-        hidden = backbone(
-            input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-        ).last_hidden_state
-        values = hf.score(hidden).squeeze(-1).float()
-        if ring is not None:
-            values = ring.gather(values, num_tokens)
-        if packed is not None:
-            values = unpack_rows(values, packed.token_mask)
+        inputs = dict(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
+        hidden = backbone(**inputs, use_cache=False).last_hidden_state
+        values = rows.to_grid(hf.score(hidden).squeeze(-1).float())
         if normalize:
             mean, std = self.normalization()
             values = (values - mean) / std

@@ -21,7 +21,6 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from openppo.models.packing import pad_to_width, trim_padding
 from openppo.ppo.config import PPOConfig
 
 if TYPE_CHECKING:
@@ -180,6 +179,34 @@ def plan_on_all_ranks(
         torch.tensor([len(p) for p in plans], device=device), world_size, torch.distributed.ReduceOp.MAX
     )
     return [equalize(p, group, int(c), batching.packed) for p, group, c in zip(plans, lengths, counts.tolist())]
+
+
+def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Drop the columns that are padding in every row of this micro-batch (it was padded to the whole batch).
+
+    Tensors [b, T] are cut to the longest row W, per-token tensors [b, T-1] to W-1; others are kept.
+    """
+    width = batch["sequences"].size(1)
+    keep = int(batch["attention_mask"].sum(-1).max())
+    if keep == width:
+        return batch
+    out = {}
+    for key, value in batch.items():
+        if value.dim() >= 2 and value.size(1) == width:
+            out[key] = value[:, :keep]
+        elif value.dim() >= 2 and value.size(1) == width - 1:
+            out[key] = value[:, : keep - 1]
+        else:
+            out[key] = value
+    return out
+
+
+def pad_to_width(values: torch.Tensor, width: int, fill: float = 0.0) -> torch.Tensor:
+    """Right-pad dimension 1 of [b, w, ...] to `width` (the inverse of `trim_padding` for outputs)."""
+    if values.size(1) == width:
+        return values
+    pad = [0, 0] * (values.dim() - 2) + [0, width - values.size(1)]
+    return torch.nn.functional.pad(values, pad, value=fill)
 
 
 def select_rows(data: dict[str, torch.Tensor], rows: list[int] | torch.Tensor) -> dict[str, torch.Tensor]:

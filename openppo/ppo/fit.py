@@ -146,7 +146,6 @@ def actor_loss(
     generate_max_len: int,
     is_correction: str | None,
     is_threshold: tuple[float, float],
-    pack: bool = False,
     sampling: SamplingFilter | None = None,
 ) -> LossFn:
     """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss.
@@ -167,7 +166,6 @@ def actor_loss(
             batch["attention_mask"],
             temperature=temperature,
             return_entropy=True if entropy_in_loss else "log",
-            pack=pack,
             score_mask=mask,
             sampling=sampling if on_policy and "rollout_log_probs" in batch else None,
         )
@@ -226,12 +224,12 @@ def actor_loss(
     return loss_fn
 
 
-def critic_loss(engine, algo: AlgoConfig, pack: bool = False) -> LossFn:
+def critic_loss(engine, algo: AlgoConfig) -> LossFn:
     """Clipped value loss of one micro-batch (token-mean over the step)."""
 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
-        values = engine(batch["sequences"], batch["attention_mask"], pack=pack)[:, :-1]
+        values = engine(batch["sequences"], batch["attention_mask"])[:, :-1]
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
         return loss, {

@@ -22,6 +22,7 @@ import torch
 
 from openppo.distributed.worker import BaseWorker
 from openppo.models.actor import Actor
+from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.models.scalar import ScalarModel, last_token_index
 from openppo.ppo.batching import forward_batching, forward_in_chunks, train_batching
 from openppo.ppo.config import PPOConfig
@@ -53,12 +54,13 @@ def make_strategy(cfg: PPOConfig, role: RolePlan) -> DeepSpeedStrategy:
     )
 
 
-def _sequence_parallel(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
-    """--ring_attn_size K: shard every packed row over K consecutive ranks (collective: all ranks call it)."""
-    if cfg.rollout.ring_attn_size > 1:
-        from openppo.models.sequence_parallel import setup_sequence_parallel
-
-        setup_sequence_parallel(model, model.model, cfg.rollout.ring_attn_size, cfg.rollout.ring_head_stride)
+def _set_layout(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
+    """The model's row layout for the whole run (collective with --ring_attn_size: all ranks call it)."""
+    r = cfg.rollout
+    if r.ring_attn_size > 1:
+        model.layout = ring_layout(model.model, r.ring_attn_size, r.ring_head_stride)
+    else:
+        model.layout = RowLayout(packed=r.packing_samples)
 
 
 def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
@@ -150,7 +152,7 @@ class ActorWorker(_TrainedWorker):
             model = Actor.from_pretrained(
                 cfg.model.pretrain, dtype=self.strategy.torch_dtype, **cfg.model.build_kwargs()
             )
-        _sequence_parallel(cfg, model)
+        _set_layout(cfg, model)
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, role.optimizer_steps)
@@ -161,7 +163,7 @@ class ActorWorker(_TrainedWorker):
 
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
-        temperature, pack = self.cfg.rollout.temperature, self.cfg.rollout.packing_samples
+        temperature = self.cfg.rollout.temperature
         return forward_in_chunks(
             self.engine,
             self.strategy,
@@ -172,7 +174,6 @@ class ActorWorker(_TrainedWorker):
                     b["sequences"],
                     b["attention_mask"],
                     temperature=temperature,
-                    pack=pack,
                     score_mask=b.get("action_mask"),
                 ).log_probs
             ),
@@ -189,7 +190,6 @@ class ActorWorker(_TrainedWorker):
                 b["sequences"],
                 b["attention_mask"],
                 temperature=r.temperature,
-                pack=r.packing_samples,
                 score_mask=b.get("action_mask"),
                 sampling=sampling,
             )
@@ -213,7 +213,6 @@ class ActorWorker(_TrainedWorker):
             generate_max_len=cfg.data.generate_max_len,
             is_correction=is_correction,
             is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
-            pack=cfg.rollout.packing_samples,
             sampling=cfg.rollout.sampling,
         )
         start = time.perf_counter()
@@ -232,7 +231,7 @@ class ActorWorker(_TrainedWorker):
             guard=self.guard,
         )
         metrics["train/actor_lr"] = self.engine.get_lr()[0]
-        ring = self.engine.module.sequence_parallel
+        ring = self.engine.module.layout.ring
         if ring is not None:
             metrics["perf/ring_token_share"] = ring.token_share()
         if self.strategy.tensor_parallel_size > 1:
@@ -296,7 +295,7 @@ class CriticWorker(_TrainedWorker):
             model = ScalarModel.from_pretrained(
                 path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain", **cfg.model.build_kwargs()
             )
-        _sequence_parallel(cfg, model)
+        _set_layout(cfg, model)
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, role.optimizer_steps)
@@ -305,13 +304,12 @@ class CriticWorker(_TrainedWorker):
 
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
-        pack = self.cfg.rollout.packing_samples
         return forward_in_chunks(
             self.engine,
             self.strategy,
             data,
             forward_batching(self.cfg),
-            lambda e, b: e(b["sequences"], b["attention_mask"], pack=pack)[:, :-1],
+            lambda e, b: e(b["sequences"], b["attention_mask"])[:, :-1],
         )
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
@@ -320,7 +318,7 @@ class CriticWorker(_TrainedWorker):
         metrics = fit_experience(
             self.engine,
             data,
-            critic_loss(self.engine, cfg.algo, cfg.rollout.packing_samples),
+            critic_loss(self.engine, cfg.algo),
             batching=train_batching(cfg),
             rows_per_step=self.role.rows_per_step,
             epochs=cfg.train.max_epochs,
@@ -343,7 +341,7 @@ class _FrozenWorker(BaseWorker):
         offload = cfg.model.ref_reward_offload
         with self.strategy.zero3_init(for_training=False, offload=offload):
             self.model = build(self.strategy.torch_dtype)
-        _sequence_parallel(cfg, self.model)
+        _set_layout(cfg, self.model)
         self.engine = self.strategy.prepare_eval(self.model, offload=offload)
 
 
@@ -377,10 +375,9 @@ class RewardWorker(_FrozenWorker):
 
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
-        pack = self.cfg.rollout.packing_samples
 
         def last_score(engine, b):
             attn = b["attention_mask"]
-            return engine(b["sequences"], attn, pack=pack).gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1)
+            return engine(b["sequences"], attn).gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1)
 
         return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), last_score)

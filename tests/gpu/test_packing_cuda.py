@@ -25,6 +25,7 @@ def test_packed_rows_match_padded_rows(gpu_model_dir, dtype, atol):
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
     from openppo.models.actor import Actor
+    from openppo.models.row_layout import RowLayout
 
     actor = Actor.from_pretrained(str(gpu_model_dir), dtype=dtype).cuda()
     seqs, attn = _batch(actor.config.vocab_size)
@@ -32,12 +33,13 @@ def test_packed_rows_match_padded_rows(gpu_model_dir, dtype, atol):
     results = []
     for pack in (False, True):
         actor.zero_grad()
+        actor.layout = RowLayout(packed=pack)
         if pack and dtype == torch.bfloat16:
             # the packed sequences attend without a mask: flash must be able to take every call
             with sdpa_kernel([SDPBackend.FLASH_ATTENTION]):
-                out = actor(seqs, attn, pack=True).log_probs
+                out = actor(seqs, attn).log_probs
         else:
-            out = actor(seqs, attn, pack=pack).log_probs
+            out = actor(seqs, attn).log_probs
         (out.float() * mask).sum().backward()
         grad = actor.model.get_input_embeddings().weight.grad.float().clone()
         results.append(((out.float() * mask).detach(), grad))

@@ -62,6 +62,7 @@ def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, che
 
 
 def _update(strategy, engine, seed: int = 0) -> dict[str, float]:
+    from openppo.models.row_layout import RowLayout
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
@@ -74,8 +75,8 @@ def _update(strategy, engine, seed: int = 0) -> dict[str, float]:
         generate_max_len=SEQ - PROMPT,
         is_correction=None,
         is_threshold=(0.5, 5.0),
-        pack=True,
     )
+    engine.module.layout = RowLayout(packed=True)
     return fit_experience(
         engine,
         _rows(engine.module.config.vocab_size, seed),

@@ -6,8 +6,9 @@ import pytest
 import torch
 
 from openppo.models.actor import Actor
-from openppo.models.packing import pack_rows, trim_padding, unpack_rows
+from openppo.models.row_layout import RowLayout, pack_rows, unpack_rows
 from openppo.models.scalar import ScalarModel
+from openppo.ppo.batching import trim_padding
 from tests.model_cache import tiny_model_dir
 
 LENGTHS = [5, 17, 9, 30, 1]
@@ -52,7 +53,8 @@ def test_actor_packed_equals_padded():
     results = []
     for pack in (False, True):
         model.zero_grad()
-        out = model(seqs, attn, temperature=0.7, return_entropy=True, pack=pack)
+        model.layout = RowLayout(packed=pack)
+        out = model(seqs, attn, temperature=0.7, return_entropy=True)
         ((out.log_probs + 0.1 * out.entropy) * weights).sum().backward()
         results.append((out.log_probs.detach(), out.entropy.detach(), _grads(model)))
     (lp, ent, grads), (lp_p, ent_p, grads_p) = results
@@ -77,7 +79,8 @@ def test_actor_sampling_log_probs_on_every_layout():
         plain = model(seqs, attn, temperature=0.7).log_probs
     valid = score.bool()
     assert not torch.isneginf(expected[valid]).all() and torch.isneginf(expected[valid]).any()
-    for kwargs in ({}, {"score_mask": score}, {"pack": True}, {"pack": True, "score_mask": score}):
+    for pack, kwargs in ((False, {}), (False, {"score_mask": score}), (True, {}), (True, {"score_mask": score})):
+        model.layout = RowLayout(packed=pack)
         with torch.no_grad():
             out = model(seqs, attn, temperature=0.7, sampling=sampling, **kwargs)
         got = out.sampling_log_probs
@@ -96,7 +99,8 @@ def test_scalar_model_packed_equals_padded():
     results = []
     for pack in (False, True):
         model.zero_grad()
-        values = model(seqs, attn, pack=pack)
+        model.layout = RowLayout(packed=pack)
+        values = model(seqs, attn)
         (values * weights).sum().backward()
         results.append((values.detach(), _grads(model)))
     (v, grads), (v_p, grads_p) = results
@@ -183,10 +187,11 @@ def test_scoring_only_the_action_positions_changes_nothing_there():
     score[:, :3] = False  # a 3-token "prompt" in every row
     weights = torch.randn(score.shape) * score
     for pack in (False, True):
+        model.layout = RowLayout(packed=pack)
         results = []
         for mask in (None, score):
             model.zero_grad()
-            out = model(seqs, attn, temperature=0.7, return_entropy=True, pack=pack, score_mask=mask)
+            out = model(seqs, attn, temperature=0.7, return_entropy=True, score_mask=mask)
             ((out.log_probs + 0.1 * out.entropy) * weights).sum().backward()
             results.append((out.log_probs.detach(), out.entropy.detach(), _grads(model)))
         (lp, ent, grads), (lp_s, ent_s, grads_s) = results
@@ -195,6 +200,6 @@ def test_scoring_only_the_action_positions_changes_nothing_there():
         assert unscored.any() and lp_s[unscored].eq(0).all() and ent_s[unscored].eq(0).all()
         _assert_close(grads, grads_s)
     model.zero_grad()
-    out = model(seqs, attn, pack=True, score_mask=torch.zeros_like(score))
+    out = model(seqs, attn, score_mask=torch.zeros_like(score))  # packed
     (out.log_probs.sum() * 0).backward()
     assert len(_grads(model)) == len(list(model.parameters()))

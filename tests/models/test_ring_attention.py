@@ -16,7 +16,6 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from openppo.models.positions import packed_position_ids
 from openppo.models.ring_attention import (
     ATTN_IMPLEMENTATION,
     enable_ring_attention,
@@ -27,6 +26,7 @@ from openppo.models.ring_attention import (
     ring_context,
     split_for_ring,
 )
+from openppo.models.row_layout import packed_position_ids
 from tests.spawn import run_ranks
 
 ROWS = {"even": [7, 12, 5], "odd": [7, 11, 5]}  # N = 24 and N = 23 (padded to 24 on 2 ranks)

@@ -74,7 +74,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 
 def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
-    from openppo.models.sequence_parallel import setup_sequence_parallel
+    from openppo.models.row_layout import RowLayout, ring_layout
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
@@ -86,8 +86,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         strategy = fp32_strategy(zero, max_norm=0.0)
         for role in ("actor", "critic"):
             model = load_model(role, path, strategy)
-            if ring > 1:
-                setup_sequence_parallel(model, model.model, ring, head_stride=1)
+            ring_rows = ring_layout(model.model, ring, head_stride=1) if ring > 1 else None
             engine = GradAtBoundary(
                 strategy.prepare_train(
                     model,
@@ -130,6 +129,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     if ring > 1 and not kwargs.get("packed"):
                         continue  # a ring shards packed rows only
                     batching = Batching(**kwargs)
+                    model.layout = ring_rows or RowLayout(packed=batching.packed)
                     if role == "actor":
                         algo = AlgoConfig(
                             advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS, loss_agg_mode=mode
@@ -142,10 +142,9 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                             generate_max_len=NORM_LEN,
                             is_correction=None,
                             is_threshold=(0.5, 5.0),
-                            pack=batching.packed,
                         )
                     else:
-                        loss_fn = critic_loss(engine, AlgoConfig(value_clip=VALUE_CLIP), pack=batching.packed)
+                        loss_fn = critic_loss(engine, AlgoConfig(value_clip=VALUE_CLIP))
                     engine.grads.clear()
                     metrics = fit_experience(
                         engine,

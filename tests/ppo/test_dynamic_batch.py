@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from openppo.models.actor import Actor
+from openppo.models.row_layout import RowLayout
 from openppo.models.scalar import ScalarModel
 from openppo.ppo.batching import Batching
 from openppo.ppo.config import AlgoConfig
@@ -89,12 +90,12 @@ def _run(model_cls, batching: Batching, old: str = "noisy"):
             generate_max_len=32,
             is_correction=None,
             is_threshold=(0.5, 5.0),
-            pack=batching.packed,
         )
     else:
         with torch.no_grad():
             data["old_values"] = engine(data["sequences"], data["attention_mask"])[:, :-1]
-        loss_fn = critic_loss(engine, AlgoConfig(value_clip=0.2), pack=batching.packed)
+        loss_fn = critic_loss(engine, AlgoConfig(value_clip=0.2))
+    engine.module.layout = RowLayout(packed=batching.packed)  # the old log-probs and values above: padded
     metrics = fit_experience(
         engine,
         data,

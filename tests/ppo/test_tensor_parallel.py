@@ -42,6 +42,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
     from openppo.models.actor import Actor
     from openppo.models.loading import load_tokenizer
+    from openppo.models.row_layout import RowLayout
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
@@ -91,7 +92,8 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
 
     data = _experience()
     with torch.no_grad():
-        ours = engine(data["sequences"], data["attention_mask"], pack=True).log_probs
+        engine.module.layout = RowLayout(packed=True)
+        ours = engine(data["sequences"], data["attention_mask"]).log_probs
         theirs = plain(data["sequences"], data["attention_mask"]).log_probs
     mask = data["attention_mask"][:, 1:].bool()
     results["log_probs"] = (ours - theirs)[mask].abs().max().item()
@@ -113,7 +115,6 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         generate_max_len=32,
         is_correction=None,
         is_threshold=(0.5, 5.0),
-        pack=True,
     )
     metrics = fit_experience(
         engine,

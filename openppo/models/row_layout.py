@@ -1,0 +1,168 @@
+"""Row layout: how a model runs a right-padded batch, chosen once per model (`RowLayout`).
+
+- padded: the batch as it is, with an attention mask; every padding position is computed.
+- packed (`--packing_samples`): the real tokens of all rows concatenated into one row [1, N] with no mask and
+  `position_ids` restarting at 0 per sequence, which is how transformers 5 (sdpa, eager, flex) and our varlen
+  attention know not to attend across sequences (only with `use_cache=False`, see PLATFORM.md).
+- ring (`--ring_attn_size K`): packed, and the row sharded over K consecutive ranks that run ring attention
+  together (`openppo.models.ring_attention`); each rank computes about 1/K of the tokens.
+
+Whatever the layout, the models take the padded [B, T] batch and return per-token values on the padded grid
+([B, T] or [B, T-1] for next-token values), so the RL math never sees the layout: it changes the compute, not the
+numbers. Next-token values are computed on the model's row itself: position i is scored against token i + 1. In a
+packed row the last token of a sequence is then scored against the next sequence's first token, a meaningless value
+that lands on a padded-grid position no mask selects (the last token of a row predicts nothing).
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from openppo.models.ring_attention import (
+    enable_ring_attention,
+    gather_from_ring,
+    ring_chunk,
+    ring_context,
+    split_for_ring,
+)
+from openppo.models.varlen_attention import set_packed_rows
+
+
+def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
+    """Positions counting only real tokens, so left- and right-padded rows both start at 0."""
+    return (attention_mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def packed_position_ids(seq_lens: list[int], device: torch.device | None = None) -> torch.Tensor:
+    """[1, sum(seq_lens)] positions restarting at 0 for every packed sequence."""
+    return torch.cat([torch.arange(n, device=device) for n in seq_lens]).unsqueeze(0)
+
+
+@dataclass
+class Packed:
+    input_ids: torch.Tensor  # [1, N]: the real tokens of every row, row after row
+    position_ids: torch.Tensor  # [1, N]: restarting at 0 for every row
+    token_mask: torch.Tensor  # [B, T] bool: where the packed tokens sit on the padded grid
+
+
+def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
+    """Pack the real tokens (attention_mask 1) of each row, in row order: [B, T] -> [1, N] with N = mask.sum()."""
+    mask = attention_mask.bool()
+    return Packed(sequences[mask].unsqueeze(0), position_ids_from_mask(attention_mask)[mask].unsqueeze(0), mask)
+
+
+def unpack_rows(packed: torch.Tensor, token_mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
+    """Per-token values of a packed row [1, N, *rest] back on the padded grid [B, T, *rest] (autograd-aware)."""
+    out = packed.new_full((*token_mask.shape, *packed.shape[2:]), fill)
+    out[token_mask] = packed[0]
+    return out
+
+
+class Ring:
+    """This rank's ring group: every rank of it holds the same packed row and runs its own chunk. The ring context
+    stays active until the next row: a backward with gradient checkpointing re-runs attention and must still find
+    it (see openppo.models.ring_attention)."""
+
+    def __init__(self, group: dist.ProcessGroup | None, size: int, rank: int, head_stride: int):
+        self.group, self.size, self.rank, self.head_stride = group, size, rank, head_stride
+        self._active = contextlib.ExitStack()
+        self.tokens = [0, 0]  # (this rank's chunk, whole rows) tokens so far: the share a rank really computes
+
+    def shard(self, input_ids: torch.Tensor, position_ids: torch.Tensor):
+        """This rank's (input_ids, position_ids, labels) chunk of the packed row [1, N]; activates the ring."""
+        self._active.close()
+        self._active.enter_context(ring_context(position_ids, self.group, self.head_stride))
+        shard = split_for_ring(input_ids, position_ids, self.rank, self.size)
+        self.tokens[0] += shard.input_ids.size(1)
+        self.tokens[1] += input_ids.size(1)
+        labels = ring_chunk(input_ids.roll(-1, dims=1), self.rank, self.size)  # the next token, across chunk borders
+        return shard.input_ids, shard.position_ids, labels
+
+    def token_share(self) -> float:
+        """The share of the rows' tokens this rank ran through the model since the last call (about 1/K)."""
+        share = self.tokens[0] / max(self.tokens[1], 1)
+        self.tokens = [0, 0]
+        return share
+
+    def gather(self, local: torch.Tensor, num_tokens: int) -> torch.Tensor:
+        """Per-token [1, C, ...] of every chunk -> [1, num_tokens, ...] (backward keeps this rank's slice)."""
+        return gather_from_ring(local, self.group, num_tokens=num_tokens)
+
+
+@dataclass
+class Rows:
+    """One batch laid out for the model: its inputs, the next-token labels of each input position, and the way back
+    to the padded grid."""
+
+    input_ids: torch.Tensor
+    attention_mask: torch.Tensor | None
+    position_ids: torch.Tensor
+    labels: torch.Tensor  # the token each input position predicts
+    token_mask: torch.Tensor | None = None  # packed from a padded batch: where the row's tokens sit on the grid
+    ring: Ring | None = None
+    num_tokens: int = 0  # the whole packed row's length when this rank holds a ring chunk
+
+    def to_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-position values of the model's row [b, C, *rest] -> the padded grid [B, T, *rest]."""
+        if self.ring is not None:
+            values = self.ring.gather(values, self.num_tokens)
+        return values if self.token_mask is None else unpack_rows(values, self.token_mask)
+
+    def next_token_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """Next-token values [b, C] of the model's row (position i scores token i + 1) -> [B, T-1]. The row's last
+        position predicts nothing: it is dropped, and in a packed row its place on the grid holds 0."""
+        if self.ring is not None:
+            values = self.ring.gather(values, self.num_tokens)
+        values = values[:, :-1]
+        if self.token_mask is None:
+            return values
+        return unpack_rows(torch.nn.functional.pad(values, (0, 1)), self.token_mask)[:, :-1]
+
+
+@dataclass
+class RowLayout:
+    packed: bool = False
+    ring: Ring | None = None  # packed rows sharded over this ring group
+
+    @property
+    def name(self) -> str:
+        return "ring" if self.ring is not None else "packed" if self.packed else "padded"
+
+    def rows(
+        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+    ) -> Rows:
+        """The model's inputs for a right-padded batch [B, T] with its mask, or for a row the caller packed itself
+        (`position_ids` restarting per sequence, no mask: SFT's packed batches). Also announces a packed row to the
+        varlen attention, which splits it by sequence."""
+        if position_ids is not None or attention_mask is None:
+            assert position_ids is not None and attention_mask is None, "a packed row takes position_ids, no mask"
+            rows = Rows(input_ids, None, position_ids, input_ids.roll(-1, dims=1))
+        elif self.packed:
+            p = pack_rows(input_ids, attention_mask)
+            rows = Rows(p.input_ids, None, p.position_ids, p.input_ids.roll(-1, dims=1), p.token_mask)
+        else:
+            rows = Rows(input_ids, attention_mask, position_ids_from_mask(attention_mask), input_ids.roll(-1, dims=1))
+        set_packed_rows(rows.position_ids if rows.attention_mask is None else None)
+        if self.ring is not None and rows.token_mask is not None:
+            rows.num_tokens = rows.input_ids.size(1)
+            rows.input_ids, rows.position_ids, rows.labels = self.ring.shard(rows.input_ids, rows.position_ids)
+            rows.ring = self.ring
+        return rows
+
+
+def ring_layout(hf_model: torch.nn.Module, ring_size: int, head_stride: int) -> RowLayout:
+    """Split the ranks of the default group into consecutive ring groups of `ring_size` and return the packed layout
+    sharded over this rank's ring. Every rank must call it: creating groups is collective."""
+    world, rank = dist.get_world_size(), dist.get_rank()
+    assert world % ring_size == 0, f"{world} ranks do not split into rings of {ring_size}"
+    mine = None
+    for start in range(0, world, ring_size):
+        group = dist.new_group(list(range(start, start + ring_size)))
+        if start <= rank < start + ring_size:
+            mine = group
+    enable_ring_attention(hf_model)
+    return RowLayout(packed=True, ring=Ring(mine, ring_size, rank % ring_size, head_stride))
