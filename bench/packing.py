@@ -7,7 +7,7 @@ The batch looks like a rollout batch: prompts of 16-48 tokens, right-padded to t
 1 to --max_response tokens, either uniform (`--lengths uniform`) or long-tailed as RL responses usually are
 (`--lengths longtail`: log-normal with a median of --max_response / 6, those longer cut at --max_response as the
 engine would truncate them). Each variant runs the trainer's own code on a real DeepSpeed engine (1 rank,
-ZeRO-0, --dtype auto): the forward-only pass is the old-log-prob pass (`forward_in_chunks`), the training step is
+ZeRO-0, --dtype auto): the forward-only pass is the old-log-prob pass (`ForwardChunks`), the training step is
 the actor update (`fit_experience` with the PPO loss). Baseline: padded micro-batches of --micro rows, each trimmed
 to its longest row (what runs without --packing_samples). Best of --repeats after one warm-up; the variants are
 timed interleaved, in the same process. The last line printed is one JSON object with the times, the speed-ups and the
@@ -86,7 +86,7 @@ def main() -> None:
 
     from openppo.models.actor import Actor
     from openppo.models.row_layout import RowLayout
-    from openppo.ppo.batching import Batching, forward_in_chunks
+    from openppo.ppo.batching import Batching, ForwardChunks
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
     from openppo.strategy.config import DeepSpeedConfig
@@ -125,15 +125,13 @@ def main() -> None:
         "packed_dynamic": Batching(packed=True, rows=args.micro, max_tokens=budget),
     }
 
+    @torch.no_grad()
     def forward(b: Batching) -> torch.Tensor:
         engine.module.layout = RowLayout(packed=b.packed)
-        return forward_in_chunks(
-            engine,
-            strategy,
-            data,
-            b,
-            lambda e, m: e(m["sequences"], m["attention_mask"], score_mask=m["action_mask"]).log_probs,
-        )
+        chunks = ForwardChunks(engine, strategy, data, b)
+        for m in chunks:
+            chunks.add(engine(m["sequences"], m["attention_mask"], score_mask=m["action_mask"]).log_probs)
+        return chunks.result()
 
     with torch.no_grad():
         data["old_log_probs"] = forward(variants["padded"])

@@ -15,9 +15,9 @@ micro-batches, run as no-op steps (`noop_rows`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -239,27 +239,37 @@ def forward_batching(cfg: PPOConfig) -> Batching:
     )
 
 
-@torch.no_grad()
-def forward_in_chunks(
-    engine,
-    strategy: DeepSpeedStrategy,
-    data: dict[str, torch.Tensor],
-    batching: Batching,
-    fn: Callable[[Any, dict[str, torch.Tensor]], torch.Tensor],
-) -> torch.Tensor:
-    """`fn(engine, micro_batch)` (tensors on the device) over micro-batches (each trimmed to its longest row),
-    re-padded to the batch's width and concatenated in row order as fp32 on CPU. Every rank runs as many forwards as the
-    busiest one (ZeRO-3 gathers parameters collectively); the extra ones are thrown away."""
-    engine.eval()
-    width = data["sequences"].size(1)
-    plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device)[0]
-    out = []
-    for rows in plan:
-        batch = select_rows(data, rows or [0])
-        result = fn(engine, {k: v.to(strategy.device) for k, v in batch.items()})
-        if rows:
-            result = result.float().cpu()
-            if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
-                result = pad_to_width(result, result.size(1) + width - batch["sequences"].size(1))
-            out.append(result)
-    return torch.cat(out)
+class ForwardChunks:
+    """A forward-only pass over micro-batches, written as a loop by the caller:
+
+        chunks = ForwardChunks(engine, strategy, data, batching)
+        for micro in chunks:  # tensors on the device, each micro-batch trimmed to its longest row
+            chunks.add(engine(micro["sequences"], micro["attention_mask"]).log_probs)
+        return chunks.result()  # [B, ...] in row order, fp32 on CPU, per-token values re-padded to the batch's width
+
+    Every rank runs as many forwards as the busiest one (ZeRO-3 gathers parameters collectively); the extra ones are
+    thrown away. Run it under `torch.no_grad()`."""
+
+    def __init__(self, engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], batching: Batching):
+        engine.eval()
+        self.data, self.device = data, strategy.device
+        self.width = data["sequences"].size(1)
+        self.plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device)[0]
+        self.out: list[torch.Tensor] = []
+
+    def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
+        for rows in self.plan:
+            self._rows, self._batch = rows, select_rows(self.data, rows or [0])
+            yield {k: v.to(self.device) for k, v in self._batch.items()}
+
+    def add(self, result: torch.Tensor) -> None:
+        """The result of the micro-batch just yielded."""
+        if not self._rows:
+            return
+        result = result.float().cpu()
+        if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
+            result = pad_to_width(result, result.size(1) + self.width - self._batch["sequences"].size(1))
+        self.out.append(result)
+
+    def result(self) -> torch.Tensor:
+        return torch.cat(self.out)

@@ -24,7 +24,7 @@ from openppo.distributed.worker import BaseWorker
 from openppo.models.actor import Actor
 from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.models.scalar import ScalarModel, last_token_index
-from openppo.ppo.batching import forward_batching, forward_in_chunks, train_batching
+from openppo.ppo.batching import ForwardChunks, forward_batching, train_batching
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
 from openppo.ppo.plan import RolePlan
@@ -161,41 +161,34 @@ class ActorWorker(_TrainedWorker):
         # --ds_tensor_parallel_size: the share of the model's weights this rank holds after AutoTP split them
         self.weight_share = sum(p.numel() for p in self.engine.module.parameters()) / max(self.num_params, 1)
 
+    @torch.no_grad()
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
         temperature = self.cfg.rollout.temperature
-        return forward_in_chunks(
-            self.engine,
-            self.strategy,
-            data,
-            forward_batching(self.cfg),
-            lambda e, b: (
-                e(
-                    b["sequences"],
-                    b["attention_mask"],
-                    temperature=temperature,
-                    score_mask=b.get("action_mask"),
-                ).log_probs
-            ),
-        )
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        for b in chunks:
+            out = self.engine(
+                b["sequences"], b["attention_mask"], temperature=temperature, score_mask=b.get("action_mask")
+            )
+            chunks.add(out.log_probs)
+        return chunks.result()
 
+    @torch.no_grad()
     def log_probs_and_sampling(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """[B, T-1, 2]: `log_probs`, and from the same forwards the log-probs under the engine's top-k/top-p
         truncation (`openppo.algorithms.sampling`), which compare with the engine's own."""
         r = self.cfg.rollout
-        sampling = r.sampling
-
-        def both(e, b):
-            out = e(
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        for b in chunks:
+            out = self.engine(
                 b["sequences"],
                 b["attention_mask"],
                 temperature=r.temperature,
                 score_mask=b.get("action_mask"),
-                sampling=sampling,
+                sampling=r.sampling,
             )
-            return torch.stack([out.log_probs, out.sampling_log_probs], dim=-1)
-
-        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), both)
+            chunks.add(torch.stack([out.log_probs, out.sampling_log_probs], dim=-1))
+        return chunks.result()
 
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -302,15 +295,13 @@ class CriticWorker(_TrainedWorker):
         )
         self.guard = self.strategy.step_guard(self.engine, "critic", "train/critic_skipped_steps")
 
+    @torch.no_grad()
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
-        return forward_in_chunks(
-            self.engine,
-            self.strategy,
-            data,
-            forward_batching(self.cfg),
-            lambda e, b: e(b["sequences"], b["attention_mask"])[:, :-1],
-        )
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        for b in chunks:
+            chunks.add(self.engine(b["sequences"], b["attention_mask"])[:, :-1])
+        return chunks.result()
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
         cfg = self.cfg
@@ -373,11 +364,11 @@ class RewardWorker(_FrozenWorker):
         )
         return self.model.normalization()
 
+    @torch.no_grad()
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
-
-        def last_score(engine, b):
-            attn = b["attention_mask"]
-            return engine(b["sequences"], attn).gather(1, last_token_index(attn).unsqueeze(1)).squeeze(1)
-
-        return forward_in_chunks(self.engine, self.strategy, data, forward_batching(self.cfg), last_score)
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        for b in chunks:
+            last = last_token_index(b["attention_mask"]).unsqueeze(1)
+            chunks.add(self.engine(b["sequences"], b["attention_mask"]).gather(1, last).squeeze(1))
+        return chunks.result()
