@@ -137,10 +137,6 @@ class RolloutSource:
     def __init__(self, engines: EnginePool, cfg: PPOConfig):
         self.engines, self.cfg = engines, cfg
 
-    def _engine_generate(self, prompt_ids: list[list[int]], **kwargs) -> list[list[dict]]:
-        r = self.cfg.rollout
-        return self.engines.generate(prompt_ids, top_p=r.top_p, top_k=r.top_k, **kwargs)
-
     def generate(
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
@@ -165,10 +161,13 @@ class SingleTurn(RolloutSource):
     def generate(
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
-        outputs = self._engine_generate(
+        r = self.cfg.rollout
+        outputs = self.engines.generate(
             [it["prompt_ids"] for it in items],
             n=n,
             temperature=temperature,
+            top_p=r.top_p,
+            top_k=r.top_k,
             max_new_tokens=self.cfg.data.generate_max_len,
             seed=seed,
         )
@@ -212,11 +211,14 @@ class AgentEpisodes(RolloutSource):
     def generate(
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
+        r = self.cfg.rollout
         turns = itertools.count()  # each turn reseeds with its own number
 
         def one_turn(ids: list[list[int]], budgets: list[int]) -> list[dict]:
             turn_seed = None if seed is None else seed + next(turns)
-            outputs = self._engine_generate(ids, n=1, temperature=temperature, max_new_tokens=budgets, seed=turn_seed)
+            outputs = self.engines.generate(
+                ids, n=1, temperature=temperature, top_p=r.top_p, top_k=r.top_k, max_new_tokens=budgets, seed=turn_seed
+            )
             return [completions[0] for completions in outputs]
 
         samples = self.episodes(one_turn, items, n)

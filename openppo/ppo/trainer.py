@@ -98,10 +98,8 @@ class PPOTrainer:
         return timed(self._timing, stage)
 
     # ------------------------------------------------------------------------------------------------ rollout
-    def next_rollout(self) -> Rollout | None:
-        """This step's batch: collected now, or (--async_train) taken from the batches generated ahead."""
-        if self._producer is None:
-            return self.collector.collect()
+    def _rollout_ahead(self) -> Rollout | None:
+        """--async_train: the oldest of the batches generated ahead (None when the prompts ran out)."""
         rollout, waited = self._producer.get()
         if rollout is not None:
             rollout.timing["timing/wait_rollout"] = waited
@@ -153,7 +151,7 @@ class PPOTrainer:
         start = time.perf_counter()
         # generate + score: n responses per prompt from the engines, rewards from the reward source or model
         # (--async_train: generated ahead by older weights while the last step trained)
-        rollout = self.next_rollout()
+        rollout = self.collector.collect() if self._producer is None else self._rollout_ahead()
         if rollout is None:
             return None
         self._timing = dict(rollout.timing)
