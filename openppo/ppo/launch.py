@@ -174,7 +174,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     import ray
     from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-    from openppo.distributed.actor_health import actor_infos
+    from openppo.distributed.logs import actor_infos
     from openppo.distributed.placement import make_placement_group
     from openppo.distributed.worker_group import WorkerGroup
     from openppo.ppo.groups import ActorGroup, CriticGroup, ReferenceGroup, RewardGroup
@@ -294,7 +294,7 @@ def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], 
 
 def raise_if_an_engine_died(groups: Groups | None, error: BaseException) -> None:
     """After `error` stopped the run: if a vLLM engine is dead, raise the error naming it (the root cause)."""
-    from openppo.distributed.actor_health import find_dead
+    from openppo.distributed.logs import find_dead
 
     if groups is not None and len(groups.engines):
         dead = find_dead(groups.engines.engines, groups.engines.infos, "vLLM engine")
