@@ -13,8 +13,8 @@ from openppo.models.actor import Actor
 from openppo.models.loading import load_tokenizer, resolve_model_path
 from openppo.trainers import setup
 from openppo.trainers.configs import DPOConfig
-from openppo.trainers.dpo import DPOTrainer
 from openppo.trainers.loop import SupervisedTrainer
+from openppo.trainers.stages import DPOTrainer
 
 
 def train(cfg: DPOConfig) -> None:

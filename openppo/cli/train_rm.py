@@ -12,7 +12,7 @@ from openppo.models.scalar import ScalarModel
 from openppo.trainers import setup
 from openppo.trainers.configs import RMConfig
 from openppo.trainers.loop import SupervisedTrainer
-from openppo.trainers.rm import RewardModelTrainer
+from openppo.trainers.stages import RewardModelTrainer
 
 
 def build_preference_data(cfg, tokenizer, raw_train, raw_eval):

@@ -13,7 +13,7 @@ from openppo.models.loading import load_tokenizer
 from openppo.trainers import setup
 from openppo.trainers.configs import SFTConfig
 from openppo.trainers.loop import SupervisedTrainer
-from openppo.trainers.sft import SFTTrainer
+from openppo.trainers.stages import SFTTrainer
 
 
 def train(cfg: SFTConfig) -> None:
