@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from openppo.agents.base import AgentEnv, AgentError, StepResult
-from openppo.rollout.pool import Sample, rows_by_budget
+from openppo.rollout.pool import Sample
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[dict]]
 """(prompt token ids per request, max_new_tokens per request) -> one {token_ids, logprobs, finish_reason} each"""
@@ -155,19 +155,13 @@ def _to_sample(ep: _Episode, tokenizer) -> Sample:
 
 
 def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampling: Any) -> GenerateFn:
-    """Adapt a `VLLMEngine.generate`-like callable (one max_new_tokens per call) to `GenerateFn`.
-
-    Requests are grouped by budget, one engine call per distinct budget (usually one: only episodes near
-    `max_total_len` get a smaller one), with n=1 and `sampling` (temperature, top_p, ...) passed through.
+    """Adapt a `VLLMEngine.generate`-like callable (a budget per prompt) to `GenerateFn`: one call with n=1, each
+    prompt's own budget, and `sampling` (temperature, top_p, ...) passed through.
     For a Ray actor: `engine_generate_fn(lambda ids, **kw: ray.get(actor.generate.remote(ids, **kw)), ...)`.
     """
 
     def generate(prompt_ids: list[list[int]], budgets: list[int]) -> list[dict]:
-        outputs: list[dict | None] = [None] * len(prompt_ids)
-        for budget, rows in rows_by_budget(budgets):
-            completions = engine_generate([prompt_ids[i] for i in rows], n=1, max_new_tokens=budget, **sampling)
-            for i, samples in zip(rows, completions):
-                outputs[i] = samples[0]
-        return outputs  # type: ignore[return-value]  # every row was filled above
+        completions = engine_generate(prompt_ids, n=1, max_new_tokens=list(budgets), **sampling)
+        return [samples[0] for samples in completions]
 
     return generate

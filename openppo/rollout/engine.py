@@ -213,7 +213,7 @@ class VLLMEngine:
         prompt_token_ids: list[list[int]],
         *,
         n: int,
-        max_new_tokens: int,
+        max_new_tokens: int | Sequence[int],
         temperature: float,
         top_p: float,
         top_k: int = -1,
@@ -221,7 +221,7 @@ class VLLMEngine:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
     ) -> list[list[dict]]:
-        """Sample `n` responses per prompt.
+        """Sample `n` responses per prompt, at most `max_new_tokens` each (one budget, or one per prompt).
 
         Returns, per prompt in order, `n` dicts: `token_ids` (list[int], the response only), `logprobs`
         (list[float], log-prob of each sampled token under the sampling distribution -- see `logprobs_mode`),
@@ -240,18 +240,25 @@ class VLLMEngine:
         from vllm.inputs import TokensPrompt
 
         require(n >= 1, f"n must be >= 1, got {n}")
-        require(max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {max_new_tokens}")
-        params = SamplingParams(
-            n=n,
-            max_tokens=max_new_tokens,
-            min_tokens=min(min_new_tokens, max_new_tokens),
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
-            logprobs=0,
-            detokenize=False,
-        )
+        budgets = [max_new_tokens] * len(prompt_token_ids) if isinstance(max_new_tokens, int) else max_new_tokens
+        require(len(budgets) == len(prompt_token_ids), "max_new_tokens: one budget, or one per prompt")
+        require(min(budgets, default=1) >= 1, f"max_new_tokens must be >= 1, got {min(budgets, default=1)}")
+        by_budget = {
+            b: SamplingParams(
+                n=n,
+                max_tokens=b,
+                min_tokens=min(min_new_tokens, b),
+                temperature=temperature,
+                top_p=top_p,
+                top_k=top_k,
+                stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+                logprobs=0,
+                detokenize=False,
+            )
+            for b in set(budgets)
+        }
+        # one request batch whatever the budgets: vLLM takes sampling params per prompt
+        params = [by_budget[b] for b in budgets]
         prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
         if seed is not None:
             self.llm.collective_rpc("openppo_reseed", args=(seed,))

@@ -37,12 +37,6 @@ class Sample:
         return self.finish_reason == "length"
 
 
-def rows_by_budget(budgets: list[int]) -> list[tuple[int, list[int]]]:
-    """`(budget, row indices)` per distinct budget, smallest first: vLLM takes one max_tokens per request batch, so
-    requests are grouped to keep each prompt's own budget."""
-    return [(b, [i for i, x in enumerate(budgets) if x == b]) for b in sorted(set(budgets))]
-
-
 class EnginePool:
     """The run's engines (Ray actors of `VLLMEngine`), what each reported at start-up, and the sync lock."""
 
@@ -75,22 +69,21 @@ class EnginePool:
         refs, slots = [], []
         with self.lock:
             for e, engine in enumerate(self.engines):
-                idx = list(range(e, len(prompt_ids), len(self.engines)))
-                for budget, rows in rows_by_budget([budgets[i] for i in idx]):
-                    chunk = [idx[j] for j in rows]
-                    request_seed = None if seed is None else seed + 1_000 * len(refs)
-                    refs.append(
-                        engine.generate.remote(
-                            [prompt_ids[i] for i in chunk],
-                            n=n,
-                            max_new_tokens=budget,
-                            temperature=temperature,
-                            top_p=top_p,
-                            top_k=top_k,
-                            seed=request_seed,
-                        )
+                chunk = list(range(e, len(prompt_ids), len(self.engines)))
+                if not chunk:
+                    continue
+                refs.append(
+                    engine.generate.remote(
+                        [prompt_ids[i] for i in chunk],
+                        n=n,
+                        max_new_tokens=[budgets[i] for i in chunk],
+                        temperature=temperature,
+                        top_p=top_p,
+                        top_k=top_k,
+                        seed=None if seed is None else seed + 1_000 * e,
                     )
-                    slots.append(chunk)
+                )
+                slots.append(chunk)
             results = ray.get(refs, timeout=self.timeout_s)
         outputs: list[list[dict]] = [[] for _ in prompt_ids]
         for chunk, out in zip(slots, results):

@@ -175,19 +175,19 @@ def test_env_errors_name_the_env_prompt_and_turn():
         )
 
 
-def test_engine_generate_fn_groups_requests_by_budget():
+def test_engine_generate_fn_sends_each_prompt_its_own_budget_in_one_call():
     calls = []
 
     def engine_generate(prompts, *, n, max_new_tokens, temperature):
         calls.append((len(prompts), n, max_new_tokens, temperature))
         return [
-            [{"token_ids": [p[0]] * max_new_tokens, "logprobs": [0.0] * max_new_tokens, "finish_reason": "length"}]
-            for p in prompts
+            [{"token_ids": [p[0]] * budget, "logprobs": [0.0] * budget, "finish_reason": "length"}]
+            for p, budget in zip(prompts, max_new_tokens)
         ]
 
     out = engine_generate_fn(engine_generate, temperature=0.7)([[1], [2], [3]], [4, 2, 4])
     assert [o["token_ids"] for o in out] == [[1] * 4, [2] * 2, [3] * 4]
-    assert calls == [(1, 1, 2, 0.7), (2, 1, 4, 0.7)]
+    assert calls == [(3, 1, [4, 2, 4], 0.7)]
 
 
 # -- loading an agent file -------------------------------------------------------------------------------------------

@@ -66,6 +66,13 @@ def test_generate_logprobs_match_hf(engine, hf_model):
         ids = s["token_ids"]
         assert s["finish_reason"] == "stop" and ids[-1] % 2 == 0 and len(ids) >= 3
         assert all(t % 2 == 1 for t in ids[:-1])
+    # One budget per prompt in one request batch (--max_len: what each prompt leaves); min_new_tokens above every
+    # budget holds EOS off, so each response runs to its own budget.
+    out = ray.get(
+        engine.generate.remote(PROMPTS, n=2, max_new_tokens=[3, 7], min_new_tokens=100, temperature=1.0, top_p=1.0),
+        timeout=120,
+    )
+    assert [[len(s["token_ids"]) for s in samples] for samples in out] == [[3, 3], [7, 7]]
     assert ray.get(engine.num_unfinished_requests.remote()) == 0
     ray.get([engine.sleep.remote(), engine.wake_up.remote()])  # no-ops on CPU
 
