@@ -161,14 +161,14 @@ class SingleTurn(RolloutSource):
     def generate(
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
-        r = self.cfg.rollout
+        r, d = self.cfg.rollout, self.cfg.data
         outputs = self.engines.generate(
             [it["prompt_ids"] for it in items],
             n=n,
             temperature=temperature,
             top_p=r.top_p,
             top_k=r.top_k,
-            max_new_tokens=self.cfg.data.generate_max_len,
+            max_new_tokens=[d.response_budget(len(it["prompt_ids"])) for it in items],
             seed=seed,
         )
         return [

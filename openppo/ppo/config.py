@@ -157,9 +157,28 @@ class PromptDataConfig:
     max_samples: int = opt(100_000_000, "use at most this many prompts")
     prompt_max_len: int = opt(1024, "longer prompts are dropped (counted in the log)")
     generate_max_len: int = opt(1024, "maximum new tokens per response")
+    max_len: int = opt(
+        None,
+        "tokens per sample, prompt + response (OpenRLHF's total limit): a response may use what its prompt leaves "
+        "of it, and at most --generate_max_len; prompts that leave no room are dropped. "
+        "Default: --prompt_max_len + --generate_max_len",
+    )
     eval_dataset: str = opt(None, "prompts for evaluation (pass@1 and pass@k with the reward source)", metavar="PATHS")
     eval_n_samples_per_prompt: int = opt(4, "samples per eval prompt (k of pass@k)")
     eval_temperature: float = opt(0.6, "sampling temperature at eval")
+
+    def total_len(self) -> int:
+        """The most tokens of one sample, prompt and response (the engines' context length)."""
+        full = self.prompt_max_len + self.generate_max_len
+        return full if self.max_len is None else min(self.max_len, full)
+
+    def prompt_limit(self) -> int:
+        """The longest prompt kept: one that leaves room for at least one response token."""
+        return min(self.prompt_max_len, self.total_len() - 1)
+
+    def response_budget(self, prompt_len: int) -> int:
+        """New tokens a response to a prompt of `prompt_len` tokens may have."""
+        return min(self.generate_max_len, self.total_len() - prompt_len)
 
 
 @dataclass

@@ -61,7 +61,7 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
         label_key=d.label_key,
         apply_chat_template=d.apply_chat_template,
         input_template=d.input_template,
-        max_prompt_len=d.prompt_max_len,
+        max_prompt_len=d.prompt_limit(),
     )
 
 
@@ -80,7 +80,7 @@ def agent_episodes(cfg: PPOConfig, tokenizer):
     """`(generate, items, n) -> samples` running the `--agent_func_path` environment's episodes.
 
     Each model turn may use up to --generate_max_len new tokens; prompt, every turn and the environment's feedback
-    together stay within --prompt_max_len + --generate_max_len (the engines' context length).
+    together stay within the engines' context length (--max_len, default --prompt_max_len + --generate_max_len).
     """
     from openppo.agents import load_agent_env, run_agent_episodes
 
@@ -96,7 +96,7 @@ def agent_episodes(cfg: PPOConfig, tokenizer):
             env_cls=env_cls,
             max_turns=cfg.rollout.agent_max_turns,
             max_new_tokens=d.generate_max_len,
-            max_total_len=d.prompt_max_len + d.generate_max_len,
+            max_total_len=d.total_len(),
         )
 
     return rollout
@@ -123,7 +123,7 @@ def kv_cache_bytes(cfg: PPOConfig) -> int | None:
     size = cpu_kv_cache_bytes(
         per_token=per_token,
         sequences=min(MAX_CONCURRENT_SEQUENCES, -(-samples // v.vllm_num_engines)),
-        max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
+        max_model_len=cfg.data.total_len(),
         available=psutil.virtual_memory().available,
         others=host_bytes_of_trainers(cfg, shapes),
         share=v.vllm_gpu_memory_utilization,
@@ -237,7 +237,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
                 cfg.model.pretrain,
                 dtype=plan.engine_dtype,
                 seed=cfg.train.seed + i,
-                max_model_len=cfg.data.prompt_max_len + cfg.data.generate_max_len,
+                max_model_len=cfg.data.total_len(),
                 enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
                 enable_prefix_caching=cfg.vllm.enable_prefix_caching,
                 gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization,

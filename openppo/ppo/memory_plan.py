@@ -176,7 +176,7 @@ def engine_items(
 def _micro_tokens(cfg, *, train: bool) -> int:
     """Tokens of one micro-batch on one rank (a ring splits each row over its ranks)."""
     r, d = cfg.rollout, cfg.data
-    row = d.prompt_max_len + d.generate_max_len
+    row = d.total_len()
     if r.use_dynamic_batch:
         tokens = (
             r.train_max_tokens_per_gpu if train else (r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu)
@@ -192,7 +192,7 @@ def _scored_tokens(cfg, tokens: int) -> int:
     if not cfg.rollout.packing_samples:
         return tokens
     d = cfg.data
-    return -(-tokens * d.generate_max_len // (d.prompt_max_len + d.generate_max_len))
+    return -(-tokens * min(d.generate_max_len, d.total_len()) // d.total_len())
 
 
 def _working_memory(role: str, shape: ModelShape, cfg, *, trained: bool, lm_head: bool) -> Item:

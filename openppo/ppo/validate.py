@@ -149,6 +149,7 @@ def _batches(cfg: PPOConfig) -> None:
         (t.num_episodes, "--num_episodes"),
         (d.prompt_max_len, "--prompt_max_len"),
         (d.generate_max_len, "--generate_max_len"),
+        (2 if d.max_len is None else d.max_len - 1, "--max_len (room for one prompt and one response token)"),
         (r.temperature, "--temperature"),
         (cfg.vllm.vllm_num_engines, "--vllm_num_engines"),
     ):

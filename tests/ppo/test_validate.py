@@ -66,6 +66,7 @@ BAD = [
     (["--dual_clip", "0.5"], ["--dual_clip"]),
     (["--gamma", "0.99"], ["--gamma", "--advantage_estimator"]),
     (["--generate_max_len", "-1"], ["--generate_max_len"]),
+    (["--max_len", "1"], ["--max_len"]),
     (["--overlong_buffer_len", "5000"], ["--overlong_buffer_len", "--generate_max_len"]),
     (["--reward_clip_range", "1", "-1"], ["--reward_clip_range"]),
     (["--top_p", "0"], ["--top_p"]),
@@ -112,6 +113,18 @@ def test_bad_config_names_flags(base, extra, flags):
     assert "\n" not in message
     for flag in flags:
         assert re.search(re.escape(flag) + r"\b", message), (flag, message)
+
+
+def test_max_len_caps_each_response_by_what_its_prompt_leaves():
+    from openppo.ppo.config import PromptDataConfig
+
+    d = PromptDataConfig(prompt_max_len=100, generate_max_len=50)
+    assert (d.total_len(), d.prompt_limit(), d.response_budget(80)) == (150, 100, 50)  # no --max_len: the sum
+    d.max_len = 120  # OpenRLHF's --max_len: prompt + response
+    assert (d.total_len(), d.prompt_limit()) == (120, 100)
+    assert [d.response_budget(n) for n in (10, 70, 100)] == [50, 50, 20]
+    d.max_len = 60  # shorter than the longest prompt: a prompt must leave room for one response token
+    assert (d.total_len(), d.prompt_limit(), d.response_budget(59)) == (60, 59, 1)
 
 
 def test_valid_config_gives_cpu_notices(base):
