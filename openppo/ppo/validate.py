@@ -388,6 +388,11 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
             f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "
             f"metrics.jsonl, TensorBoard and W&B get every step"
         )
+    if algo.kl_target is not None:
+        notices.append(
+            f"--kl_target {algo.kl_target} is in nats per response (the KL summed over a response, as in Ziegler "
+            f"et al.); OpenRLHF's is the per-token mean: multiply an OpenRLHF value by the mean response length"
+        )
     if algo.kl_estimator != "k1" and not algo.use_kl_loss and needs_reference(cfg):
         notices.append(
             f"--kl_estimator {algo.kl_estimator} as a reward penalty: its expectation is the KL, but as "

@@ -131,6 +131,13 @@ def test_valid_config_gives_cpu_notices(base):
     notices = validate(_cfg(base, []), on_gpu=False)
     assert any("worker processes" in n for n in notices)
     assert any("gloo" in n for n in notices)
+    assert not any("--kl_target" in n for n in notices)
+
+
+def test_kl_target_says_its_unit_is_not_openrlhfs(base):
+    notices = validate(_cfg(base, ["--kl_target", "6", "--init_kl_coef", "0.01"]), on_gpu=False)
+    [unit] = [n for n in notices if n.startswith("--kl_target 6.0 is in nats per response")]
+    assert "per-token mean" in unit and "\n" not in unit
 
 
 def test_tensor_parallel_reaches_the_deepspeed_config_of_the_actor_only(base):
