@@ -55,6 +55,8 @@ def train(cfg: PPOConfig) -> None:
         tensorboard_dir=cfg.logging.use_tensorboard,
         wandb=cfg.logging.use_wandb,
         wandb_project=cfg.logging.wandb_project,
+        wandb_org=cfg.logging.wandb_org,
+        wandb_group=cfg.logging.wandb_group,
         run_name=cfg.logging.wandb_run_name or f"ppo_{time.strftime('%m%dT%H%M%S')}",
         config=config,
     )

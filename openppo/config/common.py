@@ -98,6 +98,8 @@ class LoggingConfig:
     )
     wandb_project: str = opt("openppo", "W&B project")
     wandb_run_name: str = opt(None, "W&B run name; default: <cli>_<time>")
+    wandb_org: str = opt(None, "W&B entity (team or user) the run goes to; default: the logged-in user's")
+    wandb_group: str = opt(None, "W&B group to file the run under (runs of one experiment side by side)")
     use_tensorboard: str = opt(None, "write TensorBoard event files to this folder", metavar="DIR")
 
 

@@ -94,6 +94,8 @@ def make_tracker(cfg: Any, strategy: DeepSpeedStrategy, cli: str) -> MetricsTrac
         tensorboard_dir=cfg.logging.use_tensorboard,
         wandb=cfg.logging.use_wandb,
         wandb_project=cfg.logging.wandb_project,
+        wandb_org=cfg.logging.wandb_org,
+        wandb_group=cfg.logging.wandb_group,
         run_name=run_name,
         config=config,
         enabled=strategy.is_rank0,

@@ -32,6 +32,8 @@ class MetricsTracker:
         run_name: str,
         config: dict[str, Any],
         enabled: bool = True,
+        wandb_org: str | None = None,
+        wandb_group: str | None = None,
     ):
         self.enabled = enabled
         self._warned: set[str] = set()
@@ -48,7 +50,7 @@ class MetricsTracker:
 
             self._tb = SummaryWriter(log_dir=str(Path(tensorboard_dir) / run_name))
         if wandb:
-            self._wandb = _start_wandb(wandb, wandb_project, run_name, config, save_dir)
+            self._wandb = _start_wandb(wandb, wandb_project, run_name, config, save_dir, wandb_org, wandb_group)
 
     def log(self, step: int, metrics: dict[str, float], *, echo: bool = True) -> None:
         """Every sink gets every value, NaN and Inf included: a diverged loss must show, not vanish. In
@@ -111,7 +113,15 @@ def set_aside_rows_after(path: str | Path, step: int) -> Path | None:
     return aside
 
 
-def _start_wandb(value: str, project: str, run_name: str, config: dict[str, Any], save_dir: str | None):
+def _start_wandb(
+    value: str,
+    project: str,
+    run_name: str,
+    config: dict[str, Any],
+    save_dir: str | None,
+    org: str | None = None,
+    group: str | None = None,
+):
     """`value` is an API key, 'offline', or 'auto' (online when a key is configured, offline otherwise)."""
     import wandb
 
@@ -122,6 +132,8 @@ def _start_wandb(value: str, project: str, run_name: str, config: dict[str, Any]
         mode = "offline"
     elif value not in ("auto", "online"):
         wandb.login(key=value)
-    run = wandb.init(project=project, name=run_name, config=config, mode=mode, dir=save_dir, reinit=True)
+    run = wandb.init(
+        project=project, entity=org, group=group, name=run_name, config=config, mode=mode, dir=save_dir, reinit=True
+    )
     logger.info("W&B run %s (%s mode)", run.name, mode)
     return run

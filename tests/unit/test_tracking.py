@@ -57,3 +57,22 @@ def test_a_resume_sets_aside_the_rows_after_its_step(tmp_path):
     ]
     assert set_aside_rows_after(path, 3) is None  # nothing after step 3: untouched
     assert set_aside_rows_after(tmp_path / "absent.jsonl", 1) is None
+
+
+def test_wandb_org_and_group_reach_the_run(tmp_path, monkeypatch):
+    """--wandb_org / --wandb_group (OpenRLHF's --logger.wandb.org / .group) file the run under that entity and
+    group; offline, so no network is needed."""
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    tracker = MetricsTracker(
+        save_dir=str(tmp_path),
+        tensorboard_dir=None,
+        wandb="offline",
+        wandb_project="p",
+        run_name="r",
+        config={},
+        wandb_org="some-team",
+        wandb_group="ablation-1",
+    )
+    run = tracker._wandb
+    assert (run.entity, run.group, run.name) == ("some-team", "ablation-1", "r")
+    tracker.close()
