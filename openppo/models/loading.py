@@ -60,7 +60,8 @@ def apply_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: 
         r=rank,
         lora_alpha=alpha,
         lora_dropout=dropout,
-        target_modules=target_modules or "all-linear",
+        # OpenRLHF recipes pass `--target_modules all-linear`: PEFT knows that shorthand only as a plain string
+        target_modules="all-linear" if target_modules in (None, [], ["all-linear"]) else target_modules,
         task_type=task_type,
         bias="none",
     )
