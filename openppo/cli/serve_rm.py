@@ -11,6 +11,7 @@ from __future__ import annotations
 import ipaddress
 import sys
 from dataclasses import dataclass
+from typing import ClassVar
 
 from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
@@ -20,6 +21,8 @@ from openppo.errors import UserError, require
 @dataclass
 class ServeRMConfig:
     """What to serve and where."""
+
+    openrlhf_cli: ClassVar[str] = "serve_rm"
 
     reward_pretrain: str = opt(
         None, "reward model folder to serve (a scalar-head model, e.g. from train_rm)", metavar="DIR"

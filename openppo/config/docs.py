@@ -5,19 +5,23 @@ from __future__ import annotations
 import dataclasses
 import typing
 
+from openppo.config import openrlhf_names
+from openppo.config.schema import spellings
 
-def _rows(config_cls: type) -> list[tuple[str, str, str, str]]:
+
+def _rows(config_cls: type, aliases: dict[str, list[str]]) -> list[tuple[str, str, str, str]]:
     rows = []
     hints = typing.get_type_hints(config_cls)
     for f in dataclasses.fields(config_cls):
         tp = hints[f.name]
         if dataclasses.is_dataclass(tp):
-            rows.extend(_rows(tp))
+            rows.extend(_rows(tp, aliases))
             continue
         default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
         choices = f.metadata.get("choices")
         help_text = f.metadata.get("help", "") + (f" (one of: {', '.join(map(str, choices))})" if choices else "")
-        rows.append((f"`--{f.name}`", f"`{default!r}`", help_text.replace("|", "\\|"), config_cls.__name__))
+        names = " ".join(f"`--{n}`" for n in (f.name, *aliases.get(f.name, [])))
+        rows.append((names, f"`{default!r}`", help_text.replace("|", "\\|"), config_cls.__name__))
     return rows
 
 
@@ -26,11 +30,28 @@ def render(clis: dict[str, type]) -> str:
         "# Command-line flags",
         "",
         "Generated from the typed configs by `python -m openppo.cli.flags_doc > docs/flags.md`; "
-        "a test keeps it current. Flag names follow OpenRLHF's flat names.",
+        "a test keeps it current. Each flag is listed by its flat name (OpenRLHF <= 0.9 and seed 004), then its "
+        "other spellings: the dotted names of OpenRLHF >= 0.10. Either may be used, and the generations may be mixed "
+        "across flags; see docs/openrlhf-migration.md for what openppo does differently.",
         "",
     ]
     for cli, config_cls in clis.items():
+        aliases = spellings(config_cls).aliases()
         out += [f"## `python -m openppo.cli.{cli}`", "", "| flag | default | meaning |", "|---|---|---|"]
-        out += [f"| {flag} | {default} | {text} |" for flag, default, text, _ in _rows(config_cls)]
+        out += [f"| {flag} | {default} | {text} |" for flag, default, text, _ in _rows(config_cls, aliases)]
         out.append("")
+    out += [
+        "## OpenRLHF flags openppo refuses",
+        "",
+        "A CLI that has none of the flags below as its own stops at it before anything starts, with this reason. "
+        "Both spellings are refused (`--load_in_4bit`, `--ds.load_in_4bit`).",
+        "",
+        "| flag | why, and what to do instead |",
+        "|---|---|",
+    ]
+    out += [f"| `--{name}` | {why} |" for name, why in sorted(openrlhf_names.REFUSED.items())]
+    out += ["", "## OpenRLHF flags with no effect", "", "Accepted, with one warning line.", ""]
+    out += ["| flag | why |", "|---|---|"]
+    out += [f"| `--{name}` | {why} |" for name, (_, why) in sorted(openrlhf_names.NO_EFFECT.items())]
+    out.append("")
     return "\n".join(out)

@@ -4,6 +4,8 @@ Each component owns a dataclass whose fields carry a one-line help text (`opt(..
 one top-level dataclass; `build_parser` turns every leaf field into a flat `--field_name` flag (the OpenRLHF
 names users copy from recipes), one argparse group per component, and `parse_config` builds the nested
 dataclass back from the parsed namespace. Field names must therefore be unique across the components of a CLI.
+Each flag also answers to its other OpenRLHF spellings (`openppo.config.openrlhf_names`: the dotted names of
+OpenRLHF >= 0.10); one setting given under two spellings is an error naming both.
 
 Argparse's own errors are reduced to one line (`error: argument --zero_stage: invalid choice: 4 ...`) so that
 every bad input, whether caught by argparse or by validation, reads the same way.
@@ -13,12 +15,16 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import sys
 import types
 import typing
 from typing import Any, TypeVar
 
+from openppo.config import openrlhf_names
+
 T = TypeVar("T")
+logger = logging.getLogger(__name__)
 
 
 def opt(
@@ -45,6 +51,19 @@ class OneLineParser(argparse.ArgumentParser):
         sys.exit(2)
 
 
+class _HelpFormatter(argparse.HelpFormatter):
+    """Every spelling of a flag, then its value once: `--max_norm, --actor.max_norm MAX_NORM`."""
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        return (
+            ", ".join(action.option_strings)
+            + " "
+            + self._format_args(action, self._get_default_metavar_for_optional(action))
+        )
+
+
 def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     """`X | None` -> (X, True); anything else -> (tp, False)."""
     origin = typing.get_origin(tp)
@@ -55,7 +74,7 @@ def _unwrap_optional(tp: Any) -> tuple[Any, bool]:
     return tp, False
 
 
-def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any) -> None:
+def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any, aliases: list[str]) -> None:
     meta = f.metadata
     help_text = meta.get("help", "")
     default = (
@@ -63,7 +82,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any) ->
         if f.default is not dataclasses.MISSING
         else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
     )
-    flag = f"--{f.name}"
+    flags = [f"--{f.name}", *(f"--{a}" for a in aliases)]
     inner, optional = _unwrap_optional(tp)
     kwargs: dict[str, Any] = {"dest": f.name, "help": f"{help_text} (default: {default!r})".strip()}
     if meta.get("metavar"):
@@ -71,7 +90,7 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any) ->
     if inner is bool and not optional:
         # Every boolean is an opt-in switch, like OpenRLHF's store_true flags.
         assert default is False, f"boolean field {f.name} must default to False"
-        group.add_argument(flag, action="store_true", default=False, help=kwargs["help"])
+        group.add_argument(*flags, dest=f.name, action="store_true", default=False, help=kwargs["help"])
         return
     origin = typing.get_origin(inner)
     if origin in (tuple, list):
@@ -87,14 +106,20 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any) ->
         kwargs["nargs"] = "?"
         kwargs["const"] = meta["const"]
     kwargs["default"] = default
-    group.add_argument(flag, **kwargs)
+    group.add_argument(*flags, **kwargs)
 
 
 def build_parser(config_cls: type, prog: str, description: str) -> argparse.ArgumentParser:
     """An argparse parser with one flat flag per leaf field of `config_cls` (nested dataclasses = groups)."""
-    parser = OneLineParser(prog=prog, description=description)
+    parser = OneLineParser(prog=prog, description=description, formatter_class=_HelpFormatter)
     # Launchers (deepspeed, torch.distributed.launch) may append --local_rank; accept and ignore it.
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
+    fields = set(field_names(config_cls))
+    aliases = spellings(config_cls).aliases()
+    for name, (takes_value, _) in openrlhf_names.NO_EFFECT.items():
+        if name not in fields:
+            kind = {"nargs": "?", "const": True} if takes_value else {"action": "store_true"}
+            parser.add_argument(f"--{name}", dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
     seen: set[str] = set()
     hints = typing.get_type_hints(config_cls)
     for top in dataclasses.fields(config_cls):
@@ -105,11 +130,11 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
             for f in dataclasses.fields(tp):
                 assert f.name not in seen, f"duplicate flag --{f.name} in {config_cls.__name__}"
                 seen.add(f.name)
-                _add_field(group, f, sub_hints[f.name])
+                _add_field(group, f, sub_hints[f.name], aliases.get(f.name, []))
         else:
             assert top.name not in seen, f"duplicate flag --{top.name}"
             seen.add(top.name)
-            _add_field(parser, top, tp)  # type: ignore[arg-type]
+            _add_field(parser, top, tp, aliases.get(top.name, []))  # type: ignore[arg-type]
     return parser
 
 
@@ -132,8 +157,58 @@ def _from_namespace(config_cls: type[T], ns: argparse.Namespace) -> T:
 def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: str, description: str = "") -> T:
     """Parse `argv` (None = sys.argv[1:]) into an instance of `config_cls`."""
     parser = build_parser(config_cls, prog, description)
+    argv = list(sys.argv[1:] if argv is None else argv)
+    _check_spellings(argv, spellings(config_cls), parser)
     ns = parser.parse_args(argv)
+    for name, (_, why) in openrlhf_names.NO_EFFECT.items():
+        if getattr(ns, f"_no_effect_{name}", None) not in (None, False):
+            logger.warning("--%s has no effect: %s", name, why)
     return _from_namespace(config_cls, ns)
+
+
+def _options(argv: typing.Sequence[str]) -> list[tuple[str, list[str]]]:
+    """(option name without dashes, its value tokens) for every `--option` in `argv`."""
+    out: list[tuple[str, list[str]]] = []
+    for token in argv:
+        if token.startswith("--") and len(token) > 2:
+            name, eq, value = token[2:].partition("=")
+            out.append((name, [value] if eq else []))
+        elif out:
+            out[-1][1].append(token)
+    return out
+
+
+def spellings(config_cls: type) -> openrlhf_names.Spellings:
+    """The other OpenRLHF spellings of `config_cls`'s flags (`openrlhf_cli` names the OpenRLHF CLI it stands for)."""
+    return openrlhf_names.Spellings(set(field_names(config_cls)), getattr(config_cls, "openrlhf_cli", None))
+
+
+def _check_spellings(
+    argv: typing.Sequence[str], names: openrlhf_names.Spellings, parser: argparse.ArgumentParser
+) -> None:
+    """Stop at a flag this CLI refuses (with the reason), and at one setting given under two spellings."""
+    given: dict[str, dict[str, list[str]]] = {}  # field -> spelling -> values
+    for name, values in _options(argv):
+        why = names.refusal(name)
+        if why is not None:
+            parser.error(f"--{name}: {why}")
+        field = names.field_of(name)
+        if field is not None:
+            given.setdefault(field, {})[name] = values
+    for field, spellings in given.items():
+        if len(spellings) < 2:
+            continue
+        names = " and ".join(f"--{n}" for n in spellings)
+        split = all(n != field and n.split(".")[0] in ("actor", "critic", "ref", "reward") for n in spellings)
+        if not split:
+            parser.error(f"{names} set the same option (--{field}); give it once")
+        if len({tuple(v) for v in spellings.values()}) > 1:
+            parser.error(f"{names} set one option for both models in openppo (--{field}); give them the same value")
+
+
+def field_names(config_cls: type) -> list[str]:
+    """Every leaf field name of `config_cls` (its flat flags without the dashes)."""
+    return [name[2:] for name in flag_names(config_cls)]
 
 
 def flag_names(config_cls: type) -> list[str]:

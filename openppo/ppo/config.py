@@ -8,6 +8,7 @@ processes (said once at start).
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from openppo.algorithms import (
     ADVANTAGE_ESTIMATORS,
@@ -294,6 +295,8 @@ class AlgoConfig:
 
 @dataclass
 class PPOConfig:
+    openrlhf_cli: ClassVar[str] = "train_ppo_ray"  # its OpenRLHF flags' other spellings (config.openrlhf_names)
+
     model: PPOModelConfig = field(default_factory=PPOModelConfig)
     resources: ResourceConfig = field(default_factory=ResourceConfig)
     vllm: VLLMConfig = field(default_factory=VLLMConfig)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 from openppo.config.common import CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig
 from openppo.config.schema import opt
@@ -46,6 +47,8 @@ class PreferenceDataConfig(DataConfig):
 
 @dataclass
 class SFTConfig:
+    openrlhf_cli: ClassVar[str] = "train_sft"
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
@@ -64,6 +67,8 @@ class RMOptions:
 
 @dataclass
 class RMConfig:
+    openrlhf_cli: ClassVar[str] = "train_rm"
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     rm: RMOptions = field(default_factory=RMOptions)
@@ -87,6 +92,8 @@ class DPOOptions:
 
 @dataclass
 class DPOConfig:
+    openrlhf_cli: ClassVar[str] = "train_dpo"
+
     model: ModelConfig = field(default_factory=ModelConfig)
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     dpo: DPOOptions = field(default_factory=DPOOptions)

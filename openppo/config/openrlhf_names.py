@@ -1,0 +1,352 @@
+"""OpenRLHF's flag names of both generations on openppo's typed config: the one table of other spellings.
+
+Config fields carry the flat names of OpenRLHF <= 0.9 (`--colocate_all_models`, seed 004's recipes), so those need
+no entry here. OpenRLHF >= 0.10 renamed every flag to a dotted form (`--train.colocate_all`); the `DOTTED_*` tables
+map each to the field it sets, by the CLIs that declare it, and `--help` lists it beside the flat name. A value may
+name several fields, the first one the CLI has (`--ref.offload` is `--ref_offload` in DPO and `--ref_reward_offload`
+in PPO).
+
+OpenRLHF >= 0.10 splits some settings per model (`--actor.max_norm`, `--critic.max_norm`) that openppo, like
+OpenRLHF <= 0.9, keeps as one setting for both models: both dotted names map to the one field, and giving them
+different values is an error rather than a silent choice of one.
+
+`REFUSED` gives the reason for flags of either generation that a CLI does not run: a run that gives one stops
+before anything starts, with that reason and what to do instead. `NO_EFFECT` holds flags OpenRLHF itself declared
+but never read; they are accepted, with one warning line.
+"""
+
+from __future__ import annotations
+
+# OpenRLHF >= 0.10 dotted name -> openppo field (the flat OpenRLHF <= 0.9 name where there is one): every CLI
+DOTTED_COMMON: dict[str, str | tuple[str, ...]] = {
+    # ckpt.*
+    "ckpt.disable_ds": "disable_ds_ckpt",
+    "ckpt.load_enable": "load_checkpoint",
+    "ckpt.max_mem": "max_ckpt_mem",
+    "ckpt.max_num": "max_ckpt_num",
+    "ckpt.output_dir": "save_path",
+    "ckpt.path": "ckpt_path",
+    "ckpt.save_hf": "save_hf_ckpt",
+    "ckpt.save_steps": "save_steps",
+    # data.*
+    "data.apply_chat_template": "apply_chat_template",
+    "data.dataloader_num_workers": "dataloader_num_workers",
+    "data.disable_fast_tokenizer": "disable_fast_tokenizer",
+    "data.input_key": "input_key",
+    "data.input_template": "input_template",
+    "data.max_len": "max_len",
+    "data.max_samples": "max_samples",
+    # ds.*
+    "ds.adam_offload": "adam_offload",
+    "ds.attn_implementation": "attn_implementation",
+    "ds.deepcompile": "deepcompile",
+    "ds.experts_implementation": "experts_implementation",
+    "ds.grad_accum_dtype": "grad_accum_dtype",
+    "ds.load_in_4bit": "load_in_4bit",
+    "ds.lora.alpha": "lora_alpha",
+    "ds.lora.dropout": "lora_dropout",
+    "ds.lora.rank": "lora_rank",
+    "ds.lora.target_modules": "target_modules",
+    "ds.overlap_comm": "overlap_comm",
+    "ds.packing_samples": "packing_samples",
+    "ds.param_dtype": "param_dtype",
+    "ds.ring_attn_head_stride": "ring_head_stride",
+    "ds.ring_attn_size": "ring_attn_size",
+    "ds.tensor_parallel_size": "ds_tensor_parallel_size",
+    "ds.use_liger_kernel": "use_liger_kernel",
+    "ds.use_universal_ckpt": "use_ds_universal_ckpt",
+    "ds.value_head_prefix": "value_head_prefix",
+    "ds.zero_stage": "zero_stage",
+    "ds.zpg": "zpg",
+    # eval.*
+    "eval.dataset": "eval_dataset",
+    "eval.split": "eval_split",
+    "eval.steps": "eval_steps",
+    # logger.*
+    "logger.logging_steps": "logging_steps",
+    "logger.tensorboard_dir": "use_tensorboard",
+    "logger.wandb.group": "wandb_group",
+    "logger.wandb.key": "use_wandb",
+    "logger.wandb.org": "wandb_org",
+    "logger.wandb.project": "wandb_project",
+    "logger.wandb.run_name": "wandb_run_name",
+    # ref.*
+    "ref.offload": ("ref_offload", "ref_reward_offload"),
+    # reward.*
+    "reward.model_name_or_path": "reward_pretrain",
+    "reward.normalize_enable": "normalize_reward",
+    # train.*
+    "train.batch_size": "train_batch_size",
+    "train.full_determinism_enable": "full_determinism",
+    "train.max_epochs": "max_epochs",
+    "train.micro_batch_size": "micro_train_batch_size",
+    "train.seed": "seed",
+}
+
+# train_ppo_ray only
+DOTTED_RL: dict[str, str | tuple[str, ...]] = {
+    # actor.*
+    "actor.adam.betas": "adam_betas",
+    "actor.adam.eps": "adam_eps",
+    "actor.adam.lr": "actor_learning_rate",
+    "actor.adam.weight_decay": "l2",
+    "actor.aux_loss_coef": "aux_loss_coef",
+    "actor.dual_clip": "dual_clip",
+    "actor.entropy_coef": "entropy_loss_coef",
+    "actor.eps_clip": "eps_clip",
+    "actor.eps_clip_low_high": "eps_clip_low_high",
+    "actor.freeze_visual_encoder": "freeze_visual_encoder",
+    "actor.gradient_checkpointing_enable": "gradient_checkpointing",
+    "actor.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
+    "actor.lr_scheduler": "lr_scheduler",
+    "actor.lr_warmup_ratio": "lr_warmup_ratio",
+    "actor.max_norm": "max_norm",
+    "actor.min_lr_ratio": "min_lr_ratio",
+    "actor.model_name_or_path": "pretrain",
+    "actor.muon.lr": "muon_lr",
+    "actor.muon.momentum": "muon_momentum",
+    "actor.muon.nesterov": "muon_nesterov",
+    "actor.muon.no_nesterov": "muon_no_nesterov",
+    "actor.muon.ns_steps": "muon_ns_steps",
+    "actor.num_gpus_per_node": "actor_num_gpus_per_node",
+    "actor.num_nodes": "actor_num_nodes",
+    "actor.optim": "optim",
+    "actor.policy_loss_type": "policy_loss_type",
+    # algo.*
+    "algo.advantage.estimator": "advantage_estimator",
+    "algo.advantage.gamma": "gamma",
+    "algo.advantage.is_correction_enable": "enable_vllm_is_correction",
+    "algo.advantage.is_correction_threshold": "vllm_is_truncated_threshold",
+    "algo.advantage.is_correction_type": "vllm_is_correction_type",
+    "algo.advantage.lambd": "lambd",
+    "algo.advantage.no_std_norm": "no_advantage_std_norm",
+    "algo.dynamic_filtering_enable": "dynamic_filtering",
+    "algo.dynamic_filtering_range": "dynamic_filtering_reward_range",
+    "algo.kl.estimator": "kl_estimator",
+    "algo.kl.horizon": "kl_horizon",
+    "algo.kl.init_coef": "init_kl_coef",
+    "algo.kl.target": "kl_target",
+    "algo.kl.use_loss": "use_kl_loss",
+    # ckpt.*
+    "ckpt.best_metric_key": "best_metric_key",
+    # critic.*
+    "critic.adam.betas": "adam_betas",
+    "critic.adam.eps": "adam_eps",
+    "critic.adam.lr": "critic_learning_rate",
+    "critic.adam.weight_decay": "l2",
+    "critic.freezing_steps": "freezing_actor_steps",
+    "critic.lr_scheduler": "lr_scheduler",
+    "critic.lr_warmup_ratio": "lr_warmup_ratio",
+    "critic.max_norm": "max_norm",
+    "critic.min_lr_ratio": "min_lr_ratio",
+    "critic.model_name_or_path": "critic_pretrain",
+    "critic.muon.lr": "muon_lr",
+    "critic.muon.momentum": "muon_momentum",
+    "critic.muon.nesterov": "muon_nesterov",
+    "critic.muon.no_nesterov": "muon_no_nesterov",
+    "critic.muon.ns_steps": "muon_ns_steps",
+    "critic.num_gpus_per_node": "critic_num_gpus_per_node",
+    "critic.num_nodes": "critic_num_nodes",
+    "critic.optim": "optim",
+    "critic.save_value_network": "save_value_network",
+    "critic.value_clip": "value_clip",
+    # data.*
+    "data.image_key": "image_key",
+    "data.label_key": "label_key",
+    "data.max_images_per_prompt": "max_images_per_prompt",
+    "data.prompt_dataset": "prompt_data",
+    "data.prompt_probs": "prompt_data_probs",
+    "data.prompt_split": "prompt_split",
+    # ds.*
+    "ds.enable_sleep": "deepspeed_enable_sleep",
+    # eval.*
+    "eval.n_samples_per_prompt": "eval_n_samples_per_prompt",
+    "eval.temperature": "eval_temperature",
+    # ref.*
+    "ref.num_gpus_per_node": "ref_num_gpus_per_node",
+    "ref.num_nodes": "ref_num_nodes",
+    # reward.*
+    "reward.clip_range": "reward_clip_range",
+    "reward.num_gpus_per_node": "reward_num_gpus_per_node",
+    "reward.num_nodes": "reward_num_nodes",
+    "reward.offload": "ref_reward_offload",
+    "reward.overlong_buffer_len": "overlong_buffer_len",
+    "reward.overlong_penalty_factor": "overlong_penalty_factor",
+    "reward.remote_url": "remote_rm_url",
+    "reward.stop_properly_penalty_coef": "stop_properly_penalty_coef",
+    # rollout.*
+    "rollout.batch_size": "rollout_batch_size",
+    "rollout.max_new_tokens": "generate_max_len",
+    "rollout.max_tokens_per_gpu": "rollout_max_tokens_per_gpu",
+    "rollout.micro_batch_size": "micro_rollout_batch_size",
+    "rollout.n_samples_per_prompt": "n_samples_per_prompt",
+    "rollout.temperature": "temperature",
+    "rollout.top_p": "top_p",
+    "rollout.vllm_generate_batch_size": "vllm_generate_batch_size",
+    # train.*
+    "train.agent_func_path": "agent_func_path",
+    "train.async_enable": "async_train",
+    "train.async_queue_size": "async_queue_size",
+    "train.colocate_actor_ref": "colocate_actor_ref",
+    "train.colocate_all": "colocate_all_models",
+    "train.colocate_critic_reward": "colocate_critic_reward",
+    "train.dynamic_batch_enable": "use_dynamic_batch",
+    "train.ema_beta": "ema_beta",
+    "train.enable_ema": "enable_ema",
+    "train.max_tokens_per_gpu": "train_max_tokens_per_gpu",
+    "train.num_episodes": "num_episodes",
+    "train.partial_rollout_enable": "partial_rollout",
+    # vllm.*
+    "vllm.enable_prefix_caching": "enable_prefix_caching",
+    "vllm.enable_sleep": "vllm_enable_sleep",
+    "vllm.enforce_eager": "enforce_eager",
+    "vllm.gpu_memory_utilization": "vllm_gpu_memory_utilization",
+    "vllm.num_engines": "vllm_num_engines",
+    "vllm.sync_backend": "vllm_sync_backend",
+    "vllm.sync_with_ray": "vllm_sync_with_ray",
+    "vllm.tensor_parallel_size": "vllm_tensor_parallel_size",
+}
+
+# train_sft, train_rm, train_dpo and serve_rm only
+DOTTED_SUPERVISED: dict[str, str | tuple[str, ...]] = {
+    # adam.*
+    "adam.betas": "adam_betas",
+    "adam.eps": "adam_eps",
+    "adam.lr": "learning_rate",
+    "adam.weight_decay": "l2",
+    # data.*
+    "data.chosen_key": "chosen_key",
+    "data.dataset": "dataset",
+    "data.dataset_probs": "dataset_probs",
+    "data.dataset_split": "dataset_split",
+    "data.multiturn": "multiturn",
+    "data.output_key": "output_key",
+    "data.prompt_key": "prompt_key",
+    "data.rejected_key": "rejected_key",
+    "data.tokenizer_chat_template": "tokenizer_chat_template",
+    # model.*
+    "model.aux_loss_coef": "aux_loss_coef",
+    "model.beta": "beta",
+    "model.compute_fp32_loss_enable": "compute_fp32_loss",
+    "model.gradient_checkpointing_enable": "gradient_checkpointing",
+    "model.gradient_checkpointing_reentrant": "gradient_checkpointing_use_reentrant",
+    "model.ipo_enable": "ipo",
+    "model.label_smoothing": "label_smoothing",
+    "model.loss_type": "loss",
+    "model.margin_loss_enable": "margin_loss",
+    "model.model_name_or_path": "pretrain",
+    "model.nll_loss_coef": "nll_loss_coef",
+    "model.pretrain_mode_enable": "pretrain_mode",
+    # muon.*
+    "muon.lr": "muon_lr",
+    "muon.momentum": "muon_momentum",
+    "muon.nesterov": "muon_nesterov",
+    "muon.no_nesterov": "muon_no_nesterov",
+    "muon.ns_steps": "muon_ns_steps",
+    # ref.*
+    "ref.model_name_or_path": "ref_pretrain",
+}
+
+# other flat spellings of a field (OpenRLHF 0.9's generation limit)
+OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
+
+_NOT_YET = "openppo does not implement it yet"
+_VLM = "openppo trains text models only; drop the flag (vision-language training is not implemented)"
+_MUON = "openppo builds AdamW only (DeepSpeed's Muon is not wired in); drop the Muon flags and keep --optim adam"
+
+# flat field name (or dotted-only name) -> why a CLI without that field stops, and what to do instead
+REFUSED: dict[str, str] = {
+    "load_in_4bit": "4-bit loading needs bitsandbytes on CUDA, which openppo does not use; drop it, or train LoRA "
+    "(--lora_rank) on the full-precision model",
+    "use_liger_kernel": "Liger kernels are Triton/CUDA kernels openppo does not load; drop it (openppo's own "
+    "response-only scoring already skips the LM head on prompt tokens)",
+    "use_ms": "openppo loads models from local folders (or the Hugging Face hub where reachable), not ModelScope; "
+    "download the model and pass its folder",
+    "deepcompile": "DeepSpeed's deepcompile needs CUDA; drop it",
+    "image_key": _VLM,
+    "max_images_per_prompt": _VLM,
+    "freeze_visual_encoder": _VLM,
+    "muon_lr": _MUON,
+    "muon_momentum": _MUON,
+    "muon_nesterov": _MUON,
+    "muon_no_nesterov": _MUON,
+    "muon_ns_steps": _MUON,
+    "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
+    "aux_loss_coef": f"the MoE load-balancing loss: {_NOT_YET}; drop it for dense models",
+    "best_metric_key": f"keeping the best checkpoint by an eval metric: {_NOT_YET}",
+    "dataloader_num_workers": f"{_NOT_YET}; drop it (data is tokenized once before training)",
+    "disable_fast_tokenizer": f"{_NOT_YET}; drop it (the fast tokenizer is used)",
+    "enable_ema": f"an EMA copy of the weights: {_NOT_YET}",
+    "ema_beta": f"an EMA copy of the weights: {_NOT_YET}",
+    "train_split": f"{_NOT_YET}; drop it (OpenRLHF 0.9 declared it but read --dataset_split)",
+    "dataset_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
+    "eval_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
+    "prompt_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
+    "grad_accum_dtype": f"{_NOT_YET}; drop it (gradients accumulate in the parameter dtype)",
+    "gradient_checkpointing_use_reentrant": f"{_NOT_YET}; drop it (non-reentrant checkpointing is used)",
+    "max_ckpt_mem": f"{_NOT_YET}; use --max_ckpt_num to bound the checkpoints kept",
+    "use_ds_universal_ckpt": f"{_NOT_YET}; resume with the same number of ranks",
+    "partial_rollout": f"{_NOT_YET}; drop it (--async_train finishes each generation with the weights it began with)",
+    "vllm_generate_batch_size": f"oversampling prompts per round: {_NOT_YET}; drop it",
+    "vllm_sync_with_ray": f"{_NOT_YET}; drop it (--vllm_sync_backend picks how weights reach the engines)",
+    "save_value_network": f"{_NOT_YET}; the critic's DeepSpeed checkpoints are in --ckpt_path",
+    "value_head_prefix": f"{_NOT_YET}; scalar heads are saved as `score`, OpenRLHF's default",
+    "tokenizer_chat_template": f"{_NOT_YET}; put the template in the model folder's tokenizer_config.json",
+    "pretrain_mode": f"{_NOT_YET}; drop it",
+    "margin_loss": f"{_NOT_YET}; --margin sets one margin for every pair",
+    "compute_fp32_loss": f"{_NOT_YET}; drop it (the scores are cast to fp32 before the loss)",
+    "packing_samples": f"packing rows in this CLI: {_NOT_YET}; drop it (padded rows give the same numbers)",
+    "ring_attn_size": f"ring attention in this CLI: {_NOT_YET}; drop it",
+    "ring_head_stride": f"ring attention in this CLI: {_NOT_YET}; drop it",
+    "ds_tensor_parallel_size": f"DeepSpeed tensor parallelism in this CLI: {_NOT_YET}; drop it",
+    "full_determinism": f"in this CLI: {_NOT_YET}; --seed fixes the data order and initialisation",
+    "adam_eps": f"{_NOT_YET}; drop it (AdamW's eps is 1e-8, OpenRLHF's default)",
+    "optim": f"{_NOT_YET}; drop it (AdamW is used, OpenRLHF's default --optim adam)",
+    "attn_implementation": f"in this CLI: {_NOT_YET}; drop it (sdpa is used)",
+    "param_dtype": f"in this CLI: {_NOT_YET}; use --bf16 for bf16 weights",
+}
+
+# flags OpenRLHF 0.9 declared and never read: (takes a value, why it is ignored)
+NO_EFFECT: dict[str, tuple[bool, str]] = {
+    "perf": (False, "OpenRLHF 0.9 declared it but never read it (removed in 0.10)"),
+    "ptx_coef": (True, "OpenRLHF 0.9 declared it but never read it (removed in 0.10); there is no pretraining loss"),
+    "actor_init_on_gpu": (False, "OpenRLHF 0.9 declared it but never read it (removed in 0.10)"),
+}
+
+
+class Spellings:
+    """The option names one CLI accepts besides its fields' flat names, and the ones it refuses.
+
+    `cli` names the OpenRLHF CLI whose dotted names apply ("train_ppo_ray", "train_sft", ...); None: flat names only.
+    """
+
+    def __init__(self, fields: set[str], cli: str | None):
+        self.fields = fields
+        self.dotted: dict[str, str | tuple[str, ...]] = {}
+        if cli is not None:
+            self.dotted = {**DOTTED_COMMON, **(DOTTED_RL if cli == "train_ppo_ray" else DOTTED_SUPERVISED)}
+
+    def _targets(self, name: str) -> tuple[str, ...]:
+        target = self.dotted.get(name) or OLDER.get(name) or name
+        return (target,) if isinstance(target, str) else target
+
+    def field_of(self, name: str) -> str | None:
+        """The field the option `name` (no dashes, either generation) sets, or None."""
+        if name in self.fields:
+            return name
+        return next((t for t in self._targets(name) if t in self.fields), None)
+
+    def aliases(self) -> dict[str, list[str]]:
+        """Per field, its other spellings."""
+        out: dict[str, list[str]] = {}
+        for name in (*self.dotted, *OLDER):
+            field = self.field_of(name)
+            if field is not None:
+                out.setdefault(field, []).append(name)
+        return out
+
+    def refusal(self, name: str) -> str | None:
+        """Why this CLI stops at the option `name` it has no field for, or None (unknown, or known)."""
+        if self.field_of(name) is not None:
+            return None
+        return next((REFUSED[t] for t in self._targets(name) if t in REFUSED), None)
