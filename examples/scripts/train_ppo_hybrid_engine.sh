@@ -24,17 +24,41 @@ PROMPTS=${PROMPTS:-data/prompts.jsonl}
 INPUT_KEY=${INPUT_KEY:-input}
 SAVE=${SAVE:-runs/ppo_hybrid}
 
-python -m openppo.cli.train_ppo_ray \
-   --pretrain "$SFT_MODEL" --reward_pretrain "$REWARD_MODEL" --normalize_reward \
-   --actor_num_nodes 1 --actor_num_gpus_per_node 8 --critic_num_nodes 1 --critic_num_gpus_per_node 8 \
-   --ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8 \
-   --colocate_all_models --vllm_num_engines 4 --vllm_tensor_parallel_size 2 --vllm_gpu_memory_utilization 0.5 \
-   --vllm_enable_sleep --deepspeed_enable_sleep \
-   --prompt_data "$PROMPTS" --input_key "$INPUT_KEY" --apply_chat_template \
-   --prompt_max_len 1024 --generate_max_len 1024 \
-   --advantage_estimator gae --gamma 1.0 --lambd 0.95 --init_kl_coef 0.01 --kl_estimator k1 \
-   --rollout_batch_size 128 --n_samples_per_prompt 1 --micro_rollout_batch_size 8 \
-   --train_batch_size 64 --micro_train_batch_size 4 --max_epochs 1 --num_episodes 1 \
-   --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --lr_warmup_ratio 0.03 \
-   --zero_stage 3 --param_dtype bf16 --attn_implementation flash_attention_2 --gradient_checkpointing \
-   --save_path "$SAVE" --logging_steps 1 --use_tensorboard "$SAVE/tensorboard"
+# SPELLING=dotted gives the same run in OpenRLHF >= 0.10's dotted flag names (the default: OpenRLHF <= 0.9's flat
+# names); openppo takes either, and both resolve to one config.
+if [[ ${SPELLING:-flat} == dotted ]]; then
+   ARGS=(
+      --actor.model_name_or_path "$SFT_MODEL" --reward.model_name_or_path "$REWARD_MODEL" --reward.normalize_enable
+      --actor.num_nodes 1 --actor.num_gpus_per_node 8 --critic.num_nodes 1 --critic.num_gpus_per_node 8
+      --ref.num_nodes 1 --ref.num_gpus_per_node 8 --reward.num_nodes 1 --reward.num_gpus_per_node 8
+      --train.colocate_all --vllm.num_engines 4 --vllm.tensor_parallel_size 2 --vllm.gpu_memory_utilization 0.5
+      --vllm.enable_sleep --ds.enable_sleep
+      --data.prompt_dataset "$PROMPTS" --data.input_key "$INPUT_KEY" --data.apply_chat_template
+      --prompt_max_len 1024 --rollout.max_new_tokens 1024
+      --algo.advantage.estimator gae --algo.advantage.gamma 1.0 --algo.advantage.lambd 0.95
+      --algo.kl.init_coef 0.01 --algo.kl.estimator k1
+      --rollout.batch_size 128 --rollout.n_samples_per_prompt 1 --rollout.micro_batch_size 8
+      --train.batch_size 64 --train.micro_batch_size 4 --train.max_epochs 1 --train.num_episodes 1
+      --actor.adam.lr 5e-7 --critic.adam.lr 9e-6 --actor.lr_warmup_ratio 0.03 --critic.lr_warmup_ratio 0.03
+      --ds.zero_stage 3 --ds.param_dtype bf16 --ds.attn_implementation flash_attention_2
+      --actor.gradient_checkpointing_enable
+      --ckpt.output_dir "$SAVE" --logger.logging_steps 1 --logger.tensorboard_dir "$SAVE/tensorboard"
+   )
+else
+   ARGS=(
+      --pretrain "$SFT_MODEL" --reward_pretrain "$REWARD_MODEL" --normalize_reward
+      --actor_num_nodes 1 --actor_num_gpus_per_node 8 --critic_num_nodes 1 --critic_num_gpus_per_node 8
+      --ref_num_nodes 1 --ref_num_gpus_per_node 8 --reward_num_nodes 1 --reward_num_gpus_per_node 8
+      --colocate_all_models --vllm_num_engines 4 --vllm_tensor_parallel_size 2 --vllm_gpu_memory_utilization 0.5
+      --vllm_enable_sleep --deepspeed_enable_sleep
+      --prompt_data "$PROMPTS" --input_key "$INPUT_KEY" --apply_chat_template
+      --prompt_max_len 1024 --generate_max_len 1024
+      --advantage_estimator gae --gamma 1.0 --lambd 0.95 --init_kl_coef 0.01 --kl_estimator k1
+      --rollout_batch_size 128 --n_samples_per_prompt 1 --micro_rollout_batch_size 8
+      --train_batch_size 64 --micro_train_batch_size 4 --max_epochs 1 --num_episodes 1
+      --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --lr_warmup_ratio 0.03
+      --zero_stage 3 --param_dtype bf16 --attn_implementation flash_attention_2 --gradient_checkpointing
+      --save_path "$SAVE" --logging_steps 1 --use_tensorboard "$SAVE/tensorboard"
+   )
+fi
+python -m openppo.cli.train_ppo_ray "${ARGS[@]}"

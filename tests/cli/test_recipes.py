@@ -15,6 +15,7 @@ import io
 import os
 import shutil
 import subprocess
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -25,6 +26,8 @@ from openppo.config.schema import build_parser, parse_config
 
 REPO = Path(__file__).resolve().parents[2]
 SCRIPTS = sorted((REPO / "examples" / "scripts").glob("*.sh"))
+# recipes spelled in both OpenRLHF flag generations: SPELLING=flat (<= 0.9) or SPELLING=dotted (>= 0.10)
+BOTH_SPELLINGS = [s for s in SCRIPTS if "SPELLING" in s.read_text()]
 BASH = shutil.which("bash")
 SHIMMED = ("python", "python3", "ray", "deepspeed", "torchrun")
 # The shim writes one file per call: its name, then its arguments, NUL-separated. A recipe that waits for
@@ -47,10 +50,9 @@ def shim_dir(tmp_path_factory) -> Path:
     return bin_dir
 
 
-def record_calls(script: Path, shim_dir: Path, tmp: Path) -> list[list[str]]:
+def record_calls(script: Path, shim_dir: Path, tmp: Path, extra_env: dict[str, str] | None = None) -> list[list[str]]:
     """Run `script` with the shims first on PATH; the argv of every shimmed command it ran."""
-    calls = tmp / "calls"
-    calls.mkdir()
+    calls = Path(tempfile.mkdtemp(prefix="calls", dir=tmp))
     # A small fixed environment: the scripts' own defaults apply, except outputs, which go under tmp.
     env = {
         "PATH": f"{shim_dir}{os.pathsep}{os.environ['PATH']}",
@@ -62,6 +64,7 @@ def record_calls(script: Path, shim_dir: Path, tmp: Path) -> list[list[str]]:
         "SAVE": str(tmp / "save"),
         "DATA_DIR": str(tmp / "data"),
         "SHARED": str(tmp / "shared"),
+        **(extra_env or {}),
     }
     proc = subprocess.run([BASH, str(script)], env=env, cwd=tmp, capture_output=True, text=True, timeout=60)
     assert proc.returncode == 0, f"{script.name} exited {proc.returncode} under the shims:\n{proc.stderr[-3000:]}"
@@ -203,3 +206,28 @@ def test_shim_sees_what_bash_expands(shim_dir, tmp_path):
 def test_parse_error_names_the_flag(args, expected):
     error = parse_error("openppo.cli.train_ppo_ray", args)
     assert error is not None and expected in error, error
+
+
+def test_the_main_recipes_come_in_both_spellings():
+    assert {
+        "train_grpo_reward_func.sh",
+        "train_ppo_hybrid_engine.sh",
+        "train_sft.sh",
+        "train_rm.sh",
+        "train_dpo.sh",
+    } <= {s.name for s in BOTH_SPELLINGS}
+
+
+@pytest.mark.parametrize("script", BOTH_SPELLINGS, ids=lambda s: s.name)
+def test_both_spellings_of_a_recipe_parse_to_one_config(script, shim_dir, tmp_path):
+    configs = {}
+    for spelling in ("flat", "dotted"):
+        commands = [cli_command(c) for c in record_calls(script, shim_dir, tmp_path, {"SPELLING": spelling})]
+        for module, args in commands:
+            error = parse_error(module, args)
+            assert error is None, f"{script.name} (SPELLING={spelling}): {module}: {error}"
+        parsed = [parse_config(clis()[module.removeprefix("openppo.cli.")], args, module) for module, args in commands]
+        configs[spelling] = sorted(parsed, key=repr)  # the shim records calls in no particular order
+    assert configs["flat"] == configs["dotted"], script.name
+    dotted = [a for _, args in commands for a in args if a.startswith("--") and "." in a.split("=")[0]]
+    assert len(dotted) >= 10, f"{script.name}: SPELLING=dotted passes only {dotted}"
