@@ -24,6 +24,9 @@ class ModelBuildConfig:
         choices=("sdpa", "eager", "flash_attention_2", "flex_attention"),
     )
     gradient_checkpointing: bool = opt(False, "recompute activations in backward to save memory")
+    gradient_checkpointing_use_reentrant: bool = opt(
+        False, "reentrant activation checkpointing (torch's older variant); default: non-reentrant"
+    )
     lora_rank: int = opt(0, "LoRA rank; 0 trains all weights")
     lora_alpha: int = opt(16, "LoRA alpha (scaling = alpha / rank)")
     lora_dropout: float = opt(0.0, "LoRA dropout")
@@ -38,6 +41,7 @@ class ModelBuildConfig:
             lora_dropout=self.lora_dropout,
             target_modules=self.target_modules,
             gradient_checkpointing=self.gradient_checkpointing,
+            reentrant_checkpointing=self.gradient_checkpointing_use_reentrant,
         )
 
 
@@ -62,7 +66,9 @@ class OptimConfig:
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after warm-up", choices=LR_SCHEDULERS)
     lr_warmup_ratio: float = opt(0.03, "share of the optimizer steps spent warming the LR up from 0")
     min_lr_ratio: float = opt(0.1, "floor of cosine_with_min_lr as a share of the peak LR")
+    optim: str = opt("adam", "optimizer: AdamW (DeepSpeed's Muon is not wired in)", choices=("adam",))
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam beta1 beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon (added to the root of the second moment)")
     l2: float = opt(0.0, "weight decay (not applied to biases and norms)")
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
     seed: int = opt(42, "random seed for data order, init and dropout")

@@ -283,7 +283,6 @@ REFUSED: dict[str, str] = {
     "eval_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
     "prompt_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
     "grad_accum_dtype": f"{_NOT_YET}; drop it (gradients accumulate in the parameter dtype)",
-    "gradient_checkpointing_use_reentrant": f"{_NOT_YET}; drop it (non-reentrant checkpointing is used)",
     "max_ckpt_mem": f"{_NOT_YET}; use --max_ckpt_num to bound the checkpoints kept",
     "use_ds_universal_ckpt": f"{_NOT_YET}; resume with the same number of ranks",
     "partial_rollout": f"{_NOT_YET}; drop it (--async_train finishes each generation with the weights it began with)",
@@ -300,8 +299,6 @@ REFUSED: dict[str, str] = {
     "ring_head_stride": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ds_tensor_parallel_size": f"DeepSpeed tensor parallelism in this CLI: {_NOT_YET}; drop it",
     "full_determinism": f"in this CLI: {_NOT_YET}; --seed fixes the data order and initialisation",
-    "adam_eps": f"{_NOT_YET}; drop it (AdamW's eps is 1e-8, OpenRLHF's default)",
-    "optim": f"{_NOT_YET}; drop it (AdamW is used, OpenRLHF's default --optim adam)",
     "attn_implementation": f"in this CLI: {_NOT_YET}; drop it (sdpa is used)",
     "param_dtype": f"in this CLI: {_NOT_YET}; use --bf16 for bf16 weights",
 }

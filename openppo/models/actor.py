@@ -61,6 +61,7 @@ class Actor(nn.Module):
         lora_dropout: float = 0.0,
         target_modules: list[str] | None = None,
         gradient_checkpointing: bool = False,
+        reentrant_checkpointing: bool = False,
     ) -> Actor:
         from transformers import AutoModelForCausalLM
 
@@ -79,6 +80,7 @@ class Actor(nn.Module):
                 lora_dropout=lora_dropout,
                 target_modules=target_modules,
                 gradient_checkpointing=gradient_checkpointing,
+                reentrant_checkpointing=reentrant_checkpointing,
             )
         )
 

@@ -79,6 +79,7 @@ def finish_model(
     lora_dropout: float,
     target_modules: list[str] | None,
     gradient_checkpointing: bool,
+    reentrant_checkpointing: bool = False,
 ):
     """Optional LoRA adapters and activation checkpointing, in that order (checkpointing must see the adapters)."""
     if lora_rank > 0:
@@ -91,12 +92,12 @@ def finish_model(
             task_type=task_type,
         )
     if gradient_checkpointing:
-        enable_gradient_checkpointing(model)
+        enable_gradient_checkpointing(model, reentrant_checkpointing)
     return model
 
 
-def enable_gradient_checkpointing(model) -> None:
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+def enable_gradient_checkpointing(model, reentrant: bool = False) -> None:
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": reentrant})
     if hasattr(model, "enable_input_require_grads"):
         # Needed with LoRA: frozen embeddings would otherwise cut the graph before the first checkpoint.
         model.enable_input_require_grads()

@@ -47,6 +47,7 @@ class ScalarModel(nn.Module):
         lora_dropout: float = 0.0,
         target_modules: list[str] | None = None,
         gradient_checkpointing: bool = False,
+        reentrant_checkpointing: bool = False,
     ) -> ScalarModel:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -70,6 +71,7 @@ class ScalarModel(nn.Module):
                 lora_dropout=lora_dropout,
                 target_modules=target_modules,
                 gradient_checkpointing=gradient_checkpointing,
+                reentrant_checkpointing=reentrant_checkpointing,
             )
         )
 

@@ -121,7 +121,11 @@ class VLLMConfig:
 class PPODeepSpeedConfig(DeepSpeedConfig):
     """DeepSpeed ZeRO, precision and memory options of the trained models."""
 
+    optim: str = opt(
+        "adam", "optimizer of the actor and critic: AdamW (DeepSpeed's Muon is not wired in)", choices=("adam",)
+    )
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam beta1 beta2")
+    adam_eps: float = opt(1e-8, "Adam epsilon (added to the root of the second moment)")
     l2: float = opt(0.0, "weight decay")
     deepspeed_enable_sleep: bool = opt(False, "offload optimizer and gradient states while the engines generate")
     deepcompile: bool = opt(False, "compile the training engine with DeepSpeed's deepcompile (GPU)")

@@ -68,6 +68,7 @@ def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dic
     return dict(
         lr=lr,
         betas=cfg.ds.adam_betas,
+        eps=cfg.ds.adam_eps,
         weight_decay=cfg.ds.l2,
         scheduler=t.lr_scheduler,
         warmup_ratio=t.lr_warmup_ratio,

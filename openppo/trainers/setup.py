@@ -125,6 +125,7 @@ def optimizer_kwargs(cfg: Any, num_training_steps: int) -> dict[str, Any]:
     return dict(
         lr=o.learning_rate,
         betas=o.adam_betas,
+        eps=o.adam_eps,
         weight_decay=o.l2,
         scheduler=o.lr_scheduler,
         warmup_ratio=o.lr_warmup_ratio,

@@ -1,0 +1,83 @@
+"""Model and optimizer build options that OpenRLHF recipes pass: LoRA targets, reentrant checkpointing, Adam eps."""
+
+from __future__ import annotations
+
+import torch
+
+from openppo.models.actor import Actor
+from openppo.models.loading import apply_lora
+from tests.model_cache import tiny_model_dir
+
+
+def _adapted(target_modules):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32)
+    peft = apply_lora(model, rank=4, alpha=8, dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM")
+    return sorted(n for n, _ in peft.named_modules() if n.endswith(".lora_A"))
+
+
+def test_all_linear_named_in_a_list_is_the_default():
+    """`--target_modules all-linear` (OpenRLHF's default, spelled out in its recipes) adapts what no flag does."""
+    default = _adapted(None)
+    assert default and _adapted(["all-linear"]) == default
+    assert _adapted(["q_proj"]) == [n for n in default if ".q_proj." in n]
+
+
+def _grads(**build) -> tuple[dict[str, torch.Tensor], list]:
+    torch.manual_seed(0)
+    actor = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, **build).train()
+    seqs = torch.randint(10, 1000, (2, 12))
+    actor(seqs, torch.ones_like(seqs)).log_probs.sum().backward()
+    calls = [m._gradient_checkpointing_func for m in actor.modules() if hasattr(m, "_gradient_checkpointing_func")]
+    return {n: p.grad for n, p in actor.named_parameters() if p.grad is not None}, calls
+
+
+def test_reentrant_checkpointing_is_used_and_gives_the_same_gradients():
+    """--gradient_checkpointing_use_reentrant picks torch's reentrant checkpoint; the gradients stay the plain ones."""
+    plain, _ = _grads()
+    for reentrant in (False, True):
+        grads, calls = _grads(gradient_checkpointing=True, reentrant_checkpointing=reentrant)
+        assert calls and all(c.keywords["use_reentrant"] is reentrant for c in calls)
+        assert grads.keys() == plain.keys()
+        assert max((grads[n] - plain[n]).abs().max().item() for n in plain) < 1e-5
+
+
+def test_adam_eps_reaches_the_optimizer():
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=120),
+        train_batch_size=1,
+        micro_batch_size=1,
+        max_norm=1.0,
+        seed=0,
+    )
+    strategy.setup_distributed()
+    engine = strategy.prepare_train(
+        Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32),
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=4,
+        eps=1e-6,
+    )
+    assert {g["eps"] for g in engine.optimizer.param_groups} == {1e-6}
+
+
+def test_adam_eps_and_reentrant_flags_reach_the_build_arguments():
+    from openppo.config.schema import parse_config
+    from openppo.ppo.config import PPOConfig
+    from openppo.ppo.workers import _optimizer_kwargs
+    from openppo.trainers import setup
+    from openppo.trainers.configs import SFTConfig
+
+    argv = "--adam_eps 1e-6 --gradient_checkpointing --gradient_checkpointing_use_reentrant".split()
+    ppo = parse_config(PPOConfig, argv, "train_ppo_ray")
+    sft = parse_config(SFTConfig, ["--adam.eps", "1e-6", "--model.gradient_checkpointing_reentrant"], "train_sft")
+    assert _optimizer_kwargs(ppo, 1e-4, 4)["eps"] == setup.optimizer_kwargs(sft, 4)["eps"] == 1e-6
+    assert ppo.model.build_kwargs()["reentrant_checkpointing"] and sft.model.build_kwargs()["reentrant_checkpointing"]
