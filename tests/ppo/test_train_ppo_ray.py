@@ -43,81 +43,46 @@ def test_grpo_with_py_reward(tmp_path):
     and the log-probs still equal those of the engine, which is tensor-parallel (2 worker processes, each holding
     half of every layer, both synced; --vllm_sync_check reads both halves back after the first sync and compares
     them with the ZeRO-3 gathered weights). Step 2 is traced by the torch profiler; the run ends with the stage
-    table and the bottleneck advice."""
+    table and the bottleneck advice. Flags are spelled in OpenRLHF >= 0.10's dotted names, --data.max_len among
+    them."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
+    # OpenRLHF >= 0.10's dotted names, with openppo's own flags (no dotted spelling) mixed in; --data.max_len 33
+    # leaves the 23-token prompts 10 tokens of response, under --rollout.max_new_tokens 16
+    dotted = (
+        "--data.input_key input --data.label_key label --data.apply_chat_template "
+        "--algo.advantage.estimator group_norm --rollout.n_samples_per_prompt 4 --rollout.batch_size 4 "
+        "--train.batch_size 8 --train.micro_batch_size 2 --rollout.micro_batch_size 4 --actor.num_gpus_per_node 2 "
+        "--vllm.num_engines 1 --algo.kl.init_coef 0 --rollout.max_new_tokens 16 --data.max_len 33 "
+        "--prompt_max_len 64 --ds.zero_stage 3 --ds.param_dtype fp32 --max_steps 2 --actor.adam.lr 1e-4 "
+        "--ds.packing_samples --ds.ring_attn_size 2 --ds.ring_attn_head_stride 1 --profile_steps 2 "
+        "--vllm.tensor_parallel_size 2 --rollout.top_p 0.9 --top_k 1000 --algo.advantage.is_correction_enable "
+        "--vllm_sync_check"
+    ).split()
     proc = run_cli(
         "train_ppo_ray",
         [
-            "--pretrain",
+            "--actor.model_name_or_path",
             str(tiny_model_dir()),
-            "--remote_rm_url",
+            "--reward.remote_url",
             str(REPO / "examples/reward_funcs/arithmetic.py"),
-            "--prompt_data",
+            "--data.prompt_dataset",
             str(prompts),
-            "--input_key",
-            "input",
-            "--label_key",
-            "label",
-            "--apply_chat_template",
-            "--advantage_estimator",
-            "group_norm",
-            "--n_samples_per_prompt",
-            "4",
-            "--rollout_batch_size",
-            "4",
-            "--train_batch_size",
-            "8",
-            "--micro_train_batch_size",
-            "2",
-            "--micro_rollout_batch_size",
-            "4",
-            "--actor_num_gpus_per_node",
-            "2",
-            "--vllm_num_engines",
-            "1",
-            "--init_kl_coef",
-            "0",
-            "--generate_max_len",
-            "16",
-            "--prompt_max_len",
-            "64",
-            "--zero_stage",
-            "3",
-            "--param_dtype",
-            "fp32",
-            "--max_steps",
-            "2",
-            "--actor_learning_rate",
-            "1e-4",
-            "--save_path",
+            "--ckpt.output_dir",
             str(save),
-            "--packing_samples",
-            "--ring_attn_size",
-            "2",
-            "--ring_head_stride",
-            "1",
-            "--profile_steps",
-            "2",
-            "--vllm_tensor_parallel_size",
-            "2",
-            "--top_p",
-            "0.9",
-            "--top_k",
-            "1000",
-            "--enable_vllm_is_correction",
-            "--vllm_sync_check",
+            *dotted,
         ],
         nproc=1,
         timeout=600,
     )
     assert SYNC_CHECKED in proc.stdout
-    # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 80 tokens, one 128-token block each; a TP-2
+    # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 33 tokens, one 128-token block each; a TP-2
     # worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged in one line
     sized = [line for line in proc.stdout.splitlines() if "vLLM KV cache per engine:" in line]
     assert len(sized) == 1 and "16 seqs x 128 tokens x 0.5 KiB/token" in sized[0], sized
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]
+    assert all(0 < r["train/response_length"] <= 10 for r in records), series(records, "train/response_length")
     for key in STEP_METRICS:
         assert all(key in r for r in records), key
     for r in records:  # the stages and the idle rest add up to the step (sync run: nothing overlaps)
@@ -190,47 +155,23 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     and training step runs packed, with token-budget micro-batches (ZeRO-3: ranks must agree on their count),
     gradient checkpointing (its recompute must see the packed rows again), optimizer states on CPU
     (--adam_offload), frozen models' parameters offloaded (--ref_reward_offload) and --overlap_comm. The KL
-    coefficient adapts (--kl_target, in nats per response)."""
+    coefficient adapts (--kl_target, in nats per response). The run's own flags are spelled in OpenRLHF >= 0.10's
+    dotted names."""
     prompts = write_jsonl(make_rows(16, seed=2), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     proc = run_cli(
         "train_ppo_ray",
         _common(prompts, save)
-        + [
-            "--reward_pretrain",
-            str(tiny_model_dir()),
-            "--advantage_estimator",
-            "gae",
-            "--n_samples_per_prompt",
-            "2",
-            "--init_kl_coef",
-            "0.01",
-            "--critic_num_gpus_per_node",
-            "1",
-            "--ref_num_gpus_per_node",
-            "2",
-            "--reward_num_gpus_per_node",
-            "1",
-            "--critic_learning_rate",
-            "1e-4",
-            "--normalize_reward",
-            "--colocate_actor_ref",
-            "--colocate_critic_reward",
-            "--packing_samples",
-            "--use_dynamic_batch",
-            "--train_max_tokens_per_gpu",
-            "60",
-            "--rollout_max_tokens_per_gpu",
-            "90",
-            "--gradient_checkpointing",
-            "--adam_offload",
-            "--ref_reward_offload",
-            "--overlap_comm",
-            "--kl_target",
-            "6",
-            "--kl_horizon",
-            "100",
-        ],
+        + ["--reward.model_name_or_path", str(tiny_model_dir())]
+        # the dotted names of OpenRLHF >= 0.10 on top of _common's flat ones (generations mix across flags)
+        + (
+            "--algo.advantage.estimator gae --rollout.n_samples_per_prompt 2 --algo.kl.init_coef 0.01 "
+            "--critic.num_gpus_per_node 1 --ref.num_gpus_per_node 2 --reward.num_gpus_per_node 1 "
+            "--critic.adam.lr 1e-4 --reward.normalize_enable --train.colocate_actor_ref --train.colocate_critic_reward "
+            "--ds.packing_samples --train.dynamic_batch_enable --train.max_tokens_per_gpu 60 "
+            "--rollout.max_tokens_per_gpu 90 --actor.gradient_checkpointing_enable --ds.adam_offload "
+            "--ref.offload --reward.offload --ds.overlap_comm --algo.kl.target 6 --algo.kl.horizon 100"
+        ).split(),
         nproc=1,
         timeout=600,
     )
