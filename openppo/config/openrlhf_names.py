@@ -278,10 +278,6 @@ REFUSED: dict[str, str] = {
     "disable_fast_tokenizer": f"{_NOT_YET}; drop it (the fast tokenizer is used)",
     "enable_ema": f"an EMA copy of the weights: {_NOT_YET}",
     "ema_beta": f"an EMA copy of the weights: {_NOT_YET}",
-    "train_split": f"{_NOT_YET}; drop it (OpenRLHF 0.9 declared it but read --dataset_split)",
-    "dataset_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
-    "eval_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
-    "prompt_split": f"choosing a dataset split: {_NOT_YET}; pass a file of the split you want",
     "grad_accum_dtype": f"{_NOT_YET}; drop it (gradients accumulate in the parameter dtype)",
     "max_ckpt_mem": f"{_NOT_YET}; use --max_ckpt_num to bound the checkpoints kept",
     "use_ds_universal_ckpt": f"{_NOT_YET}; resume with the same number of ranks",
@@ -308,6 +304,7 @@ NO_EFFECT: dict[str, tuple[bool, str]] = {
     "perf": (False, "OpenRLHF 0.9 declared it but never read it (removed in 0.10)"),
     "ptx_coef": (True, "OpenRLHF 0.9 declared it but never read it (removed in 0.10); there is no pretraining loss"),
     "actor_init_on_gpu": (False, "OpenRLHF 0.9 declared it but never read it (removed in 0.10)"),
+    "train_split": (True, "OpenRLHF 0.9 declared it but read --dataset_split (removed in 0.10); use --dataset_split"),
 }
 
 

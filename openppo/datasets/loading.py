@@ -33,12 +33,14 @@ def load_blended_dataset(
     seed: int = 42,
     max_samples: int | None = None,
     split: str = "train",
+    split_flag: str = "--dataset_split",
 ) -> datasets.Dataset:
-    """Load the comma-separated local sources of `spec` and mix them (see the module docstring)."""
+    """Load the comma-separated local sources of `spec` and mix them (see the module docstring). `split` picks the
+    split of a source that is a `save_to_disk` DatasetDict folder (files have one split)."""
     sources = parse_sources(spec, flag)
     weights = parse_probs(probs, len(sources), probs_flag=probs_flag, flag=flag) if probs else None
     with _quiet_progress_bars():
-        parts = [read_source(s, flag=flag, split=split) for s in sources]
+        parts = [read_source(s, flag=flag, split=split, split_flag=split_flag) for s in sources]
         if len(parts) == 1:
             ds = parts[0]
         else:

@@ -20,13 +20,15 @@ FILE_BUILDERS = {".json": "json", ".jsonl": "json", ".parquet": "parquet", ".csv
 _KINDS = "a local .json/.jsonl/.parquet/.csv file or a datasets.save_to_disk folder"
 
 
-def read_source(source: str, *, flag: str, split: str = "train") -> datasets.Dataset:
+def read_source(
+    source: str, *, flag: str, split: str = "train", split_flag: str = "--dataset_split"
+) -> datasets.Dataset:
     """The rows of one source; raises UserError naming `flag` when it is missing, unreadable or empty."""
     path = Path(source).expanduser()
     if path.is_file():
         ds = _read_files([path], source=source, flag=flag)
     elif path.is_dir():
-        ds = _read_folder(path, source=source, flag=flag, split=split)
+        ds = _read_folder(path, source=source, flag=flag, split=split, split_flag=split_flag)
     else:
         raise UserError(f"{flag}: '{source}' not found; pass {_KINDS}")
     if len(ds) == 0:
@@ -34,7 +36,7 @@ def read_source(source: str, *, flag: str, split: str = "train") -> datasets.Dat
     return ds
 
 
-def _read_folder(path: Path, *, source: str, flag: str, split: str) -> datasets.Dataset:
+def _read_folder(path: Path, *, source: str, flag: str, split: str, split_flag: str) -> datasets.Dataset:
     # save_to_disk writes dataset_dict.json for a DatasetDict and state.json for a single Dataset.
     if (path / "dataset_dict.json").is_file() or (path / "state.json").is_file():
         loaded = datasets.load_from_disk(str(path))
@@ -42,7 +44,7 @@ def _read_folder(path: Path, *, source: str, flag: str, split: str) -> datasets.
             if split not in loaded:
                 raise UserError(
                     f"{flag}: '{source}' has no split '{split}' (splits: {', '.join(loaded)}); "
-                    f"pass a folder with that split or choose one of those splits"
+                    f"pass {split_flag} with one of those splits"
                 )
             return loaded[split]
         return loaded

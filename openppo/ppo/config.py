@@ -169,6 +169,8 @@ class PromptDataConfig:
         "Default: --prompt_max_len + --generate_max_len",
     )
     eval_dataset: str = opt(None, "prompts for evaluation (pass@1 and pass@k with the reward source)", metavar="PATHS")
+    prompt_split: str = opt("train", "split of --prompt_data sources that are save_to_disk DatasetDict folders")
+    eval_split: str = opt("train", "split of --eval_dataset sources that are save_to_disk DatasetDict folders")
     eval_n_samples_per_prompt: int = opt(4, "samples per eval prompt (k of pass@k)")
     eval_temperature: float = opt(0.6, "sampling temperature at eval")
 

@@ -35,6 +35,8 @@ def load_prompt_rows(cfg: PPOConfig, *, eval: bool = False) -> datasets.Dataset:
             probs_flag="--eval_dataset",
             seed=cfg.train.seed,
             max_samples=None,
+            split=d.eval_split,
+            split_flag="--eval_split",
         )
     else:
         raw = load_blended_dataset(
@@ -44,6 +46,8 @@ def load_prompt_rows(cfg: PPOConfig, *, eval: bool = False) -> datasets.Dataset:
             probs_flag="--prompt_data_probs",
             seed=cfg.train.seed,
             max_samples=d.max_samples,
+            split=d.prompt_split,
+            split_flag="--prompt_split",
         )
     require_columns(
         raw, {"--input_key": d.input_key, "--label_key": d.label_key}, d.eval_dataset if eval else d.prompt_data

@@ -20,6 +20,8 @@ class DataConfig:
     )
     dataset_probs: str = opt(None, "comma list of sampling probabilities, one per --dataset source")
     eval_dataset: str = opt(None, "evaluation data, same formats as --dataset", metavar="PATHS")
+    dataset_split: str = opt("train", "split of --dataset sources that are save_to_disk DatasetDict folders")
+    eval_split: str = opt("train", "split of --eval_dataset sources that are save_to_disk DatasetDict folders")
     max_samples: int = opt(100_000_000, "use at most this many training samples (after mixing)")
     max_len: int = opt(2048, "maximum tokens per sample (prompt + response); longer ones are truncated")
     input_key: str = opt("input", "column holding the prompt (a string or a list of chat messages)")

@@ -62,11 +62,15 @@ def load_raw_data(data: DataConfig, keys: dict[str, str | None], seed: int):
         probs_flag="--dataset_probs",
         seed=seed,
         max_samples=data.max_samples,
+        split=data.dataset_split,
+        split_flag="--dataset_split",
     )
     require_columns(train, keys, data.dataset)
     evaluation = None
     if data.eval_dataset:
-        evaluation = load_blended_dataset(data.eval_dataset, None, flag="--eval_dataset", seed=seed)
+        evaluation = load_blended_dataset(
+            data.eval_dataset, None, flag="--eval_dataset", seed=seed, split=data.eval_split, split_flag="--eval_split"
+        )
         require_columns(evaluation, keys, data.eval_dataset)
     return train, evaluation
 

@@ -149,3 +149,31 @@ def test_loading_writes_nothing_to_stderr(tmp_path, capfd):
     load_blended_dataset(f"{a},{b}", "1,1")
     assert capfd.readouterr().err == ""
     assert not datasets.are_progress_bars_disabled()  # and are back on afterwards
+
+
+def test_split_flags_pick_each_clis_split(tmp_path):
+    """--prompt_split / --dataset_split / --eval_split (OpenRLHF's --data.prompt_split, ...) reach the loader."""
+    from openppo.config.schema import parse_config
+    from openppo.ppo.config import PPOConfig
+    from openppo.ppo.launch import load_prompt_rows
+    from openppo.trainers.configs import SFTConfig
+    from openppo.trainers.setup import load_raw_data
+
+    folder = str(tmp_path / "dict")
+    datasets.DatasetDict(
+        {"train": datasets.Dataset.from_list(ROWS[:3]), "test": datasets.Dataset.from_list(ROWS[3:])}
+    ).save_to_disk(folder)
+    ppo = parse_config(
+        PPOConfig,
+        f"--prompt_data {folder} --prompt_split test --eval_dataset {folder} --input_key prompt".split(),
+        "train_ppo_ray",
+    )
+    assert load_prompt_rows(ppo)["prompt"] == ["q3"] and len(load_prompt_rows(ppo, eval=True)) == 3
+    sft = parse_config(
+        SFTConfig, f"--data.dataset {folder} --data.dataset_split test --eval.dataset {folder}".split(), "train_sft"
+    )
+    train, evaluation = load_raw_data(sft.data, {"--input_key": "prompt"}, seed=0)
+    assert train["prompt"] == ["q3"] and len(evaluation) == 3
+    sft.data.eval_split = "dev"
+    with pytest.raises(UserError, match=r"--eval_dataset: .*no split 'dev' .*pass --eval_split with one of those"):
+        load_raw_data(sft.data, {"--input_key": "prompt"}, seed=0)
