@@ -40,7 +40,7 @@ def preference_keys(cfg) -> dict:
 def train(cfg: RMConfig) -> None:
     setup.validate_common(cfg)
     raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
-    tokenizer = load_tokenizer(cfg.model.pretrain)
+    tokenizer = load_tokenizer(cfg.model.pretrain, chat_template=cfg.data.tokenizer_chat_template)
     train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)
     strategy = setup.make_strategy(cfg)
     with strategy.zero3_init():

@@ -24,7 +24,7 @@ def train(cfg: SFTConfig) -> None:
     )
     keys = {"--input_key": cfg.data.input_key, "--output_key": None if cfg.data.multiturn else cfg.data.output_key}
     raw_train, raw_eval = setup.load_raw_data(cfg.data, keys, cfg.optim.seed)
-    tokenizer = load_tokenizer(cfg.model.pretrain)
+    tokenizer = load_tokenizer(cfg.model.pretrain, chat_template=cfg.data.tokenizer_chat_template)
     make = functools.partial(
         SFTDataset,
         tokenizer=tokenizer,

@@ -37,12 +37,15 @@ def resolve_model_path(path: str | None, flag: str) -> str:
     )
 
 
-def load_tokenizer(path: str, padding_side: str = "right"):
-    """The model's tokenizer with a pad token (the EOS token stands in when it has none)."""
+def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | None = None):
+    """The model's tokenizer with a pad token (the EOS token stands in when it has none); `chat_template`
+    (--tokenizer_chat_template) replaces its own chat template, and is saved with the trained model."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
     tokenizer.padding_side = padding_side
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if tokenizer.pad_token is None:
         tokenizer.pad_token = tokenizer.eos_token
     return tokenizer

@@ -72,3 +72,19 @@ def test_response_fallback_for_a_template_that_is_not_prefix_stable(tokenizer, m
     chat = dict(apply_chat_template=True, input_template=None)
     assert render_prompt("hi", tokenizer, **chat) == "U: hi\nASSISTANT:"
     assert render_response("hi", "yo", tokenizer, **chat) == "yo<|im_end|>"
+
+
+def test_tokenizer_chat_template_replaces_the_models_own(tmp_path):
+    """--tokenizer_chat_template (OpenRLHF's --data.tokenizer_chat_template) renders the prompts and is saved."""
+    from openppo.models.loading import load_tokenizer
+    from tests.model_cache import tiny_model_dir
+
+    template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
+    tokenizer = load_tokenizer(str(tiny_model_dir()), chat_template=template)
+    text = render_prompt("What is 2 + 2?", tokenizer, apply_chat_template=True, input_template=None)
+    assert text == "[user] What is 2 + 2?\n[assistant] "
+    assert "<|im_start|>" in render_prompt(
+        "x", load_tokenizer(str(tiny_model_dir())), apply_chat_template=True, input_template=None
+    )
+    tokenizer.save_pretrained(tmp_path)
+    assert load_tokenizer(str(tmp_path)).chat_template == template
