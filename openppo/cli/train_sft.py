@@ -22,7 +22,8 @@ def train(cfg: SFTConfig) -> None:
         not cfg.data.multiturn or cfg.data.apply_chat_template,
         "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)",
     )
-    keys = {"--input_key": cfg.data.input_key, "--output_key": None if cfg.data.multiturn else cfg.data.output_key}
+    single_turn = not (cfg.data.multiturn or cfg.data.pretrain_mode)
+    keys = {"--input_key": cfg.data.input_key, "--output_key": cfg.data.output_key if single_turn else None}
     raw_train, raw_eval = setup.load_raw_data(cfg.data, keys, cfg.optim.seed)
     tokenizer = load_tokenizer(cfg.model.pretrain, chat_template=cfg.data.tokenizer_chat_template)
     make = functools.partial(
@@ -34,6 +35,7 @@ def train(cfg: SFTConfig) -> None:
         apply_chat_template=cfg.data.apply_chat_template,
         input_template=cfg.data.input_template,
         multiturn=cfg.data.multiturn,
+        pretrain_mode=cfg.data.pretrain_mode,
     )
     train_ds = make(raw_train)
     eval_ds = make(raw_eval) if raw_eval is not None else None

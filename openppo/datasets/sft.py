@@ -5,8 +5,9 @@ t-1, so it shifts the mask by one (`loss_mask[:, 1:]`); the dataset does not.
 
 Single turn: the prompt comes from `input_key`, the response from `output_key` (see templates.py for the
 rendering and the EOS at the end). Multi-turn: `input_key` holds a whole conversation and every assistant turn
-is a target (see conversation.py). Samples are tokenized once, up front; a sample whose prompt alone fills
-`max_len` is dropped (it has nothing left to learn), the others are cut to `max_len` tokens.
+is a target (see conversation.py). Pretrain mode (`--pretrain_mode`): `input_key` holds plain text, used as is
+(no template), and every token is a target. Samples are tokenized once, up front; a sample whose prompt alone
+fills `max_len` is dropped (it has nothing left to learn), the others are cut to `max_len` tokens.
 """
 
 from __future__ import annotations
@@ -44,18 +45,26 @@ class SFTDataset(Dataset):
         apply_chat_template: bool,
         input_template: str | None,
         multiturn: bool = False,
+        pretrain_mode: bool = False,
     ):
         require(max_len > 0, f"--max_len must be positive, got {max_len}")
+        require(not (pretrain_mode and multiturn), "--pretrain_mode learns plain text: drop --multiturn")
+        if pretrain_mode:
+            output_key, apply_chat_template, input_template = None, False, None
         require(
             not multiturn or apply_chat_template,
             "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)",
         )
-        require(multiturn or output_key is not None, "--output_key is required unless --multiturn is set")
+        require(
+            multiturn or pretrain_mode or output_key is not None,
+            "--output_key is required unless --multiturn or --pretrain_mode is set",
+        )
         validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
-        keys = {"--input_key": input_key, "--output_key": None if multiturn else output_key}
+        keys = {"--input_key": input_key, "--output_key": output_key if not multiturn else None}
         require_columns(ds, keys, "the SFT data")
         self.tokenizer = tokenizer
         self.input_key, self.output_key, self.multiturn = input_key, output_key, multiturn
+        self.pretrain_mode = pretrain_mode
         self.apply_chat_template, self.input_template = apply_chat_template, input_template
         prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
 
@@ -100,6 +109,9 @@ class SFTDataset(Dataset):
         value = row[self.input_key]
         if self.multiturn:
             return conversation_segments(as_messages(value, "--input_key"), self.tokenizer)
+        if self.pretrain_mode:
+            require(isinstance(value, str), f"--pretrain_mode: column '{self.input_key}' must hold plain text")
+            return [(value, True)]
         options = dict(apply_chat_template=self.apply_chat_template, input_template=self.input_template)
         prompt = render_prompt(value, self.tokenizer, **options)
         response = render_response(value, row[self.output_key], self.tokenizer, **options)

@@ -39,6 +39,9 @@ class SFTDataConfig(DataConfig):
 
     output_key: str = opt("output", "column holding the response to learn")
     multiturn: bool = opt(False, "--input_key holds whole conversations; learn every assistant turn")
+    pretrain_mode: bool = opt(
+        False, "--input_key holds plain text, used as is; every token is learned (no --output_key)"
+    )
     packing_samples: bool = opt(False, "pack several samples into one row (no padding, no cross-attention)")
 
 

@@ -53,6 +53,17 @@ def test_single_turn_plain_mask_is_response_plus_eos(tokenizer):
     assert masked_text(tokenizer, ds[0]) == "four<|im_end|>"
 
 
+def test_pretrain_mode_learns_the_plain_text_whole(tokenizer):
+    """--pretrain_mode: the input column as is, no template or EOS, every token a target, cut at --max_len."""
+    text = "The quick brown fox jumps over the lazy dog."
+    [item] = make([{"input": text}], tokenizer, output_key=None, pretrain_mode=True, input_template="Q: {}")
+    assert tokenizer.decode(item["input_ids"]) == text and item["loss_mask"].tolist() == [1] * len(item["loss_mask"])
+    [cut] = make([{"input": text}], tokenizer, output_key=None, pretrain_mode=True, max_len=4)
+    assert cut["input_ids"].tolist() == item["input_ids"][:4].tolist()
+    with pytest.raises(UserError, match="--pretrain_mode: column 'input' must hold plain text"):
+        make([{"input": [{"role": "user", "content": "hi"}]}], tokenizer, output_key=None, pretrain_mode=True)
+
+
 def test_bos_is_added_once_without_chat_template(tokenizer):
     with_bos = copy.deepcopy(tokenizer)
     with_bos.bos_token = "<|endoftext|>"
