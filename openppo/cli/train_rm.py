@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 
 from openppo.cli.runner import run_cli
 from openppo.datasets import PreferenceDataset, collate_pairs
+from openppo.errors import require
 from openppo.models.loading import load_tokenizer
 from openppo.models.scalar import ScalarModel
 from openppo.trainers import setup
@@ -14,8 +16,10 @@ from openppo.trainers.configs import RMConfig
 from openppo.trainers.loop import SupervisedTrainer
 from openppo.trainers.stages import RewardModelTrainer
 
+logger = logging.getLogger(__name__)
 
-def build_preference_data(cfg, tokenizer, raw_train, raw_eval):
+
+def build_preference_data(cfg, tokenizer, raw_train, raw_eval, margin_key: str | None = None):
     make = functools.partial(
         PreferenceDataset,
         tokenizer=tokenizer,
@@ -25,6 +29,7 @@ def build_preference_data(cfg, tokenizer, raw_train, raw_eval):
         rejected_key=cfg.data.rejected_key,
         apply_chat_template=cfg.data.apply_chat_template,
         input_template=cfg.data.input_template,
+        margin_key=margin_key,
     )
     return make(raw_train), (make(raw_eval) if raw_eval is not None else None)
 
@@ -39,9 +44,16 @@ def preference_keys(cfg) -> dict:
 
 def train(cfg: RMConfig) -> None:
     setup.validate_common(cfg)
+    require(
+        cfg.rm.loss == "sigmoid" or not (cfg.rm.margin_loss or cfg.rm.margin),
+        f"--margin and --margin_loss apply to --loss sigmoid; --loss {cfg.rm.loss} has no margin term",
+    )
     raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
     tokenizer = load_tokenizer(cfg.model.pretrain, chat_template=cfg.data.tokenizer_chat_template)
-    train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)
+    if cfg.rm.compute_fp32_loss:
+        logger.warning("--compute_fp32_loss has no effect: the scores are cast to fp32 before the loss in every run")
+    margin_key = "margin" if cfg.rm.margin_loss else None
+    train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval, margin_key)
     strategy = setup.make_strategy(cfg)
     with strategy.zero3_init():
         model = ScalarModel.from_pretrained(

@@ -286,8 +286,6 @@ REFUSED: dict[str, str] = {
     "vllm_sync_with_ray": f"{_NOT_YET}; drop it (--vllm_sync_backend picks how weights reach the engines)",
     "save_value_network": f"{_NOT_YET}; the critic's DeepSpeed checkpoints are in --ckpt_path",
     "value_head_prefix": f"{_NOT_YET}; scalar heads are saved as `score`, OpenRLHF's default",
-    "margin_loss": f"{_NOT_YET}; --margin sets one margin for every pair",
-    "compute_fp32_loss": f"{_NOT_YET}; drop it (the scores are cast to fp32 before the loss)",
     "packing_samples": f"packing rows in this CLI: {_NOT_YET}; drop it (padded rows give the same numbers)",
     "ring_attn_size": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ring_head_stride": f"ring attention in this CLI: {_NOT_YET}; drop it",

@@ -33,7 +33,8 @@ logger = logging.getLogger(__name__)
 
 
 class PreferenceDataset(Dataset):
-    """Item = {"chosen_ids", "chosen_loss_mask", "rejected_ids", "rejected_loss_mask"}: LongTensor[L] each."""
+    """Item = {"chosen_ids", "chosen_loss_mask", "rejected_ids", "rejected_loss_mask"}: LongTensor[L] each, and
+    with `margin_key` (--margin_loss) "margin": the pair's required score gap from that column (0 where empty)."""
 
     def __init__(
         self,
@@ -46,8 +47,14 @@ class PreferenceDataset(Dataset):
         rejected_key: str,
         apply_chat_template: bool,
         input_template: str | None,
+        margin_key: str | None = None,
     ):
         require(max_len > 1, f"--max_len must be at least 2 for preference pairs, got {max_len}")
+        if margin_key is not None and margin_key not in ds.column_names:
+            raise UserError(
+                f"--margin_loss: the preference data has no '{margin_key}' column (columns: "
+                f"{', '.join(ds.column_names)}); add the per-pair margins or drop --margin_loss"
+            )
         validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
         keys = {"--prompt_key": prompt_key, "--chosen_key": chosen_key, "--rejected_key": rejected_key}
         require_columns(ds, keys, "the preference data")
@@ -57,8 +64,9 @@ class PreferenceDataset(Dataset):
         self.prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
 
         self.pairs: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]] = []
+        self.margins: list[float] | None = [] if margin_key is not None else None
         too_long = 0
-        rows = ds.select_columns([k for k in keys.values() if k is not None])
+        rows = ds.select_columns([k for k in (*keys.values(), margin_key) if k is not None])
         for row in tqdm(rows, desc="tokenizing preference data", disable=len(rows) <= PROGRESS_MIN_SAMPLES):
             chosen = self._encode(row, chosen_key, "--chosen_key")
             rejected = self._encode(row, rejected_key, "--rejected_key")
@@ -68,6 +76,8 @@ class PreferenceDataset(Dataset):
             self.pairs.append(
                 (*as_tensors(*truncate_keep_end(*chosen, max_len)), *as_tensors(*truncate_keep_end(*rejected, max_len)))
             )
+            if self.margins is not None:
+                self.margins.append(float(row[margin_key] or 0.0))
         if too_long:
             logger.warning(
                 "preference data: dropped %d of %d pairs whose prompt alone has >= %d tokens (--max_len)",
@@ -128,12 +138,15 @@ class PreferenceDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
         chosen_ids, chosen_mask, rejected_ids, rejected_mask = self.pairs[index]
-        return {
+        item = {
             "chosen_ids": chosen_ids.long(),
             "chosen_loss_mask": chosen_mask.long(),
             "rejected_ids": rejected_ids.long(),
             "rejected_loss_mask": rejected_mask.long(),
         }
+        if self.margins is not None:
+            item["margin"] = torch.tensor(self.margins[index])
+        return item
 
 
 def truncate_keep_end(ids: list[int], mask: list[int], max_len: int) -> tuple[list[int], list[int]]:
@@ -144,7 +157,11 @@ def truncate_keep_end(ids: list[int], mask: list[int], max_len: int) -> tuple[li
 
 
 def collate_pairs(items: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded [2B, T] input_ids, attention_mask, loss_mask: rows 0..B-1 chosen, rows B..2B-1 rejected."""
+    """Right-padded [2B, T] input_ids, attention_mask, loss_mask: rows 0..B-1 chosen, rows B..2B-1 rejected; and
+    "margin" [B] when the items carry one."""
     rows = [{"input_ids": it["chosen_ids"], "loss_mask": it["chosen_loss_mask"]} for it in items]
     rows += [{"input_ids": it["rejected_ids"], "loss_mask": it["rejected_loss_mask"]} for it in items]
-    return collate_padded(rows, pad_token_id)
+    batch = collate_padded(rows, pad_token_id)
+    if "margin" in items[0]:
+        batch["margin"] = torch.stack([it["margin"] for it in items])
+    return batch

@@ -72,6 +72,8 @@ class RMOptions:
 
     loss: str = opt("sigmoid", "pairwise loss", choices=RM_LOSSES)
     margin: float = opt(0.0, "required score gap between chosen and rejected (sigmoid loss)")
+    margin_loss: bool = opt(False, "take each pair's required score gap from the data's 'margin' column instead")
+    compute_fp32_loss: bool = opt(False, "no effect: the scores are cast to fp32 before the loss in every run")
 
 
 @dataclass

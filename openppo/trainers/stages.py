@@ -65,7 +65,8 @@ class RewardModelTrainer(SupervisedTrainer):
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         chosen, rejected = self._scores(batch)
-        loss = pairwise_rm_loss(chosen, rejected, kind=self.loss_kind, margin=self.margin)
+        margin = batch["margin"] if "margin" in batch else self.margin  # per pair with --margin_loss
+        loss = pairwise_rm_loss(chosen, rejected, kind=self.loss_kind, margin=margin)
         return loss, {
             "train/loss": loss.item(),
             "train/acc": (chosen > rejected).float().mean().item(),

@@ -102,3 +102,34 @@ def test_collate_pairs_puts_chosen_rows_first(tokenizer):
     rows = [tokenizer.decode(batch["input_ids"][i, :n]) for i, n in enumerate(lengths)]
     assert ["c1" in rows[0], "c2" in rows[1], "r1" in rows[2], "r2" in rows[3]] == [True] * 4
     assert masked(tokenizer, batch["input_ids"][2], batch["loss_mask"][2]).endswith("r1 longer<|im_end|>")
+
+
+def test_margin_loss_uses_each_pairs_margin(tokenizer):
+    """--margin_loss: the data's 'margin' column (0 where empty) is each pair's required gap in the sigmoid loss,
+    checked through the reward-model trainer's loss on a real scalar model."""
+    import torch
+
+    from openppo.models.scalar import ScalarModel
+    from openppo.trainers.preference_losses import pairwise_rm_loss
+    from openppo.trainers.stages import RewardModelTrainer
+    from tests.model_cache import tiny_model_dir
+
+    rows = [
+        {"prompt": "2+2?", "chosen": "4", "rejected": "5", "margin": 1.5},
+        {"prompt": "3+3?", "chosen": "6", "rejected": "7", "margin": None},
+    ]
+    ds = make(rows, tokenizer, margin_key="margin")
+    batch = collate_pairs([ds[0], ds[1]], tokenizer.pad_token_id)
+    assert batch["margin"].tolist() == [1.5, 0.0]
+    assert "margin" not in collate_pairs([make(rows, tokenizer)[0]], tokenizer.pad_token_id)
+    with pytest.raises(UserError, match="--margin_loss: the preference data has no 'margin' column"):
+        make([{k: v for k, v in r.items() if k != "margin"} for r in rows], tokenizer, margin_key="margin")
+
+    trainer = object.__new__(RewardModelTrainer)  # only what compute_loss reads: the model and the loss options
+    trainer.engine = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--pretrain")
+    trainer.loss_kind, trainer.margin = "sigmoid", 0.0
+    with torch.no_grad():
+        loss, _ = trainer.compute_loss(batch)
+        chosen, rejected = trainer._scores(batch)
+    assert loss.item() == pytest.approx(pairwise_rm_loss(chosen, rejected, margin=torch.tensor([1.5, 0.0])).item())
+    assert loss.item() != pytest.approx(pairwise_rm_loss(chosen, rejected).item())
