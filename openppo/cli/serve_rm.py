@@ -36,6 +36,7 @@ class ServeRMConfig:
     max_len: int = opt(2048, "model: tokens read per query; a longer query keeps its last max_len tokens")
     batch_size: int = opt(16, "model: queries per forward pass")
     normalize_reward: bool = opt(False, "model: return (score - mean) / std with the statistics in its config")
+    disable_fast_tokenizer: bool = opt(False, "model: use its slow (Python) tokenizer where it has one")
     append_eos: bool = opt(
         False,
         "model: append the EOS token text to queries that do not end with it (for clients that strip special tokens)",
@@ -111,6 +112,7 @@ def build_source(cfg: ServeRMConfig):
         batch_size=cfg.batch_size,
         normalize=cfg.normalize_reward,
         append_eos=cfg.append_eos,
+        use_fast_tokenizer=not cfg.disable_fast_tokenizer,
     )
 
 

@@ -31,7 +31,11 @@ def train(cfg: DPOConfig) -> None:
     )
     require(cfg.dpo.nll_loss_coef >= 0, f"--nll_loss_coef must be >= 0 (0 = off), got {cfg.dpo.nll_loss_coef}")
     raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
-    tokenizer = load_tokenizer(cfg.model.pretrain, chat_template=cfg.data.tokenizer_chat_template)
+    tokenizer = load_tokenizer(
+        cfg.model.pretrain,
+        chat_template=cfg.data.tokenizer_chat_template,
+        use_fast=not cfg.data.disable_fast_tokenizer,
+    )
     train_ds, eval_ds = build_preference_data(cfg, tokenizer, raw_train, raw_eval)
     strategy = setup.make_strategy(cfg)
     with strategy.zero3_init(for_training=False, offload=cfg.dpo.ref_offload):

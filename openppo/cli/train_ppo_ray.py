@@ -41,7 +41,7 @@ def train(cfg: PPOConfig) -> None:
     )
     rows = launch.load_prompt_rows(cfg)
     eval_rows = launch.load_prompt_rows(cfg, eval=True) if cfg.data.eval_dataset else None
-    tokenizer = load_tokenizer(cfg.model.pretrain)
+    tokenizer = load_tokenizer(cfg.model.pretrain, use_fast=not cfg.data.disable_fast_tokenizer)
     prompts = launch.load_prompts(cfg, tokenizer, rows)
     eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
     agent_episodes = launch.agent_episodes(cfg, tokenizer) if cfg.rollout.agent_func_path else None

@@ -49,7 +49,11 @@ def train(cfg: RMConfig) -> None:
         f"--margin and --margin_loss apply to --loss sigmoid; --loss {cfg.rm.loss} has no margin term",
     )
     raw_train, raw_eval = setup.load_raw_data(cfg.data, preference_keys(cfg), cfg.optim.seed)
-    tokenizer = load_tokenizer(cfg.model.pretrain, chat_template=cfg.data.tokenizer_chat_template)
+    tokenizer = load_tokenizer(
+        cfg.model.pretrain,
+        chat_template=cfg.data.tokenizer_chat_template,
+        use_fast=not cfg.data.disable_fast_tokenizer,
+    )
     if cfg.rm.compute_fp32_loss:
         logger.warning("--compute_fp32_loss has no effect: the scores are cast to fp32 before the loss in every run")
     margin_key = "margin" if cfg.rm.margin_loss else None

@@ -25,7 +25,11 @@ def train(cfg: SFTConfig) -> None:
     single_turn = not (cfg.data.multiturn or cfg.data.pretrain_mode)
     keys = {"--input_key": cfg.data.input_key, "--output_key": cfg.data.output_key if single_turn else None}
     raw_train, raw_eval = setup.load_raw_data(cfg.data, keys, cfg.optim.seed)
-    tokenizer = load_tokenizer(cfg.model.pretrain, chat_template=cfg.data.tokenizer_chat_template)
+    tokenizer = load_tokenizer(
+        cfg.model.pretrain,
+        chat_template=cfg.data.tokenizer_chat_template,
+        use_fast=not cfg.data.disable_fast_tokenizer,
+    )
     make = functools.partial(
         SFTDataset,
         tokenizer=tokenizer,

@@ -37,12 +37,17 @@ def resolve_model_path(path: str | None, flag: str) -> str:
     )
 
 
-def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | None = None):
+def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | None = None, use_fast: bool = True):
     """The model's tokenizer with a pad token (the EOS token stands in when it has none); `chat_template`
-    (--tokenizer_chat_template) replaces its own chat template, and is saved with the trained model."""
+    (--tokenizer_chat_template) replaces its own chat template, and is saved with the trained model.
+    `use_fast=False` (--disable_fast_tokenizer) asks for the slow Python tokenizer where the model has one."""
     from transformers import AutoTokenizer
 
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=True, use_fast=use_fast)
+    if not use_fast and tokenizer.is_fast:
+        logger.warning(
+            "--disable_fast_tokenizer has no effect: %s has no slow tokenizer in this transformers version", path
+        )
     tokenizer.padding_side = padding_side
     if chat_template is not None:
         tokenizer.chat_template = chat_template

@@ -159,6 +159,7 @@ class PromptDataConfig:
     label_key: str = opt(None, "column passed to the reward function as the label (e.g. the answer)")
     input_template: str = opt(None, "format string with one {} for the prompt")
     apply_chat_template: bool = opt(False, "render prompts with the tokenizer's chat template")
+    disable_fast_tokenizer: bool = opt(False, "use the model's slow (Python) tokenizer where it has one")
     max_samples: int = opt(100_000_000, "use at most this many prompts")
     prompt_max_len: int = opt(1024, "longer prompts are dropped (counted in the log)")
     generate_max_len: int = opt(1024, "maximum new tokens per response")

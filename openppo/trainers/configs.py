@@ -27,6 +27,7 @@ class DataConfig:
     input_key: str = opt("input", "column holding the prompt (a string or a list of chat messages)")
     input_template: str = opt(None, "Python format string with one {} for the prompt, e.g. 'User: {}\\nAssistant: '")
     apply_chat_template: bool = opt(False, "render prompts with the tokenizer's chat template")
+    disable_fast_tokenizer: bool = opt(False, "use the model's slow (Python) tokenizer where it has one")
     tokenizer_chat_template: str = opt(
         None,
         "a Jinja chat template replacing the tokenizer's own (used with --apply_chat_template, saved with the model)",

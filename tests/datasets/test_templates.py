@@ -88,3 +88,20 @@ def test_tokenizer_chat_template_replaces_the_models_own(tmp_path):
     )
     tokenizer.save_pretrained(tmp_path)
     assert load_tokenizer(str(tmp_path)).chat_template == template
+
+
+def test_disable_fast_tokenizer_says_when_the_model_has_no_slow_one(caplog):
+    """--disable_fast_tokenizer asks transformers for the slow tokenizer; the tests' Qwen tokenizer has none in
+    transformers 5, so the fast one is used and one warning says the flag had no effect."""
+    import logging
+
+    from openppo.models.loading import load_tokenizer
+    from tests.model_cache import tiny_model_dir
+
+    with caplog.at_level(logging.WARNING, logger="openppo.models.loading"):
+        fast = load_tokenizer(str(tiny_model_dir()))
+        assert not caplog.records
+        slow = load_tokenizer(str(tiny_model_dir()), use_fast=False)
+    assert slow.is_fast and slow("2 + 2").input_ids == fast("2 + 2").input_ids
+    [warning] = caplog.records
+    assert warning.getMessage().startswith("--disable_fast_tokenizer has no effect")

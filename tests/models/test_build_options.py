@@ -81,3 +81,29 @@ def test_adam_eps_and_reentrant_flags_reach_the_build_arguments():
     sft = parse_config(SFTConfig, ["--adam.eps", "1e-6", "--model.gradient_checkpointing_reentrant"], "train_sft")
     assert _optimizer_kwargs(ppo, 1e-4, 4)["eps"] == setup.optimizer_kwargs(sft, 4)["eps"] == 1e-6
     assert ppo.model.build_kwargs()["reentrant_checkpointing"] and sft.model.build_kwargs()["reentrant_checkpointing"]
+
+
+def test_grad_accum_dtype_reaches_the_deepspeed_engine():
+    """--grad_accum_dtype (OpenRLHF's --ds.grad_accum_dtype) is the engine's gradient-accumulation dtype."""
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=2, param_dtype="bf16", grad_accum_dtype="fp32", dist_timeout=120),
+        train_batch_size=2,
+        micro_batch_size=1,
+        max_norm=1.0,
+        seed=0,
+    )
+    strategy.setup_distributed()
+    engine = strategy.prepare_train(
+        Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.bfloat16),
+        lr=1e-4,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=4,
+    )
+    assert engine.get_data_types() == (torch.bfloat16, torch.float32)
