@@ -11,8 +11,8 @@ OpenRLHF <= 0.9, keeps as one setting for both models: both dotted names map to 
 different values is an error rather than a silent choice of one.
 
 `REFUSED` gives the reason for flags of either generation that a CLI does not run: a run that gives one stops
-before anything starts, with that reason and what to do instead. `NO_EFFECT` holds flags OpenRLHF itself declared
-but never read; they are accepted, with one warning line.
+before anything starts, with that reason and what to do instead. `NO_EFFECT` holds flags that do nothing in a CLI
+without the field (OpenRLHF 0.9 declared some and never read them); they are accepted, with one warning line.
 """
 
 from __future__ import annotations
@@ -274,7 +274,6 @@ REFUSED: dict[str, str] = {
     "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
     "aux_loss_coef": f"the MoE load-balancing loss: {_NOT_YET}; drop it for dense models",
     "best_metric_key": f"keeping the best checkpoint by an eval metric: {_NOT_YET}",
-    "dataloader_num_workers": f"{_NOT_YET}; drop it (data is tokenized once before training)",
     "enable_ema": f"an EMA copy of the weights: {_NOT_YET}",
     "ema_beta": f"an EMA copy of the weights: {_NOT_YET}",
     "max_ckpt_mem": f"{_NOT_YET}; use --max_ckpt_num to bound the checkpoints kept",
@@ -293,11 +292,15 @@ REFUSED: dict[str, str] = {
     "param_dtype": f"in this CLI: {_NOT_YET}; use --bf16 for bf16 weights",
 }
 
-# flags OpenRLHF 0.9 declared and never read: (takes a value, why it is ignored)
+# flags that do nothing in a CLI without the field: (takes a value, why it is ignored)
 NO_EFFECT: dict[str, tuple[bool, str]] = {
     "perf": (False, "OpenRLHF 0.9 declared it but never read it (removed in 0.10)"),
     "ptx_coef": (True, "OpenRLHF 0.9 declared it but never read it (removed in 0.10); there is no pretraining loss"),
     "actor_init_on_gpu": (False, "OpenRLHF 0.9 declared it but never read it (removed in 0.10)"),
+    "dataloader_num_workers": (
+        True,
+        "train_ppo_ray tokenizes the prompts once in the driver and uses no data loader (the supervised CLIs do)",
+    ),
     "train_split": (True, "OpenRLHF 0.9 declared it but read --dataset_split (removed in 0.10); use --dataset_split"),
 }
 

@@ -116,10 +116,12 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
     fields = set(field_names(config_cls))
     aliases = spellings(config_cls).aliases()
+    names = spellings(config_cls)
     for name, (takes_value, _) in openrlhf_names.NO_EFFECT.items():
         if name not in fields:
+            flags = [f"--{name}", *(f"--{d}" for d, target in names.dotted.items() if target == name)]
             kind = {"nargs": "?", "const": True} if takes_value else {"action": "store_true"}
-            parser.add_argument(f"--{name}", dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
+            parser.add_argument(*flags, dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
     seen: set[str] = set()
     hints = typing.get_type_hints(config_cls)
     for top in dataclasses.fields(config_cls):

@@ -23,6 +23,7 @@ class DataConfig:
     dataset_split: str = opt("train", "split of --dataset sources that are save_to_disk DatasetDict folders")
     eval_split: str = opt("train", "split of --eval_dataset sources that are save_to_disk DatasetDict folders")
     max_samples: int = opt(100_000_000, "use at most this many training samples (after mixing)")
+    dataloader_num_workers: int = opt(0, "processes that collate training and eval batches; 0 = the trainer itself")
     max_len: int = opt(2048, "maximum tokens per sample (prompt + response); longer ones are truncated")
     input_key: str = opt("input", "column holding the prompt (a string or a list of chat messages)")
     input_template: str = opt(None, "Python format string with one {} for the prompt, e.g. 'User: {}\\nAssistant: '")

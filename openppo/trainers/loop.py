@@ -72,6 +72,7 @@ class SupervisedTrainer:
         ckpt: CheckpointConfig,
         logging_cfg: LoggingConfig,
         tracker: MetricsTracker,
+        num_workers: int = 0,
     ):
         self.strategy = strategy
         self.engine = engine
@@ -83,6 +84,7 @@ class SupervisedTrainer:
         self.ckpt = ckpt
         self.logging_cfg = logging_cfg
         self.tracker = tracker
+        self.num_workers = num_workers  # --dataloader_num_workers: processes that collate batches
         self.guard = strategy.step_guard(engine, self.name)  # skips NaN/Inf steps (--max_nonfinite_steps)
         self.ckpt_dir = ckpt.ckpt_path or str(Path(ckpt.save_path) / "checkpoints")
         self.micro = optim.micro_train_batch_size
@@ -116,8 +118,17 @@ class SupervisedTrainer:
 
     def _loader(self, epoch: int, skip_steps: int) -> DataLoader:
         self.sampler.start(epoch, skip_steps * self.micro * self.accum)
+        return self.data_loader(self.train_dataset, self.sampler, drop_last=True)
+
+    def data_loader(self, dataset: Dataset, sampler, drop_last: bool = False) -> DataLoader:
+        """Micro-batches of `dataset` in `sampler`'s order, collated in --dataloader_num_workers processes."""
         return DataLoader(
-            self.train_dataset, batch_size=self.micro, sampler=self.sampler, collate_fn=self.collate_fn, drop_last=True
+            dataset,
+            batch_size=self.micro,
+            sampler=sampler,
+            collate_fn=self.collate_fn,
+            drop_last=drop_last,
+            num_workers=self.num_workers,
         )
 
     def _resume(self) -> tuple[int, int, int]:
@@ -214,7 +225,7 @@ class SupervisedTrainer:
         sampler = DistributedSampler(
             self.eval_dataset, num_replicas=self.strategy.world_size, rank=self.strategy.rank, shuffle=False
         )
-        loader = DataLoader(self.eval_dataset, batch_size=self.micro, sampler=sampler, collate_fn=self.collate_fn)
+        loader = self.data_loader(self.eval_dataset, sampler)
         sums: dict[str, float] = defaultdict(float)
         batches = 0
         for batch in tqdm(loader, desc=f"{self.name} eval", disable=not self.strategy.is_rank0, leave=False):

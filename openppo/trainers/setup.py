@@ -121,6 +121,7 @@ def train_kwargs(
         ckpt=cfg.ckpt,
         logging_cfg=cfg.logging,
         tracker=tracker,
+        num_workers=cfg.data.dataloader_num_workers,
     )
 
 

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
+from torch.utils.data import DistributedSampler
 
 from openppo.models.scalar import last_token_index
 from openppo.trainers.loop import SupervisedTrainer, move_to
@@ -82,7 +82,7 @@ class RewardModelTrainer(SupervisedTrainer):
         sampler = DistributedSampler(
             dataset, num_replicas=self.strategy.world_size, rank=self.strategy.rank, shuffle=False
         )
-        loader = DataLoader(dataset, batch_size=self.micro, sampler=sampler, collate_fn=self.collate_fn)
+        loader = self.data_loader(dataset, sampler)
         self.engine.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.strategy.device)
         for batch in loader:

@@ -198,3 +198,24 @@ def test_collate_packed_positions_restart_and_first_tokens_are_not_targets():
     assert batch["loss_mask"].tolist() == [[0, 1, 1, 0, 1, 0, 0, 1, 1]]
     assert items[1]["loss_mask"].tolist() == [1, 1]  # the items themselves are left unchanged
     assert "attention_mask" not in batch
+
+
+def test_dataloader_num_workers_collate_the_same_batches_in_worker_processes(tokenizer):
+    """--dataloader_num_workers: the supervised trainer's loader collates in that many processes (the collate
+    functions must pickle), giving the batches it gives in-process."""
+    import functools
+
+    from torch.utils.data import SequentialSampler
+
+    from openppo.trainers.loop import SupervisedTrainer
+
+    ds = make([{"input": f"What is {i}+{i}?", "output": str(2 * i)} for i in range(6)], tokenizer)
+    loaders = []
+    for workers in (0, 2):
+        trainer = object.__new__(SupervisedTrainer)  # only what data_loader reads
+        trainer.micro, trainer.num_workers = 2, workers
+        trainer.collate_fn = functools.partial(collate_padded, pad_token_id=tokenizer.pad_token_id)
+        loaders.append(trainer.data_loader(ds, SequentialSampler(ds)))
+    assert loaders[1].num_workers == 2
+    for a, b in zip(*loaders, strict=True):
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
