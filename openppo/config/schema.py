@@ -114,11 +114,10 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
     parser = OneLineParser(prog=prog, description=description, formatter_class=_HelpFormatter)
     # Launchers (deepspeed, torch.distributed.launch) may append --local_rank; accept and ignore it.
     parser.add_argument("--local_rank", type=int, default=-1, help=argparse.SUPPRESS)
-    fields = set(field_names(config_cls))
-    aliases = spellings(config_cls).aliases()
     names = spellings(config_cls)
+    aliases = names.aliases()
     for name, (takes_value, _) in openrlhf_names.NO_EFFECT.items():
-        if name not in fields:
+        if name not in names.fields:
             flags = [f"--{name}", *(f"--{d}" for d, target in names.dotted.items() if target == name)]
             kind = {"nargs": "?", "const": True} if takes_value else {"action": "store_true"}
             parser.add_argument(*flags, dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
