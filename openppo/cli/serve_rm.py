@@ -14,6 +14,7 @@ from dataclasses import dataclass
 from typing import ClassVar
 
 from openppo.cli.runner import run_cli
+from openppo.config.common import value_head_prefix_opt
 from openppo.config.schema import opt
 from openppo.errors import UserError, require
 
@@ -35,6 +36,7 @@ class ServeRMConfig:
     port: int = opt(5000, "port to listen on; 0 = any free port (the ready line says which)")
     max_len: int = opt(2048, "model: tokens read per query; a longer query keeps its last max_len tokens")
     batch_size: int = opt(16, "model: queries per forward pass")
+    value_head_prefix: str = value_head_prefix_opt()
     normalize_reward: bool = opt(False, "model: return (score - mean) / std with the statistics in its config")
     disable_fast_tokenizer: bool = opt(False, "model: use its slow (Python) tokenizer where it has one")
     append_eos: bool = opt(

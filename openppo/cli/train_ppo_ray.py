@@ -72,10 +72,15 @@ def train(cfg: PPOConfig) -> None:
             launch.raise_if_an_engine_died(groups, exc)  # the root cause, whatever failed first
             raise
         groups.actor.save_hf(cfg.ckpt.save_path, cfg.model.pretrain)
+        critic_dir = launch.critic_export_dir(cfg) if groups.critic is not None else None
+        if critic_dir is not None:
+            groups.critic.save_hf(critic_dir, cfg.model.pretrain)
         summary = f"{summary_table(history)}\n\n{advice_text(advise(history, cfg, host_memory_gib()))}"
         logger.info("run summary\n%s", summary)
         (Path(cfg.ckpt.save_path) / "summary.txt").write_text(summary + "\n")
         where = f"trained actor, metrics.jsonl and rollouts.jsonl: {cfg.ckpt.save_path}"
+        if critic_dir is not None:
+            where += f"; trained critic: {critic_dir}"
         if cfg.logging.use_tensorboard:
             where += f"; TensorBoard: {cfg.logging.use_tensorboard}"
         logger.info(where)

@@ -14,6 +14,12 @@ from openppo.utils.paths import check_output_dir
 LR_SCHEDULERS = ("cosine_with_min_lr", "cosine", "linear", "constant", "constant_with_warmup")
 
 
+def value_head_prefix_opt():
+    """OpenRLHF's --value_head_prefix: the scalar head's name. openppo's scalar models are transformers'
+    *ForSequenceClassification, whose head is `score` (OpenRLHF's default too); that is the one name it takes."""
+    return opt("score", "name of the scalar head's weights in the model folder (transformers' own)", choices=("score",))
+
+
 @dataclass
 class ModelBuildConfig:
     """How a trained model is built: attention kernel, activation checkpointing, LoRA."""

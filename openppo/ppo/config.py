@@ -18,7 +18,13 @@ from openppo.algorithms import (
     POLICY_LOSS_TYPES,
     SamplingFilter,
 )
-from openppo.config.common import LR_SCHEDULERS, CheckpointConfig, LoggingConfig, ModelBuildConfig
+from openppo.config.common import (
+    LR_SCHEDULERS,
+    CheckpointConfig,
+    LoggingConfig,
+    ModelBuildConfig,
+    value_head_prefix_opt,
+)
 from openppo.config.schema import opt
 from openppo.strategy.config import DeepSpeedConfig
 
@@ -52,6 +58,8 @@ class PPOModelConfig(ModelBuildConfig):
         "with an error that shows the sample",
     )
     ref_reward_offload: bool = opt(False, "offload reference and reward model weights to CPU (ZeRO-3 param offload)")
+    value_head_prefix: str = value_head_prefix_opt()
+    save_value_network: bool = opt(False, "also save the trained critic as an HF folder, <save_path>_critic (gae)")
 
 
 @dataclass

@@ -55,6 +55,11 @@ def load_prompt_rows(cfg: PPOConfig, *, eval: bool = False) -> datasets.Dataset:
     return raw
 
 
+def critic_export_dir(cfg: PPOConfig) -> str | None:
+    """--save_value_network: where the trained critic's HF folder goes, OpenRLHF's `<save_path>_critic`."""
+    return f"{str(cfg.ckpt.save_path).rstrip('/')}_critic" if cfg.model.save_value_network else None
+
+
 def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptDataset:
     """Rows of `load_prompt_rows` rendered and tokenized (prompts longer than --prompt_max_len dropped)."""
     d = cfg.data

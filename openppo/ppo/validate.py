@@ -388,6 +388,10 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
             f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "
             f"metrics.jsonl, TensorBoard and W&B get every step"
         )
+    if m.save_value_network and algo.advantage_estimator != "gae":
+        notices.append(
+            f"--save_value_network has no effect: --advantage_estimator {algo.advantage_estimator} trains no critic"
+        )
     if algo.kl_target is not None:
         notices.append(
             f"--kl_target {algo.kl_target} is in nats per response (the KL summed over a response, as in Ziegler "

@@ -5,7 +5,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-from openppo.config.common import CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig
+from openppo.config.common import CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig, value_head_prefix_opt
 from openppo.config.schema import opt
 from openppo.strategy.config import DeepSpeedConfig
 from openppo.trainers.preference_losses import RM_LOSSES
@@ -76,6 +76,7 @@ class RMOptions:
     margin: float = opt(0.0, "required score gap between chosen and rejected (sigmoid loss)")
     margin_loss: bool = opt(False, "take each pair's required score gap from the data's 'margin' column instead")
     compute_fp32_loss: bool = opt(False, "no effect: the scores are cast to fp32 before the loss in every run")
+    value_head_prefix: str = value_head_prefix_opt()
 
 
 @dataclass

@@ -170,7 +170,8 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
             "--critic.adam.lr 1e-4 --reward.normalize_enable --train.colocate_actor_ref --train.colocate_critic_reward "
             "--ds.packing_samples --train.dynamic_batch_enable --train.max_tokens_per_gpu 60 "
             "--rollout.max_tokens_per_gpu 90 --actor.gradient_checkpointing_enable --ds.adam_offload "
-            "--ref.offload --reward.offload --ds.overlap_comm --algo.kl.target 6 --algo.kl.horizon 100"
+            "--ref.offload --reward.offload --ds.overlap_comm --algo.kl.target 6 --algo.kl.horizon 100 "
+            "--critic.save_value_network"
         ).split(),
         nproc=1,
         timeout=600,
@@ -198,6 +199,9 @@ def test_ppo_with_critic_reward_model_and_reference(tmp_path):
     # fit one 60-token budget
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records)
     assert all(r["perf/actor_padding_share"] == 0.0 and r["perf/actor_micro_batches"] >= 2 for r in records), records
+    # --save_value_network: the trained critic as an HF folder beside the actor's, OpenRLHF's <save_path>_critic
+    critic = json.loads((tmp_path / "out_critic" / "config.json").read_text())
+    assert critic["architectures"][0].endswith("ForSequenceClassification") and len(critic["id2label"]) == 1
 
 
 def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):

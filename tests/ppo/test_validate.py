@@ -134,6 +134,11 @@ def test_valid_config_gives_cpu_notices(base):
     assert not any("--kl_target" in n for n in notices)
 
 
+def test_save_value_network_without_a_critic_says_so(base):
+    notices = validate(_cfg(base, ["--save_value_network", "--advantage_estimator", "group_norm"]), on_gpu=False)
+    assert any(n.startswith("--save_value_network has no effect") for n in notices), notices
+
+
 def test_kl_target_says_its_unit_is_not_openrlhfs(base):
     notices = validate(_cfg(base, ["--kl_target", "6", "--init_kl_coef", "0.01"]), on_gpu=False)
     [unit] = [n for n in notices if n.startswith("--kl_target 6.0 is in nats per response")]
