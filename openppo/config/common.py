@@ -91,6 +91,9 @@ class CheckpointConfig:
     save_steps: int = opt(-1, "save a checkpoint every N optimizer steps; -1 = only at the end")
     load_checkpoint: bool = opt(False, "resume from the latest checkpoint in --ckpt_path if there is one")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints (oldest deleted first)")
+    max_ckpt_mem: float = opt(
+        None, "GiB the kept checkpoints may take together (oldest deleted first; the newest is always kept)"
+    )
     save_hf_ckpt: bool = opt(False, "also write an HF model folder next to each checkpoint")
     disable_ds_ckpt: bool = opt(False, "do not write DeepSpeed checkpoints (no resume possible)")
 
@@ -133,6 +136,10 @@ def validate_schedule(*, min_lr_ratio: float, max_norm: float) -> None:
 def validate_outputs(ckpt: CheckpointConfig, logging: LoggingConfig) -> None:
     """The folders a run writes can be created, and a resume has checkpoints to read: checked before anything is
     written to --save_path."""
+    require(
+        ckpt.max_ckpt_mem is None or ckpt.max_ckpt_mem > 0,
+        f"--max_ckpt_mem must be positive (GiB), got {ckpt.max_ckpt_mem}",
+    )
     if ckpt.load_checkpoint and ckpt.disable_ds_ckpt:
         raise UserError(
             "--load_checkpoint resumes from DeepSpeed checkpoints, which --disable_ds_ckpt turns off: drop one of them"

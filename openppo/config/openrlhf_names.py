@@ -276,7 +276,6 @@ REFUSED: dict[str, str] = {
     "best_metric_key": f"keeping the best checkpoint by an eval metric: {_NOT_YET}",
     "enable_ema": f"an EMA copy of the weights: {_NOT_YET}",
     "ema_beta": f"an EMA copy of the weights: {_NOT_YET}",
-    "max_ckpt_mem": f"{_NOT_YET}; use --max_ckpt_num to bound the checkpoints kept",
     "use_ds_universal_ckpt": f"{_NOT_YET}; resume with the same number of ranks",
     "partial_rollout": f"{_NOT_YET}; drop it (--async_train finishes each generation with the weights it began with)",
     "vllm_generate_batch_size": f"oversampling prompts per round: {_NOT_YET}; drop it",

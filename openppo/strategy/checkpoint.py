@@ -149,14 +149,23 @@ def commit(ckpt_dir: str | Path, step: int, parts: list[str], state: dict) -> Pa
     return path
 
 
-def rotate(ckpt_dir: str | Path, keep: int, current: int, parts: list[str]) -> list[str]:
+def rotate(
+    ckpt_dir: str | Path, keep: int, current: int, parts: list[str], max_bytes: float | None = None
+) -> list[str]:
     """After committing step `current`: keep that commit and the newest `keep - 1` before it (every one with
-    `keep <= 0`); delete the other markers (invalid ones, and those of later steps left by an earlier run in this
+    `keep <= 0`), and of those only the newest that fit in `max_bytes` together (--max_ckpt_mem; `current` is
+    always kept); delete the other markers (invalid ones, and those of later steps left by an earlier run in this
     folder), then every tag folder of `parts` (or of a part any marker names) that no kept marker names (crash
     leftovers included). Returns the deleted tags."""
     ckpt_dir = Path(ckpt_dir)
     commits = [c for c in list_commits(ckpt_dir) if c.step <= current]
     kept = {c.step for c in (commits[-keep:] if keep > 0 else commits)} | {current}
+    if max_bytes is not None:
+        used = 0.0
+        for step in sorted(kept, reverse=True):  # the newest first
+            used += sum(_folder_bytes(ckpt_dir / part / tag_for_step(step)) for part in parts)
+            if used > max_bytes and step != current:
+                kept.discard(step)
     removed = set()
     folder = ckpt_dir / COMMIT_DIR
     for path in folder.iterdir() if folder.is_dir() else []:
@@ -173,6 +182,15 @@ def rotate(ckpt_dir: str | Path, keep: int, current: int, parts: list[str]) -> l
                 shutil.rmtree(ckpt_dir / part / tag, ignore_errors=True)
                 removed.add(tag)
     return sorted((t for t in removed if TAG_PATTERN.match(t)), key=step_of)
+
+
+def max_bytes(cfg) -> float | None:
+    """--max_ckpt_mem (GiB, as OpenRLHF counts it) in bytes; None without a limit."""
+    return None if cfg.max_ckpt_mem is None else cfg.max_ckpt_mem * 2**30
+
+
+def _folder_bytes(path: Path) -> int:
+    return sum(f.stat().st_size for f in path.rglob("*") if f.is_file()) if path.is_dir() else 0
 
 
 HF_PATTERN = re.compile(r"^global_step(\d+)_hf$")

@@ -254,7 +254,9 @@ class DeepSpeedStrategy:
                 f"to start fresh or point --ckpt_path at a valid one"
             )
 
-    def save_committed(self, engine, ckpt_dir: str, step: int, state: dict, max_num: int) -> None:
+    def save_committed(
+        self, engine, ckpt_dir: str, step: int, state: dict, max_num: int, max_bytes: float | None = None
+    ) -> None:
         """A checkpoint with this engine as its only part (the supervised trainers): clear what an interrupted save
         of this step left, save, commit, rotate. Collective; rank 0 keeps the books."""
         if self.is_rank0:
@@ -262,7 +264,7 @@ class DeepSpeedStrategy:
         self.save_checkpoint(engine, ckpt_dir, step, state)
         if self.is_rank0:
             ckpt.commit(ckpt_dir, step, [ckpt.SINGLE_PART], state)
-            removed = ckpt.rotate(ckpt_dir, max_num, step, [ckpt.SINGLE_PART])
+            removed = ckpt.rotate(ckpt_dir, max_num, step, [ckpt.SINGLE_PART], max_bytes)
             if removed:
                 logger.info("removed old checkpoints %s", ", ".join(removed))
 

@@ -24,7 +24,7 @@ from tqdm import tqdm
 
 from openppo.config.common import CheckpointConfig, LoggingConfig, OptimConfig
 from openppo.errors import UserError
-from openppo.strategy.checkpoint import hf_export_dir, rotate_hf
+from openppo.strategy.checkpoint import hf_export_dir, max_bytes, rotate_hf
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
@@ -241,7 +241,9 @@ class SupervisedTrainer:
         if self.ckpt.disable_ds_ckpt:
             return
         state = {"global_step": step, "epoch": epoch, "trainer": self.name}
-        self.strategy.save_committed(self.engine, self.ckpt_dir, step, state, self.ckpt.max_ckpt_num)
+        self.strategy.save_committed(
+            self.engine, self.ckpt_dir, step, state, self.ckpt.max_ckpt_num, max_bytes(self.ckpt)
+        )
         if self.ckpt.save_hf_ckpt:
             self.strategy.save_hf(self.engine, self.tokenizer, hf_export_dir(self.ckpt_dir, step), self.final_config())
             if self.strategy.is_rank0:

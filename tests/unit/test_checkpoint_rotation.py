@@ -63,3 +63,22 @@ def test_hf_exports_rotate_with_the_newest_kept(tmp_path):
     assert ckpt.rotate_hf(tmp_path, keep=2) == ["global_step2_hf"]
     assert sorted(p.name for p in tmp_path.iterdir()) == ["global_step10_hf", "global_step3", "global_step4_hf"]
     assert ckpt.rotate_hf(tmp_path, keep=0) == []
+
+
+def test_max_ckpt_mem_keeps_the_newest_that_fit(tmp_path):
+    """--max_ckpt_mem: of the steps --max_ckpt_num keeps, only the newest that fit together stay; the one just
+    committed stays even alone over the limit. Each step here is 2 parts x 7 bytes = 14 bytes."""
+    for step in (1, 2, 3, 4):
+        _save(tmp_path, step)
+    removed = ckpt.rotate(tmp_path, keep=0, current=4, parts=["actor", "critic"], max_bytes=30)
+    assert removed == ["global_step1", "global_step2"]  # 4 and 3 fit in 30 bytes (28), 2 would make 42
+    assert [c.step for c in ckpt.list_commits(tmp_path)] == [3, 4]
+    assert ckpt.rotate(tmp_path, keep=0, current=4, parts=["actor", "critic"], max_bytes=1) == ["global_step3"]
+    assert ckpt.list_tags(tmp_path / "actor") == ["global_step4"]
+
+
+def test_max_ckpt_mem_is_in_gib():
+    from openppo.config.common import CheckpointConfig
+
+    assert ckpt.max_bytes(CheckpointConfig()) is None
+    assert ckpt.max_bytes(CheckpointConfig(max_ckpt_mem=1.5)) == 1.5 * 2**30
