@@ -44,6 +44,10 @@ class ServeRMConfig:
         "model: append the EOS token text to queries that do not end with it (for clients that strip special tokens)",
     )
     bf16: bool = opt(False, "model: load the weights in bf16 instead of fp32")
+    param_dtype: str = opt(None, "model: weights dtype (OpenRLHF's name; bf16 = --bf16)", choices=("fp32", "bf16"))
+    attn_implementation: str = opt(
+        "sdpa", "model: attention kernel passed to transformers", choices=("sdpa", "eager", "flash_attention_2")
+    )
     device: str = opt("auto", "model: where to run it; auto = cuda when available", choices=("auto", "cpu", "cuda"))
     max_request_samples: int = opt(4096, "larger requests are refused with HTTP 413")
     max_request_bytes: int = opt(32 * 2**20, "larger request bodies are refused with HTTP 413")
@@ -76,6 +80,7 @@ def validate(cfg: ServeRMConfig) -> None:
     require(0 <= cfg.port <= 65535, f"--port must be in 0..65535, got {cfg.port}")
     require(cfg.max_len > 0, f"--max_len must be positive, got {cfg.max_len}")
     require(cfg.batch_size > 0, f"--batch_size must be positive, got {cfg.batch_size}")
+    require(not (cfg.bf16 and cfg.param_dtype == "fp32"), "--bf16 and --param_dtype fp32 disagree; give one of them")
     require(cfg.max_request_samples > 0, f"--max_request_samples must be positive, got {cfg.max_request_samples}")
     require(cfg.max_request_bytes > 0, f"--max_request_bytes must be positive, got {cfg.max_request_bytes}")
     if cfg.reward_func:
@@ -85,6 +90,7 @@ def validate(cfg: ServeRMConfig) -> None:
                 ("--normalize_reward", cfg.normalize_reward),
                 ("--append_eos", cfg.append_eos),
                 ("--bf16", cfg.bf16),
+                ("--param_dtype", cfg.param_dtype is not None),
             )
             if on
         ]
@@ -109,7 +115,8 @@ def build_source(cfg: ServeRMConfig):
     return ModelReward(
         cfg.reward_pretrain,
         device=device,
-        dtype=torch.bfloat16 if cfg.bf16 else torch.float32,
+        dtype=torch.bfloat16 if cfg.bf16 or cfg.param_dtype == "bf16" else torch.float32,
+        attn_implementation=cfg.attn_implementation,
         max_len=cfg.max_len,
         batch_size=cfg.batch_size,
         normalize=cfg.normalize_reward,

@@ -32,11 +32,16 @@ class ModelReward(RewardSource):
         append_eos: bool = False,
         flag: str = "--reward_pretrain",
         use_fast_tokenizer: bool = True,
+        attn_implementation: str = "sdpa",
     ):
         path = resolve_model_path(path, flag)
         self.name = f"reward model {path}"
         self.tokenizer = load_tokenizer(path, use_fast=use_fast_tokenizer)
-        self.model = ScalarModel.from_pretrained(path, dtype=dtype, flag=flag).to(device).eval()
+        self.model = (
+            ScalarModel.from_pretrained(path, dtype=dtype, flag=flag, attn_implementation=attn_implementation)
+            .to(device)
+            .eval()
+        )
         self.device = torch.device(device)
         self.max_len = max_len
         self.batch_size = batch_size

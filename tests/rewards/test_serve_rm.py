@@ -206,3 +206,19 @@ def test_validate_and_host_warning():
     for host in ("127.0.0.1", "localhost", "::1", "127.0.0.2"):
         assert host_warning(host) is None
     assert host_warning("0.0.0.0").startswith("warning: --host 0.0.0.0 is not a loopback address")
+
+
+def test_param_dtype_and_attn_implementation_reach_the_model(rm_dir):
+    """serve_rm's --param_dtype bf16 (OpenRLHF's name for --bf16) and --attn_implementation build the model so;
+    --bf16 with --param_dtype fp32 disagree and stop."""
+    import torch
+
+    from openppo.cli.serve_rm import build_source
+
+    source = build_source(
+        ServeRMConfig(reward_pretrain=str(rm_dir), device="cpu", param_dtype="bf16", attn_implementation="eager")
+    )
+    assert next(source.model.parameters()).dtype == torch.bfloat16
+    assert source.model.hf_model.config._attn_implementation == "eager"
+    with pytest.raises(UserError, match="--bf16 and --param_dtype fp32 disagree"):
+        validate(ServeRMConfig(reward_pretrain=str(rm_dir), bf16=True, param_dtype="fp32"))
