@@ -45,6 +45,7 @@ class ServeRMConfig:
     )
     bf16: bool = opt(False, "model: load the weights in bf16 instead of fp32")
     param_dtype: str = opt(None, "model: weights dtype (OpenRLHF's name; bf16 = --bf16)", choices=("fp32", "bf16"))
+    packing_samples: bool = opt(False, "model: run each batch of queries as one packed row (no padding computed)")
     attn_implementation: str = opt(
         "sdpa", "model: attention kernel passed to transformers", choices=("sdpa", "eager", "flash_attention_2")
     )
@@ -91,6 +92,7 @@ def validate(cfg: ServeRMConfig) -> None:
                 ("--append_eos", cfg.append_eos),
                 ("--bf16", cfg.bf16),
                 ("--param_dtype", cfg.param_dtype is not None),
+                ("--packing_samples", cfg.packing_samples),
             )
             if on
         ]
@@ -117,6 +119,7 @@ def build_source(cfg: ServeRMConfig):
         device=device,
         dtype=torch.bfloat16 if cfg.bf16 or cfg.param_dtype == "bf16" else torch.float32,
         attn_implementation=cfg.attn_implementation,
+        packed=cfg.packing_samples,
         max_len=cfg.max_len,
         batch_size=cfg.batch_size,
         normalize=cfg.normalize_reward,

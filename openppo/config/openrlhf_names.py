@@ -280,7 +280,6 @@ REFUSED: dict[str, str] = {
     "partial_rollout": f"{_NOT_YET}; drop it (--async_train finishes each generation with the weights it began with)",
     "vllm_generate_batch_size": f"oversampling prompts per round: {_NOT_YET}; drop it",
     "vllm_sync_with_ray": f"{_NOT_YET}; drop it (--vllm_sync_backend picks how weights reach the engines)",
-    "packing_samples": f"packing rows in this CLI: {_NOT_YET}; drop it (padded rows give the same numbers)",
     "ring_attn_size": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ring_head_stride": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ds_tensor_parallel_size": f"DeepSpeed tensor parallelism in this CLI: {_NOT_YET}; drop it",

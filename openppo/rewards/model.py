@@ -13,6 +13,7 @@ from __future__ import annotations
 import torch
 
 from openppo.models.loading import load_tokenizer, resolve_model_path
+from openppo.models.row_layout import RowLayout
 from openppo.models.scalar import ScalarModel
 from openppo.rewards.base import RewardError, RewardResult, RewardSource, check_inputs
 
@@ -33,6 +34,7 @@ class ModelReward(RewardSource):
         flag: str = "--reward_pretrain",
         use_fast_tokenizer: bool = True,
         attn_implementation: str = "sdpa",
+        packed: bool = False,
     ):
         path = resolve_model_path(path, flag)
         self.name = f"reward model {path}"
@@ -42,6 +44,7 @@ class ModelReward(RewardSource):
             .to(device)
             .eval()
         )
+        self.model.layout = RowLayout(packed=packed)
         self.device = torch.device(device)
         self.max_len = max_len
         self.batch_size = batch_size

@@ -54,6 +54,7 @@ class PreferenceDataConfig(DataConfig):
     prompt_key: str = opt(None, "column holding the prompt; None when chosen/rejected are whole conversations")
     chosen_key: str = opt("chosen", "column holding the preferred response")
     rejected_key: str = opt("rejected", "column holding the dispreferred response")
+    packing_samples: bool = opt(False, "run each micro-batch as one packed row: no padding is computed, same numbers")
 
 
 @dataclass

@@ -53,6 +53,7 @@ def _args(model, data, save, extra=()):
         "4",
         "--max_ckpt_num",
         "10",
+        "--ds.packing_samples",  # every run packs its micro-batches (OpenRLHF >= 0.10's spelling)
         *extra,
     ]
 

@@ -133,3 +133,38 @@ def test_margin_loss_uses_each_pairs_margin(tokenizer):
         chosen, rejected = trainer._scores(batch)
     assert loss.item() == pytest.approx(pairwise_rm_loss(chosen, rejected, margin=torch.tensor([1.5, 0.0])).item())
     assert loss.item() != pytest.approx(pairwise_rm_loss(chosen, rejected).item())
+
+
+def test_packed_preference_pairs_give_the_padded_losses(tokenizer):
+    """--packing_samples for train_rm and train_dpo: the models run each micro-batch as one packed row (their
+    RowLayout); the reward-model and DPO losses equal the padded ones to 1e-5 (fp32)."""
+    import torch
+
+    from openppo.models.actor import Actor
+    from openppo.models.row_layout import RowLayout
+    from openppo.models.scalar import ScalarModel
+    from openppo.trainers.stages import DPOTrainer, RewardModelTrainer
+    from tests.model_cache import tiny_model_dir
+
+    rows = [
+        {"prompt": "2+2?", "chosen": "4", "rejected": "five, I think"},
+        {"prompt": "What is three plus three?", "chosen": "6", "rejected": "7"},
+    ]
+    batch = collate_pairs(list(make(rows, tokenizer)), tokenizer.pad_token_id)
+    assert not batch["attention_mask"].all()  # ragged rows: padding that packing skips
+    rm = object.__new__(RewardModelTrainer)  # only what compute_loss reads
+    rm.engine = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--pretrain")
+    rm.loss_kind, rm.margin = "sigmoid", 0.0
+    dpo = object.__new__(DPOTrainer)
+    dpo.engine = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
+    dpo.ref_engine = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
+    with torch.no_grad():
+        dpo.ref_engine.model.lm_head.weight.mul_(1.1)  # a reference unlike the policy: a non-zero DPO margin
+    dpo.beta, dpo.label_smoothing, dpo.ipo, dpo.nll_loss_coef = 0.1, 0.0, False, 0.5
+    losses = {}
+    for packed in (False, True):
+        for model in (rm.engine, dpo.engine, dpo.ref_engine):
+            model.layout = RowLayout(packed=packed)
+        with torch.no_grad():
+            losses[packed] = [trainer.compute_loss(batch)[0].item() for trainer in (rm, dpo)]
+    assert losses[True] == pytest.approx(losses[False], abs=1e-5)

@@ -209,8 +209,8 @@ def test_validate_and_host_warning():
 
 
 def test_param_dtype_and_attn_implementation_reach_the_model(rm_dir):
-    """serve_rm's --param_dtype bf16 (OpenRLHF's name for --bf16) and --attn_implementation build the model so;
-    --bf16 with --param_dtype fp32 disagree and stop."""
+    """serve_rm's --param_dtype bf16 (OpenRLHF's name for --bf16), --attn_implementation and --packing_samples
+    build the model so (packed scores equal padded ones); --bf16 with --param_dtype fp32 disagree and stop."""
     import torch
 
     from openppo.cli.serve_rm import build_source
@@ -220,5 +220,11 @@ def test_param_dtype_and_attn_implementation_reach_the_model(rm_dir):
     )
     assert next(source.model.parameters()).dtype == torch.bfloat16
     assert source.model.hf_model.config._attn_implementation == "eager"
+    queries = ["Q: 2+2? A: 4", "Q: what is three plus three? A: six, I think"]  # ragged: padding to skip
+    padded = build_source(ServeRMConfig(reward_pretrain=str(rm_dir), device="cpu"))
+    packed = build_source(ServeRMConfig(reward_pretrain=str(rm_dir), device="cpu", packing_samples=True))
+    assert packed.model.layout.packed and not padded.model.layout.packed
+    want, got = (s.score(queries, queries, [None, None]).rewards for s in (padded, packed))
+    assert got == pytest.approx(want, abs=1e-5)
     with pytest.raises(UserError, match="--bf16 and --param_dtype fp32 disagree"):
         validate(ServeRMConfig(reward_pretrain=str(rm_dir), bf16=True, param_dtype="fp32"))
