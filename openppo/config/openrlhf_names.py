@@ -273,7 +273,6 @@ REFUSED: dict[str, str] = {
     "muon_ns_steps": _MUON,
     "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
     "aux_loss_coef": f"the MoE load-balancing loss: {_NOT_YET}; drop it for dense models",
-    "best_metric_key": f"keeping the best checkpoint by an eval metric: {_NOT_YET}",
     "enable_ema": f"an EMA copy of the weights: {_NOT_YET}",
     "ema_beta": f"an EMA copy of the weights: {_NOT_YET}",
     "use_ds_universal_ckpt": f"{_NOT_YET}; resume with the same number of ranks",

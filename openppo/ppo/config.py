@@ -149,6 +149,12 @@ class PPODeepSpeedConfig(DeepSpeedConfig):
 class PPOLoggingConfig(LoggingConfig):
     """Metrics, experiment tracking and profiling."""
 
+    best_metric_key: str = opt(
+        None,
+        "eval metric to keep the best policy by, higher is better (e.g. eval/pass@1; '' = eval/pass@1, 'none' = "
+        "off): an eval that beats the best so far exports the actor to <ckpt_path>/best with best.json",
+    )
+
     profile_steps: str = opt(
         None,
         "comma list of RL steps to trace with the torch profiler (driver and every rank; "

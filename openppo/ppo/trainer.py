@@ -289,6 +289,26 @@ class PPOTrainer:
             metrics = self.collector.evaluate(list(self.eval_prompts), d.eval_n_samples_per_prompt, d.eval_temperature)
         return {**metrics, **timing}
 
+    def _keep_best(self, evaluation: dict[str, float]) -> None:
+        """--best_metric_key: export the actor when this eval beats every earlier one (OpenRLHF keeps the best
+        step as a checkpoint; here it is the HF folder users deploy, <ckpt_path>/best, and best.json)."""
+        key = self.cfg.logging.best_metric_key
+        if key is None or key == "none":
+            return
+        key = key or "eval/pass@1"
+        if key not in evaluation:
+            logger.warning("--best_metric_key %s: not an eval metric (these are: %s)", key, ", ".join(evaluation))
+            return
+        best = self.ckpt_dir / "best"
+        record = json.loads((best / "best.json").read_text()) if (best / "best.json").is_file() else None
+        if record is not None and record["metric"] == key and evaluation[key] <= record["value"]:
+            return
+        self.groups.actor.save_hf(str(best), self.cfg.model.pretrain)
+        ckpt.write_json_atomic(best / "best.json", {"metric": key, "value": evaluation[key], "step": self.global_step})
+        logger.info(
+            "best %s so far (%.4g) at step %d: the actor is in %s", key, evaluation[key], self.global_step, best
+        )
+
     def _eval_due(self, episode_end: bool) -> bool:
         every = self.cfg.logging.eval_steps
         if self.eval_prompts is None:
@@ -430,7 +450,9 @@ class PPOTrainer:
             # (with dynamic filtering an episode of prompts takes fewer steps than steps_per_episode)
             episode_end = self._episode() != episode or self.global_step == self.total_steps
             if self._eval_due(episode_end):
-                metrics.update(self.evaluate())
+                evaluation = self.evaluate()
+                metrics.update(evaluation)
+                self._keep_best(evaluation)
             self.tracker.log(self.global_step, metrics, echo=self.global_step % cfg.logging.logging_steps == 0)
             if cfg.ckpt.save_steps > 0 and self.global_step % cfg.ckpt.save_steps == 0:
                 self.save_checkpoint()

@@ -81,6 +81,8 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         "2",
         "--eval_n_samples_per_prompt",
         "2",
+        "--best_metric_key",
+        "eval/pass@1",
         "--vllm_kv_cache_bytes",
         str(128 * 2**20),
         "--generate_max_len",
@@ -129,6 +131,14 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     evaluated = [r for r in records if "eval/pass@1" in r]
     assert [r["step"] for r in evaluated] == [2]
     assert 0.0 <= evaluated[0]["eval/pass@1"] <= evaluated[0]["eval/pass@2"] <= 1.0
+    # --best_metric_key: the one eval so far is the best: the actor of step 2 is exported, with its value
+    best = save / "checkpoints" / "best"
+    assert json.loads((best / "best.json").read_text()) == {
+        "metric": "eval/pass@1",
+        "value": evaluated[0]["eval/pass@1"],
+        "step": 2,
+    }
+    assert (best / "config.json").is_file()
     ckpts = save / "checkpoints" / "actor"
     assert (ckpts / "global_step2").is_dir() and (ckpts / "latest").read_text().strip() == "global_step3"
     assert sorted(p.name for p in (save / "checkpoints" / "committed").iterdir()) == [
