@@ -78,6 +78,9 @@ class OptimConfig:
     l2: float = opt(0.0, "weight decay (not applied to biases and norms)")
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
     seed: int = opt(42, "random seed for data order, init and dropout")
+    full_determinism: bool = opt(
+        False, "deterministic kernels only (transformers' enable_full_determinism: slower; an op without one raises)"
+    )
 
 
 @dataclass

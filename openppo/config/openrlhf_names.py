@@ -282,7 +282,6 @@ REFUSED: dict[str, str] = {
     "ring_attn_size": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ring_head_stride": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ds_tensor_parallel_size": f"DeepSpeed tensor parallelism in this CLI: {_NOT_YET}; drop it",
-    "full_determinism": f"in this CLI: {_NOT_YET}; --seed fixes the data order and initialisation",
 }
 
 # flags that do nothing in a CLI without the field: (takes a value, why it is ignored)

@@ -84,6 +84,10 @@ def make_strategy(cfg: Any) -> DeepSpeedStrategy:
         seed=cfg.optim.seed,
     )
     strategy.setup_distributed()
+    if cfg.optim.full_determinism:
+        from transformers import enable_full_determinism
+
+        enable_full_determinism(cfg.optim.seed)  # seeds, deterministic torch/cuDNN/cuBLAS
     return strategy
 
 

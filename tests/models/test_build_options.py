@@ -107,3 +107,31 @@ def test_grad_accum_dtype_reaches_the_deepspeed_engine():
         num_training_steps=4,
     )
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+
+
+def test_full_determinism_of_the_supervised_clis():
+    """--full_determinism (OpenRLHF's --train.full_determinism_enable) in train_sft/rm/dpo: transformers'
+    enable_full_determinism, after which a training forward and backward still run (no op lacks a deterministic
+    kernel on this path) and repeat bit for bit."""
+    from openppo.config.schema import parse_config
+    from openppo.models.row_layout import RowLayout
+    from openppo.trainers import setup
+    from openppo.trainers.configs import SFTConfig
+
+    cfg = parse_config(SFTConfig, "--train.full_determinism_enable --zero_stage 0".split(), "train_sft")
+    assert not torch.are_deterministic_algorithms_enabled()
+    try:
+        setup.make_strategy(cfg)
+        assert torch.are_deterministic_algorithms_enabled()
+        runs = []
+        for packed in (False, True, True):
+            actor = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32).train()
+            actor.layout = RowLayout(packed=packed)
+            seqs = torch.arange(10, 34).reshape(2, 12)
+            attn = torch.ones_like(seqs)
+            attn[1, 8:] = 0
+            actor(seqs, attn).log_probs.sum().backward()
+            runs.append(actor.model.get_input_embeddings().weight.grad.clone())
+        assert torch.equal(runs[1], runs[2])
+    finally:
+        torch.use_deterministic_algorithms(False)
