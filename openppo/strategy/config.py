@@ -34,6 +34,11 @@ class DeepSpeedConfig:
         "dtype DeepSpeed accumulates gradients in across micro-batches; default: DeepSpeed's choice",
         choices=("fp32", "bf16", "fp16"),
     )
+    use_ds_universal_ckpt: bool = opt(
+        False,
+        "load DeepSpeed universal checkpoints (converted with DeepSpeed's ds_to_universal), so a run resumes "
+        "on another number of ranks",
+    )
     overlap_comm: bool = opt(False, "overlap gradient reduction with backward (more memory, faster)")
     zpg: int = opt(1, "ZeRO++ hierarchical partition size (ZeRO-3 only); 1 = off")
     dist_timeout: int = opt(600, "seconds any collective may wait before the run fails instead of hanging")
@@ -104,6 +109,8 @@ def train_ds_config(
         # A replicated LM head gives every rank the full-vocabulary logits the RL losses need (a vocab-parallel
         # head would leave each rank a slice of the softmax).
         extra["tensor_parallel"] = {"autotp_size": tensor_parallel_size, "vocab_parallel_lm_head": False}
+    if cfg.use_ds_universal_ckpt:
+        extra["checkpoint"] = {"load_universal": True}
     if cfg.grad_accum_dtype is not None:
         extra["data_types"] = {"grad_accum_dtype": cfg.grad_accum_dtype}
     config = {

@@ -83,13 +83,16 @@ def test_adam_eps_and_reentrant_flags_reach_the_build_arguments():
     assert ppo.model.build_kwargs()["reentrant_checkpointing"] and sft.model.build_kwargs()["reentrant_checkpointing"]
 
 
-def test_grad_accum_dtype_reaches_the_deepspeed_engine():
-    """--grad_accum_dtype (OpenRLHF's --ds.grad_accum_dtype) is the engine's gradient-accumulation dtype."""
+def test_grad_accum_dtype_and_universal_checkpoints_reach_the_deepspeed_engine():
+    """--grad_accum_dtype (OpenRLHF's --ds.grad_accum_dtype) is the engine's gradient-accumulation dtype;
+    --use_ds_universal_ckpt makes it load universal checkpoints."""
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy(
-        DeepSpeedConfig(zero_stage=2, param_dtype="bf16", grad_accum_dtype="fp32", dist_timeout=120),
+        DeepSpeedConfig(
+            zero_stage=2, param_dtype="bf16", grad_accum_dtype="fp32", use_ds_universal_ckpt=True, dist_timeout=120
+        ),
         train_batch_size=2,
         micro_batch_size=1,
         max_norm=1.0,
@@ -107,6 +110,7 @@ def test_grad_accum_dtype_reaches_the_deepspeed_engine():
         num_training_steps=4,
     )
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)
+    assert engine.load_universal_checkpoint()
 
 
 def test_full_determinism_of_the_supervised_clis():
