@@ -43,20 +43,17 @@ def test_reentrant_checkpointing_is_used_and_gives_the_same_gradients():
         assert max((grads[n] - plain[n]).abs().max().item() for n in plain) < 1e-5
 
 
-def test_adam_eps_reaches_the_optimizer():
+def _engine(dtype: torch.dtype, eps: float = 1e-8, **ds):
+    """A real 1-rank DeepSpeed training engine of the tiny actor with the DeepSpeed options `ds`."""
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy(
-        DeepSpeedConfig(zero_stage=0, param_dtype="fp32", dist_timeout=120),
-        train_batch_size=1,
-        micro_batch_size=1,
-        max_norm=1.0,
-        seed=0,
+        DeepSpeedConfig(dist_timeout=120, **ds), train_batch_size=2, micro_batch_size=1, max_norm=1.0, seed=0
     )
     strategy.setup_distributed()
-    engine = strategy.prepare_train(
-        Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32),
+    return strategy.prepare_train(
+        Actor.from_pretrained(str(tiny_model_dir()), dtype=dtype),
         lr=1e-4,
         betas=(0.9, 0.95),
         weight_decay=0.0,
@@ -64,8 +61,12 @@ def test_adam_eps_reaches_the_optimizer():
         warmup_ratio=0.0,
         min_lr_ratio=0.1,
         num_training_steps=4,
-        eps=1e-6,
+        eps=eps,
     )
+
+
+def test_adam_eps_reaches_the_optimizer():
+    engine = _engine(torch.float32, eps=1e-6, zero_stage=0, param_dtype="fp32")
     assert {g["eps"] for g in engine.optimizer.param_groups} == {1e-6}
 
 
@@ -86,28 +87,8 @@ def test_adam_eps_and_reentrant_flags_reach_the_build_arguments():
 def test_grad_accum_dtype_and_universal_checkpoints_reach_the_deepspeed_engine():
     """--grad_accum_dtype (OpenRLHF's --ds.grad_accum_dtype) is the engine's gradient-accumulation dtype;
     --use_ds_universal_ckpt makes it load universal checkpoints."""
-    from openppo.strategy.config import DeepSpeedConfig
-    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-
-    strategy = DeepSpeedStrategy(
-        DeepSpeedConfig(
-            zero_stage=2, param_dtype="bf16", grad_accum_dtype="fp32", use_ds_universal_ckpt=True, dist_timeout=120
-        ),
-        train_batch_size=2,
-        micro_batch_size=1,
-        max_norm=1.0,
-        seed=0,
-    )
-    strategy.setup_distributed()
-    engine = strategy.prepare_train(
-        Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.bfloat16),
-        lr=1e-4,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=4,
+    engine = _engine(
+        torch.bfloat16, zero_stage=2, param_dtype="bf16", grad_accum_dtype="fp32", use_ds_universal_ckpt=True
     )
     assert engine.get_data_types() == (torch.bfloat16, torch.float32)
     assert engine.load_universal_checkpoint()
