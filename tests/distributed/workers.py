@@ -97,6 +97,7 @@ class TrainWorker(BaseWorker):
 
         from openppo.models.actor import Actor
         from openppo.strategy.config import DeepSpeedConfig
+        from tests.ppo.rank_helpers import train_engine
 
         t0 = time.monotonic()
         strategy = setup_strategy(
@@ -109,16 +110,7 @@ class TrainWorker(BaseWorker):
         t_dist = time.monotonic()
         with strategy.zero3_init():
             actor = Actor.from_pretrained(model_dir, dtype=torch.float32)
-        engine = strategy.prepare_train(
-            actor,
-            lr=1e-2,
-            betas=(0.9, 0.95),
-            weight_decay=0.0,
-            scheduler="constant",
-            warmup_ratio=0.0,
-            min_lr_ratio=0.0,
-            num_training_steps=num_steps,
-        )
+        engine = train_engine(strategy, actor, lr=1e-2, steps=num_steps, min_lr_ratio=0.0)
         t_engine = time.monotonic()
         # The same batch on every rank: ZeRO-3 must then give every rank the same loss at every step.
         input_ids = torch.randint(0, 1000, (2, 16), generator=torch.Generator().manual_seed(0))

@@ -37,6 +37,7 @@ def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, che
     from openppo.models.actor import Actor
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+    from tests.ppo.rank_helpers import train_engine
 
     strategy = DeepSpeedStrategy(
         DeepSpeedConfig(zero_stage=zero_stage, param_dtype="bf16", adam_offload=adam_offload, dist_timeout=600),
@@ -48,16 +49,7 @@ def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, che
     strategy.setup_distributed()
     with strategy.zero3_init():
         actor = Actor.from_pretrained(str(model_dir), dtype=torch.bfloat16, gradient_checkpointing=checkpointing)
-    engine = strategy.prepare_train(
-        actor,
-        lr=1e-3,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=4,
-    )
+    engine = train_engine(strategy, actor, lr=1e-3, steps=4)
     return strategy, engine
 
 

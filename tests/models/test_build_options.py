@@ -7,6 +7,7 @@ import torch
 from openppo.models.actor import Actor
 from openppo.models.loading import apply_lora
 from tests.model_cache import tiny_model_dir
+from tests.ppo.rank_helpers import train_engine
 
 
 def _adapted(target_modules):
@@ -52,17 +53,7 @@ def _engine(dtype: torch.dtype, eps: float = 1e-8, **ds):
         DeepSpeedConfig(dist_timeout=120, **ds), train_batch_size=2, micro_batch_size=1, max_norm=1.0, seed=0
     )
     strategy.setup_distributed()
-    return strategy.prepare_train(
-        Actor.from_pretrained(str(tiny_model_dir()), dtype=dtype),
-        lr=1e-4,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=4,
-        eps=eps,
-    )
+    return train_engine(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=dtype), lr=1e-4, steps=4, eps=eps)
 
 
 def test_adam_eps_reaches_the_optimizer():

@@ -34,6 +34,7 @@ def main(model: str, stage: int, dtype: str) -> dict:
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import smollm2_dir, tiny_model_dir
+    from tests.ppo.rank_helpers import train_engine
 
     strategy = DeepSpeedStrategy(
         DeepSpeedConfig(zero_stage=stage, param_dtype=dtype, dist_timeout=120),
@@ -54,16 +55,7 @@ def main(model: str, stage: int, dtype: str) -> dict:
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()
     path = str(tiny_model_dir() if model == "tiny" else smollm2_dir())
-    engine = strategy.prepare_train(
-        Actor.from_pretrained(path, dtype=strategy.torch_dtype),
-        lr=1e-6,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=2 * STEPS,
-    )
+    engine = train_engine(strategy, Actor.from_pretrained(path, dtype=strategy.torch_dtype), lr=1e-6, steps=2 * STEPS)
     width = PROMPT + RESPONSE
     rows = ROWS * STEPS
     seqs = torch.randint(100, 1000, (rows, width), generator=torch.Generator().manual_seed(0))

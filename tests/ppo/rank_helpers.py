@@ -141,3 +141,19 @@ def reduce_global(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm_l
     if mode == "seq-mean-token-sum":
         return sums.sum() / kept.sum()
     return sums.sum() / (kept.sum() * norm_len)  # Dr. GRPO
+
+
+def train_engine(strategy, model, *, lr: float, steps: int, min_lr_ratio: float = 0.1, eps: float = 1e-8):
+    """`strategy.prepare_train` with the tests' fixed schedule: AdamW betas (0.9, 0.95), no weight decay, a constant
+    LR over `steps` optimizer steps."""
+    return strategy.prepare_train(
+        model,
+        lr=lr,
+        betas=(0.9, 0.95),
+        weight_decay=0.0,
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=min_lr_ratio,
+        num_training_steps=steps,
+        eps=eps,
+    )

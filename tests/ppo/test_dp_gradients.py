@@ -34,6 +34,7 @@ from tests.ppo.rank_helpers import (
     ppo_per_token,
     ragged_rows,
     reduce_global,
+    train_engine,
     value_per_token,
 )
 from tests.spawn import run_ranks
@@ -88,16 +89,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             model = load_model(role, path, strategy)
             ring_rows = ring_layout(model.model, ring, head_stride=1) if ring > 1 else None
             engine = GradAtBoundary(
-                strategy.prepare_train(
-                    model,
-                    lr=0.0,
-                    betas=(0.9, 0.95),
-                    weight_decay=0.0,
-                    scheduler="constant",
-                    warmup_ratio=0.0,
-                    min_lr_ratio=0.1,
-                    num_training_steps=64,
-                ),
+                train_engine(strategy, model, lr=0.0, steps=64),
                 read=full_grads,
             )
             plain = load_model(role, path)

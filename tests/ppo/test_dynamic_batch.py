@@ -18,7 +18,7 @@ from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
 from openppo.strategy.config import DeepSpeedConfig
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from tests.model_cache import tiny_model_dir
-from tests.ppo.rank_helpers import GradAtBoundary
+from tests.ppo.rank_helpers import GradAtBoundary, train_engine
 
 LENGTHS = [5, 17, 9, 30, 12, 3, 22, 8]  # ragged rows: prompt + response
 
@@ -57,16 +57,7 @@ def _engine(model_cls):
         if model_cls is Actor
         else ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain")
     )
-    engine = strategy.prepare_train(
-        model,
-        lr=1e-4,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=4,
-    )
+    engine = train_engine(strategy, model, lr=1e-4, steps=4)
     return GradAtBoundary(engine), strategy
 
 

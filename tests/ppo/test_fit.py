@@ -13,6 +13,7 @@ from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
 from openppo.strategy.config import DeepSpeedConfig
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from tests.model_cache import tiny_model_dir
+from tests.ppo.rank_helpers import train_engine
 
 
 def _experience():
@@ -41,16 +42,7 @@ def _strategy(micro, accum, stage=0):
 
 
 def _prepare(strategy, model):
-    return strategy.prepare_train(
-        model,
-        lr=1e-4,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=4,
-    )
+    return train_engine(strategy, model, lr=1e-4, steps=4)
 
 
 @pytest.mark.parametrize("micro,accum", [(1, 4), (2, 2), (4, 1)])

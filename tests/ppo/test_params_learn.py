@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ppo.rank_helpers import fp32_strategy, full_weights, join_gloo_group, load_model, ragged_rows
+from tests.ppo.rank_helpers import fp32_strategy, full_weights, join_gloo_group, load_model, ragged_rows, train_engine
 from tests.spawn import run_ranks
 
 WORLD = 2
@@ -57,16 +57,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             for role in _roles(arch):
                 model = load_model(role, path, strategy, **(dict(lora_rank=4, lora_alpha=8) if role == "lora" else {}))
                 trainable = {n for n, p in model.named_parameters() if p.requires_grad}
-                engine = strategy.prepare_train(
-                    model,
-                    lr=1e-3,
-                    betas=(0.9, 0.95),
-                    weight_decay=0.0,
-                    scheduler="constant",
-                    warmup_ratio=0.0,
-                    min_lr_ratio=0.1,
-                    num_training_steps=8,
-                )
+                engine = train_engine(strategy, model, lr=1e-3, steps=8)
                 data = _batch(model.config.vocab_size, rank)
                 with torch.no_grad():
                     if role == "critic":

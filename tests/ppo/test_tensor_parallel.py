@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ppo.rank_helpers import GradAtBoundary, join_gloo_group, ppo_per_token, reduce_global
+from tests.ppo.rank_helpers import GradAtBoundary, join_gloo_group, ppo_per_token, reduce_global, train_engine
 from tests.ppo.test_dynamic_batch import _experience
 from tests.spawn import run_ranks
 
@@ -62,18 +62,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     )
     strategy.setup_distributed()
     plain = Actor.from_pretrained(path, dtype=torch.float32)
-    engine = GradAtBoundary(
-        strategy.prepare_train(
-            Actor.from_pretrained(path, dtype=torch.float32),
-            lr=1e-3,
-            betas=(0.9, 0.95),
-            weight_decay=0.0,
-            scheduler="constant",
-            warmup_ratio=0.0,
-            min_lr_ratio=0.1,
-            num_training_steps=4,
-        )
-    )
+    engine = GradAtBoundary(train_engine(strategy, Actor.from_pretrained(path, dtype=torch.float32), lr=1e-3, steps=4))
     results: dict[str, float] = {}
     shards = {n: p for n, p in engine.module.named_parameters()}
     results["split_weights"] = float(

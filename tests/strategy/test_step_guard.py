@@ -26,6 +26,7 @@ from openppo.strategy.config import DeepSpeedConfig, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.trainers.loop import SupervisedTrainer
 from tests.model_cache import tiny_model_dir
+from tests.ppo.rank_helpers import train_engine
 from tests.spawn import run_ranks
 
 # ZeRO-0 fp32 is the one case where the guard checks gradients itself (torch's optimizer, unwrapped); the others
@@ -46,16 +47,7 @@ def _strategy(stage: int, dtype: str, *, limit: int = 3, micro: int = 2, accum: 
 
 def _engine(strategy: DeepSpeedStrategy):
     model = Actor.from_pretrained(str(tiny_model_dir()), dtype=strategy.torch_dtype)
-    return strategy.prepare_train(
-        model,
-        lr=1e-3,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=8,
-    )
+    return train_engine(strategy, model, lr=1e-3, steps=8)
 
 
 def _weights(strategy: DeepSpeedStrategy, engine) -> dict[str, torch.Tensor]:
