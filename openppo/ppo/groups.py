@@ -99,17 +99,31 @@ class ActorGroup(TrainedGroup):
     def train(self, data: dict[str, torch.Tensor], kl_coef: float, global_step: int) -> dict[str, float]:
         return self.fit(ActorWorker.train, data, kl_coef=kl_coef, global_step=global_step)
 
-    def connect_engines(self, engines: EnginePool, plan: Any, backend: str, tensor_parallel_size: int) -> None:
+    def connect_engines(
+        self,
+        engines: EnginePool,
+        plan: Any,
+        backend: str,
+        tensor_parallel_size: int,
+        *,
+        bucket_bytes: int,
+        engine_dtype: str,
+    ) -> None:
         self.workers.run(
-            ActorWorker.connect_engines, engines.engines, plan, backend, tensor_parallel_size, engines.timeout_s
+            ActorWorker.connect_engines,
+            engines.engines,
+            plan,
+            backend,
+            tensor_parallel_size,
+            engines.timeout_s,
+            bucket_bytes,
+            engine_dtype,
         )
 
-    def sync_weights(self, engines: EnginePool, bucket_bytes: int, engine_dtype: str) -> dict[str, float]:
+    def sync_weights(self, engines: EnginePool) -> dict[str, float]:
         """Every engine gets the current weights; no engine generates meanwhile. Rank 0's sync statistics."""
         with engines.lock:
-            return self.workers.run(
-                ActorWorker.sync_weights, engines.engines, bucket_bytes, engine_dtype, engines.timeout_s
-            )[0]
+            return self.workers.run(ActorWorker.sync_weights, engines.engines, engines.timeout_s)[0]
 
     def check_engine_weights(self, engines: EnginePool) -> list[tuple[bool, str]]:
         """Per engine (equal, summary): the weights it computes with against the actor's (`rollout.readback`)."""

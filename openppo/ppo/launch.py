@@ -266,7 +266,14 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     actor = groups["actor"]
     transports = sync_plan(cfg, actor.worker_infos, pool.infos, backend, on_gpu=bool(gpu))
-    actor.connect_engines(pool, transports, backend, cfg.vllm.vllm_tensor_parallel_size)
+    actor.connect_engines(
+        pool,
+        transports,
+        backend,
+        cfg.vllm.vllm_tensor_parallel_size,
+        bucket_bytes=cfg.vllm.vllm_sync_bucket_mb * 2**20,
+        engine_dtype=plan.engine_dtype,
+    )
     return Groups(
         actor=actor,
         engines=pool,

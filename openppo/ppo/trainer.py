@@ -5,14 +5,14 @@
 Where each call goes (driver: this process; ranks and engines: Ray actors):
 
     step -+ Collector.collect (ppo/collector.py: prompt order, dynamic filtering; --async_train: a thread ahead)
-          |    +-> RolloutSource.generate --> EnginePool.generate --> VLLMEngine.generate --> vLLM
+          |    +-> RolloutSource.generate --(EnginePool.deal: prompts round-robin)--> VLLMEngine.generate --> vLLM
           |    +-> RolloutSource.score --> reward function / HTTP server / RewardGroup.scores (reward-model ranks)
           + ActorGroup.log_probs / ReferenceGroup.log_probs / CriticGroup.values     (ppo/groups.py: deal rows)
           |    +-> ActorWorker.log_probs ... (ppo/workers.py, one per rank) --> DeepSpeed engine --> Actor.forward
           + compute_advantages_for_batch (ppo/experience.py --> algorithms/: pure tensor math)
           + CriticGroup.train / ActorGroup.train
           |    +-> CriticWorker.train / ActorWorker.train --> fit_experience (ppo/fit.py) --> engine.backward, step
-          + ActorGroup.sync_weights --> ActorWorker.sync_weights --> rollout/sender.py --> the engines' workers
+          + ActorGroup.sync_weights --> ActorWorker.sync_weights --> sender.sync_weights --> the engines' workers
 
 The controller holds no model: it owns the step count, the KL controller, checkpoints of its own state and the
 metrics. Memory swapping for colocated runs (engines asleep while the trainer works, trainer states offloaded
@@ -121,15 +121,12 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------------------ one step
-    def sync_weights(self) -> dict[str, float]:
-        cfg = self.cfg
-        stats = self.groups.actor.sync_weights(
-            self.groups.engines, cfg.vllm.vllm_sync_bucket_mb * 2**20, self.plan.engine_dtype
-        )
+    def _synced(self) -> None:
+        """After each weight sync: the engines generate with the next policy version (checked once with
+        --vllm_sync_check)."""
         self.policy_version += 1
-        if cfg.vllm.vllm_sync_check and not self._sync_checked:
+        if self.cfg.vllm.vllm_sync_check and not self._sync_checked:
             self._check_engine_weights()
-        return stats
 
     def _check_engine_weights(self) -> None:
         """--vllm_sync_check: the engines compute with the trainer's weights, tensor by tensor (the first sync after
@@ -213,7 +210,8 @@ class PPOTrainer:
             # sync: the engines generate the next batch with the weights just trained
             self.swap.engine_weights()
             with self.timer("weight_sync"):
-                metrics["perf/weight_sync_mb"] = self.sync_weights()["num_bytes"] / 2**20
+                metrics["perf/weight_sync_mb"] = g.actor.sync_weights(g.engines)["num_bytes"] / 2**20
+            self._synced()
         else:
             self.swap.engine_weights()
         self.swap.to_engines()
@@ -384,7 +382,8 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_controller"])
         for log in ("metrics.jsonl", "rollouts.jsonl"):
             set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
-        self.sync_weights()
+        self.groups.actor.sync_weights(self.groups.engines)
+        self._synced()
         self.policy_version = self.global_step
         logger.info(
             "resumed from %s at step %d (prompt %d of %d); engines re-synced",

@@ -233,14 +233,23 @@ class ActorWorker(_TrainedWorker):
         return self.strategy.all_reduce_mean(self._perf("actor", metrics, data, time.perf_counter() - start))
 
     def connect_engines(
-        self, engines: list[Any], plan: Any, backend: str, tensor_parallel_size: int, timeout_s: float
+        self,
+        engines: list[Any],
+        plan: Any,
+        backend: str,
+        tensor_parallel_size: int,
+        timeout_s: float,
+        bucket_bytes: int,
+        engine_dtype: str,
     ) -> None:
         """Every rank enters. With `plan` (a `SyncPlan`) handing engines their buckets from several ranks, all ranks
         make the exchange group (a collective); rank 0 joins the broadcast group with the workers of the engines
-        that get buckets by broadcast."""
+        that get buckets by broadcast. Each sync sends buckets of `bucket_bytes` in `engine_dtype`."""
         from openppo.rollout.sender import HandleExchange, connect_engines
 
         self.sync_plan = plan
+        self.sync_bucket_bytes = bucket_bytes
+        self.sync_dtype = getattr(torch, engine_dtype)  # vLLM's names are torch's
         if plan.exchange_ranks:
             self.exchange = HandleExchange(plan.exchange_ranks, timeout_s)
         broadcast = [e for e, t in zip(engines, plan.transports) if t == "broadcast"]
@@ -249,19 +258,16 @@ class ActorWorker(_TrainedWorker):
                 broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size, timeout_s=timeout_s
             )
 
-    def sync_weights(
-        self, engines: list[Any], bucket_bytes: int, engine_dtype: str, timeout_s: float
-    ) -> dict[str, float] | None:
+    def sync_weights(self, engines: list[Any], timeout_s: float) -> dict[str, float] | None:
         """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats."""
         from openppo.rollout.sender import sync_weights
 
-        dtype = getattr(torch, engine_dtype)  # vLLM's names are torch's
         out = sync_weights(
             self.engine.module,
             self.sync_group,
             engines,
-            bucket_bytes,
-            dtype=dtype,
+            self.sync_bucket_bytes,
+            dtype=self.sync_dtype,
             timeout_s=timeout_s,
             rank=self.strategy.rank,
             plan=self.sync_plan,

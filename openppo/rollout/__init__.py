@@ -19,7 +19,6 @@ from openppo.rollout.buckets import (
 )
 from openppo.rollout.engine import VLLMEngine
 from openppo.rollout.sender import (
-    broadcast_weights,
     connect_engines,
     iter_full_weights,
     sync_weights,
@@ -38,7 +37,6 @@ __all__ = [
     "plan_buckets",
     "unpack_bucket",
     "VLLMEngine",
-    "broadcast_weights",
     "connect_engines",
     "iter_full_weights",
     "sync_weights",

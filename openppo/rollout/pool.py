@@ -1,15 +1,15 @@
 """The driver's handle on the vLLM engines of a run, and the `Sample` each completion becomes.
 
-`EnginePool.generate` spreads prompts round-robin over the engines, one request per engine and response budget,
-and waits at most `timeout_s`. Its `lock` keeps generation and weight replacement apart: an engine never generates
-while its weights are being replaced (the actor group's sync holds the lock), which also makes the engines' prefix
-cache reset at the end of a sync safe.
+`EnginePool.deal(VLLMEngine.generate, prompts, ...)` spreads prompts round-robin over the engines, one request per
+engine, and waits at most `timeout_s`. Its `lock` keeps generation and weight replacement apart: an engine never
+generates while its weights are being replaced (the actor group's sync holds the lock), which also makes the
+engines' prefix cache reset at the end of a sync safe.
 """
 
 from __future__ import annotations
 
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,46 +49,38 @@ class EnginePool:
     def __len__(self) -> int:
         return len(self.engines)
 
-    def generate(
+    def deal(
         self,
+        method: Callable,
         prompt_ids: list[list[int]],
         *,
-        n: int,
-        max_new_tokens: int | list[int],
-        temperature: float,
-        top_p: float,
-        top_k: int,
+        per_prompt: dict[str, Sequence[Any]] | None = None,
         seed: int | None = None,
-    ) -> list[list[dict]]:
-        """`n` completions per prompt (`VLLMEngine.generate`'s dicts), in prompt order. `max_new_tokens` is one budget
-        or one per prompt. With a `seed`, each request reseeds its engine's sampling with its own number derived
-        from it (--full_determinism)."""
+        **same: Any,
+    ) -> list:
+        """Run the engine method `method` (`VLLMEngine.generate`) on the prompts dealt round-robin over the engines,
+        one call per engine; its results per prompt, in prompt order. `per_prompt` values are dealt with their
+        prompts, `same` go to every engine. With a `seed`, engine e gets `seed + 1000 e`, so that each reseeds its
+        sampling with its own number (--full_determinism)."""
         import ray
 
-        budgets = max_new_tokens if isinstance(max_new_tokens, list) else [max_new_tokens] * len(prompt_ids)
+        per_prompt = per_prompt or {}
         refs, slots = [], []
         with self.lock:
             for e, engine in enumerate(self.engines):
                 chunk = list(range(e, len(prompt_ids), len(self.engines)))
                 if not chunk:
                     continue
-                refs.append(
-                    engine.generate.remote(
-                        [prompt_ids[i] for i in chunk],
-                        n=n,
-                        max_new_tokens=[budgets[i] for i in chunk],
-                        temperature=temperature,
-                        top_p=top_p,
-                        top_k=top_k,
-                        seed=None if seed is None else seed + 1_000 * e,
-                    )
-                )
+                dealt = {k: [v[i] for i in chunk] for k, v in per_prompt.items()}
+                engine_seed = None if seed is None else seed + 1_000 * e
+                call = getattr(engine, method.__name__)
+                refs.append(call.remote([prompt_ids[i] for i in chunk], **dealt, **same, seed=engine_seed))
                 slots.append(chunk)
             results = ray.get(refs, timeout=self.timeout_s)
-        outputs: list[list[dict]] = [[] for _ in prompt_ids]
+        outputs: list = [None] * len(prompt_ids)
         for chunk, out in zip(slots, results):
-            for i, completions in zip(chunk, out):
-                outputs[i] = completions
+            for i, result in zip(chunk, out):
+                outputs[i] = result
         return outputs
 
     def sleep(self) -> None:

@@ -272,19 +272,47 @@ def _as_plan(plan: SyncPlan | Sequence[str] | None, group: SyncGroup | None, num
     return SyncPlan.of(plan or [tr.BROADCAST if group is not None else tr.OBJECT_STORE] * num_engines)
 
 
-def broadcast_weights(
+def export_weights(
     named_tensors: Iterable[tuple[str, torch.Tensor]],
+    kind: str,
+    exchange: HandleExchange,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    *,
+    dtype: torch.dtype | None = None,
+) -> None:
+    """An exporting rank other than 0: the same buckets as rank 0's, each exported for the engine worker(s) on this
+    rank's device and its handle given to rank 0 (`kind`: "shm" or "cuda_ipc")."""
+    exporter = tr.LocalExporter(kind)
+    failed = True
+    try:
+        for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=exporter.device)):
+            exchange.gather(exporter.export(index, bucket.buffer))
+        exchange.barrier()
+        failed = False
+    finally:
+        exporter.close(failed)
+
+
+def sync_weights(
+    weights: nn.Module | Iterable[tuple[str, torch.Tensor]],
     group: SyncGroup | None,
     engines: Sequence[Any],
     bucket_bytes: int = DEFAULT_BUCKET_BYTES,
     *,
     dtype: torch.dtype | None = None,
     timeout_s: float = 600.0,
+    rank: int | None = None,
     plan: SyncPlan | Sequence[str] | None = None,
     exchange: HandleExchange | None = None,
     verify: bool = False,
-) -> dict[str, float]:
-    """Send `named_tensors` to every engine as buckets, on trainer rank 0; returns sync statistics.
+) -> dict[str, float] | None:
+    """One full sync of `weights` to every engine; rank 0 returns the sync statistics, the other ranks None.
+
+    `weights` is a model, whose full weights every trainer rank gathers (`iter_full_weights`: ZeRO-3 and AutoTP
+    gathers are collectives, so EVERY rank calls this), or (name, tensor) pairs, which only rank 0 sends (`rank`
+    defaults to the process's rank). Rank 0 packs them into buckets and hands each to every engine; the other ranks
+    in `plan.exporters` export their copy of each bucket through `exchange` (`export_weights`); the rest only enter
+    the gathers.
 
     `plan` says how engine i gets each bucket (`transport.py`; a list of transports means rank 0 hands over to
     every local engine itself): "broadcast" over `group` (gloo: a CPU buffer; nccl: a buffer on this GPU), "shm" /
@@ -298,7 +326,21 @@ def broadcast_weights(
 
     import ray
 
+    rank = _default_rank() if rank is None else rank
     plan = _as_plan(plan, group, len(engines))
+    exports = rank != 0 and rank in plan.exporters
+    named = (
+        iter_full_weights(weights, rank=rank, emit=rank == 0 or exports) if isinstance(weights, nn.Module) else weights
+    )
+    if exports:
+        assert exchange is not None, "an exporting rank other than 0 hands its handles to rank 0 through an exchange"
+        export_weights(named, plan.local_kind, exchange, bucket_bytes, dtype=dtype)
+        return None
+    if rank != 0:
+        for _ in named:  # enter every gather the sender enters
+            pass
+        return None
+
     assert len(plan.transports) == len(engines), "one transport per engine"
     assert exchange is not None or not plan.exchange_ranks, "handles of other ranks come through an exchange"
     local = [i for i, t in enumerate(plan.transports) if t in tr.LOCAL]
@@ -320,7 +362,7 @@ def broadcast_weights(
 
     failed = True
     try:
-        for bucket in iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=device):
+        for bucket in iter_buckets(named, bucket_bytes, dtype=dtype, device=device):
             if local:
                 while len(in_flight) >= tr.IN_FLIGHT:  # bounds the buffers the exporting ranks keep valid
                     ray.get(in_flight.popleft(), timeout=timeout_s)
@@ -363,66 +405,3 @@ def broadcast_weights(
         seconds,
     )
     return {"num_buckets": num_buckets, "num_bytes": num_bytes, "num_tensors": num_tensors, "seconds": seconds}
-
-
-def export_weights(
-    named_tensors: Iterable[tuple[str, torch.Tensor]],
-    kind: str,
-    exchange: HandleExchange,
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    *,
-    dtype: torch.dtype | None = None,
-) -> None:
-    """An exporting rank other than 0: the same buckets as rank 0's, each exported for the engine worker(s) on this
-    rank's device and its handle given to rank 0 (`kind`: "shm" or "cuda_ipc")."""
-    exporter = tr.LocalExporter(kind)
-    failed = True
-    try:
-        for index, bucket in enumerate(iter_buckets(named_tensors, bucket_bytes, dtype=dtype, device=exporter.device)):
-            exchange.gather(exporter.export(index, bucket.buffer))
-        exchange.barrier()
-        failed = False
-    finally:
-        exporter.close(failed)
-
-
-def sync_weights(
-    model: nn.Module,
-    group: SyncGroup | None,
-    engines: Sequence[Any],
-    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-    *,
-    dtype: torch.dtype | None = None,
-    timeout_s: float = 600.0,
-    rank: int | None = None,
-    plan: SyncPlan | Sequence[str] | None = None,
-    exchange: HandleExchange | None = None,
-    verify: bool = False,
-) -> dict[str, float] | None:
-    """One full sync; EVERY trainer rank calls this (ZeRO-3 gathers are collectives). Rank 0 returns the stats.
-
-    Rank 0 sends (`broadcast_weights`), the other ranks in `plan.exporters` export their copy of every bucket
-    through `exchange` (`export_weights`), the rest only enter the gathers."""
-    rank = _default_rank() if rank is None else rank
-    plan = _as_plan(plan, group, len(engines))
-    exports = rank in plan.exporters
-    named = iter_full_weights(model, rank=rank, emit=rank == 0 or exports)
-    if rank == 0:
-        return broadcast_weights(
-            named,
-            group,
-            engines,
-            bucket_bytes,
-            dtype=dtype,
-            timeout_s=timeout_s,
-            plan=plan,
-            exchange=exchange,
-            verify=verify,
-        )
-    if exports:
-        assert exchange is not None, "an exporting rank other than 0 hands its handles to rank 0 through an exchange"
-        export_weights(named, plan.local_kind, exchange, bucket_bytes, dtype=dtype)
-        return None
-    for _ in named:  # enter every gather the sender enters
-        pass
-    return None

@@ -13,7 +13,7 @@ import torch
 
 from openppo.rollout.buckets import pack_bucket, plan_buckets
 from openppo.rollout.readback import WeightCheck, check_engine_weights
-from openppo.rollout.sender import broadcast_weights, connect_engines, iter_full_weights, sync_weights, tensors_checksum
+from openppo.rollout.sender import connect_engines, iter_full_weights, sync_weights, tensors_checksum
 from tests.engines import logprob_gap, tiny_engine_actor
 from tests.model_cache import tiny_model_dir
 
@@ -132,7 +132,7 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
         check(hf_model, "after receive_weights")
 
         # The object-store path (no collective) lands the same weights.
-        broadcast_weights(original.items(), None, [engine], bucket_bytes=1 << 20, timeout_s=60)
+        sync_weights(original.items(), None, [engine], bucket_bytes=1 << 20, timeout_s=60)
         with torch.no_grad():
             for n, p in hf_model.named_parameters():
                 p.copy_(original[n])

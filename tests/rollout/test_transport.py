@@ -14,7 +14,7 @@ import torch
 
 from openppo.errors import UserError
 from openppo.rollout import transport
-from openppo.rollout.sender import broadcast_weights, connect_engines, iter_full_weights, sync_weights
+from openppo.rollout.sender import connect_engines, iter_full_weights, sync_weights
 from openppo.rollout.transport import (
     BROADCAST,
     CUDA_IPC,
@@ -226,7 +226,7 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
                     yield item
 
             with pytest.raises(RuntimeError, match="mid-sync"):
-                broadcast_weights(failing(), None, engines[:1], bucket_bytes=64 << 10, plan=[SHARED_MEMORY])
+                sync_weights(failing(), None, engines[:1], bucket_bytes=64 << 10, plan=[SHARED_MEMORY])
             assert shared_slots().paths() == [], "a failed sync kept its shared memory"
         finally:
             group.destroy()
