@@ -255,11 +255,12 @@ class WorkerGroup:
 
     # --------------------------------------------------------------------------------------- internals
     def _name(self, method: Method) -> str:
-        """The name to call on the actors; a function must be the worker class's own method (or inherited)."""
+        """The name to call on the actors; a function must be a method of the worker class or of a base class (an
+        override in the worker class then runs, as a Python call would)."""
         if isinstance(method, str):
             return method
         name = getattr(method, "__name__", None)
-        if name is None or getattr(self.worker_cls, name, None) is not method:
+        if name is None or not any(vars(cls).get(name) is method for cls in self.worker_cls.__mro__):
             raise AttributeError(
                 f"worker group {self.name!r}: {method!r} is not a method of {self.worker_cls.__name__}"
             )

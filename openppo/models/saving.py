@@ -12,7 +12,12 @@ from torch import nn
 
 
 def _inner(module: nn.Module) -> nn.Module:
-    """The transformers/PEFT model inside our Actor/ScalarModel wrappers."""
+    """The transformers/PEFT model inside our Actor/ScalarModel wrappers; a transformers or PEFT model itself as is
+    (its own `.model` is its base model, without the head)."""
+    from transformers import PreTrainedModel
+
+    if isinstance(module, PreTrainedModel) or hasattr(module, "peft_config"):
+        return module
     return getattr(module, "model", module)
 
 

@@ -265,6 +265,12 @@ class PPOTrainConfig:
     min_lr_ratio: float = opt(0.1, "floor of cosine_with_min_lr as a share of the peak")
     max_norm: float = opt(1.0, "gradient clipping norm; 0 disables")
     freezing_actor_steps: int = opt(-1, "train only the critic for the first N steps (critic warm-up)")
+    enable_ema: bool = opt(
+        False,
+        "keep an exponential moving average of the actor's weights (fp32, on the host) and export it instead "
+        "of the trained weights: the final model, --save_hf_ckpt, --best_metric_key",
+    )
+    ema_beta: float = opt(0.992, "--enable_ema: e <- beta e + (1 - beta) w after each actor optimizer step")
     seed: int = opt(42, "random seed")
     full_determinism: bool = opt(
         False,

@@ -8,7 +8,8 @@ were cut. We own the accumulation boundary (the micro-batch count varies) and ba
 unscaled by DeepSpeed's accumulation count, times the world size to undo its gradient averaging over ranks (see
 openppo.algorithms.aggregation).
 
-`actor_loss` and `critic_loss` are the two objectives; `fit_experience` is shared.
+`actor_loss` and `critic_loss` are the two objectives; `fit_experience` is shared. `WeightAverage` is the
+actor's --enable_ema average of its weights, updated after each optimizer step.
 """
 
 from __future__ import annotations
@@ -51,6 +52,7 @@ def fit_experience(
     ring_size: int = 1,
     tensor_parallel_size: int = 1,
     guard: StepGuard | None = None,
+    after_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
     """Train `engine` on `data` (this rank's share) for `epochs`; returns metrics averaged over micro-batches.
 
@@ -70,6 +72,7 @@ def fit_experience(
     `guard` (the role's, so that a run of bad steps is counted across calls) skips an optimizer step whose loss or
     gradient is NaN/Inf and stops the run after too many in a row; the metrics leave skipped steps out and
     `guard.metric` counts them. Without one the engine is stepped directly (test doubles, benchmarks).
+    `after_step` runs after every optimizer step that was applied (`WeightAverage.update`).
     """
     replicas = ring_size * tensor_parallel_size  # ranks holding the same rows
     data_parallel = world_size // replicas
@@ -114,6 +117,8 @@ def fit_experience(
                     real = batch["attention_mask"].sum().item()
                     computed += real if batching.packed else batch["attention_mask"].numel()
                     real_tokens += real
+            if applied and after_step is not None:
+                after_step()
             if applied:  # a skipped step's (NaN) metrics would poison the means
                 for key, value in step_losses.items():
                     losses[key] += value
@@ -239,3 +244,50 @@ def critic_loss(engine, algo: AlgoConfig) -> LossFn:
         }
 
     return loss_fn
+
+
+# -- --enable_ema -----------------------------------------------------------------------------------------------------
+
+
+class WeightAverage:
+    """--enable_ema: an exponential moving average of the model's weights, e <- beta e + (1 - beta) w after each
+    optimizer step, starting from the initial weights (OpenRLHF's --enable_ema / --ema_beta, default 0.992).
+
+    Rank 0 holds the average of the full weights, in fp32 on the host (4 bytes per parameter), so a bf16 model's
+    average does not round away the (1 - beta) share of each step. Every rank enters `update` and `restart`: under
+    ZeRO-3 and AutoTP the full weights are gathered layer by layer (read-only gathers, as the weight sync's), which
+    is also what OpenRLHF's average costs. `state` is the average as an HF state dict (rank 0; None elsewhere).
+    `module` is the model (the same object before and after DeepSpeed wraps it).
+    """
+
+    def __init__(self, module: torch.nn.Module, beta: float, rank: int):
+        self.module, self.beta, self.rank = module, beta, rank
+        self.average: dict[str, torch.Tensor] = {}
+        self.restart()
+
+    def _weights(self):
+        from openppo.rollout.sender import iter_full_weights
+
+        return iter_full_weights(self.module, rank=self.rank)
+
+    @torch.no_grad()
+    def restart(self) -> None:
+        """The average := the current weights."""
+        self.average = {name: w.to("cpu", torch.float32, copy=True) for name, w in self._weights()}
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for name, w in self._weights():
+            self.average[name].mul_(self.beta).add_(w.to("cpu", torch.float32), alpha=1 - self.beta)
+
+    def state(self, dtype: torch.dtype) -> dict[str, torch.Tensor] | None:
+        return {name: e.to(dtype) for name, e in self.average.items()} if self.average else None
+
+    def state_dict(self) -> dict:
+        return {"beta": self.beta, "average": self.average}
+
+    def load_state_dict(self, state: dict) -> None:
+        if set(state["average"]) != set(self.average):
+            raise ValueError("the checkpoint's EMA holds other weights than this model: resume with the same model")
+        for name, value in state["average"].items():
+            self.average[name].copy_(value)

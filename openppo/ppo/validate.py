@@ -76,6 +76,13 @@ def _models(cfg: PPOConfig) -> None:
             )
         resolve_model_path(m.critic_pretrain, "--critic_pretrain")
     validate_build(m)
+    t = cfg.train
+    require(0 <= t.ema_beta <= 1, f"--ema_beta must be in [0, 1], got {t.ema_beta}")
+    if t.enable_ema and m.lora_rank > 0:
+        raise UserError(
+            "--enable_ema averages the full weights, which a LoRA export (the adapter alone) cannot hold: drop "
+            "--enable_ema or --lora_rank"
+        )
 
 
 def _algorithm(cfg: PPOConfig) -> None:

@@ -13,6 +13,7 @@ worker also runs in-process, without Ray (tests), by calling `setup` itself. Cal
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -26,12 +27,15 @@ from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.models.scalar import ScalarModel, last_token_index
 from openppo.ppo.batching import ForwardChunks, forward_batching, train_batching
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
+from openppo.ppo.fit import WeightAverage, actor_loss, critic_loss, fit_experience
 from openppo.ppo.plan import RolePlan
 from openppo.ppo.reporting import mfu, peak_flops, train_flops
+from openppo.strategy.checkpoint import tag_for_step
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.utils.resources import device_name, device_stats, trim_host_heap
+
+logger = logging.getLogger(__name__)
 
 
 def make_strategy(cfg: PPOConfig, role: RolePlan) -> DeepSpeedStrategy:
@@ -144,6 +148,7 @@ class ActorWorker(_TrainedWorker):
     sync_group = None  # rank 0's broadcast group with the engines that get buckets by broadcast
     sync_plan = None  # openppo.rollout.transport.SyncPlan, set by connect_engines
     exchange = None  # the hand-over exchange with the other exporting ranks, when there is one
+    ema: WeightAverage | None = None  # --enable_ema
 
     def setup(self, cfg: PPOConfig, role: RolePlan) -> None:
         self.cfg, self.role = cfg, role
@@ -155,6 +160,11 @@ class ActorWorker(_TrainedWorker):
             )
         _set_layout(cfg, model)
         self.num_params = _num_params(model)
+        if cfg.train.enable_ema:
+            # Read before DeepSpeed splits the model: an AutoTP gather before the first optimizer step leaves the
+            # parameters apart from ZeRO-1/2's flat buffer, which a resume's load would then not reach (measured:
+            # the resumed actor computed with its initial weights after the next state reload).
+            self.ema = WeightAverage(model, cfg.train.ema_beta, self.strategy.rank)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.actor_learning_rate, role.optimizer_steps)
         )
@@ -223,6 +233,7 @@ class ActorWorker(_TrainedWorker):
             ring_size=self.role.ring,
             tensor_parallel_size=self.role.tensor_parallel,
             guard=self.guard,
+            after_step=self.ema.update if self.ema is not None else None,
         )
         metrics["train/actor_lr"] = self.engine.get_lr()[0]
         ring = self.engine.module.layout.ring
@@ -231,6 +242,39 @@ class ActorWorker(_TrainedWorker):
         if self.strategy.tensor_parallel_size > 1:
             metrics["perf/weight_share"] = self.weight_share
         return self.strategy.all_reduce_mean(self._perf("actor", metrics, data, time.perf_counter() - start))
+
+    def save_hf(self, out_dir: str | Path, tokenizer_path: str) -> None:
+        """With --enable_ema every HF export of the actor is the weights' average (as OpenRLHF's)."""
+        if self.ema is None:
+            return super().save_hf(out_dir, tokenizer_path)
+        from openppo.models.loading import load_tokenizer
+        from openppo.models.saving import save_hf_folder
+
+        if self.strategy.is_rank0:
+            model = self.engine.module.model
+            save_hf_folder(model, self.ema.state(self.strategy.torch_dtype), load_tokenizer(tokenizer_path), out_dir)
+        self.strategy.barrier()
+
+    def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict) -> None:
+        if self.ema is not None and self.strategy.is_rank0:  # the average, beside DeepSpeed's files of the step
+            path = Path(ckpt_dir) / tag_for_step(step) / "ema.pt"
+            path.parent.mkdir(parents=True, exist_ok=True)
+            torch.save(self.ema.state_dict(), path.with_suffix(".tmp"))
+            path.with_suffix(".tmp").replace(path)
+        super().save_checkpoint(ckpt_dir, step, client_state)
+
+    def load_checkpoint(self, ckpt_dir: str, step: int) -> None:
+        super().load_checkpoint(ckpt_dir, step)
+        if self.ema is None:
+            return
+        path = Path(ckpt_dir) / tag_for_step(step) / "ema.pt"
+        if path.exists():  # (every rank sees the checkpoint folder)
+            if self.strategy.is_rank0:
+                self.ema.load_state_dict(torch.load(path, weights_only=True))
+            return
+        if self.strategy.is_rank0:
+            logger.warning("--enable_ema: the checkpoint has no average; it starts from the resumed weights")
+        self.ema.restart()  # a collective under ZeRO-3 and AutoTP: every rank enters
 
     def connect_engines(
         self,

@@ -1,6 +1,8 @@
 """train_ppo_ray end to end: hybrid engine (everything colocated, sleep flags) with the actor split by AutoTP
 (--ds_tensor_parallel_size 2), DAPO dynamic filtering, eval with pass@k, checkpoints, and a resume that sees the same
-prompts as the unbroken run. Real Ray + DeepSpeed + vLLM CPU, tiny model."""
+prompts as the unbroken run. --enable_ema with --ema_beta 1 keeps the initial weights as the average: every export
+(best, final, resumed final) must hold them exactly (tests/ppo/test_ema.py checks the average of moving weights).
+Real Ray + DeepSpeed + vLLM CPU, tiny model."""
 
 from __future__ import annotations
 
@@ -27,6 +29,15 @@ def _rows(n: int, seed: int) -> list[dict]:
 
 def _rollouts(save: Path) -> dict[int, dict]:
     return {r["step"]: r for r in map(json.loads, (save / "rollouts.jsonl").read_text().splitlines())}
+
+
+def _max_gap(a: Path, b: Path) -> float:
+    """Largest difference between two HF folders' weights."""
+    from safetensors.torch import load_file
+
+    x, y = load_file(a / "model.safetensors"), load_file(b / "model.safetensors")
+    assert set(x) == set(y)
+    return max((x[k].float() - y[k].float()).abs().max().item() for k in x)
 
 
 def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
@@ -101,6 +112,9 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         "7",
         "--ds_tensor_parallel_size",
         "2",
+        "--enable_ema",
+        "--ema_beta",
+        "1",
     ]
     proc = run_cli("train_ppo_ray", args + ["--save_path", str(save), "--vllm_sync_check"], nproc=1, timeout=800)
     log = proc.stdout + proc.stderr
@@ -140,6 +154,10 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     }
     assert (best / "config.json").is_file()
     ckpts = save / "checkpoints" / "actor"
+    # --enable_ema --ema_beta 1: the average stays the initial weights, and every export holds it, not the actor
+    initial = tiny_model_dir()
+    assert _max_gap(best, initial) == 0.0 and _max_gap(save, initial) == 0.0
+    assert (ckpts / "global_step2" / "ema.pt").is_file()
     assert (ckpts / "global_step2").is_dir() and (ckpts / "latest").read_text().strip() == "global_step3"
     assert sorted(p.name for p in (save / "checkpoints" / "committed").iterdir()) == [
         "global_step2.json",
@@ -162,3 +180,5 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     assert list(again) == [3], series(read_metrics(resumed), "train/reward")
     assert again[3]["taken"] == steps[3]["taken"] and again[3]["prompts"] == steps[3]["prompts"]
     assert read_metrics(resumed)[0]["rollout/logprob_diff"] < 1e-4  # engines re-synced to the checkpoint
+    # the average came back from the checkpoint: restarted from the resumed (trained) weights it would differ
+    assert _max_gap(resumed, initial) == 0.0

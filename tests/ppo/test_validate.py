@@ -101,6 +101,8 @@ BAD = [
     (["--eval_dataset", "e.jsonl", "--eval_n_samples_per_prompt", "0"], ["--eval_n_samples_per_prompt"]),
     (["--dynamic_filtering_reward_range", "1", "0"], ["--dynamic_filtering_reward_range"]),
     (["--load_checkpoint", "--disable_ds_ckpt"], ["--load_checkpoint", "--disable_ds_ckpt"]),
+    (["--ema_beta", "1.5"], ["--ema_beta"]),
+    (["--enable_ema", "--lora_rank", "4"], ["--enable_ema", "--lora_rank"]),
 ]
 
 
