@@ -118,15 +118,6 @@ def keep_groups(scores: torch.Tensor, n_samples_per_prompt: int, reward_range: t
     return (means > lo) & (means < hi)
 
 
-def expand_to_samples(group_mask: torch.Tensor, n_samples_per_prompt: int) -> list[int]:
-    """Sample positions belonging to the kept groups, in order."""
-    return [
-        g * n_samples_per_prompt + i
-        for g in torch.nonzero(group_mask).flatten().tolist()
-        for i in range(n_samples_per_prompt)
-    ]
-
-
 # -- rollout sources ---------------------------------------------------------------------------------------------
 
 
@@ -244,14 +235,31 @@ class AgentEpisodes(RolloutSource):
 # -- one rollout batch -------------------------------------------------------------------------------------------
 
 
+@dataclass
+class _Group:
+    """The n scored samples of one prompt, and where the prompt sits in the stream (a resume draws it again)."""
+
+    samples: list[Sample]
+    scores: torch.Tensor  # [n]
+    position: int  # PromptStream cursor at which the prompt was drawn
+
+
 class Collector:
-    """One rollout batch of `--rollout_batch_size` groups per `collect()`, drawn from `stream`."""
+    """One rollout batch of `--rollout_batch_size` groups per `collect()`, drawn from `stream`.
+
+    Oversampling (--vllm_generate_batch_size G above the batch size B): every generation round draws the groups the
+    batch still misses plus G - B more, and the groups beyond the batch wait in `ahead` for the next batches, which
+    then need fewer rounds (none when G is a multiple of B). Such samples are staler by the steps they wait.
+    """
 
     def __init__(
         self, cfg: PPOConfig, prompts, source: RolloutSource, stream: PromptStream, version: Callable[[], int]
     ):
         self.cfg, self.prompts, self.source, self.stream = cfg, prompts, source, stream
         self.version = version  # the weight version the engines generate with now
+        r = cfg.rollout
+        self.surplus = (r.vllm_generate_batch_size or r.rollout_batch_size) - r.rollout_batch_size
+        self.ahead: list[_Group] = []  # scored groups generated for later batches
 
     def round_seed(self, cursor: int) -> int:
         """The sampling seed of the generation round that starts at prompt position `cursor` (each request of the
@@ -260,19 +268,20 @@ class Collector:
 
     def collect(self) -> Rollout | None:
         """The next batch, or None when the prompts ran out first. With `--dynamic_filtering`, groups outside the
-        reward range are dropped and only the missing number of new prompts is generated in the next round."""
+        reward range are dropped and only the missing number of new prompts (plus the oversampling surplus) is
+        generated in the next round."""
         r = self.cfg.rollout
-        n = r.n_samples_per_prompt
+        n, want = r.n_samples_per_prompt, r.rollout_batch_size
         timing: dict[str, float] = {}
-        samples: list[Sample] = []
-        scores: list[torch.Tensor] = []
         generated: list[torch.Tensor] = []
         logs: dict[str, float] = {}
         taken: list[int] = []
-        while len(samples) < r.rollout_batch_size * n:
+        kept = 0
+        while len(self.ahead) < want:
             # --full_determinism: the round's seed follows from the prompt position, which a resume restores
             seed = self.round_seed(self.stream.cursor) if self.cfg.train.full_determinism else None
-            indices = self.stream.take(r.rollout_batch_size - len(samples) // n)
+            first = self.stream.cursor
+            indices = self.stream.take(want - len(self.ahead) + self.surplus)
             if not indices:
                 return None
             items = [self.prompts[j] for j in indices]
@@ -282,21 +291,33 @@ class Collector:
             with timed(timing, "reward"):
                 new_scores, logs = self.source.score(new)
             generated.append(new_scores)
+            groups = [
+                _Group(new[g * n : (g + 1) * n], new_scores[g * n : (g + 1) * n], first + g) for g in range(len(items))
+            ]
             if r.dynamic_filtering:
-                keep = expand_to_samples(keep_groups(new_scores, n, tuple(r.dynamic_filtering_reward_range)), n)
-                new, new_scores = [new[i] for i in keep], new_scores[keep]
-            samples += new
-            scores.append(new_scores)
-        if r.dynamic_filtering:
+                keep = keep_groups(new_scores, n, tuple(r.dynamic_filtering_reward_range)).tolist()
+                groups = [group for group, k in zip(groups, keep) if k]
+            kept += len(groups)
+            self.ahead += groups
+        batch, self.ahead = self.ahead[:want], self.ahead[want:]
+        if r.dynamic_filtering and generated:
             drawn = torch.cat(generated)
             logs.update(
                 {
                     "rollout/generate_rounds": len(generated),
-                    "rollout/filtered_ratio": 1.0 - len(samples) / drawn.numel(),
+                    "rollout/filtered_ratio": 1.0 - kept * n / drawn.numel(),
                     "rollout/reward_before_filter": drawn.mean().item(),
                 }
             )
-        return Rollout(samples, torch.cat(scores), logs, taken, self.stream.state_dict(), timing)
+        if self.surplus:
+            logs["rollout/groups_ahead"] = len(self.ahead)
+        # a checkpoint after this batch resumes at the first group generated ahead: a resume generates it again
+        stream_state = self.stream.state_dict()
+        if self.ahead:
+            stream_state["cursor"] = self.ahead[0].position
+        samples = [s for group in batch for s in group.samples]
+        scores = torch.cat([group.scores for group in batch])
+        return Rollout(samples, scores, logs, taken, stream_state, timing)
 
     def evaluate(self, items: list[dict], n: int, temperature: float) -> dict[str, float]:
         """pass@1 / pass@k of `n` samples per eval prompt with the current weights (`eval_metrics`)."""

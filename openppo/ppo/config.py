@@ -235,6 +235,11 @@ class RolloutConfig:
     ring_head_stride: int = opt(1, "KV heads sent per ring step (bounds the buffers); 0 = all at once")
     async_train: bool = opt(False, "generate the next batch while training on this one")
     async_queue_size: int = opt(1, "batches generated ahead (bound on policy staleness) with --async_train")
+    vllm_generate_batch_size: int = opt(
+        None,
+        "--async_train: prompts generated per round; above --rollout_batch_size the surplus groups wait for the "
+        "next batches (oversampling: fewer rounds, staler samples); default: --rollout_batch_size",
+    )
     agent_func_path: str = opt(
         None,
         "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv); its "

@@ -346,6 +346,17 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
             "devices: drop --colocate_all_models (--colocate_actor_ref and --colocate_critic_reward still "
             "share devices among the DeepSpeed models)"
         )
+    generate_batch = cfg.rollout.vllm_generate_batch_size
+    if generate_batch is not None and generate_batch != cfg.rollout.rollout_batch_size:
+        # OpenRLHF's rule: a synchronous step trains on the policy that generated it, so it takes no surplus
+        require(
+            cfg.rollout.async_train, "--vllm_generate_batch_size other than --rollout_batch_size needs --async_train"
+        )
+        require(
+            generate_batch > cfg.rollout.rollout_batch_size,
+            f"--vllm_generate_batch_size {generate_batch} is below --rollout_batch_size "
+            f"{cfg.rollout.rollout_batch_size}: a round draws at least a batch; raise it or drop it",
+        )
     if cfg.rollout.async_train:
         _positive(cfg.rollout.async_queue_size, "--async_queue_size")
         if not v.enable_vllm_is_correction:

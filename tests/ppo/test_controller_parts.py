@@ -6,9 +6,10 @@ import pytest
 import torch
 
 from openppo.config.schema import parse_config
-from openppo.ppo.collector import PromptStream, eval_metrics, expand_to_samples, keep_groups, pass_at_k
+from openppo.ppo.collector import Collector, PromptStream, RolloutSource, eval_metrics, keep_groups, pass_at_k
 from openppo.ppo.colocation import colocation_pools
 from openppo.ppo.config import PPOConfig
+from openppo.rollout.pool import Sample
 
 
 def test_prompt_stream_order_and_resume():
@@ -36,10 +37,70 @@ def test_keep_groups_dapo_rule():
     keep = keep_groups(scores, 2, (0.0, 1.0))
     # means 0, 0.5, 1, 0.5, 0.5, 0.2: all-wrong and all-right groups go; the range is strict
     assert keep.tolist() == [False, True, False, True, True, True]
-    assert expand_to_samples(keep, 2) == [2, 3, 6, 7, 8, 9, 10, 11]
     assert keep_groups(scores, 2, (0.3, 0.9)).tolist() == [False, True, False, True, True, False]
     with pytest.raises(ValueError):
         keep_groups(scores, 5, (0.0, 1.0))
+
+
+class _ParitySource(RolloutSource):
+    """Scores each sample by its prompt's parity (odd prompts: all 1, so --dynamic_filtering drops them; even: 0 and
+    1), and records the rounds. The engines' part is covered end to end in tests/ppo/test_train_ppo_ray.py."""
+
+    def __init__(self, cfg):
+        super().__init__(None, cfg)
+        self.rounds: list[list[int]] = []
+
+    def generate(self, items, *, n, temperature, seed, version):
+        self.rounds.append([it["index"] for it in items])
+        return [
+            Sample(
+                prompt_ids=[1],
+                response_ids=[2],
+                rollout_log_probs=[0.0],
+                finish_reason="stop",
+                group=it["index"],
+                label=None,
+                prompt_text="",
+                policy_version=version,
+            )
+            for it in items
+            for _ in range(n)
+        ]
+
+    def score(self, samples):
+        return torch.tensor([1.0 if s.group % 2 or i % 2 else 0.0 for i, s in enumerate(samples)]), {}
+
+
+def _collector(*flags, prompts=24):
+    cfg = _cfg("--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--async_train", *flags)
+    stream = PromptStream(prompts, rollout_batch_size=4, num_episodes=1, seed=0)
+    source = _ParitySource(cfg)
+    return Collector(cfg, [{"index": i} for i in range(prompts)], source, stream, lambda: 0), source
+
+
+def test_oversampling_keeps_the_surplus_groups_for_the_next_batch():
+    # --vllm_generate_batch_size 6 with batches of 4: a round draws what is missing plus 2
+    collector, source = _collector("--vllm_generate_batch_size", "6")
+    first = collector.collect()
+    assert [len(r) for r in source.rounds] == [6] and first.logs["rollout/groups_ahead"] == 2
+    assert [s.group for s in first.samples][::2] == source.rounds[0][:4] and first.scores.numel() == 8
+    ahead = source.rounds[0][4:]
+    # a checkpoint of this batch resumes at the first group generated ahead
+    assert first.stream_state["cursor"] == 4
+    second = collector.collect()
+    assert [len(r) for r in source.rounds] == [6, 4]  # 2 missing + 2 surplus
+    assert [s.group for s in second.samples][::2] == ahead + source.rounds[1][:2]
+    assert second.taken == source.rounds[1] and second.stream_state["cursor"] == 8
+    # with dynamic filtering the odd prompts are dropped: only kept groups wait, and the round count shows
+    collector, source = _collector("--vllm_generate_batch_size", "8", "--dynamic_filtering")
+    batch = collector.collect()
+    assert all(s.group % 2 == 0 for s in batch.samples) and len(batch.samples) == 8
+    kept = [g for g in sum(source.rounds, []) if g % 2 == 0]
+    assert batch.logs["rollout/groups_ahead"] == len(kept) - 4
+    assert batch.logs["rollout/filtered_ratio"] == pytest.approx(1 - len(kept) / len(sum(source.rounds, [])))
+    # without the flag no group waits and nothing is logged about it
+    collector, source = _collector()
+    assert "rollout/groups_ahead" not in collector.collect().logs and collector.ahead == []
 
 
 def test_pass_at_k_by_hand():

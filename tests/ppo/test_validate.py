@@ -103,6 +103,11 @@ BAD = [
     (["--load_checkpoint", "--disable_ds_ckpt"], ["--load_checkpoint", "--disable_ds_ckpt"]),
     (["--ema_beta", "1.5"], ["--ema_beta"]),
     (["--enable_ema", "--lora_rank", "4"], ["--enable_ema", "--lora_rank"]),
+    (["--vllm_generate_batch_size", "16"], ["--vllm_generate_batch_size", "--async_train"]),
+    (
+        ["--vllm_generate_batch_size", "1", "--async_train", "--vllm_num_engines", "1"],
+        ["--vllm_generate_batch_size", "--rollout_batch_size"],
+    ),
 ]
 
 
