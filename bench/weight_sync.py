@@ -6,8 +6,9 @@
 One engine runs as a Ray actor (1 CPU, in-process vLLM); this process is the trainer (plain torch, rank 0 of a gloo
 sync group). A sync is timed bucketed (`--bucket_mib`, default 256), with one tensor per message (every tensor
 its own bucket: one Ray call plus one broadcast per tensor, as a per-parameter sync does), and bucketed through
-shared memory (a memfd), the transport of an engine on the trainer's device (--colocate_all_models on CPU), with
-the ratio of the last to the gloo broadcast (`shared_memory_over_gloo_broadcast`). Timed syncs run unverified, as
+shared memory (a memfd), the transport of an engine on the trainer's device (--colocate_all_models on CPU), and
+bucketed through Ray's object store (--vllm_sync_with_ray), with the ratios of the last two to the gloo broadcast
+(`shared_memory_over_gloo_broadcast`, `object_store_over_gloo_broadcast`). Timed syncs run unverified, as
 in training; one more sync of each kind is verified (`last_sync_checksum` equals the sender's sum). The last line
 printed is one JSON object with the numbers and the device.
 """
@@ -86,6 +87,7 @@ def main() -> None:
                 ("bucketed", bucketed, "broadcast"),
                 ("per_tensor", 1, "broadcast"),
                 ("shared_memory", bucketed, "shm"),
+                ("object_store", bucketed, "object_store"),
             ):
                 times, stats = [], {}
                 for _ in range(args.repeats):  # timed without verification, as a training run syncs
@@ -103,9 +105,10 @@ def main() -> None:
                     "seconds_median": statistics.median(times),
                     "seconds_all": times,
                 }
-            result["shared_memory_over_gloo_broadcast"] = (
-                result["sync_shared_memory"]["seconds_median"] / result["sync_bucketed"]["seconds_median"]
-            )
+            for label in ("shared_memory", "object_store"):
+                result[f"{label}_over_gloo_broadcast"] = (
+                    result[f"sync_{label}"]["seconds_median"] / result["sync_bucketed"]["seconds_median"]
+                )
         finally:
             group.destroy()
     finally:

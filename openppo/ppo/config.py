@@ -108,6 +108,11 @@ class VLLMConfig:
         "get them by CUDA IPC / shared memory, in no group",
         choices=("nccl", "gloo"),
     )
+    vllm_sync_with_ray: bool = opt(
+        False,
+        "send the weights to engines on devices of their own through Ray's object store instead of a "
+        "--vllm_sync_backend group: no extra rendezvous or port, one copy per engine (slower for large models)",
+    )
     vllm_sync_bucket_mb: int = opt(256, "weights per sync message (MiB): many tensors travel in one bucket")
     vllm_sync_check: bool = opt(
         False,

@@ -287,7 +287,14 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
 def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], backend: str, *, on_gpu: bool):
     """How each engine gets the weights (a `openppo.rollout.transport.SyncPlan`), logged in one line; a broadcast
     group that would hold two processes of one GPU is refused here, before the first sync."""
-    from openppo.rollout.transport import BROADCAST, Where, check_broadcast_group, choose_transports, describe
+    from openppo.rollout.transport import (
+        BROADCAST,
+        OBJECT_STORE,
+        Where,
+        check_broadcast_group,
+        choose_transports,
+        describe,
+    )
 
     ranks = [Where.of(info) for info in rank_infos]
     if cfg.resources.colocate_all_models:
@@ -296,7 +303,13 @@ def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], 
         workers = [[ranks[i * tp + w] for w in range(tp)] for i in range(len(engine_infos))]
     else:
         workers = [[Where.of(info)] for info in engine_infos]
-    plan = choose_transports(ranks, workers, colocated=cfg.resources.colocate_all_models, on_gpu=on_gpu)
+    plan = choose_transports(
+        ranks,
+        workers,
+        colocated=cfg.resources.colocate_all_models,
+        on_gpu=on_gpu,
+        remote=OBJECT_STORE if cfg.vllm.vllm_sync_with_ray else BROADCAST,
+    )
     check_broadcast_group(
         [("actor rank 0", ranks[0])]
         + [

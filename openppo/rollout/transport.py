@@ -97,13 +97,19 @@ class SyncPlan:
 
 
 def choose_transports(
-    ranks: Sequence[Where], engines: Sequence[Sequence[Where]], *, colocated: bool, on_gpu: bool
+    ranks: Sequence[Where],
+    engines: Sequence[Sequence[Where]],
+    *,
+    colocated: bool,
+    on_gpu: bool,
+    remote: str = BROADCAST,
 ) -> SyncPlan:
     """The transport of each engine, from where actor rank r (`ranks[r]`) and worker w of engine i (`engines[i][w]`)
     run. Only the hybrid engine (`colocated`) is handed its buckets: each worker by an actor rank on its device (GPU:
     the same GPU; CPU: the same node), the g-th worker over all engines by rank g when it qualifies (the rank whose
     bundle it shares), else by the first rank that does. An engine with a worker that no rank shares a device with
-    is broadcast to, so a placement may mix both."""
+    gets the `remote` transport (BROADCAST, or OBJECT_STORE for --vllm_sync_with_ray), so a placement may mix
+    both."""
     local = CUDA_IPC if on_gpu else SHARED_MEMORY
     transports, sources = [], []
     first = 0  # index of the engine's first worker over all engines
@@ -111,7 +117,7 @@ def choose_transports(
         picks = [_source(ranks, where, first + w, on_gpu) for w, where in enumerate(workers)]
         first += len(workers)
         handed = colocated and bool(picks) and all(p is not None for p in picks)
-        transports.append(local if handed else BROADCAST)
+        transports.append(local if handed else remote)
         sources.append(tuple(picks) if handed else ())
     return SyncPlan(tuple(transports), tuple(sources))
 

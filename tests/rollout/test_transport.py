@@ -18,6 +18,7 @@ from openppo.rollout.sender import connect_engines, iter_full_weights, sync_weig
 from openppo.rollout.transport import (
     BROADCAST,
     CUDA_IPC,
+    OBJECT_STORE,
     SHARED_MEMORY,
     SharedSlots,
     SyncPlan,
@@ -64,6 +65,10 @@ def test_transport_per_engine_from_the_placement():
     plan = choose_transports(cpu, engines, colocated=True, on_gpu=False)
     assert plan == SyncPlan((SHARED_MEMORY, SHARED_MEMORY, BROADCAST), ((0,), (1,), ()))
     assert choose_transports(cpu, engines, colocated=False, on_gpu=False).transports == (BROADCAST,) * 3
+    # --vllm_sync_with_ray: what is not handed over goes through Ray's object store, in no group
+    ray_plan = choose_transports(cpu, engines, colocated=True, on_gpu=False, remote=OBJECT_STORE)
+    assert ray_plan.transports == (SHARED_MEMORY, SHARED_MEMORY, OBJECT_STORE)
+    assert describe(ray_plan, "gloo").endswith("engine(s) 2 via Ray's object store")
     assert describe(plan, "gloo") == (
         "weight sync: engine(s) 0,1 via shared memory from actor rank(s) 0,1; engine(s) 2 via gloo broadcast"
     )
