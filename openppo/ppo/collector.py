@@ -173,7 +173,9 @@ class SingleTurn(RolloutSource):
                 group=item["index"],
                 label=item["label"],
                 prompt_text=item["prompt"],
-                policy_version=version,
+                # the engine's tags (--partial_rollout: a sync may land mid-response; versions never decrease)
+                policy_version=c["versions"][0] if c.get("versions") else version,
+                token_versions=c.get("versions"),
             )
             for item, completions in zip(items, outputs)
             for c in completions
@@ -345,10 +347,15 @@ class Rollout:
     timing: dict[str, float] = field(default_factory=dict)
 
 
-def staleness(samples: list[Sample], version: int) -> dict[str, float]:
-    """How many weight versions behind the trained policy the samples' generating policies were."""
+def staleness(samples: list[Sample], version: int, partial: bool = False) -> dict[str, float]:
+    """How many weight versions behind the trained policy the samples' oldest tokens were; with `partial`
+    (--partial_rollout) also the share of samples whose tokens come from more than one version."""
     lags = [version - s.policy_version for s in samples]
-    return {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
+    out = {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
+    if partial:
+        mixed = [bool(s.token_versions) and s.token_versions[0] != s.token_versions[-1] for s in samples]
+        out["rollout/mixed_version_share"] = sum(mixed) / len(mixed)
+    return out
 
 
 class RolloutProducer:

@@ -240,6 +240,11 @@ class RolloutConfig:
     ring_head_stride: int = opt(1, "KV heads sent per ring step (bounds the buffers); 0 = all at once")
     async_train: bool = opt(False, "generate the next batch while training on this one")
     async_queue_size: int = opt(1, "batches generated ahead (bound on policy staleness) with --async_train")
+    partial_rollout: bool = opt(
+        False,
+        "--async_train: a weight sync lands between two decoding steps of an unfinished generation, which keeps "
+        "its tokens and goes on with the new weights; each token is tagged with the version that sampled it",
+    )
     vllm_generate_batch_size: int = opt(
         None,
         "--async_train: prompts generated per round; above --rollout_batch_size the surplus groups wait for the "

@@ -120,10 +120,11 @@ class ActorGroup(TrainedGroup):
             engine_dtype,
         )
 
-    def sync_weights(self, engines: EnginePool) -> dict[str, float]:
-        """Every engine gets the current weights; no engine generates meanwhile. Rank 0's sync statistics."""
+    def sync_weights(self, engines: EnginePool, version: int) -> dict[str, float]:
+        """Every engine gets the current weights, as weight version `version`; no engine takes a decoding step
+        meanwhile (a partial rollout's steps wait in the engine). Rank 0's sync statistics."""
         with engines.lock:
-            return self.workers.run(ActorWorker.sync_weights, engines.engines, engines.timeout_s)[0]
+            return self.workers.run(ActorWorker.sync_weights, engines.engines, engines.timeout_s, version)[0]
 
     def check_engine_weights(self, engines: EnginePool) -> list[tuple[bool, str]]:
         """Per engine (equal, summary): the weights it computes with against the actor's (`rollout.readback`)."""

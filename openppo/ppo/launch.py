@@ -254,10 +254,11 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
                 tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size,
                 enable_sleep=cfg.vllm.vllm_enable_sleep,
                 executor=place.executor,
+                partial_rollout=cfg.rollout.partial_rollout,
             )
         )
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
-    pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout)
+    pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout, partial=cfg.rollout.partial_rollout)
     for i, info in enumerate(pool.infos):
         logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
     results = {name: group.workers.get(setups) for name, (group, setups) in started.items()}

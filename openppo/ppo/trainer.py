@@ -121,12 +121,14 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------------------ one step
-    def _synced(self) -> None:
-        """After each weight sync: the engines generate with the next policy version (checked once with
-        --vllm_sync_check)."""
+    def _sync(self) -> dict[str, float]:
+        """Send the actor's weights to the engines as the next policy version (checked once with
+        --vllm_sync_check); rank 0's sync statistics."""
+        stats = self.groups.actor.sync_weights(self.groups.engines, self.policy_version + 1)
         self.policy_version += 1
         if self.cfg.vllm.vllm_sync_check and not self._sync_checked:
             self._check_engine_weights()
+        return stats
 
     def _check_engine_weights(self) -> None:
         """--vllm_sync_check: the engines compute with the trainer's weights, tensor by tensor (the first sync after
@@ -192,7 +194,8 @@ class PPOTrainer:
         self._log_rollout(rollout)
 
         # update: the critic first (it needs the old values, not the new policy), then the actor
-        metrics = staleness(rollout.samples, self.policy_version)  # versions behind the weights being trained
+        # versions behind the weights being trained
+        metrics = staleness(rollout.samples, self.policy_version, cfg.rollout.partial_rollout)
         if g.critic is not None:
             critic_data = {**model_in, "old_values": values, "returns": adv["returns"]}
             with self.timer("critic_train"):
@@ -210,8 +213,7 @@ class PPOTrainer:
             # sync: the engines generate the next batch with the weights just trained
             self.swap.engine_weights()
             with self.timer("weight_sync"):
-                metrics["perf/weight_sync_mb"] = g.actor.sync_weights(g.engines)["num_bytes"] / 2**20
-            self._synced()
+                metrics["perf/weight_sync_mb"] = self._sync()["num_bytes"] / 2**20
         else:
             self.swap.engine_weights()
         self.swap.to_engines()
@@ -382,9 +384,8 @@ class PPOTrainer:
         self.kl_ctl.load_state_dict(state["kl_controller"])
         for log in ("metrics.jsonl", "rollouts.jsonl"):
             set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
-        self.groups.actor.sync_weights(self.groups.engines)
-        self._synced()
-        self.policy_version = self.global_step
+        self.policy_version = self.global_step - 1  # the engines get the checkpoint's weights as its version
+        self._sync()
         logger.info(
             "resumed from %s at step %d (prompt %d of %d); engines re-synced",
             self.ckpt_dir,

@@ -401,6 +401,11 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
             "--full_determinism with --async_train: every batch is seeded, but which weights generate it "
             "depends on timing, so runs are not reproducible step for step"
         )
+    if cfg.rollout.partial_rollout and not cfg.rollout.async_train:
+        notices.append(
+            "--partial_rollout has no effect without --async_train: a synchronous step never syncs the weights "
+            "while the engines generate"
+        )
     if cfg.logging.logging_steps > 1:
         notices.append(
             f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "

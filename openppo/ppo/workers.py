@@ -302,8 +302,9 @@ class ActorWorker(_TrainedWorker):
                 broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size, timeout_s=timeout_s
             )
 
-    def sync_weights(self, engines: list[Any], timeout_s: float) -> dict[str, float] | None:
-        """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats."""
+    def sync_weights(self, engines: list[Any], timeout_s: float, version: int) -> dict[str, float] | None:
+        """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats. The engines
+        tag the tokens they sample from then on with `version`."""
         from openppo.rollout.sender import sync_weights
 
         out = sync_weights(
@@ -316,6 +317,7 @@ class ActorWorker(_TrainedWorker):
             rank=self.strategy.rank,
             plan=self.sync_plan,
             exchange=self.exchange,
+            version=version,
         )
         trim_host_heap()  # the buckets just freed
         return out

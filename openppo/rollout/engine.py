@@ -21,14 +21,23 @@ Weight sync: `init_sync_group` joins the trainer's process group (see `sync_grou
 `begin_weight_update` -> `receive_bucket` per bucket -> `finish_weight_update` (or `receive_weights` with all
 bucket layouts at once). The prefix cache is reset after every sync: cached KV blocks were computed with the old
 weights (measured 0.18 nats off when kept).
+
+Partial rollouts (--partial_rollout): `generate` is `submit` then `advance` until done, and the driver may call
+`advance` a few steps at a time instead, so that a weight sync lands between two decoding steps of an unfinished
+batch. `advance` takes no step while a sync is open; the sync's end preempts the running requests, which keep
+their tokens and recompute their KV cache with the new weights. Every token is tagged with the weight version that
+sampled it (vLLM's `set_weight_version` and per-completion `weight_versions`). This needs vLLM's engine core in this
+process (it steps only when `advance` asks), so the engine forces in-process mode with `partial_rollout=True`.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -78,6 +87,30 @@ def _cpu_thread_budget() -> int:
     return threads
 
 
+@dataclass
+class _Batch:
+    """The requests of one `submit`, in prompt order, and the finished outputs so far."""
+
+    request_ids: list[str]
+    finished: dict[str, Any] = field(default_factory=dict)
+
+    @property
+    def done(self) -> bool:
+        return len(self.finished) == len(self.request_ids)
+
+
+def _completion(completion) -> dict:
+    """One sampled response as `generate` returns it; `versions` when vLLM tagged the tokens with weight versions."""
+    token_ids = list(completion.token_ids)
+    logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
+    assert completion.finish_reason in ("stop", "length"), completion.finish_reason
+    out = {"token_ids": token_ids, "logprobs": logprobs, "finish_reason": completion.finish_reason}
+    spans = completion.weight_versions or []
+    if spans and all(span.version.isdigit() for span in spans):
+        out["versions"] = [int(span.version) for span in spans for _ in range(span.end - span.start)]
+    return out
+
+
 class VLLMEngine:
     """A vLLM engine for rollouts; see the module docstring for CPU behaviour.
 
@@ -102,6 +135,8 @@ class VLLMEngine:
         max_num_seqs: cap on sequences per batch (vLLM's default when None).
         executor: vLLM's `distributed_executor_backend` ("ray" for tensor-parallel workers placed on a placement
             group's bundles, see `openppo.ppo.colocation.engine_placement`); None = vLLM's choice.
+        partial_rollout: run vLLM's engine core in this process on every device, so that a weight sync can land
+            between two `advance` calls of an unfinished batch (see the module docstring).
     """
 
     def __init__(
@@ -120,6 +155,7 @@ class VLLMEngine:
         enable_sleep: bool = False,
         max_num_seqs: int | None = None,
         executor: str | None = None,
+        partial_rollout: bool = False,
     ):
         self.on_cpu = not torch.cuda.is_available()
         if tensor_parallel_size < 1:
@@ -188,6 +224,12 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = enable_sleep
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        if partial_rollout:
+            # a separate engine-core process would keep stepping through a sync's reload window
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        self._request_ids = itertools.count()
+        self._batch: _Batch | None = None
+        self._updating = False  # a weight sync is open: `advance` takes no step
 
         from vllm import LLM  # after the environment above: vLLM reads it at import and start-up
 
@@ -204,6 +246,7 @@ class VLLMEngine:
                 f"--vllm_gpu_memory_utilization, or use fewer engines ({exc})"
             ) from exc
         self.start_time_s = time.perf_counter() - start
+        self.llm.llm_engine.set_weight_version("0")
         logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_time_s)
 
     # -- generation ------------------------------------------------------------------------------------------------
@@ -226,7 +269,8 @@ class VLLMEngine:
         Returns, per prompt in order, `n` dicts: `token_ids` (list[int], the response only), `logprobs`
         (list[float], log-prob of each sampled token under the sampling distribution -- see `logprobs_mode`),
         `finish_reason` ("stop": EOS or a stop token, which is included in `token_ids`; "length": hit
-        `max_new_tokens` or `max_model_len`).
+        `max_new_tokens` or `max_model_len`), and `versions` (list[int], the weight version that sampled each token:
+        the `version` of the last `finish_weight_update` before it).
 
         With "processed_logprobs", the log-probs are of the distribution after every vLLM logits processor:
         temperature, then top-k/top-p (which the trainer recomputes: `openppo.algorithms.sampling`). No other
@@ -236,45 +280,84 @@ class VLLMEngine:
         `seed`: reseed the workers' sampling RNG first (`--full_determinism`), so that the same prompts and weights
         draw the same samples whatever this engine generated before (a resumed run, an evaluation in between).
         """
+        self.submit(
+            prompt_token_ids,
+            n=n,
+            max_new_tokens=max_new_tokens,
+            temperature=temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_new_tokens=min_new_tokens,
+            stop_token_ids=stop_token_ids,
+            seed=seed,
+        )
+        results = self.advance()
+        assert results is not None, "generate ran into an open weight sync"
+        return results
+
+    def submit(
+        self,
+        prompt_token_ids: list[list[int]],
+        *,
+        n: int,
+        max_new_tokens: int | Sequence[int],
+        temperature: float,
+        top_p: float,
+        top_k: int = -1,
+        min_new_tokens: int = 0,
+        stop_token_ids: Sequence[int] | None = None,
+        seed: int | None = None,
+    ) -> None:
+        """Queue the requests of `generate` (same arguments) without stepping; `advance` runs them."""
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
+        from vllm.sampling_params import RequestOutputKind
 
         require(n >= 1, f"n must be >= 1, got {n}")
+        require(self._batch is None, "submit: the previous batch is still running (advance it to the end first)")
         budgets = [max_new_tokens] * len(prompt_token_ids) if isinstance(max_new_tokens, int) else max_new_tokens
         require(len(budgets) == len(prompt_token_ids), "max_new_tokens: one budget, or one per prompt")
         require(min(budgets, default=1) >= 1, f"max_new_tokens must be >= 1, got {min(budgets, default=1)}")
-        by_budget = {
-            b: SamplingParams(
+        if seed is not None:
+            self.llm.collective_rpc("openppo_reseed", args=(seed,))
+        engine = self.llm.llm_engine
+        request_ids = []
+        for ids, budget in zip(prompt_token_ids, budgets):
+            params = SamplingParams(
                 n=n,
-                max_tokens=b,
-                min_tokens=min(min_new_tokens, b),
+                max_tokens=budget,
+                min_tokens=min(min_new_tokens, budget),
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
                 stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
                 logprobs=0,
                 detokenize=False,
+                output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it is done
             )
-            for b in set(budgets)
-        }
-        # one request batch whatever the budgets: vLLM takes sampling params per prompt
-        params = [by_budget[b] for b in budgets]
-        prompts = [TokensPrompt(prompt_token_ids=list(ids)) for ids in prompt_token_ids]
-        if seed is not None:
-            self.llm.collective_rpc("openppo_reseed", args=(seed,))
-        outputs = self.llm.generate(prompts, params, use_tqdm=False)
-        results = []
-        for request in outputs:
-            samples = []
-            for completion in sorted(request.outputs, key=lambda c: c.index):
-                token_ids = list(completion.token_ids)
-                logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
-                assert completion.finish_reason in ("stop", "length"), completion.finish_reason
-                samples.append(
-                    {"token_ids": token_ids, "logprobs": logprobs, "finish_reason": completion.finish_reason}
-                )
-            results.append(samples)
-        return results
+            request_id = str(next(self._request_ids))  # outputs carry this id (vLLM adds a suffix inside)
+            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), params)
+            request_ids.append(request_id)
+        self._batch = _Batch(request_ids)
+
+    def advance(self, max_steps: int | None = None) -> list[list[dict]] | None:
+        """Run up to `max_steps` engine steps (None: until the batch is done) of the submitted batch; its results
+        (as `generate`'s) once every request is done, else None. Takes no step while a weight sync is open."""
+        batch = self._batch
+        require(batch is not None, "advance: nothing submitted")
+        steps = 0
+        while not batch.done and not self._updating and (max_steps is None or steps < max_steps):
+            for output in self.llm.llm_engine.step():
+                if output.finished:
+                    batch.finished[output.request_id] = output
+            steps += 1
+        if not batch.done:
+            return None
+        self._batch = None
+        return [
+            [_completion(c) for c in sorted(batch.finished[i].outputs, key=lambda c: c.index)]
+            for i in batch.request_ids
+        ]
 
     def num_unfinished_requests(self) -> int:
         return self.llm.llm_engine.get_num_unfinished_requests()
@@ -308,6 +391,7 @@ class VLLMEngine:
     def begin_weight_update(self, verify: bool = False) -> None:
         """Open one weight update: buckets received until `finish_weight_update` form one consistent sync.
         `verify`: sum what arrives in float64 for `last_sync_checksum` (tests; a host sync per tensor on GPU)."""
+        self._updating = True
         self.llm.collective_rpc("openppo_begin_reload", args=(verify,))
 
     def receive_bucket(self, meta: BucketMeta | dict) -> None:
@@ -325,17 +409,27 @@ class VLLMEngine:
         GPU; see `transport.py`): `handles[w]` is worker w's, a single handle serves all workers."""
         self.llm.collective_rpc("openppo_load_bucket_local", args=(BucketMeta.coerce(meta).to_plain(), list(handles)))
 
-    def finish_weight_update(self) -> int:
-        """Close the weight update, reset the prefix cache; returns the number of vLLM parameters loaded."""
+    def finish_weight_update(self, version: int | None = None) -> int:
+        """Close the weight update; returns the number of vLLM parameters loaded. `version` tags the tokens sampled
+        from now on (see `generate`)."""
         loaded = self.llm.collective_rpc("openppo_finish_reload")
-        self.reset_prefix_cache()
+        self._updated(version)
         return loaded[0]
+
+    def _updated(self, version: int | None) -> None:
+        """After new weights loaded: no cached KV of the old weights survives. Requests still running (a partial
+        rollout) go back to the queue, keep their tokens and recompute their KV cache with the new weights."""
+        if not self.llm.reset_prefix_cache(reset_running_requests=True):
+            raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+        if version is not None:
+            self.llm.llm_engine.set_weight_version(str(version))
+        self._updating = False
 
     def receive_weights(self, metadata_per_bucket: list, verify: bool = False) -> int:
         """A whole sync in one call: the trainer broadcasts the buckets in this order after calling it."""
         plain = [BucketMeta.coerce(m).to_plain() for m in metadata_per_bucket]
         loaded = self.llm.collective_rpc("openppo_receive_weights", args=(plain, verify))
-        self.reset_prefix_cache()
+        self._updated(None)
         return loaded[0]
 
     def load_weights(
@@ -350,7 +444,7 @@ class VLLMEngine:
         loaded = self.llm.collective_rpc(
             "openppo_load_weights_from_bytes", args=([b.meta.to_plain() for b in buckets], payloads, verify)
         )
-        self.reset_prefix_cache()
+        self._updated(None)
         return loaded[0]
 
     def read_weights(self) -> list[list[Shard]]:

@@ -4,14 +4,23 @@
 engine, and waits at most `timeout_s`. Its `lock` keeps generation and weight replacement apart: an engine never
 generates while its weights are being replaced (the actor group's sync holds the lock), which also makes the
 engines' prefix cache reset at the end of a sync safe.
+
+With --partial_rollout (`partial=True`) a generation does not hold the lock: each engine gets its requests
+(`VLLMEngine.submit`) and is then advanced `PARTIAL_STEPS` decoding steps per call until done, so a sync queues
+between two calls and lands between two steps; the engine holds its steps while the sync is open.
 """
 
 from __future__ import annotations
 
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
+
+# Decoding steps per engine call in a partial rollout: the most a weight sync waits for the steps in flight (a
+# decoding step of a batch takes milliseconds), against one Ray round trip (under a millisecond) per call.
+PARTIAL_STEPS = 8
 
 
 @dataclass
@@ -26,7 +35,8 @@ class Sample:
     label: Any = None
     prompt_text: str = ""
     response_text: str = ""
-    policy_version: int = 0  # the weight version that generated it (for async staleness)
+    policy_version: int = 0  # the oldest weight version that sampled a token of it (for async staleness)
+    token_versions: list[int] | None = None  # the weight version that sampled each response token
     action_mask: list[int] | None = None  # per response token; None = all ones (single turn)
     reward: float | None = None
     score: float | None = None
@@ -40,10 +50,18 @@ class Sample:
 class EnginePool:
     """The run's engines (Ray actors of `VLLMEngine`), what each reported at start-up, and the sync lock."""
 
-    def __init__(self, engines: Sequence[Any], infos: Sequence[dict[str, Any]] = (), *, timeout_s: float = 600.0):
+    def __init__(
+        self,
+        engines: Sequence[Any],
+        infos: Sequence[dict[str, Any]] = (),
+        *,
+        timeout_s: float = 600.0,
+        partial: bool = False,
+    ):
         self.engines = list(engines)
         self.infos = list(infos)  # pid, node, log files of each engine (failure reports)
         self.timeout_s = timeout_s
+        self.partial = partial
         self.lock = threading.Lock()
 
     def __len__(self) -> int:
@@ -65,7 +83,8 @@ class EnginePool:
         import ray
 
         per_prompt = per_prompt or {}
-        refs, slots = [], []
+        partial = self.partial and method.__name__ == "generate"
+        refs, slots, used = [], [], []
         with self.lock:
             for e, engine in enumerate(self.engines):
                 chunk = list(range(e, len(prompt_ids), len(self.engines)))
@@ -73,15 +92,39 @@ class EnginePool:
                     continue
                 dealt = {k: [v[i] for i in chunk] for k, v in per_prompt.items()}
                 engine_seed = None if seed is None else seed + 1_000 * e
-                call = getattr(engine, method.__name__)
+                call = getattr(engine, "submit" if partial else method.__name__)
                 refs.append(call.remote([prompt_ids[i] for i in chunk], **dealt, **same, seed=engine_seed))
                 slots.append(chunk)
-            results = ray.get(refs, timeout=self.timeout_s)
+                used.append(engine)
+            if not partial:
+                results = ray.get(refs, timeout=self.timeout_s)
+        if partial:  # outside the lock: a weight sync may land between two advances
+            ray.get(refs, timeout=self.timeout_s)
+            results = self._advance(used)
         outputs: list = [None] * len(prompt_ids)
         for chunk, out in zip(slots, results):
             for i, result in zip(chunk, out):
                 outputs[i] = result
         return outputs
+
+    def _advance(self, engines: list) -> list:
+        """--partial_rollout: each engine's results, advancing every unfinished engine PARTIAL_STEPS steps a call."""
+        import ray
+
+        deadline = time.monotonic() + self.timeout_s
+        results: list = [None] * len(engines)
+        while any(r is None for r in results):
+            waiting = [i for i, r in enumerate(results) if r is None]
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"the engines did not finish generating within {self.timeout_s:.0f} s")
+            for i, out in zip(
+                waiting, ray.get([engines[i].advance.remote(PARTIAL_STEPS) for i in waiting], timeout=left)
+            ):
+                results[i] = out
+            if all(results[i] is None for i in waiting):
+                time.sleep(0.001)  # an open sync holds the steps: let it finish
+        return results
 
     def sleep(self) -> None:
         """Engines free weights and KV cache (vLLM sleep; a no-op on CPU)."""

@@ -305,6 +305,7 @@ def sync_weights(
     plan: SyncPlan | Sequence[str] | None = None,
     exchange: HandleExchange | None = None,
     verify: bool = False,
+    version: int | None = None,
 ) -> dict[str, float] | None:
     """One full sync of `weights` to every engine; rank 0 returns the sync statistics, the other ranks None.
 
@@ -320,7 +321,8 @@ def sync_weights(
     through `exchange`), or "object_store" (Ray's object store, no collective; slower, simplest). Default: all
     "broadcast" with a group, all "object_store" without. All buckets of one call form one engine-side reload,
     applied together. `dtype` casts floating tensors first (pass the engine's dtype). `verify` makes the engines
-    sum what they receive (`last_sync_checksum`). Waits at most `timeout_s` for the engines to finish.
+    sum what they receive (`last_sync_checksum`). `version` tags the tokens the engines sample from then on.
+    Waits at most `timeout_s` for the engines to finish.
     """
     import collections
 
@@ -393,7 +395,7 @@ def sync_weights(
             exporter.close(failed)
     if plan.exchange_ranks:
         exchange.barrier()  # the other exporting ranks may let their buffers go
-    finish = [engine.finish_weight_update.remote() for engine in engines]
+    finish = [engine.finish_weight_update.remote(version) for engine in engines]
     ray.get(pending + finish, timeout=timeout_s)
     seconds = time.perf_counter() - start
     logger.info(

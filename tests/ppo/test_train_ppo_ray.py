@@ -335,7 +335,9 @@ def test_async_grpo_with_oversampling(tmp_path):
     --async_queue_size 1), and importance-weighted; the first batch is fresh. --vllm_generate_batch_size 8 (two
     batches of 4 prompts): a round generates for two steps, so steps 2 and 4 take the groups left by steps 1 and 3
     without generating, and train on samples one version older still. --vllm_sync_with_ray: the weights reach the
-    engine through Ray's object store, in no group, exactly (--vllm_sync_check)."""
+    engine through Ray's object store, in no group, exactly (--vllm_sync_check). --partial_rollout: the engine is
+    advanced a few steps per call and tags each token with its weight version (whether a sync lands mid-batch
+    depends on timing: tests/rollout/test_engine.py places one there)."""
     # label "mixed": rewards 0.25/0.75 by response parity, so advantages are non-zero and the weights move
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(16, seed=4)], tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
@@ -362,6 +364,7 @@ def test_async_grpo_with_oversampling(tmp_path):
             "0.9",
             "--vllm_sync_with_ray",
             "--vllm_sync_check",
+            "--partial_rollout",
         ],
         nproc=1,
         timeout=600,
@@ -379,6 +382,7 @@ def test_async_grpo_with_oversampling(tmp_path):
     assert [len(rounds[step]["taken"]) for step in (1, 2, 3, 4)] == [8, 0, 8, 0]
     assert rounds[2]["prompts"] == rounds[1]["taken"][4:] and rounds[4]["prompts"] == rounds[3]["taken"][4:]
     assert all("timing/wait_rollout" in r and "train/is_ratio_mean" in r for r in records), records[0].keys()
+    assert all(0.0 <= r["rollout/mixed_version_share"] <= 1.0 for r in records)
     # fresh engine == trainer at step 1 (under the engine's top-p truncation, recomputed in the update: weights 1);
     # later the samples' log-probs are those of the previous weights
     assert records[0]["rollout/logprob_diff"] < 1e-4

@@ -199,6 +199,50 @@ def test_seeded_generation_repeats_whatever_ran_before(engine):
     assert draw() != draw()  # unseeded draws go on (6 random 12-token samples twice in a row)
 
 
+@pytest.mark.slow
+def test_partial_rollout_keeps_its_tokens_and_goes_on_with_the_new_weights(engine, hf_model):
+    """--partial_rollout: a sync lands between two `advance` calls of an unfinished batch. The engine takes no step
+    while the sync is open. The tokens sampled before it keep their log-probs under the old weights and are tagged
+    with version 0; the rest are sampled by the new weights (their log-probs equal an HF forward of the new model
+    over the whole sequence, so the kept tokens' KV cache was recomputed) and tagged with the sync's version."""
+    import copy
+
+    import ray
+
+    from openppo.rollout.buckets import pack_buckets
+
+    new = copy.deepcopy(hf_model)
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+
+    def hf_log_probs(model, prompt, ids):
+        with torch.no_grad():
+            logits = model(torch.tensor([prompt + ids]), use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+        return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
+
+    try:
+        ray.get(engine.submit.remote(PROMPTS, n=2, max_new_tokens=16, min_new_tokens=16, temperature=1.0, top_p=1.0))
+        assert ray.get(engine.advance.remote(4), timeout=60) is None  # 4 of 16 tokens
+        ray.get(engine.begin_weight_update.remote())
+        assert ray.get(engine.advance.remote(4), timeout=60) is None  # held: no step with half-loaded weights
+        for bucket in pack_buckets(list(iter_full_weights(new, rank=0)), 1 << 30):
+            ray.get(engine.load_bucket.remote(bucket.meta, bucket.buffer), timeout=60)
+        ray.get(engine.finish_weight_update.remote(7), timeout=60)
+        out = ray.get(engine.advance.remote(None), timeout=120)
+        for prompt, samples in zip(PROMPTS, out):
+            for s in samples:
+                assert len(s["token_ids"]) == 16 and s["versions"] == [0] * 4 + [7] * 12, s["versions"]
+                old = hf_log_probs(hf_model, prompt, s["token_ids"])
+                now = hf_log_probs(new, prompt, s["token_ids"])
+                got = torch.tensor(s["logprobs"])
+                assert (got[:4] - old[:4]).abs().max() < TOL and (got[4:] - now[4:]).abs().max() < TOL
+                assert (now[4:] - old[4:]).abs().max() > 100 * TOL  # the two models do differ there
+    finally:
+        sync_weights(hf_model, None, [engine], timeout_s=60, version=0)  # the module's other tests expect these
+
+
 def _engine_batch(samples_per_prompt: list[list[dict]]) -> tuple[torch.Tensor, ...]:
     """(sequences [N, T], attention mask [N, T], response mask [N, T-1], engine log-probs [N, T-1]) of the samples,
     right-padded."""
