@@ -37,6 +37,14 @@ def resolve_model_path(path: str | None, flag: str) -> str:
     )
 
 
+def is_mixture_of_experts(path: str) -> bool:
+    """Whether the model folder's config routes tokens to experts (Mixtral, Qwen-MoE, OLMoE, ...)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(path, trust_remote_code=True)
+    return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
 def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | None = None, use_fast: bool = True):
     """The model's tokenizer with a pad token (the EOS token stands in when it has none); `chat_template`
     (--tokenizer_chat_template) replaces its own chat template, and is saved with the trained model.

@@ -47,7 +47,9 @@ MARKER = "openppo_build.json"
 _RECIPE_VERSION = 1
 
 SMOLLM2_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
-TINY_ARCHS = ("qwen2", "llama", "qwen3", "mistral")
+TINY_ARCHS = ("qwen2", "llama", "qwen3", "mistral", "qwen3_moe")
+# The mixture-of-experts shape: 4 experts of half the dense --intermediate size, 2 routed per token.
+_TINY_EXPERTS, _TINY_EXPERTS_PER_TOKEN = 4, 2
 TINY_TOKENIZERS = ("qwen3", "gpt2")
 TINY_DTYPES = ("float32", "bfloat16")
 _TINY_MAX_POSITIONS = 4096
@@ -275,10 +277,20 @@ def build_tiny_model(
         from transformers import GenerationConfig
 
         tok = _tiny_tokenizer(tokenizer)
-        prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral"}[arch]
-        config_cls = getattr(transformers, f"{prefix}Config")
-        model_cls = getattr(transformers, f"{prefix}ForCausalLM")
+        prefix = {"qwen2": "Qwen2", "llama": "Llama", "qwen3": "Qwen3", "mistral": "Mistral", "qwen3_moe": "Qwen3Moe"}
+        config_cls = getattr(transformers, f"{prefix[arch]}Config")
+        model_cls = getattr(transformers, f"{prefix[arch]}ForCausalLM")
+        moe = (
+            dict(
+                num_experts=_TINY_EXPERTS,
+                num_experts_per_tok=_TINY_EXPERTS_PER_TOKEN,
+                moe_intermediate_size=max(1, intermediate_size // 2),
+            )
+            if arch == "qwen3_moe"
+            else {}
+        )
         config = config_cls(
+            **moe,
             vocab_size=len(tok),
             hidden_size=hidden_size,
             intermediate_size=intermediate_size,

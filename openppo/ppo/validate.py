@@ -9,7 +9,7 @@ from __future__ import annotations
 from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
-from openppo.models.loading import resolve_model_path
+from openppo.models.loading import is_mixture_of_experts, resolve_model_path
 from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
@@ -51,6 +51,11 @@ def _positive(value, flag: str) -> None:
 def _models(cfg: PPOConfig) -> None:
     m, algo = cfg.model, cfg.algo
     resolve_model_path(m.pretrain, "--pretrain")
+    if cfg.vllm.vllm_sync_check and is_mixture_of_experts(m.pretrain):
+        raise UserError(
+            "--vllm_sync_check reads back dense layers only, not vLLM's fused expert layers of a mixture-of-experts "
+            "--pretrain: drop it (rollout/logprob_diff still shows a bad sync)"
+        )
     require(m.remote_rm_timeout > 0, f"--remote_rm_timeout must be positive (seconds), got {m.remote_rm_timeout}")
     require(m.remote_rm_retries >= 0, f"--remote_rm_retries must be >= 0, got {m.remote_rm_retries}")
     if m.reward_pretrain and m.remote_rm_url:

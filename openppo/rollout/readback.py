@@ -74,6 +74,8 @@ def worker_shards(model: torch.nn.Module, dtype: torch.dtype) -> list[Shard]:
                 shards.append(Shard(name, 0, start, module.weight[:rows].detach().cpu()))
             read.add(id(module.weight))
         elif isinstance(module, LinearBase):
+            if not hasattr(module, "input_size_per_partition"):  # e.g. a mixture-of-experts router
+                raise ValueError(f"reading back {type(module).__name__} {prefix} is not supported (dense layers only)")
             base, _, leaf = prefix.rpartition(".")
             row = isinstance(module, RowParallelLinear)
             weight = _gemm_weight(module, module.input_size_per_partition, dtype).cpu()

@@ -163,26 +163,47 @@ def iter_full_weights(
     `GatherReplacedLayerParams` -- collectives, so EVERY trainer rank must iterate this generator to the end (ranks
     that do not emit get nothing). LoRA adapters are
     merged into the yielded weights (W + B @ A * scaling, computed in fp32, cast to W's dtype) and the names are
-    the base model's checkpoint names (no `base_model.model.` prefix, no `lora_` tensors). Tied parameters come
-    once, as in a checkpoint; buffers are not sent. Yielded tensors are detached and owned by the caller when
-    gathered (clones), else views of the live parameters: consume them before the next optimizer step.
+    the base model's checkpoint names (no `base_model.model.` prefix, no `lora_` tensors). Tensors that transformers
+    holds in another layout than its checkpoints (a mixture of experts' fused `experts.gate_up_proj`, saved one
+    `experts.<e>.gate_proj.weight` per expert) come in the checkpoint's layout, by transformers' own
+    `revert_weight_conversion`, one layer at a time: vLLM loads checkpoint tensors. Tied parameters come once, as in
+    a checkpoint; buffers are not sent. Yielded tensors are detached and owned by the caller when gathered (clones),
+    else views of the live parameters: consume them before the next optimizer step.
     """
     rank = _default_rank() if rank is None else rank
     emit = rank == 0 if emit is None else emit
     hf = unwrap_model(model)
     peft = _is_peft(hf)
+    base = hf.get_base_model() if peft else hf
+    converts = _has_weight_conversions(base)
     for group in _layer_groups(hf):
         gather, gathers = _gathered(hf, group)
         with gather, torch.no_grad():
             if not emit:
                 continue
+            layer = {}
             for name, param in group:
                 hf_name = _hf_name(name, peft)
                 if hf_name is None:
                     continue
                 tensor = _merged_lora_weight(hf, name, param.detach()) if peft else param.detach()
                 # A gathered parameter is released when the context exits: hand out a copy.
-                yield hf_name, (tensor.clone() if gathers and tensor.data_ptr() == param.data_ptr() else tensor)
+                layer[hf_name] = tensor.clone() if gathers and tensor.data_ptr() == param.data_ptr() else tensor
+            if converts:
+                from transformers.core_model_loading import revert_weight_conversion
+
+                layer = revert_weight_conversion(base, layer)
+            yield from layer.items()
+
+
+def _has_weight_conversions(model: nn.Module) -> bool:
+    """Whether transformers converted the checkpoint's tensors on load (so a sync must convert them back)."""
+    conversions = getattr(model, "_weight_conversions", None)
+    if conversions is None:  # not loaded by from_pretrained: transformers' built-in mapping for the architecture
+        from transformers.conversion_mapping import get_model_conversion_mapping
+
+        conversions = get_model_conversion_mapping(model, add_legacy=False)
+    return any(type(c).__name__ == "WeightConverter" for c in conversions)
 
 
 def tensors_checksum(named_tensors: Iterable[tuple[str, torch.Tensor]]) -> float:

@@ -131,6 +131,7 @@ class WorkerExtension:
             _RELOAD_LOGGER.removeFilter(_expected_reload_warnings)
             self._openppo_reloading = False
         _refresh_tied_cpu_kernels(model, self._openppo_loaded)
+        _repack_cpu_experts(model, self._openppo_loaded)
         self._openppo_last_sync_sum = self._openppo_received_sum
         # Mirror what vLLM's own reload_weights invalidates besides the KV cache (a no-op for text-only models).
         for reset in ("reset_encoder_cache", "reset_mm_cache"):
@@ -188,3 +189,20 @@ def _refresh_tied_cpu_kernels(model: torch.nn.Module, loaded: set[str]) -> None:
         if f"{name}.weight" in loaded or weight.data_ptr() not in loaded_ptrs:
             continue
         module.quant_method.process_weights_after_loading(module)
+
+
+def _repack_cpu_experts(model: torch.nn.Module, loaded: set[str]) -> None:
+    """Re-pack the reloaded expert weights of a mixture-of-experts layer for vLLM's CPU grouped GEMM.
+
+    vLLM's CPU experts keep w13/w2 in a prepacked layout, built in their `process_weights_after_loading`, which
+    vLLM runs when the model is first loaded only: a weight update leaves the weights in checkpoint layout while
+    the kernel reads them as packed (measured: 0.02 nats off after re-sending the unchanged weights). Re-running the
+    packing on the reloaded layout restores it. GPU experts need no packing and are left alone.
+    """
+    for name, module in model.named_modules():
+        kernel = getattr(getattr(module, "quant_method", None), "moe_kernel", None)
+        experts = getattr(kernel, "fused_experts", None)
+        if experts is None or not type(experts).__module__.endswith("cpu_moe"):
+            continue
+        if any(p.startswith(f"{name}.") for p in loaded):
+            experts.process_weights_after_loading(module)

@@ -221,6 +221,7 @@ NO_EFFECT = [
     (["--init_kl_coef", "0.01", "--kl_estimator", "k2"], "--kl_estimator k2 as a reward penalty"),
     (["--enforce_eager"], "vLLM runs eager (CUDA graphs and --enforce_eager do not apply)"),
     (["--full_determinism", "--async_train"], "--full_determinism with --async_train"),
+    (["--partial_rollout"], "--partial_rollout has no effect without --async_train"),
 ]
 
 
@@ -247,6 +248,13 @@ def test_options_with_effect_say_nothing(base):
         notices = validate(_cfg(base, extra), on_gpu=False)
         assert not any(n.startswith(flag) for n in notices), (flag, notices)
     assert not any("--adam_offload" in n for n in validate(_cfg(base, ["--adam_offload"]), on_gpu=True))
+
+
+def test_sync_check_refuses_a_mixture_of_experts(base):
+    """--vllm_sync_check reads back dense layers only."""
+    moe = ["--pretrain", str(tiny_model_dir(arch="qwen3_moe"))]
+    with pytest.raises(UserError, match="^--vllm_sync_check reads back dense layers only"):
+        validate(_cfg(base, [*moe, "--vllm_sync_check"]), on_gpu=False)
 
 
 LOSS_RULES = [

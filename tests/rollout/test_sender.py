@@ -36,6 +36,21 @@ def test_names_match_the_checkpoint_and_wrappers_are_stripped(hf_model):
     assert all(torch.equal(t, params[n]) for n, t in named)
 
 
+def test_experts_come_in_the_checkpoint_layout():
+    """transformers 5 holds a mixture of experts' weights fused (`experts.gate_up_proj` [E, 2I, H]) and saves them one
+    tensor per expert and projection: the sync sends what the checkpoint holds, tensor for tensor, which is what
+    vLLM loads."""
+    from transformers import AutoModelForCausalLM
+
+    folder = tiny_model_dir(arch="qwen3_moe")
+    model = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)
+    assert any(n.endswith("experts.gate_up_proj") for n, _ in model.named_parameters())
+    named = dict(iter_full_weights(Actor(model), rank=0))
+    with safe_open(str(folder / "model.safetensors"), "pt") as f:
+        assert set(named) == set(f.keys())
+        assert all(torch.equal(named[n], f.get_tensor(n)) for n in f.keys())
+
+
 def test_other_ranks_get_nothing(hf_model):
     assert list(iter_full_weights(hf_model, rank=1)) == []
 
