@@ -37,6 +37,11 @@ class ModelBuildConfig:
     lora_alpha: int = opt(16, "LoRA alpha (scaling = alpha / rank)")
     lora_dropout: float = opt(0.0, "LoRA dropout")
     target_modules: list[str] = opt(None, "module names LoRA adapts; default: all linear layers", metavar="NAME")
+    aux_loss_coef: float = opt(
+        0.0,
+        "weight of a mixture-of-experts model's router load-balancing loss in the trained model's loss (PPO: the "
+        "actor's); 0 = off",
+    )
 
     def build_kwargs(self) -> dict:
         """Keyword arguments of `Actor.from_pretrained` / `ScalarModel.from_pretrained`."""
@@ -127,6 +132,7 @@ def validate_build(model: ModelBuildConfig) -> None:
     if model.lora_rank > 0:
         require(model.lora_alpha > 0, f"--lora_alpha must be positive, got {model.lora_alpha}")
         require(0.0 <= model.lora_dropout < 1.0, f"--lora_dropout must be in [0, 1), got {model.lora_dropout}")
+    require(model.aux_loss_coef >= 0, f"--aux_loss_coef must be >= 0, got {model.aux_loss_coef}")
 
 
 def validate_schedule(*, min_lr_ratio: float, max_norm: float) -> None:

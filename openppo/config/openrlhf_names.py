@@ -272,7 +272,6 @@ REFUSED: dict[str, str] = {
     "muon_no_nesterov": _MUON,
     "muon_ns_steps": _MUON,
     "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
-    "aux_loss_coef": f"the MoE load-balancing loss: {_NOT_YET}; drop it for dense models",
     "ring_attn_size": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ring_head_stride": f"ring attention in this CLI: {_NOT_YET}; drop it",
     "ds_tensor_parallel_size": f"DeepSpeed tensor parallelism in this CLI: {_NOT_YET}; drop it",

@@ -34,6 +34,8 @@ class ActorOutput(NamedTuple):
     logits: torch.Tensor | None  # [B, T, V] only when asked for
     # [B, T-1] under the rollout engine's top-k/top-p truncation, no gradient; only when a `sampling` filter is given
     sampling_log_probs: torch.Tensor | None = None
+    # a mixture-of-experts model's router load-balancing loss (scalar), only with `return_aux_loss`
+    aux_loss: torch.Tensor | None = None
 
 
 class Actor(nn.Module):
@@ -99,6 +101,7 @@ class Actor(nn.Module):
         return_logits: bool = False,
         score_mask: torch.Tensor | None = None,
         sampling: SamplingFilter | None = None,
+        return_aux_loss: bool = False,
     ) -> ActorOutput:
         """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
         (logging only: no graph is kept through the full-vocabulary softmax).
@@ -109,6 +112,9 @@ class Actor(nn.Module):
 
         `sampling` (an active top-k/top-p filter): also score the tokens under the engine's truncated distribution,
         from the same logits (`openppo.algorithms.sampling`), for comparisons with the engine's log-probs.
+
+        `return_aux_loss` (a mixture-of-experts model, --aux_loss_coef): also the router's load-balancing loss over
+        the row's tokens, as transformers computes it (Switch Transformer's, Fedus et al. 2021, eq. 4).
         """
         rows = self.layout.rows(input_ids, attention_mask, position_ids)
         assert rows.ring is None or not return_logits, "ring attention returns per-token values, not logits"
@@ -116,6 +122,8 @@ class Actor(nn.Module):
         if score_mask is not None and rows.ring is None and not return_logits and self._takes_logits_to_keep:
             keep = scored_positions(score_mask, rows.token_mask)
         extra = {} if keep is None else {"logits_to_keep": keep}
+        if return_aux_loss:
+            extra["output_router_logits"] = True
         out = self.model(
             input_ids=rows.input_ids,
             attention_mask=rows.attention_mask,
@@ -156,6 +164,7 @@ class Actor(nn.Module):
             entropy=per_token(entropy),
             logits=rows.to_grid(out.logits) if return_logits else None,
             sampling_log_probs=per_token(behaviour),
+            aux_loss=out.aux_loss if return_aux_loss else None,
         )
 
 

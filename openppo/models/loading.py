@@ -45,6 +45,13 @@ def is_mixture_of_experts(path: str) -> bool:
     return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
 
 
+def aux_loss_notice(aux_loss_coef: float, path: str) -> str | None:
+    """The one-line notice of an --aux_loss_coef that has nothing to weigh: the trained model has no router."""
+    if aux_loss_coef > 0 and not is_mixture_of_experts(path):
+        return f"--aux_loss_coef has no effect: {path} is not a mixture-of-experts model (it has no router)"
+    return None
+
+
 def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | None = None, use_fast: bool = True):
     """The model's tokenizer with a pad token (the EOS token stands in when it has none); `chat_template`
     (--tokenizer_chat_template) replaces its own chat template, and is saved with the trained model.

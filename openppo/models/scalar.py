@@ -19,6 +19,19 @@ from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 
 
+def router_aux_loss(hf_model: nn.Module, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """A mixture-of-experts backbone's load-balancing loss from its per-layer router logits, by the architecture's
+    own transformers function (what its *ForCausalLM returns as `aux_loss`; our scalar head skips that forward)."""
+    import sys
+
+    config = hf_model.config
+    loss_fn = getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if loss_fn is None or not experts:
+        raise ValueError(f"{type(hf_model).__name__} has no router load-balancing loss (not a mixture of experts)")
+    return loss_fn(router_logits, experts, config.num_experts_per_tok, attention_mask)
+
+
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
     """Index of the last real token of each right-padded row: [B, T] -> [B]."""
     positions = torch.arange(attention_mask.size(1), device=attention_mask.device)
@@ -95,17 +108,23 @@ class ScalarModel(nn.Module):
         position_ids: torch.Tensor | None = None,
         *,
         normalize: bool = False,
-    ) -> torch.Tensor:
-        """Per-token scalars [B, T] (fp32) of a right-padded batch, computed in the model's `layout`."""
+        return_aux_loss: bool = False,
+    ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        """Per-token scalars [B, T] (fp32) of a right-padded batch, computed in the model's `layout`; with
+        `return_aux_loss` (a mixture-of-experts model, --aux_loss_coef) also the router's load-balancing loss."""
         rows = self.layout.rows(input_ids, attention_mask, position_ids)
         hf = self.hf_model
         backbone = getattr(hf, hf.base_model_prefix)
         inputs = dict(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
-        hidden = backbone(**inputs, use_cache=False).last_hidden_state
-        values = rows.to_grid(hf.score(hidden).squeeze(-1).float())
+        if return_aux_loss:
+            inputs["output_router_logits"] = True
+        out = backbone(**inputs, use_cache=False)
+        values = rows.to_grid(hf.score(out.last_hidden_state).squeeze(-1).float())
         if normalize:
             mean, std = self.normalization()
             values = (values - mean) / std
+        if return_aux_loss:
+            return values, router_aux_loss(hf, out.router_logits, rows.attention_mask)
         return values
 
     def score_last(

@@ -152,12 +152,15 @@ def actor_loss(
     is_correction: str | None,
     is_threshold: tuple[float, float],
     sampling: SamplingFilter | None = None,
+    aux_loss_coef: float = 0.0,
 ) -> LossFn:
-    """Policy loss (+ KL loss, - entropy bonus) of one micro-batch, as a contribution to the step loss.
+    """Policy loss (+ KL loss, - entropy bonus, + MoE load-balancing loss) of one micro-batch, as a contribution to
+    the step loss.
 
     `sampling`: the engine's top-k/top-p truncation. Engine log-probs are compared (IS weights, the log-prob gap)
     with the old policy under that truncation: the batch's `old_sampling_log_probs`, or, without an old-policy pass,
-    this forward's own."""
+    this forward's own. `aux_loss_coef` (--aux_loss_coef): the router's load-balancing loss of each micro-batch,
+    weighted by its share of the step's action tokens, so the step adds coef x the token-weighted mean."""
     low, high = clip_bounds(algo.eps_clip, algo.eps_clip_low_high)
     mode = algo.loss_agg_mode or default_loss_agg_mode(algo.advantage_estimator, algo.policy_loss_type)
     # The entropy is always logged; it carries a gradient only when it is a loss term.
@@ -173,6 +176,7 @@ def actor_loss(
             return_entropy=True if entropy_in_loss else "log",
             score_mask=mask,
             sampling=sampling if on_policy and "rollout_log_probs" in batch else None,
+            return_aux_loss=aux_loss_coef > 0,
         )
 
         def agg(per_token):
@@ -222,6 +226,11 @@ def actor_loss(
             metrics["train/kl_loss"] = kl_term.item()
         if entropy_in_loss:
             loss = loss - algo.entropy_loss_coef * agg(out.entropy)
+        if out.aux_loss is not None:
+            # a step-loss contribution like the others (*_loss metrics add up over a step's micro-batches)
+            aux = out.aux_loss * mask.sum() / normalizers[0]
+            loss = loss + aux_loss_coef * aux
+            metrics["train/aux_loss"] = aux.item()
         # a plain mean of this micro-batch (averaged over micro-batches and ranks), not a step-loss contribution
         metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask).item()
         return loss, metrics

@@ -9,7 +9,7 @@ from __future__ import annotations
 from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
-from openppo.models.loading import is_mixture_of_experts, resolve_model_path
+from openppo.models.loading import aux_loss_notice, is_mixture_of_experts, resolve_model_path
 from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
@@ -223,6 +223,11 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
     )
     if r.ring_attn_size == 1:
         return
+    if cfg.model.aux_loss_coef > 0:
+        raise UserError(
+            "--aux_loss_coef with --ring_attn_size: each ring rank routes only its chunk of a row, so the "
+            "load-balancing loss is not the row's; drop one of them"
+        )
     if not r.packing_samples:
         raise UserError("--ring_attn_size shards packed rows over ranks: add --packing_samples")
     for role in used_roles(cfg):
@@ -411,6 +416,8 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
             "--partial_rollout has no effect without --async_train: a synchronous step never syncs the weights "
             "while the engines generate"
         )
+    if (notice := aux_loss_notice(cfg.model.aux_loss_coef, cfg.model.pretrain)) is not None:
+        notices.append(notice)
     if cfg.logging.logging_steps > 1:
         notices.append(
             f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "

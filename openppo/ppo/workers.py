@@ -218,6 +218,7 @@ class ActorWorker(_TrainedWorker):
             is_correction=is_correction,
             is_threshold=tuple(cfg.vllm.vllm_is_truncated_threshold),
             sampling=cfg.rollout.sampling,
+            aux_loss_coef=cfg.model.aux_loss_coef,
         )
         start = time.perf_counter()
         metrics = fit_experience(

@@ -73,6 +73,7 @@ class SupervisedTrainer:
         logging_cfg: LoggingConfig,
         tracker: MetricsTracker,
         num_workers: int = 0,
+        aux_loss_coef: float = 0.0,
     ):
         self.strategy = strategy
         self.engine = engine
@@ -85,6 +86,7 @@ class SupervisedTrainer:
         self.logging_cfg = logging_cfg
         self.tracker = tracker
         self.num_workers = num_workers  # --dataloader_num_workers: processes that collate batches
+        self.aux_loss_coef = aux_loss_coef  # --aux_loss_coef: the MoE router's load-balancing loss, 0 = off
         self.guard = strategy.step_guard(engine, self.name)  # skips NaN/Inf steps (--max_nonfinite_steps)
         self.ckpt_dir = ckpt.ckpt_path or str(Path(ckpt.save_path) / "checkpoints")
         self.micro = optim.micro_train_batch_size
@@ -102,6 +104,15 @@ class SupervisedTrainer:
         self.total_steps = min(total, optim.max_steps) if optim.max_steps > 0 else total
 
     # ------------------------------------------------------------------------------------------------ subclass API
+    def add_aux_loss(
+        self, loss: torch.Tensor, metrics: dict[str, float], aux_loss: torch.Tensor | None
+    ) -> torch.Tensor:
+        """`loss` + --aux_loss_coef x the router's load-balancing loss of the same forward (when it returned one)."""
+        if aux_loss is None:
+            return loss
+        metrics["train/aux_loss"] = aux_loss.item()
+        return loss + self.aux_loss_coef * aux_loss
+
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         raise NotImplementedError
 

@@ -17,7 +17,7 @@ from openppo.config.common import validate_build, validate_outputs, validate_sch
 from openppo.config.schema import to_dict
 from openppo.datasets import load_blended_dataset, require_columns
 from openppo.errors import require
-from openppo.models.loading import resolve_model_path
+from openppo.models.loading import aux_loss_notice, resolve_model_path
 from openppo.strategy.config import ds_notices, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
 from openppo.trainers.configs import DataConfig
@@ -45,6 +45,8 @@ def validate_common(cfg: Any) -> None:
         0.0 <= cfg.optim.lr_warmup_ratio < 1.0, f"--lr_warmup_ratio must be in [0, 1), got {cfg.optim.lr_warmup_ratio}"
     )
     validate_build(cfg.model)
+    if (notice := aux_loss_notice(cfg.model.aux_loss_coef, cfg.model.pretrain)) is not None:
+        logger.info("note: %s", notice)
     validate_schedule(min_lr_ratio=cfg.optim.min_lr_ratio, max_norm=cfg.optim.max_norm)
     validate_ds_settings(cfg.ds)
     for notice in ds_notices(cfg.ds, torch.cuda.is_available()):
@@ -126,6 +128,7 @@ def train_kwargs(
         logging_cfg=cfg.logging,
         tracker=tracker,
         num_workers=cfg.data.dataloader_num_workers,
+        aux_loss_coef=cfg.model.aux_loss_coef,
     )
 
 

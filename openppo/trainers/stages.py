@@ -37,9 +37,15 @@ class SFTTrainer(SupervisedTrainer):
     name = "sft"
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        out = self.engine(batch["input_ids"], batch.get("attention_mask"), batch.get("position_ids"))
+        out = self.engine(
+            batch["input_ids"],
+            batch.get("attention_mask"),
+            batch.get("position_ids"),
+            return_aux_loss=self.aux_loss_coef > 0,
+        )
         loss, tokens = masked_nll(out.log_probs, batch["loss_mask"])
-        return loss, {"train/loss": loss.item(), "train/target_tokens": tokens.item()}
+        metrics = {"train/loss": loss.item(), "train/target_tokens": tokens.item()}
+        return self.add_aux_loss(loss, metrics, out.aux_loss), metrics
 
 
 # -- reward model -------------------------------------------------------------------------------------------------
@@ -54,26 +60,26 @@ class RewardModelTrainer(SupervisedTrainer):
         self.margin = margin
         self._stats: dict[str, float] = {}
 
-    def _scores(self, batch: dict[str, Any]) -> tuple[torch.Tensor, torch.Tensor]:
-        scores = self._score_last(batch)
-        half = scores.size(0) // 2
-        return scores[:half], scores[half:]
-
-    def _score_last(self, batch: dict[str, Any]) -> torch.Tensor:
-        values = self.engine(batch["input_ids"], batch["attention_mask"])
-        return values.gather(1, last_token_index(batch["attention_mask"]).unsqueeze(1)).squeeze(1)
+    def _score_last(self, batch: dict[str, Any], aux: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """The score of each row at its last token, and with `aux` the router's load-balancing loss."""
+        out = self.engine(batch["input_ids"], batch["attention_mask"], return_aux_loss=aux)
+        values, aux_loss = out if aux else (out, None)
+        return values.gather(1, last_token_index(batch["attention_mask"]).unsqueeze(1)).squeeze(1), aux_loss
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
-        chosen, rejected = self._scores(batch)
+        scores, aux_loss = self._score_last(batch, aux=self.aux_loss_coef > 0)
+        half = scores.size(0) // 2
+        chosen, rejected = scores[:half], scores[half:]
         margin = batch["margin"] if "margin" in batch else self.margin  # per pair with --margin_loss
         loss = pairwise_rm_loss(chosen, rejected, kind=self.loss_kind, margin=margin)
-        return loss, {
+        metrics = {
             "train/loss": loss.item(),
             "train/acc": (chosen > rejected).float().mean().item(),
             "train/chosen_reward": chosen.mean().item(),
             "train/rejected_reward": rejected.mean().item(),
             "train/margin": (chosen - rejected).mean().item(),
         }
+        return self.add_aux_loss(loss, metrics, aux_loss), metrics
 
     @torch.no_grad()
     def measure_score_stats(self) -> dict[str, float]:
@@ -86,7 +92,7 @@ class RewardModelTrainer(SupervisedTrainer):
         self.engine.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.strategy.device)
         for batch in loader:
-            scores = self._score_last(move_to(batch, self.strategy.device)).double()
+            scores = self._score_last(move_to(batch, self.strategy.device))[0].double()
             total += torch.stack([scores.new_tensor(scores.numel()), scores.sum(), (scores**2).sum()])
         if self.strategy.world_size > 1:
             torch.distributed.all_reduce(total)
@@ -123,7 +129,8 @@ class DPOTrainer(SupervisedTrainer):
 
     def compute_loss(self, batch: dict[str, Any]) -> tuple[torch.Tensor, dict[str, float]]:
         ids, attn, loss_mask = batch["input_ids"], batch["attention_mask"], batch["loss_mask"]
-        policy, lengths = sequence_log_probs(self.engine(ids, attn).log_probs, loss_mask)
+        out = self.engine(ids, attn, return_aux_loss=self.aux_loss_coef > 0)
+        policy, lengths = sequence_log_probs(out.log_probs, loss_mask)
         with torch.no_grad():
             ref, _ = sequence_log_probs(self.ref_engine(ids, attn).log_probs, loss_mask)
         half = ids.size(0) // 2
@@ -149,4 +156,4 @@ class DPOTrainer(SupervisedTrainer):
                 "train/acc": (chosen_r > rejected_r).float().mean().item(),
             }
         )
-        return loss, metrics
+        return self.add_aux_loss(loss, metrics, out.aux_loss), metrics

@@ -127,10 +127,10 @@ def test_margin_loss_uses_each_pairs_margin(tokenizer):
 
     trainer = object.__new__(RewardModelTrainer)  # only what compute_loss reads: the model and the loss options
     trainer.engine = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--pretrain")
-    trainer.loss_kind, trainer.margin = "sigmoid", 0.0
+    trainer.loss_kind, trainer.margin, trainer.aux_loss_coef = "sigmoid", 0.0, 0.0
     with torch.no_grad():
         loss, _ = trainer.compute_loss(batch)
-        chosen, rejected = trainer._scores(batch)
+        chosen, rejected = trainer._score_last(batch)[0].chunk(2)
     assert loss.item() == pytest.approx(pairwise_rm_loss(chosen, rejected, margin=torch.tensor([1.5, 0.0])).item())
     assert loss.item() != pytest.approx(pairwise_rm_loss(chosen, rejected).item())
 
@@ -154,13 +154,13 @@ def test_packed_preference_pairs_give_the_padded_losses(tokenizer):
     assert not batch["attention_mask"].all()  # ragged rows: padding that packing skips
     rm = object.__new__(RewardModelTrainer)  # only what compute_loss reads
     rm.engine = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--pretrain")
-    rm.loss_kind, rm.margin = "sigmoid", 0.0
+    rm.loss_kind, rm.margin, rm.aux_loss_coef = "sigmoid", 0.0, 0.0
     dpo = object.__new__(DPOTrainer)
     dpo.engine = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
     dpo.ref_engine = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
     with torch.no_grad():
         dpo.ref_engine.model.lm_head.weight.mul_(1.1)  # a reference unlike the policy: a non-zero DPO margin
-    dpo.beta, dpo.label_smoothing, dpo.ipo, dpo.nll_loss_coef = 0.1, 0.0, False, 0.5
+    dpo.beta, dpo.label_smoothing, dpo.ipo, dpo.nll_loss_coef, dpo.aux_loss_coef = 0.1, 0.0, False, 0.5, 0.0
     losses = {}
     for packed in (False, True):
         for model in (rm.engine, dpo.engine, dpo.ref_engine):

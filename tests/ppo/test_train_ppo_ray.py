@@ -388,3 +388,40 @@ def test_async_grpo_with_oversampling(tmp_path):
     assert records[0]["rollout/logprob_diff"] < 1e-4
     assert abs(records[0]["train/is_ratio_mean"] - 1) < 1e-4 and records[0]["rollout/outside_support"] == 0
     assert all(r["rollout/logprob_diff"] > 1e-4 for r in records[1:]), series(records, "rollout/logprob_diff")
+
+
+def test_grpo_on_a_mixture_of_experts_with_the_router_loss(tmp_path):
+    """--aux_loss_coef on the tiny Qwen3-MoE (4 experts, 2 per token): vLLM generates with it, the update adds the
+    router's load-balancing loss (train/aux_loss: transformers' Switch loss, top-k = 2 at a perfect balance, at most
+    the expert count), and after the sync of step 1's update the
+    engine's log-probs equal the trainer's (the fused expert weights arrived). ZeRO-3 over 2 actor ranks."""
+    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(8, seed=6)], tmp_path / "prompts.jsonl")
+    save = tmp_path / "out"
+    args = _common(prompts, save)
+    args[args.index("--pretrain") + 1] = str(tiny_model_dir(arch="qwen3_moe"))
+    run_cli(
+        "train_ppo_ray",
+        args
+        + [
+            "--remote_rm_url",
+            str(REPO / "tests/ppo/label_reward.py"),
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "2",
+            "--init_kl_coef",
+            "0",
+            "--actor.aux_loss_coef",
+            "0.01",
+            "--actor_learning_rate",
+            "1e-3",
+        ],
+        nproc=1,
+        timeout=600,
+    )
+    records = read_metrics(save)
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(2.0 <= r["train/aux_loss"] <= 4.0 for r in records), series(records, "train/aux_loss")
+    # step 2 samples from the synced engine: an engine left with the initial weights would be off by what a 1e-3
+    # step of nonzero advantages moved the policy, far above 1e-4
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")

@@ -222,6 +222,7 @@ NO_EFFECT = [
     (["--enforce_eager"], "vLLM runs eager (CUDA graphs and --enforce_eager do not apply)"),
     (["--full_determinism", "--async_train"], "--full_determinism with --async_train"),
     (["--partial_rollout"], "--partial_rollout has no effect without --async_train"),
+    (["--aux_loss_coef", "0.01"], "--aux_loss_coef has no effect"),  # the dense tiny model has no router
 ]
 
 
@@ -248,6 +249,8 @@ def test_options_with_effect_say_nothing(base):
         notices = validate(_cfg(base, extra), on_gpu=False)
         assert not any(n.startswith(flag) for n in notices), (flag, notices)
     assert not any("--adam_offload" in n for n in validate(_cfg(base, ["--adam_offload"]), on_gpu=True))
+    moe = ["--pretrain", str(tiny_model_dir(arch="qwen3_moe")), "--aux_loss_coef", "0.01"]
+    assert not any("--aux_loss_coef" in n for n in validate(_cfg(base, moe), on_gpu=False))
 
 
 def test_sync_check_refuses_a_mixture_of_experts(base):
@@ -255,6 +258,16 @@ def test_sync_check_refuses_a_mixture_of_experts(base):
     moe = ["--pretrain", str(tiny_model_dir(arch="qwen3_moe"))]
     with pytest.raises(UserError, match="^--vllm_sync_check reads back dense layers only"):
         validate(_cfg(base, [*moe, "--vllm_sync_check"]), on_gpu=False)
+
+
+def test_router_loss_rules(base):
+    """--aux_loss_coef is not a ring's (each ring rank routes only its chunk of a row), and not negative."""
+    moe = ["--pretrain", str(tiny_model_dir(arch="qwen3_moe"))]
+    ring = ["--ring_attn_size", "2", "--packing_samples", "--aux_loss_coef", "0.01"]
+    with pytest.raises(UserError, match="^--aux_loss_coef with --ring_attn_size"):
+        validate(_cfg(base, [*moe, *ring]), on_gpu=False)
+    with pytest.raises(UserError, match="--aux_loss_coef must be >= 0"):
+        validate(_cfg(base, ["--aux_loss_coef", "-1"]), on_gpu=False)
 
 
 LOSS_RULES = [

@@ -1,0 +1,123 @@
+"""--aux_loss_coef: a mixture-of-experts model's router load-balancing loss, on the tiny Qwen3-MoE of the zoo (4
+experts, 2 per token), fp32, in process.
+
+The value is transformers' own (`Qwen3MoeForCausalLM(output_router_logits=True).aux_loss`): our Actor returns it
+padded or packed, our ScalarModel (which skips the CausalLM forward) computes the same from its backbone's router
+logits, and the PPO, SFT, RM and DPO losses each add coef x it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tests.model_cache import tiny_model_dir
+from tests.ppo.rank_helpers import ragged_rows
+
+LENGTHS = [9, 4, 13, 7]
+
+
+@pytest.fixture(scope="module")
+def moe_dir():
+    return tiny_model_dir(arch="qwen3_moe")
+
+
+@pytest.fixture(scope="module")
+def batch():
+    return ragged_rows(LENGTHS, 5000, torch.Generator().manual_seed(0))
+
+
+def _expected(moe_dir, batch) -> torch.Tensor:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(moe_dir, dtype=torch.float32)
+    with torch.no_grad():
+        out = hf(batch["sequences"], attention_mask=batch["attention_mask"], output_router_logits=True, use_cache=False)
+    return out.aux_loss
+
+
+def test_actor_and_scalar_model_return_transformers_router_loss_padded_or_packed(moe_dir, batch):
+    from openppo.models.actor import Actor
+    from openppo.models.row_layout import RowLayout
+    from openppo.models.scalar import ScalarModel
+
+    expected = _expected(moe_dir, batch)
+    assert 2.0 <= expected <= 4.0  # top-k (2) at a perfect balance, at most the expert count (4)
+    actor = Actor.from_pretrained(str(moe_dir), dtype=torch.float32)
+    scalar = ScalarModel.from_pretrained(str(moe_dir), dtype=torch.float32, flag="--pretrain")
+    seqs, attn = batch["sequences"], batch["attention_mask"]
+    for packed in (False, True):
+        actor.layout = scalar.layout = RowLayout(packed=packed)
+        out = actor(seqs, attn, return_aux_loss=True)
+        assert out.aux_loss.item() == pytest.approx(expected.item(), abs=1e-6), packed
+        _, aux = scalar(seqs, attn, return_aux_loss=True)
+        assert aux.item() == pytest.approx(expected.item(), abs=1e-6), packed
+    assert actor(seqs, attn).aux_loss is None  # not asked: no router logits are kept
+    # the loss trains the routers: its gradient reaches every layer's gate
+    actor(seqs, attn, return_aux_loss=True).aux_loss.backward()
+    gates = {n: p.grad for n, p in actor.named_parameters() if n.endswith("mlp.gate.weight")}
+    assert len(gates) == 2 and all(g is not None and g.abs().max() > 0 for g in gates.values())
+
+
+def test_ppo_actor_loss_adds_coef_times_the_token_share(moe_dir, batch):
+    """Each micro-batch adds coef x aux x (its action tokens / the step's): a step sums to coef x the
+    token-weighted mean."""
+    from openppo.models.actor import Actor
+    from openppo.ppo.config import AlgoConfig
+    from openppo.ppo.fit import actor_loss
+
+    actor = Actor.from_pretrained(str(moe_dir), dtype=torch.float32)
+    data = {k: v for k, v in batch.items() if k != "noise"}
+    with torch.no_grad():
+        data["old_log_probs"] = actor(data["sequences"], data["attention_mask"]).log_probs
+    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0)
+    normalizers = torch.tensor([3.0 * data["action_mask"].sum().item(), 3 * len(LENGTHS)])  # one third of a step
+
+    def contribution(coef):
+        loss_fn = actor_loss(
+            actor,
+            algo,
+            kl_coef=0.0,
+            temperature=1.0,
+            generate_max_len=16,
+            is_correction=None,
+            is_threshold=(0.5, 5.0),
+            aux_loss_coef=coef,
+        )
+        with torch.no_grad():
+            return loss_fn(data, normalizers)
+
+    plain, plain_metrics = contribution(0.0)
+    with_aux, metrics = contribution(0.5)
+    assert "train/aux_loss" not in plain_metrics
+    # the metric is the micro-batch's share too: a step's micro-batches add up to its token-weighted mean
+    assert metrics["train/aux_loss"] == pytest.approx(_expected(moe_dir, batch).item() / 3, abs=1e-6)
+    assert (with_aux - plain).item() == pytest.approx(0.5 * metrics["train/aux_loss"], abs=1e-6)
+
+
+def test_supervised_losses_add_coef_times_the_router_loss(moe_dir, batch):
+    """SFT, RM and DPO: compute_loss with --aux_loss_coef 0.5 is the plain loss + 0.5 x the forward's router loss."""
+    from openppo.models.actor import Actor
+    from openppo.models.scalar import ScalarModel
+    from openppo.trainers.stages import DPOTrainer, RewardModelTrainer, SFTTrainer
+
+    seqs, attn = batch["sequences"], batch["attention_mask"]
+    sft = object.__new__(SFTTrainer)  # only what compute_loss reads
+    sft.engine = Actor.from_pretrained(str(moe_dir), dtype=torch.float32)
+    rm = object.__new__(RewardModelTrainer)
+    rm.engine = ScalarModel.from_pretrained(str(moe_dir), dtype=torch.float32, flag="--pretrain")
+    rm.loss_kind, rm.margin = "sigmoid", 0.0
+    dpo = object.__new__(DPOTrainer)
+    dpo.engine = dpo.ref_engine = sft.engine
+    dpo.beta, dpo.label_smoothing, dpo.ipo, dpo.nll_loss_coef = 0.1, 0.0, False, 0.0
+    data = {"input_ids": seqs, "attention_mask": attn, "loss_mask": attn}
+    expected = _expected(moe_dir, batch).item()
+    for trainer in (sft, rm, dpo):
+        losses = {}
+        for coef in (0.0, 0.5):
+            trainer.aux_loss_coef = coef
+            with torch.no_grad():
+                losses[coef] = trainer.compute_loss(data)
+        (plain, plain_metrics), (with_aux, metrics) = losses[0.0], losses[0.5]
+        assert "train/aux_loss" not in plain_metrics and metrics["train/aux_loss"] == pytest.approx(expected, abs=1e-6)
+        assert (with_aux - plain).item() == pytest.approx(0.5 * expected, abs=1e-6), type(trainer).__name__
