@@ -11,7 +11,6 @@ from openppo.datasets import collate_pairs
 from openppo.errors import require
 from openppo.models.actor import Actor
 from openppo.models.loading import load_tokenizer, resolve_model_path
-from openppo.models.row_layout import RowLayout
 from openppo.trainers import setup
 from openppo.trainers.configs import DPOConfig
 from openppo.trainers.loop import SupervisedTrainer
@@ -46,11 +45,11 @@ def train(cfg: DPOConfig) -> None:
             flag="--ref_pretrain",
             attn_implementation=cfg.model.attn_implementation,
         )
-    ref.layout = RowLayout(packed=cfg.data.packing_samples)
+    setup.set_layout(cfg, ref)
     ref_engine = strategy.prepare_eval(ref, offload=cfg.dpo.ref_offload)
     with strategy.zero3_init():
         actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **cfg.model.build_kwargs())
-    actor.layout = RowLayout(packed=cfg.data.packing_samples)
+    setup.set_layout(cfg, actor)
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(actor, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_dpo")

@@ -10,7 +10,6 @@ from openppo.cli.runner import run_cli
 from openppo.datasets import PreferenceDataset, collate_pairs
 from openppo.errors import require
 from openppo.models.loading import load_tokenizer
-from openppo.models.row_layout import RowLayout
 from openppo.models.scalar import ScalarModel
 from openppo.trainers import setup
 from openppo.trainers.configs import RMConfig
@@ -64,7 +63,7 @@ def train(cfg: RMConfig) -> None:
         model = ScalarModel.from_pretrained(
             cfg.model.pretrain, dtype=strategy.torch_dtype, flag="--pretrain", **cfg.model.build_kwargs()
         )
-    model.layout = RowLayout(packed=cfg.data.packing_samples)
+    setup.set_layout(cfg, model)
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(model, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_rm")

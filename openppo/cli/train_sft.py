@@ -44,13 +44,16 @@ def train(cfg: SFTConfig) -> None:
     train_ds = make(raw_train)
     eval_ds = make(raw_eval) if raw_eval is not None else None
     strategy = setup.make_strategy(cfg)
+    # packed rows come packed from the collator, except a ring's: its layout packs and shards the padded batch
     collate = (
         collate_packed
-        if cfg.data.packing_samples
+        if cfg.data.packing_samples and cfg.ds.ring_attn_size == 1
         else functools.partial(collate_padded, pad_token_id=tokenizer.pad_token_id)
     )
     with strategy.zero3_init():
         actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **cfg.model.build_kwargs())
+    if cfg.ds.ring_attn_size > 1:
+        setup.set_layout(cfg, actor)
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(actor, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_sft")

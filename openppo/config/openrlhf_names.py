@@ -272,9 +272,6 @@ REFUSED: dict[str, str] = {
     "muon_no_nesterov": _MUON,
     "muon_ns_steps": _MUON,
     "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
-    "ring_attn_size": f"ring attention in this CLI: {_NOT_YET}; drop it",
-    "ring_head_stride": f"ring attention in this CLI: {_NOT_YET}; drop it",
-    "ds_tensor_parallel_size": f"DeepSpeed tensor parallelism in this CLI: {_NOT_YET}; drop it",
 }
 
 # flags that do nothing in a CLI without the field: (takes a value, why it is ignored)

@@ -45,6 +45,15 @@ def is_mixture_of_experts(path: str) -> bool:
     return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
 
 
+def kv_heads(model_path: str) -> int:
+    """Key/value heads of a model folder (its config.json only; a ring exchanges them --ring_head_stride at a
+    time)."""
+    from transformers import AutoConfig
+
+    config = AutoConfig.from_pretrained(model_path)
+    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
+
+
 def aux_loss_notice(aux_loss_coef: float, path: str) -> str | None:
     """The one-line notice of an --aux_loss_coef that has nothing to weigh: the trained model has no router."""
     if aux_loss_coef > 0 and not is_mixture_of_experts(path):

@@ -9,7 +9,7 @@ from __future__ import annotations
 from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
-from openppo.models.loading import aux_loss_notice, is_mixture_of_experts, resolve_model_path
+from openppo.models.loading import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
 from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
@@ -240,17 +240,8 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
     m, stride = cfg.model, r.ring_head_stride
     models = {"--pretrain": m.pretrain, "--critic_pretrain": m.critic_pretrain, "--reward_pretrain": m.reward_pretrain}
     for flag, path in models.items() if stride else ():
-        heads = _kv_heads(path) if path else 0
+        heads = kv_heads(path) if path else 0
         require(heads % stride == 0, f"--ring_head_stride {stride} must divide the KV heads of {flag} ({heads})")
-
-
-def _kv_heads(model_path: str) -> int:
-    """Key/value heads of a model folder (its config.json only; the ring exchanges them `--ring_head_stride` at a
-    time)."""
-    from transformers import AutoConfig
-
-    config = AutoConfig.from_pretrained(model_path)
-    return getattr(config, "num_key_value_heads", None) or config.num_attention_heads
 
 
 def _tensor_parallel(cfg: PPOConfig) -> None:

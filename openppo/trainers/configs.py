@@ -12,6 +12,26 @@ from openppo.trainers.preference_losses import RM_LOSSES
 
 
 @dataclass
+class SupervisedDeepSpeedConfig(DeepSpeedConfig):
+    """DeepSpeed ZeRO, precision and distributed settings, with the two ways ranks share rows."""
+
+    ring_attn_size: int = opt(
+        1, "ranks sharing each packed row (ring attention for long samples; needs --packing_samples)"
+    )
+    ring_head_stride: int = opt(1, "KV heads sent per ring step (bounds the buffers); 0 = all at once")
+    ds_tensor_parallel_size: int = opt(
+        1,
+        "DeepSpeed AutoTP size: the trained model's weights are split over this many consecutive ranks, which "
+        "train on the same rows (ZeRO <= 2)",
+    )
+
+    @property
+    def replicas(self) -> int:
+        """Consecutive ranks that hold the same rows (a ring, or an AutoTP group)."""
+        return self.ring_attn_size * self.ds_tensor_parallel_size
+
+
+@dataclass
 class DataConfig:
     """Training data: files, mixing, templates and lengths."""
 
@@ -64,7 +84,7 @@ class SFTConfig:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ds: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    ds: SupervisedDeepSpeedConfig = field(default_factory=SupervisedDeepSpeedConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -88,7 +108,7 @@ class RMConfig:
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     rm: RMOptions = field(default_factory=RMOptions)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ds: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    ds: SupervisedDeepSpeedConfig = field(default_factory=SupervisedDeepSpeedConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
 
@@ -113,6 +133,6 @@ class DPOConfig:
     data: PreferenceDataConfig = field(default_factory=PreferenceDataConfig)
     dpo: DPOOptions = field(default_factory=DPOOptions)
     optim: OptimConfig = field(default_factory=OptimConfig)
-    ds: DeepSpeedConfig = field(default_factory=DeepSpeedConfig)
+    ds: SupervisedDeepSpeedConfig = field(default_factory=SupervisedDeepSpeedConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)

@@ -74,6 +74,8 @@ class SupervisedTrainer:
         tracker: MetricsTracker,
         num_workers: int = 0,
         aux_loss_coef: float = 0.0,
+        replicas: int = 1,
+        ring_size: int = 1,
     ):
         self.strategy = strategy
         self.engine = engine
@@ -87,12 +89,15 @@ class SupervisedTrainer:
         self.tracker = tracker
         self.num_workers = num_workers  # --dataloader_num_workers: processes that collate batches
         self.aux_loss_coef = aux_loss_coef  # --aux_loss_coef: the MoE router's load-balancing loss, 0 = off
+        # consecutive ranks holding the same rows (a ring, an AutoTP group) read one shard of the data
+        self.replicas, self.ring_size = replicas, ring_size
+        self.data_rank, self.data_ranks = strategy.rank // replicas, strategy.world_size // replicas
         self.guard = strategy.step_guard(engine, self.name)  # skips NaN/Inf steps (--max_nonfinite_steps)
         self.ckpt_dir = ckpt.ckpt_path or str(Path(ckpt.save_path) / "checkpoints")
         self.micro = optim.micro_train_batch_size
         self.accum = strategy.grad_accum_steps
         self.sampler = ResumableSampler(
-            train_dataset, num_replicas=strategy.world_size, rank=strategy.rank, seed=optim.seed
+            train_dataset, num_replicas=self.data_ranks, rank=self.data_rank, seed=optim.seed
         )
         self.steps_per_epoch = self.sampler.num_samples // (self.micro * self.accum)
         if self.steps_per_epoch == 0:
@@ -104,6 +109,10 @@ class SupervisedTrainer:
         self.total_steps = min(total, optim.max_steps) if optim.max_steps > 0 else total
 
     # ------------------------------------------------------------------------------------------------ subclass API
+    def shard(self, dataset: Dataset) -> DistributedSampler:
+        """This rank's share of `dataset` in order (eval, statistics): the same rows for a ring or AutoTP group."""
+        return DistributedSampler(dataset, num_replicas=self.data_ranks, rank=self.data_rank, shuffle=False)
+
     def add_aux_loss(
         self, loss: torch.Tensor, metrics: dict[str, float], aux_loss: torch.Tensor | None
     ) -> torch.Tensor:
@@ -177,7 +186,9 @@ class SupervisedTrainer:
             done_in_epoch = skip if epoch == start_epoch else 0
             for micro_step, batch in enumerate(self._loader(epoch, done_in_epoch)):
                 loss, metrics = self.compute_loss(move_to(batch, self.strategy.device))
-                self.guard.backward(loss)
+                # A ring rank's backward reaches its chunk's share of the row; DeepSpeed averages over every rank,
+                # ring peers included, so the ring's shares are scaled back to one row's gradient.
+                self.guard.backward(loss * self.ring_size)
                 applied = self.guard.step()
                 for key, value in metrics.items():
                     step_sums[key] += float(value)
@@ -233,10 +244,7 @@ class SupervisedTrainer:
         if self.eval_dataset is None:
             return {}
         self.engine.eval()
-        sampler = DistributedSampler(
-            self.eval_dataset, num_replicas=self.strategy.world_size, rank=self.strategy.rank, shuffle=False
-        )
-        loader = self.data_loader(self.eval_dataset, sampler)
+        loader = self.data_loader(self.eval_dataset, self.shard(self.eval_dataset))
         sums: dict[str, float] = defaultdict(float)
         batches = 0
         for batch in tqdm(loader, desc=f"{self.name} eval", disable=not self.strategy.is_rank0, leave=False):

@@ -16,8 +16,9 @@ import torch
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.config.schema import to_dict
 from openppo.datasets import load_blended_dataset, require_columns
-from openppo.errors import require
-from openppo.models.loading import aux_loss_notice, resolve_model_path
+from openppo.errors import UserError, require
+from openppo.models.loading import aux_loss_notice, kv_heads, resolve_model_path
+from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.strategy.config import ds_notices, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
 from openppo.trainers.configs import DataConfig
@@ -36,7 +37,10 @@ def validate_common(cfg: Any) -> None:
     """Checks every supervised CLI shares; raise UserError naming the flag."""
     resolve_model_path(cfg.model.pretrain, "--pretrain")
     validate_precision(cfg.ds.param_dtype, torch.cuda.is_available())
-    validate_batch_sizes(cfg.optim.train_batch_size, cfg.optim.micro_train_batch_size, launcher_world_size())
+    _validate_replicas(cfg)
+    validate_batch_sizes(
+        cfg.optim.train_batch_size * cfg.ds.replicas, cfg.optim.micro_train_batch_size, launcher_world_size()
+    )
     require(cfg.data.max_len > 0, f"--max_len must be positive, got {cfg.data.max_len}")
     require(cfg.optim.max_epochs > 0, f"--max_epochs must be positive, got {cfg.optim.max_epochs}")
     require(cfg.optim.learning_rate > 0, f"--learning_rate must be positive, got {cfg.optim.learning_rate}")
@@ -52,6 +56,29 @@ def validate_common(cfg: Any) -> None:
     for notice in ds_notices(cfg.ds, torch.cuda.is_available()):
         logger.info("note: %s", notice)
     validate_outputs(cfg.ckpt, cfg.logging)
+
+
+def _validate_replicas(cfg: Any) -> None:
+    """--ring_attn_size and --ds_tensor_parallel_size: groups of consecutive ranks that train on the same rows."""
+    ds, world = cfg.ds, launcher_world_size()
+    ring, tp, stride = ds.ring_attn_size, ds.ds_tensor_parallel_size, ds.ring_head_stride
+    require(ring >= 1, f"--ring_attn_size must be >= 1, got {ring}")
+    require(tp >= 1, f"--ds_tensor_parallel_size must be >= 1, got {tp}")
+    require(stride >= 0, f"--ring_head_stride must be >= 0 (0 = all KV heads at once), got {stride}")
+    if ring > 1 and tp > 1:
+        raise UserError("--ring_attn_size and --ds_tensor_parallel_size together are not supported: pick one")
+    if ring > 1:
+        require(cfg.data.packing_samples, "--ring_attn_size shards packed rows over ranks: add --packing_samples")
+        require(world % ring == 0, f"--ring_attn_size {ring} must divide the ranks the launcher started ({world})")
+        heads = kv_heads(cfg.model.pretrain)
+        require(not stride or heads % stride == 0, f"--ring_head_stride {stride} must divide the KV heads ({heads})")
+    if tp > 1:
+        require(
+            ds.zero_stage <= 2,
+            f"--ds_tensor_parallel_size needs --zero_stage 0, 1 or 2 (DeepSpeed AutoTP), got {ds.zero_stage}",
+        )
+        require(cfg.model.lora_rank == 0, "--ds_tensor_parallel_size with --lora_rank is not supported: drop one")
+        require(world % tp == 0, f"--ds_tensor_parallel_size {tp} must divide the ranks the launcher started ({world})")
 
 
 def load_raw_data(data: DataConfig, keys: dict[str, str | None], seed: int):
@@ -78,12 +105,14 @@ def load_raw_data(data: DataConfig, keys: dict[str, str | None], seed: int):
 
 
 def make_strategy(cfg: Any) -> DeepSpeedStrategy:
+    # DeepSpeed counts every rank as a replica; the ranks of a ring or an AutoTP group share their rows.
     strategy = DeepSpeedStrategy(
         cfg.ds,
-        train_batch_size=cfg.optim.train_batch_size,
+        train_batch_size=cfg.optim.train_batch_size * cfg.ds.replicas,
         micro_batch_size=cfg.optim.micro_train_batch_size,
         max_norm=cfg.optim.max_norm,
         seed=cfg.optim.seed,
+        tensor_parallel_size=cfg.ds.ds_tensor_parallel_size,
     )
     strategy.setup_distributed()
     if cfg.optim.full_determinism:
@@ -91,6 +120,19 @@ def make_strategy(cfg: Any) -> DeepSpeedStrategy:
 
         enable_full_determinism(cfg.optim.seed)  # seeds, deterministic torch/cuDNN/cuBLAS
     return strategy
+
+
+def set_layout(cfg: Any, *models) -> None:
+    """Each model's row layout for the run: a ring over --ring_attn_size consecutive ranks (creating its groups is
+    collective: every rank calls this), else packed (--packing_samples) or padded."""
+    ds = cfg.ds
+    for model in models:
+        if ds.ring_attn_size > 1:
+            model.layout = ring_layout(model.model, ds.ring_attn_size, ds.ring_head_stride)
+        else:
+            model.layout = RowLayout(packed=cfg.data.packing_samples)
+    if ds.ring_attn_size > 1 and torch.distributed.get_rank() == 0:
+        logger.info("ring attention: %d ranks share each packed row", ds.ring_attn_size)
 
 
 def make_tracker(cfg: Any, strategy: DeepSpeedStrategy, cli: str) -> MetricsTracker:
@@ -129,6 +171,8 @@ def train_kwargs(
         tracker=tracker,
         num_workers=cfg.data.dataloader_num_workers,
         aux_loss_coef=cfg.model.aux_loss_coef,
+        replicas=cfg.ds.replicas,
+        ring_size=cfg.ds.ring_attn_size,
     )
 
 

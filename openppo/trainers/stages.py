@@ -13,7 +13,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.utils.data import DistributedSampler
 
 from openppo.models.scalar import last_token_index
 from openppo.trainers.loop import SupervisedTrainer, move_to
@@ -85,10 +84,7 @@ class RewardModelTrainer(SupervisedTrainer):
     def measure_score_stats(self) -> dict[str, float]:
         """Mean and std of the scores of all sequences (eval set, else train set), stored for --normalize_reward."""
         dataset = self.eval_dataset if self.eval_dataset is not None else self.train_dataset
-        sampler = DistributedSampler(
-            dataset, num_replicas=self.strategy.world_size, rank=self.strategy.rank, shuffle=False
-        )
-        loader = self.data_loader(dataset, sampler)
+        loader = self.data_loader(dataset, self.shard(dataset))
         self.engine.eval()
         total = torch.zeros(3, dtype=torch.float64, device=self.strategy.device)
         for batch in loader:

@@ -56,6 +56,10 @@ CASES = [
     ("train_rm", ["--loss", "hinge"], "--loss"),
     ("train_dpo", ["--ref_pretrain", "/nonexistent/ref"], "--ref_pretrain"),
     ("train_dpo", ["--beta", "0"], "--beta"),
+    ("train_sft", ["--ring_attn_size", "2"], "--packing_samples"),
+    ("train_dpo", ["--ring_attn_size", "2", "--packing_samples", "--ds_tensor_parallel_size", "2"], "--ring_attn_size"),
+    ("train_rm", ["--ds_tensor_parallel_size", "2", "--zero_stage", "3"], "--ds_tensor_parallel_size"),
+    ("train_sft", ["--ds_tensor_parallel_size", "2", "--lora_rank", "4"], "--lora_rank"),
     ("lora_combiner", ["--lora_path", "/nonexistent/adapter"], "--lora_path"),
     ("train_sft", ["--dataset", "{bad_json}"], "--dataset"),
     ("train_sft", ["--max_len", "2"], "--max_len"),  # every sample's prompt is longer
