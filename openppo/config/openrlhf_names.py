@@ -250,7 +250,6 @@ DOTTED_SUPERVISED: dict[str, str | tuple[str, ...]] = {
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 
-_NOT_YET = "openppo does not implement it yet"
 _VLM = "openppo trains text models only; drop the flag (vision-language training is not implemented)"
 _MUON = "openppo builds AdamW only (DeepSpeed's Muon is not wired in); drop the Muon flags and keep --optim adam"
 
