@@ -251,46 +251,14 @@ class VLLMEngine:
 
     # -- generation ------------------------------------------------------------------------------------------------
 
-    def generate(
-        self,
-        prompt_token_ids: list[list[int]],
-        *,
-        n: int,
-        max_new_tokens: int | Sequence[int],
-        temperature: float,
-        top_p: float,
-        top_k: int = -1,
-        min_new_tokens: int = 0,
-        stop_token_ids: Sequence[int] | None = None,
-        seed: int | None = None,
-    ) -> list[list[dict]]:
-        """Sample `n` responses per prompt, at most `max_new_tokens` each (one budget, or one per prompt).
-
-        Returns, per prompt in order, `n` dicts: `token_ids` (list[int], the response only), `logprobs`
-        (list[float], log-prob of each sampled token under the sampling distribution -- see `logprobs_mode`),
-        `finish_reason` ("stop": EOS or a stop token, which is included in `token_ids`; "length": hit
-        `max_new_tokens` or `max_model_len`), and `versions` (list[int], the weight version that sampled each token:
-        the `version` of the last `finish_weight_update` before it).
-
-        With "processed_logprobs", the log-probs are of the distribution after every vLLM logits processor:
-        temperature, then top-k/top-p (which the trainer recomputes: `openppo.algorithms.sampling`). No other
-        processor runs by default; `min_new_tokens` > 0 masks EOS/stop tokens for the first `min_new_tokens`
-        positions, which the trainer does not recompute (those positions then differ from its distribution).
-
-        `seed`: reseed the workers' sampling RNG first (`--full_determinism`), so that the same prompts and weights
-        draw the same samples whatever this engine generated before (a resumed run, an evaluation in between).
-        """
-        self.submit(
-            prompt_token_ids,
-            n=n,
-            max_new_tokens=max_new_tokens,
-            temperature=temperature,
-            top_p=top_p,
-            top_k=top_k,
-            min_new_tokens=min_new_tokens,
-            stop_token_ids=stop_token_ids,
-            seed=seed,
-        )
+    def generate(self, prompt_token_ids: list[list[int]], **request: Any) -> list[list[dict]]:
+        """Sample responses to the prompts (the arguments of `submit`) and return them once all are done: per prompt
+        in order, `n` dicts with `token_ids` (list[int], the response only), `logprobs` (list[float], log-prob of
+        each sampled token under the sampling distribution -- see `logprobs_mode`), `finish_reason` ("stop": EOS or
+        a stop token, which is included in `token_ids`; "length": hit `max_new_tokens` or `max_model_len`), and
+        `versions` (list[int], the weight version that sampled each token: the `version` of the last
+        `finish_weight_update` before it)."""
+        self.submit(prompt_token_ids, **request)
         results = self.advance()
         assert results is not None, "generate ran into an open weight sync"
         return results
@@ -308,7 +276,17 @@ class VLLMEngine:
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
     ) -> None:
-        """Queue the requests of `generate` (same arguments) without stepping; `advance` runs them."""
+        """Queue `n` samples per prompt, at most `max_new_tokens` each (one budget, or one per prompt), without
+        stepping: `advance` runs them (`generate` does both).
+
+        With "processed_logprobs", the log-probs are of the distribution after every vLLM logits processor:
+        temperature, then top-k/top-p (which the trainer recomputes: `openppo.algorithms.sampling`). No other
+        processor runs by default; `min_new_tokens` > 0 masks EOS/stop tokens for the first `min_new_tokens`
+        positions, which the trainer does not recompute (those positions then differ from its distribution).
+
+        `seed`: reseed the workers' sampling RNG first (`--full_determinism`), so that the same prompts and weights
+        draw the same samples whatever this engine generated before (a resumed run, an evaluation in between).
+        """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
         from vllm.sampling_params import RequestOutputKind

@@ -107,6 +107,19 @@ def test_grpo_with_py_reward(tmp_path):
     assert json.loads((save / "run_info.json").read_text())["config"]["algo"]["advantage_estimator"] == "group_norm"
 
 
+# GRPO on the label reward (rewards by response parity for "mixed" rows), 2 samples per prompt, no KL
+GRPO_BY_LABEL = [
+    "--remote_rm_url",
+    str(REPO / "tests/ppo/label_reward.py"),
+    "--advantage_estimator",
+    "group_norm",
+    "--n_samples_per_prompt",
+    "2",
+    "--init_kl_coef",
+    "0",
+]
+
+
 def _common(prompts, save):
     return [
         "--pretrain",
@@ -344,15 +357,8 @@ def test_async_grpo_with_oversampling(tmp_path):
     proc = run_cli(
         "train_ppo_ray",
         _common(prompts, save)
+        + GRPO_BY_LABEL
         + [
-            "--remote_rm_url",
-            str(REPO / "tests/ppo/label_reward.py"),
-            "--advantage_estimator",
-            "group_norm",
-            "--n_samples_per_prompt",
-            "2",
-            "--init_kl_coef",
-            "0",
             "--max_steps",
             "4",
             "--async_train",
@@ -402,15 +408,8 @@ def test_grpo_on_a_mixture_of_experts_with_the_router_loss(tmp_path):
     run_cli(
         "train_ppo_ray",
         args
+        + GRPO_BY_LABEL
         + [
-            "--remote_rm_url",
-            str(REPO / "tests/ppo/label_reward.py"),
-            "--advantage_estimator",
-            "group_norm",
-            "--n_samples_per_prompt",
-            "2",
-            "--init_kl_coef",
-            "0",
             "--actor.aux_loss_coef",
             "0.01",
             "--actor_learning_rate",
