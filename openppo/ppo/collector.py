@@ -47,7 +47,6 @@ import torch
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.experience import collate_samples
 from openppo.ppo.reporting import timed
-from openppo.rollout.engine import VLLMEngine
 from openppo.rollout.pool import EnginePool, Sample
 
 # -- prompt order ------------------------------------------------------------------------------------------------
@@ -154,10 +153,9 @@ class SingleTurn(RolloutSource):
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
         r, d = self.cfg.rollout, self.cfg.data
-        outputs = self.engines.deal(
-            VLLMEngine.generate,
+        outputs = self.engines.generate(
             [it["prompt_ids"] for it in items],
-            per_prompt={"max_new_tokens": [d.response_budget(len(it["prompt_ids"])) for it in items]},
+            max_new_tokens=[d.response_budget(len(it["prompt_ids"])) for it in items],
             n=n,
             temperature=temperature,
             top_p=r.top_p,
@@ -211,10 +209,9 @@ class AgentEpisodes(RolloutSource):
 
         def one_turn(ids: list[list[int]], budgets: list[int]) -> list[dict]:
             turn_seed = None if seed is None else seed + next(turns)
-            outputs = self.engines.deal(
-                VLLMEngine.generate,
+            outputs = self.engines.generate(
                 ids,
-                per_prompt={"max_new_tokens": budgets},
+                max_new_tokens=budgets,
                 n=1,
                 temperature=temperature,
                 top_p=r.top_p,

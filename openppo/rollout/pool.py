@@ -1,9 +1,9 @@
 """The driver's handle on the vLLM engines of a run, and the `Sample` each completion becomes.
 
-`EnginePool.deal(VLLMEngine.generate, prompts, ...)` spreads prompts round-robin over the engines, one request per
-engine, and waits at most `timeout_s`. Its `lock` keeps generation and weight replacement apart: an engine never
-generates while its weights are being replaced (the actor group's sync holds the lock), which also makes the
-engines' prefix cache reset at the end of a sync safe.
+`EnginePool.generate(prompts, ...)` spreads prompts round-robin over the engines (`VLLMEngine.generate`), one
+request per engine, and waits at most `timeout_s`. Its `lock` keeps generation and weight replacement apart: an
+engine never generates while its weights are being replaced (the actor group's sync holds the lock), which also
+makes the engines' prefix cache reset at the end of a sync safe.
 
 With --partial_rollout (`partial=True`) a generation does not hold the lock: each engine gets its requests
 (`VLLMEngine.submit`) and is then advanced `PARTIAL_STEPS` decoding steps per call until done, so a sync queues
@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -67,38 +67,41 @@ class EnginePool:
     def __len__(self) -> int:
         return len(self.engines)
 
-    def deal(
+    def generate(
         self,
-        method: Callable,
         prompt_ids: list[list[int]],
         *,
-        per_prompt: dict[str, Sequence[Any]] | None = None,
-        seed: int | None = None,
-        **same: Any,
-    ) -> list:
-        """Run the engine method `method` (`VLLMEngine.generate`) on the prompts dealt round-robin over the engines,
-        one call per engine; its results per prompt, in prompt order. `per_prompt` values are dealt with their
-        prompts, `same` go to every engine. With a `seed`, engine e gets `seed + 1000 e`, so that each reseeds its
-        sampling with its own number (--full_determinism)."""
+        max_new_tokens: Sequence[int],
+        n: int,
+        temperature: float,
+        top_p: float,
+        top_k: int,
+        seed: int | None,
+    ) -> list[list[dict]]:
+        """`VLLMEngine.generate` of the prompts dealt round-robin over the engines, one request per engine; the `n`
+        completions of each prompt, in prompt order. `max_new_tokens` is one budget per prompt. With a `seed`,
+        engine e gets `seed + 1000 e`, so that each reseeds its sampling with its own number (--full_determinism)."""
         import ray
 
-        per_prompt = per_prompt or {}
-        partial = self.partial and method.__name__ == "generate"
+        sampling = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k)
         refs, slots, used = [], [], []
         with self.lock:
             for e, engine in enumerate(self.engines):
                 chunk = list(range(e, len(prompt_ids), len(self.engines)))
                 if not chunk:
                     continue
-                dealt = {k: [v[i] for i in chunk] for k, v in per_prompt.items()}
-                engine_seed = None if seed is None else seed + 1_000 * e
-                call = getattr(engine, "submit" if partial else method.__name__)
-                refs.append(call.remote([prompt_ids[i] for i in chunk], **dealt, **same, seed=engine_seed))
+                request = dict(
+                    max_new_tokens=[max_new_tokens[i] for i in chunk],
+                    seed=None if seed is None else seed + 1_000 * e,
+                    **sampling,
+                )
+                call = engine.submit if self.partial else engine.generate
+                refs.append(call.remote([prompt_ids[i] for i in chunk], **request))
                 slots.append(chunk)
                 used.append(engine)
-            if not partial:
+            if not self.partial:
                 results = ray.get(refs, timeout=self.timeout_s)
-        if partial:  # outside the lock: a weight sync may land between two advances
+        if self.partial:  # outside the lock: a weight sync may land between two advances
             ray.get(refs, timeout=self.timeout_s)
             results = self._advance(used)
         outputs: list = [None] * len(prompt_ids)
