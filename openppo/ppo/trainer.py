@@ -5,7 +5,7 @@
 Where each call goes (driver: this process; ranks and engines: Ray actors):
 
     step -+ Collector.collect (ppo/collector.py: prompt order, dynamic filtering; --async_train: a thread ahead)
-          |    +-> RolloutSource.generate --(EnginePool.deal: prompts round-robin)--> VLLMEngine.generate --> vLLM
+          |    +-> RolloutSource.generate --> EnginePool.generate (prompts round-robin) --> VLLMEngine.generate --> vLLM
           |    +-> RolloutSource.score --> reward function / HTTP server / RewardGroup.scores (reward-model ranks)
           + ActorGroup.log_probs / ReferenceGroup.log_probs / CriticGroup.values     (ppo/groups.py: deal rows)
           |    +-> ActorWorker.log_probs ... (ppo/workers.py, one per rank) --> DeepSpeed engine --> Actor.forward
@@ -13,6 +13,7 @@ Where each call goes (driver: this process; ranks and engines: Ray actors):
           + CriticGroup.train / ActorGroup.train
           |    +-> CriticWorker.train / ActorWorker.train --> fit_experience (ppo/fit.py) --> engine.backward, step
           + ActorGroup.sync_weights --> ActorWorker.sync_weights --> sender.sync_weights --> the engines' workers
+               (one bucket at a time: broadcast, shared memory / CUDA IPC, or Ray's object store)
 
 The controller holds no model: it owns the step count, the KL controller, checkpoints of its own state and the
 metrics. Memory swapping for colocated runs (engines asleep while the trainer works, trainer states offloaded
@@ -121,14 +122,12 @@ class PPOTrainer:
         )
 
     # ------------------------------------------------------------------------------------------------ one step
-    def _sync(self) -> dict[str, float]:
-        """Send the actor's weights to the engines as the next policy version (checked once with
-        --vllm_sync_check); rank 0's sync statistics."""
-        stats = self.groups.actor.sync_weights(self.groups.engines, self.policy_version + 1)
+    def _synced(self) -> None:
+        """After each weight sync: the engines generate with the next policy version (checked once with
+        --vllm_sync_check)."""
         self.policy_version += 1
         if self.cfg.vllm.vllm_sync_check and not self._sync_checked:
             self._check_engine_weights()
-        return stats
 
     def _check_engine_weights(self) -> None:
         """--vllm_sync_check: the engines compute with the trainer's weights, tensor by tensor (the first sync after
@@ -213,7 +212,9 @@ class PPOTrainer:
             # sync: the engines generate the next batch with the weights just trained
             self.swap.engine_weights()
             with self.timer("weight_sync"):
-                metrics["perf/weight_sync_mb"] = self._sync()["num_bytes"] / 2**20
+                stats = g.actor.sync_weights(g.engines, version=self.policy_version + 1)
+            metrics["perf/weight_sync_mb"] = stats["num_bytes"] / 2**20
+            self._synced()
         else:
             self.swap.engine_weights()
         self.swap.to_engines()
@@ -385,7 +386,8 @@ class PPOTrainer:
         for log in ("metrics.jsonl", "rollouts.jsonl"):
             set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
         self.policy_version = self.global_step - 1  # the engines get the checkpoint's weights as its version
-        self._sync()
+        self.groups.actor.sync_weights(self.groups.engines, version=self.global_step)
+        self._synced()
         logger.info(
             "resumed from %s at step %d (prompt %d of %d); engines re-synced",
             self.ckpt_dir,
