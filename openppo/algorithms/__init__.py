@@ -13,23 +13,20 @@ A PPO/GRPO step, in order:
 """
 
 from openppo.algorithms.advantages import (
-    advantage_moments,
-    compute_advantages,
-    compute_gae,
-    compute_returns,
-    whiten_advantages,
-)
-from openppo.algorithms.aggregation import LOSS_AGG_MODES, aggregate_loss, loss_normalizers
-from openppo.algorithms.entropy import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
-from openppo.algorithms.estimators import (
     ADVANTAGE_ESTIMATORS,
     GROUP_ESTIMATORS,
     POLICY_LOSS_TYPES,
     WHITENED_ESTIMATORS,
+    advantage_moments,
+    compute_advantages,
+    compute_gae,
+    compute_returns,
     default_loss_agg_mode,
     needs_critic,
+    whiten_advantages,
     whitens_by_default,
 )
+from openppo.algorithms.entropy import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from openppo.algorithms.kl import (
     KL_ESTIMATORS,
     AdaptiveKLController,
@@ -47,7 +44,7 @@ from openppo.algorithms.losses import (
     policy_loss,
     value_loss,
 )
-from openppo.algorithms.masking import masked_mean, masked_sum
+from openppo.algorithms.reductions import LOSS_AGG_MODES, aggregate_loss, loss_normalizers, masked_mean, masked_sum
 from openppo.algorithms.rewards import (
     GRPO_STD_EPS,
     apply_truncation_penalty,

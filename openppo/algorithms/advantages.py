@@ -1,18 +1,75 @@
-"""Per-token advantages and returns from per-token rewards: GAE, discounted returns, global whitening.
+"""The advantage estimators with their defaults (`--advantage_estimator`), and the advantages and returns they
+compute from per-token rewards: GAE, discounted returns, global whitening.
 
-Inputs are [B, T] tensors over response tokens with a mask (bool or 0/1). Masked positions are skipped, not
-treated as zero-reward steps: the recursions carry their state across them, so an interior masked span (a tool
-output or user turn inside a multi-turn response) is as if absent, and right padding gives the usual "value after
-the last response token is 0". Outputs are 0 at masked positions and always detached: advantages and returns are
-regression and policy-gradient targets, never something to differentiate.
+| estimator            | baseline on the scalar reward          | critic | global whitening | default loss aggregation |
+|----------------------|----------------------------------------|--------|------------------|--------------------------|
+| gae                  | learned value function (GAE)           | yes    | yes              | token-mean               |
+| reinforce            | none (REINFORCE++)                     | no     | yes              | token-mean               |
+| rloo                 | leave-one-out mean of the group        | no     | no               | token-mean               |
+| reinforce_baseline   | group mean (REINFORCE++-baseline)      | no     | yes              | token-mean               |
+| group_norm           | group mean, divided by group std (GRPO)| no     | no               | token-mean               |
+| dr_grpo              | group mean, no std (Dr. GRPO)          | no     | no               | seq-mean-token-sum-norm  |
+
+`--policy_loss_type gspo` overrides the aggregation default with seq-mean-token-mean: its ratio is per sequence,
+so each sequence should weigh the same (Zheng et al. 2025, arXiv:2507.18071).
+The group estimators need `--n_samples_per_prompt` >= 2 and `--gamma` 1 (the reward is per response, so
+discounting it by the distance to the end would only favour short answers).
+docs/algorithms.md gives each formula and how these choices compare with OpenRLHF, verl and TRL.
+
+Advantages and returns. Inputs are [B, T] tensors over response tokens with a mask (bool or 0/1). Masked positions
+are skipped, not treated as zero-reward steps: the recursions carry their state across them, so an interior masked
+span (a tool output or user turn inside a multi-turn response) is as if absent, and right padding gives the usual
+"value after the last response token is 0". Outputs are 0 at masked positions and always detached: advantages and
+returns are regression and policy-gradient targets, never something to differentiate.
 """
 
 from __future__ import annotations
 
 import torch
 
-from openppo.algorithms.estimators import GROUP_ESTIMATORS, check_advantage_estimator, whitens_by_default
-from openppo.algorithms.masking import bool_mask, check_arg, check_same_shape
+from openppo.algorithms.reductions import bool_mask, check_arg, check_choice, check_same_shape
+
+# -- the estimators --------------------------------------------------------------------------------------------------
+
+ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
+WHITENED_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")
+POLICY_LOSS_TYPES = ("ppo", "gspo")
+
+
+def check_advantage_estimator(estimator: str) -> None:
+    """Raise ValueError for an unknown estimator name."""
+    check_choice("estimator", estimator, ADVANTAGE_ESTIMATORS)
+
+
+def needs_critic(estimator: str) -> bool:
+    """True only for `gae`: the other estimators use a reward baseline, not a value model."""
+    check_advantage_estimator(estimator)
+    return estimator == "gae"
+
+
+def whitens_by_default(estimator: str) -> bool:
+    """Whether advantages are normalised over the whole rollout batch (`whiten_advantages`) for this estimator.
+
+    The group estimators that already scale per group (group_norm, rloo, dr_grpo) are left alone: a second,
+    global normalisation would undo Dr. GRPO's point (no std division) and rescale RLOO's unbiased estimate.
+    """
+    check_advantage_estimator(estimator)
+    return estimator in WHITENED_ESTIMATORS
+
+
+def default_loss_agg_mode(estimator: str, policy_loss_type: str = "ppo") -> str:
+    """The loss aggregation used when `--loss_agg_mode` is not given (see the module table)."""
+    check_advantage_estimator(estimator)
+    check_choice("policy_loss_type", policy_loss_type, POLICY_LOSS_TYPES)
+    if policy_loss_type == "gspo":
+        return "seq-mean-token-mean"
+    if estimator == "dr_grpo":
+        return "seq-mean-token-sum-norm"
+    return "token-mean"
+
+
+# -- advantages and returns ------------------------------------------------------------------------------------------
 
 
 def _check_discount(name: str, value: float) -> None:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import torch
 
-from openppo.algorithms.masking import bool_mask, check_arg, check_choice, check_same_shape, masked_sum
+from openppo.algorithms.reductions import bool_mask, check_arg, check_choice, check_same_shape, masked_sum
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
 

@@ -13,8 +13,8 @@ from __future__ import annotations
 
 import torch
 
-from openppo.algorithms.estimators import POLICY_LOSS_TYPES
-from openppo.algorithms.masking import bool_mask, check_arg, check_choice, check_same_shape, masked_mean
+from openppo.algorithms.advantages import POLICY_LOSS_TYPES
+from openppo.algorithms.reductions import bool_mask, check_arg, check_choice, check_same_shape, masked_mean
 
 IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
 LOG_RATIO_CLAMP = 20.0

@@ -22,8 +22,8 @@ from __future__ import annotations
 
 import torch
 
-from openppo.algorithms.estimators import GROUP_ESTIMATORS, check_advantage_estimator
-from openppo.algorithms.masking import bool_mask, check_arg, check_same_shape
+from openppo.algorithms.advantages import GROUP_ESTIMATORS, check_advantage_estimator
+from openppo.algorithms.reductions import bool_mask, check_arg, check_same_shape
 
 # verl's GRPO epsilon. OpenRLHF's 1e-9 is below fp32 resolution next to a std of order 1 (so it only guards an exact
 # zero), and TRL's 1e-4 visibly shrinks advantages (0.8659 instead of 0.8660 for rewards [1, 0, 0, 1]).

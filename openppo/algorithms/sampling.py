@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from openppo.algorithms.masking import check_arg
+from openppo.algorithms.reductions import check_arg
 
 # positions per chunk: a sort of chunk x V values (plus int64 indices) is the extra memory, ~60 MB at V = 150k
 _CHUNK_ROWS = 64

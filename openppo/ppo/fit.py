@@ -6,7 +6,7 @@ step's global normalisers (response tokens and responses over all its micro-batc
 the loss is one exact token-mean (or sequence-mean) over the step, not a mean of micro-batch means, however the rows
 were cut. We own the accumulation boundary (the micro-batch count varies) and backpropagate each contribution
 unscaled by DeepSpeed's accumulation count, times the world size to undo its gradient averaging over ranks (see
-openppo.algorithms.aggregation).
+openppo.algorithms.reductions).
 
 `actor_loss` and `critic_loss` are the two objectives; `fit_experience` is shared. `WeightAverage` is the
 actor's --enable_ema average of its weights, updated after each optimizer step.

@@ -108,7 +108,7 @@ def _algorithm(cfg: PPOConfig) -> None:
         _positive(algo.kl_target, "--kl_target")
         _positive(algo.kl_horizon, "--kl_horizon")
         require(algo.init_kl_coef > 0, "--kl_target adapts the KL coefficient: set --init_kl_coef > 0")
-    # the RL math's option rules: the math itself only asserts them, without flag names (algorithms/masking.py)
+    # the RL math's option rules: the math itself only asserts them, without flag names (algorithms/reductions.py)
     if algo.eps_clip_low_high is None:
         require(
             0 < algo.eps_clip < 1,
