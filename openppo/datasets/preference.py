@@ -25,8 +25,16 @@ from tqdm import tqdm
 
 from openppo.datasets.loading import require_columns
 from openppo.datasets.sft import PROGRESS_MIN_SAMPLES, collate_padded
-from openppo.datasets.templates import as_messages, render_prompt, render_response, validate_template_options
-from openppo.datasets.tokens import as_tensors, bos_ids, encode_segments, num_context_tokens
+from openppo.datasets.templates import (
+    as_messages,
+    as_tensors,
+    bos_ids,
+    encode_segments,
+    num_context_tokens,
+    render_prompt,
+    render_response,
+    validate_template_options,
+)
 from openppo.errors import UserError, require
 
 logger = logging.getLogger(__name__)

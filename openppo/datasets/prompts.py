@@ -15,8 +15,7 @@ from tqdm import tqdm
 
 from openppo.datasets.loading import require_columns
 from openppo.datasets.sft import PROGRESS_MIN_SAMPLES
-from openppo.datasets.templates import render_prompt, validate_template_options
-from openppo.datasets.tokens import bos_ids, encode_segments
+from openppo.datasets.templates import bos_ids, encode_segments, render_prompt, validate_template_options
 from openppo.errors import UserError, require
 
 logger = logging.getLogger(__name__)

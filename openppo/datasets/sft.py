@@ -5,7 +5,7 @@ t-1, so it shifts the mask by one (`loss_mask[:, 1:]`); the dataset does not.
 
 Single turn: the prompt comes from `input_key`, the response from `output_key` (see templates.py for the
 rendering and the EOS at the end). Multi-turn: `input_key` holds a whole conversation and every assistant turn
-is a target (see conversation.py). Pretrain mode (`--pretrain_mode`): `input_key` holds plain text, used as is
+is a target (see templates.py). Pretrain mode (`--pretrain_mode`): `input_key` holds plain text, used as is
 (no template), and every token is a target. Samples are tokenized once, up front; a sample whose prompt alone
 fills `max_len` is dropped (it has nothing left to learn), the others are cut to `max_len` tokens.
 """
@@ -20,10 +20,19 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from openppo.datasets.conversation import Segments, conversation_segments
 from openppo.datasets.loading import require_columns
-from openppo.datasets.templates import as_messages, render_prompt, render_response, validate_template_options
-from openppo.datasets.tokens import as_tensors, bos_ids, encode_segments, num_context_tokens
+from openppo.datasets.templates import (
+    Segments,
+    as_messages,
+    as_tensors,
+    bos_ids,
+    conversation_segments,
+    encode_segments,
+    num_context_tokens,
+    render_prompt,
+    render_response,
+    validate_template_options,
+)
 from openppo.errors import UserError, require
 
 logger = logging.getLogger(__name__)

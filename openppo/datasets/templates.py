@@ -1,6 +1,7 @@
-"""Turning a record's prompt and response into the exact text the model sees.
+"""From a record's prompt and response (or a whole conversation) to the exact tokens the model sees, with the
+tokens a loss is taken on.
 
-A prompt value is a string or a list of chat messages `[{"role": ..., "content": ...}]`.
+Text. A prompt value is a string or a list of chat messages `[{"role": ..., "content": ...}]`.
 
 * With `--apply_chat_template` a string becomes one user message; the prompt text is the chat template's
   rendering with the generation prompt (what a serving engine would send), and a response text is what the
@@ -10,13 +11,29 @@ A prompt value is a string or a list of chat messages `[{"role": ..., "content":
 Every response text ends with the tokenizer's EOS token, so SFT teaches the model to stop and the reward model
 can read its score at that token. Chat templates put a newline after the end-of-turn token as a separator
 before the next turn; it is cut off, since it is not part of what the model generates.
+
+Conversations (multi-turn SFT). The text trained on is the chat template's rendering of the whole conversation,
+`full`. Each assistant turn i starts where the rendering of messages[:i] with the generation prompt ends (that
+prefix is what the model was given when it produced the turn) and ends where the rendering of messages[:i+1] ends.
+
+Some templates are not prefix-stable: Qwen3's, for example, gives the last assistant turn an empty
+`<think>...</think>` block but strips it from earlier turns, so messages[:i+1] rendered alone is not a prefix
+of `full`. For such a turn the end is the first EOS (end-of-turn) token after its start in `full`. Either way
+the newline a template puts after the end-of-turn token belongs to the context, and text after the last
+assistant turn (it carries no loss) is dropped.
+
+Tokens. Each segment (prompt, response, or a conversation turn) is tokenized on its own and the ids are
+concatenated. That is how the tokens arise at inference too: the prompt is tokenized alone and the response is
+generated after it, so no BPE merge ever crosses the prompt/response boundary, and the target mask is exact.
 """
 
 from __future__ import annotations
 
 import logging
+from collections.abc import Sequence
 from typing import Any
 
+import torch
 from jinja2 import TemplateError
 
 from openppo.errors import UserError
@@ -124,3 +141,86 @@ def _user_or_messages(value: str | Messages, key_flag: str) -> Messages:
 def end_with_eos(text: str, tokenizer) -> str:
     """`text` ending with the EOS token (appended unless the template already put it there)."""
     return text if text.endswith(tokenizer.eos_token) else text + tokenizer.eos_token
+
+
+# -- conversations ----------------------------------------------------------------------------------------------------
+
+Segments = list[tuple[str, bool]]  # (text, is_target) in order; concatenated they form the training text
+
+
+def conversation_segments(messages: Messages, tokenizer, *, key_flag: str = "--input_key") -> Segments:
+    """Context and assistant-turn segments of `messages`; empty when no assistant turn follows a prompt."""
+    full = chat_text(tokenizer, messages, generation_prompt=False, key_flag=key_flag)
+    eos = tokenizer.eos_token
+    segments: Segments = []
+    pos = 0
+    for i, message in enumerate(messages):
+        # A leading assistant message has no prompt to answer; it stays context.
+        if message.get("role") != "assistant" or i == 0:
+            continue
+        prompt = chat_text(tokenizer, messages[:i], generation_prompt=True, key_flag=key_flag)
+        if not full.startswith(prompt) or len(prompt) < pos:
+            raise UserError(
+                f"--multiturn: the chat template renders the start of a conversation in {key_flag} "
+                f"differently from the whole, so assistant turns cannot be located; "
+                f"train without --multiturn on single-turn rows instead"
+            )
+        start = len(prompt)
+        upto = chat_text(tokenizer, messages[: i + 1], generation_prompt=False, key_flag=key_flag)
+        if full.startswith(upto):
+            end = len(upto)
+        else:
+            found = full.find(eos, start)
+            if found < 0:
+                raise UserError(
+                    f"--multiturn: cannot find the end of an assistant turn in {key_flag} (the chat "
+                    f"template rewrites earlier turns and marks no end with {eos!r})"
+                )
+            end = found + len(eos)
+        end = start + len(full[start:end].rstrip())
+        segments.append((full[pos:start], False))
+        segments.append((full[start:end], True))
+        pos = end
+    return [(text, target) for text, target in segments if text]
+
+
+# -- tokens -----------------------------------------------------------------------------------------------------------
+
+
+def bos_ids(tokenizer, *, apply_chat_template: bool) -> list[int]:
+    """Tokens to put before the text: none with a chat template (it writes its own), else BOS if defined."""
+    if apply_chat_template or tokenizer.bos_token_id is None:
+        return []
+    return [tokenizer.bos_token_id]
+
+
+def encode_segments(tokenizer, segments: Segments, prefix: Sequence[int] = ()) -> tuple[list[int], list[int]]:
+    """(token ids, target mask) of the concatenated segments; `prefix` tokens are never targets.
+
+    `add_special_tokens=False`: special tokens written in the text (chat markers, the EOS appended to a
+    response) are still parsed as such, but the tokenizer adds no BOS/EOS of its own.
+    """
+    encoded = tokenizer([text for text, _ in segments], add_special_tokens=False)["input_ids"] if segments else []
+    ids: list[int] = []
+    mask: list[int] = []
+    for seg_ids, (_, target) in zip(encoded, segments):
+        ids.extend(seg_ids)
+        mask.extend([int(target)] * len(seg_ids))
+    # The text may already start with BOS (an --input_template that writes it): do not double it.
+    if prefix and ids[: len(prefix)] != list(prefix):
+        ids = list(prefix) + ids
+        mask = [0] * len(prefix) + mask
+    return ids, mask
+
+
+def num_context_tokens(mask: Sequence[int]) -> int:
+    """Tokens before the first target: the part of a sample that is prompt only."""
+    for i, m in enumerate(mask):
+        if m:
+            return i
+    return len(mask)
+
+
+def as_tensors(ids: list[int], mask: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    # A large pre-tokenized set stays small as int32 ids and uint8 masks; items are cast to long on access.
+    return torch.tensor(ids, dtype=torch.int32), torch.tensor(mask, dtype=torch.uint8)
