@@ -21,7 +21,7 @@ from openppo.ppo.trainer import PPOTrainer
 from openppo.ppo.validate import validate
 from openppo.rewards import build_reward_source
 from openppo.utils.resources import host_memory_gib
-from openppo.utils.run_info import log_run_info, run_info
+from openppo.utils.run_log import log_run_info, run_info
 from openppo.utils.tracking import MetricsTracker
 
 logger = logging.getLogger("openppo.train_ppo_ray")

@@ -22,7 +22,7 @@ from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.strategy.config import ds_notices, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
 from openppo.trainers.configs import DataConfig
-from openppo.utils.run_info import log_run_info, run_info
+from openppo.utils.run_log import log_run_info, run_info
 from openppo.utils.tracking import MetricsTracker
 
 logger = logging.getLogger(__name__)
