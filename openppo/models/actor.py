@@ -115,11 +115,19 @@ class Actor(nn.Module):
 
         `return_aux_loss` (a mixture-of-experts model, --aux_loss_coef): also the router's load-balancing loss over
         the row's tokens, as transformers computes it (Switch Transformer's, Fedus et al. 2021, eq. 4).
+
+        With a shared-prompt layout the rows' prompts end where `score_mask` first selects a position; the scored
+        positions are then read from the shared row (`SharedScoring`), each against its own row's next token.
         """
-        rows = self.layout.rows(input_ids, attention_mask, position_ids)
+        prompt_lens = prompt_lengths(score_mask) if score_mask is not None and self.layout.share_prompts else None
+        rows = self.layout.rows(input_ids, attention_mask, position_ids, prompt_lens)
         assert rows.ring is None or not return_logits, "ring attention returns per-token values, not logits"
-        keep = None
-        if score_mask is not None and rows.ring is None and not return_logits and self._takes_logits_to_keep:
+        assert rows.shared is None or not return_logits, "a shared-prompt row returns per-token values, not logits"
+        keep = shared = None
+        if rows.shared is not None:
+            shared = SharedScoring(rows.shared.grid_index, input_ids, score_mask)
+            keep = shared.keep if self._takes_logits_to_keep else None
+        elif score_mask is not None and rows.ring is None and not return_logits and self._takes_logits_to_keep:
             keep = scored_positions(score_mask, rows.token_mask)
         extra = {} if keep is None else {"logits_to_keep": keep}
         if return_aux_loss:
@@ -137,7 +145,11 @@ class Actor(nn.Module):
         # zero-filled full-vocabulary gradient for the slice. The temperature is applied chunk by chunk, without a
         # divided copy.
         logits = out.logits
-        labels = rows.labels if keep is None else rows.labels[:, keep]
+        if shared is not None:  # every scored position of the grid, against its own row's next token
+            logits = (logits[0] if keep is not None else logits[0, shared.keep]).index_select(0, shared.expand)
+            logits, labels = logits.unsqueeze(0), shared.labels
+        else:
+            labels = rows.labels if keep is None else rows.labels[:, keep]
         entropy = None
         if return_entropy == "log":  # for logging: from the same pass as the log-probs, no gradient
             log_probs, entropy = log_probs_and_entropy(logits, labels, temperature)
@@ -155,6 +167,8 @@ class Actor(nn.Module):
             """Values of the scored positions -> [B, T-1] on the caller's (padded) grid."""
             if values is None:
                 return None
+            if shared is not None:
+                return shared.to_grid(values)
             if keep is not None:  # back on the row's positions, zeros where nothing was scored
                 values = scatter_positions(values, keep, rows.input_ids.size(1))
             return rows.next_token_grid(values)
@@ -166,6 +180,36 @@ class Actor(nn.Module):
             sampling_log_probs=per_token(behaviour),
             aux_loss=out.aux_loss if return_aux_loss else None,
         )
+
+
+def prompt_lengths(score_mask: torch.Tensor) -> torch.Tensor:
+    """[B] tokens before each row's first scored token: position t scores token t + 1, so a row whose first scored
+    position is t has a prompt of t + 1 tokens (a row with none scored: all of it)."""
+    first = torch.where(score_mask.bool().any(-1), score_mask.bool().int().argmax(-1), score_mask.size(1))
+    return first + 1
+
+
+class SharedScoring:
+    """Which positions of a shared-prompt row score which tokens of the padded grid.
+
+    Grid position (b, t) scores token (b, t + 1) from the row's position `grid_index[b, t]`. The last prompt
+    position of a group scores a different first response token for each of its rows, so the row's positions
+    (`keep`, once each, for the LM head) are expanded to one per scored grid position (`expand`)."""
+
+    def __init__(self, grid_index: torch.Tensor, input_ids: torch.Tensor, score_mask: torch.Tensor | None):
+        wanted = (grid_index[:, :-1] >= 0) & (grid_index[:, 1:] >= 0)
+        if score_mask is not None:
+            wanted &= score_mask.bool()
+        self.b, self.t = wanted.nonzero(as_tuple=True)
+        if self.b.numel() == 0:  # a no-op micro-batch still scores one position: its backward reaches every weight
+            self.b, self.t = self.b.new_zeros(1), self.t.new_zeros(1)
+        self.keep, self.expand = torch.unique(grid_index[self.b, self.t], return_inverse=True)
+        self.labels = input_ids[self.b, self.t + 1].unsqueeze(0)
+        self.shape = (grid_index.size(0), grid_index.size(1) - 1)
+
+    def to_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """[1, K] values of the scored positions -> [B, T-1] with zeros elsewhere (autograd-aware)."""
+        return values.new_zeros(self.shape).index_put((self.b, self.t), values[0])
 
 
 def scored_positions(score_mask: torch.Tensor, token_mask: torch.Tensor | None) -> torch.Tensor:

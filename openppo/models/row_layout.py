@@ -6,6 +6,11 @@
   attention know not to attend across sequences (only with `use_cache=False`, see PLATFORM.md).
 - ring (`--ring_attn_size K`): packed, and the row sharded over K consecutive ranks that run ring attention
   together (`openppo.models.ring_attention`); each rank computes about 1/K of the tokens.
+- shared prompts (`--share_prompt_in_group`): packed, with the prompt of consecutive rows that start with the same
+  prompt (the n samples of a group) once, followed by each row's response; a response attends to the prompt and to
+  itself, at the positions it has in its own row (`SharedPrompts`; the attention is in
+  `openppo.models.varlen_attention`). The prompt's tokens are computed once for the group, and in a backward they
+  receive the gradients of all its responses.
 
 Whatever the layout, the models take the padded [B, T] batch and return per-token values on the padded grid
 ([B, T] or [B, T-1] for next-token values), so the RL math never sees the layout: it changes the compute, not the
@@ -29,7 +34,7 @@ from openppo.models.ring_attention import (
     ring_context,
     split_for_ring,
 )
-from openppo.models.varlen_attention import set_packed_rows
+from openppo.models.varlen_attention import set_packed_rows, set_shared_rows
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -60,6 +65,61 @@ def unpack_rows(packed: torch.Tensor, token_mask: torch.Tensor, fill: float = 0.
     out = packed.new_full((*token_mask.shape, *packed.shape[2:]), fill)
     out[token_mask] = packed[0]
     return out
+
+
+@dataclass
+class SharedPrompts:
+    """A row of shared prompts: every group's prompt once, then each of its rows' responses (module doc).
+
+    `grid_index` [B, T] is where each token of the padded batch sits in the row (-1 for padding); `prompts` and
+    `responses` are the (start, end) of each part in the row, a response with the index of its prompt."""
+
+    input_ids: torch.Tensor  # [1, N]
+    position_ids: torch.Tensor  # [1, N]: each token's position in its own row
+    grid_index: torch.Tensor  # [B, T]
+    prompts: list[tuple[int, int]]
+    responses: list[tuple[int, int, int]]
+
+    @classmethod
+    def pack(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> SharedPrompts:
+        """Consecutive rows whose first `prompt_lens` tokens are the same (and as many) share them."""
+        lengths = attention_mask.sum(-1).tolist()
+        prompt_lens = prompt_lens.tolist()
+        grid = torch.full(sequences.shape, -1, dtype=torch.long)
+        pieces, positions, prompts, responses = [], [], [], []
+        n, last = 0, 0  # tokens in the row so far; the prompt length of the group open
+        for b, (length, p) in enumerate(zip(lengths, prompt_lens)):
+            p = min(max(int(p), 1), length)
+            same = b > 0 and p == last and torch.equal(sequences[b, :p], sequences[b - 1, :p])
+            if not same:  # a new group: its prompt goes first
+                prompts.append((n, n + p))
+                pieces.append(sequences[b, :p])
+                positions.append(torch.arange(p))
+                n += p
+            ps = prompts[-1][0]
+            grid[b, :p] = torch.arange(ps, ps + p)
+            responses.append((n, n + length - p, len(prompts) - 1))
+            pieces.append(sequences[b, p:length])
+            positions.append(torch.arange(p, length))
+            grid[b, p:length] = torch.arange(n, n + length - p)
+            n += length - p
+            last = p
+        device = sequences.device
+        return cls(
+            torch.cat(pieces).unsqueeze(0),
+            torch.cat(positions).unsqueeze(0).to(device),
+            grid.to(device),
+            prompts,
+            responses,
+        )
+
+    def to_grid(self, values: torch.Tensor) -> torch.Tensor:
+        """Per-token values of the row [1, N, *rest] -> the padded grid [B, T, *rest] (a shared prompt's values go to
+        every row of its group; autograd-aware)."""
+        flat = values[0].index_select(0, self.grid_index.clamp(min=0).flatten())
+        flat = flat.view(*self.grid_index.shape, *values.shape[2:])
+        real = (self.grid_index >= 0).view(*self.grid_index.shape, *([1] * (values.dim() - 2)))
+        return flat * real
 
 
 class Ring:
@@ -103,6 +163,7 @@ class Rows:
     position_ids: torch.Tensor
     labels: torch.Tensor  # the token each input position predicts
     token_mask: torch.Tensor | None = None  # packed from a padded batch: where the row's tokens sit on the grid
+    shared: SharedPrompts | None = None  # shared prompts: where the grid's tokens sit in the row
     ring: Ring | None = None
     num_tokens: int = 0  # the whole packed row's length when this rank holds a ring chunk
 
@@ -110,11 +171,14 @@ class Rows:
         """Per-position values of the model's row [b, C, *rest] -> the padded grid [B, T, *rest]."""
         if self.ring is not None:
             values = self.ring.gather(values, self.num_tokens)
+        if self.shared is not None:
+            return self.shared.to_grid(values)
         return values if self.token_mask is None else unpack_rows(values, self.token_mask)
 
     def next_token_grid(self, values: torch.Tensor) -> torch.Tensor:
         """Next-token values [b, C] of the model's row (position i scores token i + 1) -> [B, T-1]. The row's last
         position predicts nothing: it is dropped, and in a packed row its place on the grid holds 0."""
+        assert self.shared is None, "a shared prompt's last position predicts each row's own next token"
         if self.ring is not None:
             values = self.ring.gather(values, self.num_tokens)
         values = values[:, :-1]
@@ -127,17 +191,30 @@ class Rows:
 class RowLayout:
     packed: bool = False
     ring: Ring | None = None  # packed rows sharded over this ring group
+    share_prompts: bool = False  # packed rows with each group's prompt once (given the rows' prompt lengths)
 
     @property
     def name(self) -> str:
-        return "ring" if self.ring is not None else "packed" if self.packed else "padded"
+        if self.ring is not None:
+            return "ring"
+        return "shared" if self.share_prompts else "packed" if self.packed else "padded"
 
     def rows(
-        self, input_ids: torch.Tensor, attention_mask: torch.Tensor | None, position_ids: torch.Tensor | None = None
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        position_ids: torch.Tensor | None = None,
+        prompt_lens: torch.Tensor | None = None,
     ) -> Rows:
         """The model's inputs for a right-padded batch [B, T] with its mask, or for a row the caller packed itself
-        (`position_ids` restarting per sequence, no mask: SFT's packed batches). Also announces a packed row to the
-        varlen attention, which splits it by sequence."""
+        (`position_ids` restarting per sequence, no mask: SFT's packed batches). With `share_prompts` and the rows'
+        `prompt_lens` [B], consecutive rows with the same prompt share it. Also announces a packed row to the varlen
+        attention, which splits it by sequence."""
+        if self.share_prompts and prompt_lens is not None and attention_mask is not None and position_ids is None:
+            shared = SharedPrompts.pack(input_ids, attention_mask, prompt_lens)
+            rows = Rows(shared.input_ids, None, shared.position_ids, shared.input_ids, shared=shared)
+            set_shared_rows(shared.prompts, shared.responses, rows.input_ids.size(1), rows.input_ids.device)
+            return rows
         if position_ids is not None or attention_mask is None:
             assert position_ids is not None and attention_mask is None, "a packed row takes position_ids, no mask"
             rows = Rows(input_ids, None, position_ids, input_ids.roll(-1, dims=1))

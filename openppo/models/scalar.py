@@ -109,10 +109,12 @@ class ScalarModel(nn.Module):
         *,
         normalize: bool = False,
         return_aux_loss: bool = False,
+        prompt_lens: torch.Tensor | None = None,
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
         """Per-token scalars [B, T] (fp32) of a right-padded batch, computed in the model's `layout`; with
-        `return_aux_loss` (a mixture-of-experts model, --aux_loss_coef) also the router's load-balancing loss."""
-        rows = self.layout.rows(input_ids, attention_mask, position_ids)
+        `return_aux_loss` (a mixture-of-experts model, --aux_loss_coef) also the router's load-balancing loss.
+        `prompt_lens` [B]: with a shared-prompt layout, rows with the same prompt compute it once."""
+        rows = self.layout.rows(input_ids, attention_mask, position_ids, prompt_lens)
         hf = self.hf_model
         backbone = getattr(hf, hf.base_model_prefix)
         inputs = dict(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)

@@ -8,6 +8,12 @@ function is registered with transformers under `ATTN_IMPLEMENTATION`; it is used
 by `set_packed_rows` and is plain sdpa otherwise, so one model serves packed and padded batches. The announced rows
 stay in force until the next call, because a backward with gradient checkpointing re-runs attention after the
 forward has returned.
+
+Shared prompts (`set_shared_rows`): a group's prompt sits once in the row, followed by each of its responses, and
+each response attends to the prompt and to itself. The prompts attend as packed sequences; the responses attend in
+one sdpa call, right-padded, with each response's keys and values laid out as [its prompt, padded to the longest |
+itself] and a mask that lets query j see the prompt and the response up to j (the lower-right causal rule of a
+suffix). The prompt's keys and values are gathered once per response, so their gradients add up over the group.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ CPU_FP32_ATTENTION_MAX_LEN = 512
 
 _BOUNDS: list[tuple[int, int]] | None = None  # (start, end) of every sequence of the current packed row
 _PADDED: tuple[torch.Tensor, torch.Tensor] | None = None  # its `_padded_index` when `batches_well`, else None
+_SHARED: SharedAttention | None = None  # the current row's responses to shared prompts (`set_shared_rows`)
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -40,9 +47,59 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
 
 def set_packed_rows(position_ids: torch.Tensor | None) -> None:
     """Announce the packed row of the next forward (and its backward); None for padded batches."""
-    global _BOUNDS, _PADDED
+    global _BOUNDS, _PADDED, _SHARED
     _BOUNDS = None if position_ids is None else sequence_bounds(position_ids)
     _PADDED = _padded_index(_BOUNDS, position_ids.device) if _BOUNDS and batches_well(_BOUNDS) else None
+    _SHARED = None
+
+
+def set_shared_rows(
+    prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], num_tokens: int, device: torch.device
+) -> None:
+    """Announce a row of shared prompts: `prompts` (start, end), then `responses` (start, end, index of the prompt
+    it answers), covering the row's `num_tokens` tokens."""
+    global _BOUNDS, _PADDED, _SHARED
+    _BOUNDS = prompts
+    _PADDED = _padded_index(prompts, device) if batches_well(prompts) else None
+    _SHARED = SharedAttention(prompts, [r for r in responses if r[1] > r[0]], num_tokens, device)
+
+
+class SharedAttention:
+    """The gathers and the mask that run every response of a shared-prompt row in one sdpa call (module doc)."""
+
+    def __init__(self, prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], num_tokens: int, device):
+        self.num_responses = len(responses)
+        prompt_len = max(e - s for s, e in prompts)
+        longest = max((e - s for s, e, _ in responses), default=0)
+        q_index = torch.zeros(len(responses), longest, dtype=torch.long)
+        kv_index = torch.zeros(len(responses), prompt_len + longest, dtype=torch.long)
+        mask = torch.zeros(len(responses), 1, longest, prompt_len + longest, dtype=torch.bool)
+        mask[:, :, :, 0] = True  # a padding query sees one real key: its (dropped) output stays finite
+        real = torch.zeros(len(responses), longest, dtype=torch.bool)
+        for i, (s, e, g) in enumerate(responses):
+            ps, pe = prompts[g]
+            n = e - s
+            q_index[i, :n] = torch.arange(s, e)
+            kv_index[i, : pe - ps] = torch.arange(ps, pe)
+            kv_index[i, prompt_len : prompt_len + n] = torch.arange(s, e)
+            mask[i, 0, :n, : pe - ps] = True
+            mask[i, 0, :n, prompt_len : prompt_len + n] = torch.ones(n, n, dtype=torch.bool).tril()
+            real[i, :n] = True
+        self.q_index, self.kv_index = q_index.flatten().to(device), kv_index.flatten().to(device)
+        self.mask = mask.to(device)
+        self.real = real.flatten().nonzero().flatten().to(device)
+        # where each of the row's tokens lands in [prompt tokens..., response tokens...]
+        order = torch.cat([torch.arange(s, e) for s, e in prompts] + [torch.arange(s, e) for s, e, _ in responses])
+        assert order.numel() == num_tokens, "the prompts and responses must cover the row"
+        self.inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
+
+    def responses(self, module, query, key, value, **kwargs) -> torch.Tensor:
+        """[n, H, D]: every response token's attention output, response after response (n: their tokens)."""
+        q = _to_padded(query, self.q_index, self.num_responses)
+        k = _to_padded(key, self.kv_index, self.num_responses)
+        v = _to_padded(value, self.kv_index, self.num_responses)
+        out = _sdpa(module, q, k, v, self.mask, **kwargs)[0]  # [R, L, H, D]
+        return out.reshape(-1, *out.shape[2:]).index_select(0, self.real)
 
 
 def batches_well(bounds: list[tuple[int, int]], max_waste: float = 2.0) -> bool:
@@ -104,9 +161,19 @@ def varlen_attention_forward(
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
     """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D] (transformers' attention-function contract)."""
-    bounds, padded = _BOUNDS, _PADDED
+    bounds, padded, shared = _BOUNDS, _PADDED, _SHARED
+    if shared is not None and attention_mask is None and query.shape[0] == 1:
+        parts = [_sequences(module, query, key, value, bounds, padded, **kwargs)[0]]
+        if shared.num_responses:
+            parts.append(shared.responses(module, query, key, value, **kwargs))
+        return torch.cat(parts).index_select(0, shared.inverse).unsqueeze(0), None
     if bounds is None or attention_mask is not None or query.shape[0] != 1 or query.shape[2] != bounds[-1][1]:
         return _sdpa(module, query, key, value, attention_mask, **kwargs)
+    return _sequences(module, query, key, value, bounds, padded, **kwargs), None
+
+
+def _sequences(module, query, key, value, bounds, padded, **kwargs) -> torch.Tensor:
+    """[1, n, H, D]: the packed sequences at `bounds` of the row, each attending to itself (n: their tokens)."""
     if padded is not None:
         # Sequences of similar length: one causal sdpa call over them right-padded. A real query never sees the
         # padding, which comes after it, so the result is exact. One call instead of one per sequence took a
@@ -121,9 +188,9 @@ def varlen_attention_forward(
             None,
             **kwargs,
         )[0]  # [B, Lmax, H, D]
-        return out.reshape(-1, *out.shape[2:]).index_select(0, real).unsqueeze(0), None
+        return out.reshape(-1, *out.shape[2:]).index_select(0, real).unsqueeze(0)
     parts = [_sdpa(module, query[:, :, s:e], key[:, :, s:e], value[:, :, s:e], None, **kwargs)[0] for s, e in bounds]
-    return torch.cat(parts, dim=1), None
+    return torch.cat(parts, dim=1)
 
 
 def _mask(*args, **kwargs) -> torch.Tensor | None:
