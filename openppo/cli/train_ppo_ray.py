@@ -50,6 +50,7 @@ def train(cfg: PPOConfig) -> None:
     config = to_dict(cfg)
     log_run_info({**run_info(config, "train_ppo_ray"), "plan": plan.to_dict()}, cfg.ckpt.save_path)
     logger.info(plan.describe())
+    logger.info("shared prompts (--share_prompt_in_group): %s", plan.shared_prompts)
     tracker = MetricsTracker(
         save_dir=cfg.ckpt.save_path,
         tensorboard_dir=cfg.logging.use_tensorboard,

@@ -84,14 +84,12 @@ class SharedPrompts:
     def pack(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> SharedPrompts:
         """Consecutive rows whose first `prompt_lens` tokens are the same (and as many) share them."""
         lengths = attention_mask.sum(-1).tolist()
-        prompt_lens = prompt_lens.tolist()
+        shares = shared_prefixes(sequences, attention_mask, prompt_lens)
         grid = torch.full(sequences.shape, -1, dtype=torch.long)
         pieces, positions, prompts, responses = [], [], [], []
-        n, last = 0, 0  # tokens in the row so far; the prompt length of the group open
-        for b, (length, p) in enumerate(zip(lengths, prompt_lens)):
-            p = min(max(int(p), 1), length)
-            same = b > 0 and p == last and torch.equal(sequences[b, :p], sequences[b - 1, :p])
-            if not same:  # a new group: its prompt goes first
+        n = 0  # tokens in the row so far
+        for b, (length, p) in enumerate(zip(lengths, prompt_lengths_in(attention_mask, prompt_lens))):
+            if not shares[b]:  # a new group: its prompt goes first
                 prompts.append((n, n + p))
                 pieces.append(sequences[b, :p])
                 positions.append(torch.arange(p))
@@ -103,7 +101,6 @@ class SharedPrompts:
             positions.append(torch.arange(p, length))
             grid[b, p:length] = torch.arange(n, n + length - p)
             n += length - p
-            last = p
         device = sequences.device
         return cls(
             torch.cat(pieces).unsqueeze(0),
@@ -120,6 +117,21 @@ class SharedPrompts:
         flat = flat.view(*self.grid_index.shape, *values.shape[2:])
         real = (self.grid_index >= 0).view(*self.grid_index.shape, *([1] * (values.dim() - 2)))
         return flat * real
+
+
+def prompt_lengths_in(attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> list[int]:
+    """Each row's prompt length, within its row (at least one token, at most all of them)."""
+    return [min(max(int(p), 1), int(n)) for p, n in zip(prompt_lens.tolist(), attention_mask.sum(-1).tolist())]
+
+
+def shared_prefixes(sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> list[int]:
+    """Per row, the prompt tokens it shares with the row before it: its whole prompt when that row has the same
+    prompt (the same tokens, as many), else 0. Rows sharing with their predecessor form a group."""
+    prompts = prompt_lengths_in(attention_mask, prompt_lens)
+    return [
+        p if b and p == prompts[b - 1] and torch.equal(sequences[b, :p], sequences[b - 1, :p]) else 0
+        for b, p in enumerate(prompts)
+    ]
 
 
 class Ring:

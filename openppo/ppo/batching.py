@@ -5,7 +5,9 @@ when micro-batches are costed by tokens; the K ranks of a ring or a tensor-paral
 Each rank then cuts its rows into micro-batches (`Batching`): a row count, or with `--use_dynamic_batch` a token
 budget. The cost of a micro-batch is the number of token positions its forward computes: the sum of the row lengths
 when the rows are packed (`--packing_samples`), rows x the longest row when they are padded (each micro-batch is
-trimmed to its own longest row). A row longer than the budget goes alone.
+trimmed to its own longest row). A row longer than the budget goes alone. With shared prompts
+(`--share_prompt_in_group`) a row that shares its prompt with the row before it in the micro-batch costs only its
+response, and the ranks are dealt whole groups (the rows of a prompt), so that a group's prompt is computed once.
 
 DeepSpeed needs the same number of micro-steps on every rank (gradient reduction in ZeRO-2/3 and parameter gathers
 in ZeRO-3 are collectives), so `plan_on_all_ranks` all-reduces the counts and `equalize` splits the most expensive
@@ -36,27 +38,35 @@ class Batching:
     packed: bool = False  # --packing_samples
     rows: int = 1  # rows per micro-batch when no token budget is set
     max_tokens: int | None = None  # token budget per micro-batch (--use_dynamic_batch)
+    share_prompts: bool = False  # --share_prompt_in_group: a group's prompt is computed once per micro-batch
 
-    def plan(self, lengths: list[int]) -> list[list[int]]:
-        """Micro-batches (lists of indices into `lengths`, in order) covering every row once."""
+    def plan(self, lengths: list[int], shares: list[int] | None = None) -> list[list[int]]:
+        """Micro-batches (lists of indices into `lengths`, in order) covering every row once; `shares[i]`: the prompt
+        tokens row i shares with row i - 1 (`prompt_shares`)."""
         if self.max_tokens is None:
             return [list(range(i, min(i + self.rows, len(lengths)))) for i in range(0, len(lengths), self.rows)]
-        return split_by_tokens(lengths, self.max_tokens, self.packed)
+        return split_by_tokens(lengths, self.max_tokens, self.packed, shares)
 
 
-def cost(lengths: list[int], packed: bool) -> int:
-    """Token positions a forward over these rows computes."""
+def cost(lengths: list[int], packed: bool, shares: list[int] | None = None) -> int:
+    """Token positions a forward over these consecutive rows computes (`shares`: as in `Batching.plan`, for these
+    rows; the first row pays its whole prompt)."""
     if not lengths:
         return 0
-    return sum(lengths) if packed else len(lengths) * max(lengths)
+    if not packed:
+        return len(lengths) * max(lengths)
+    return sum(lengths) - (sum(shares[1:]) if shares else 0)
 
 
-def split_by_tokens(lengths: list[int], max_tokens: int, packed: bool) -> list[list[int]]:
+def split_by_tokens(
+    lengths: list[int], max_tokens: int, packed: bool, shares: list[int] | None = None
+) -> list[list[int]]:
     """Consecutive rows while the micro-batch's cost stays within `max_tokens` (at least one row each)."""
     micros: list[list[int]] = []
     current: list[int] = []
-    for i, length in enumerate(lengths):
-        if current and cost([lengths[j] for j in current] + [length], packed) > max_tokens:
+    for i in range(len(lengths)):
+        rows = [*current, i]
+        if current and cost([lengths[j] for j in rows], packed, _shares(shares, rows)) > max_tokens:
             micros.append(current)
             current = []
         current.append(i)
@@ -65,7 +75,13 @@ def split_by_tokens(lengths: list[int], max_tokens: int, packed: bool) -> list[l
     return micros
 
 
-def equalize(micros: list[list[int]], lengths: list[int], count: int, packed: bool) -> list[list[int]]:
+def _shares(shares: list[int] | None, rows: list[int]) -> list[int] | None:
+    return None if shares is None else [shares[j] for j in rows]
+
+
+def equalize(
+    micros: list[list[int]], lengths: list[int], count: int, packed: bool, shares: list[int] | None = None
+) -> list[list[int]]:
     """Split the costliest micro-batches (halving them) until there are `count`; pad with empty ones when every
     micro-batch is a single row. The order of the rows is kept."""
     micros = [list(m) for m in micros]
@@ -74,7 +90,7 @@ def equalize(micros: list[list[int]], lengths: list[int], count: int, packed: bo
         if not splittable:
             micros += [[] for _ in range(count - len(micros))]
             break
-        i = max(splittable, key=lambda k: cost([lengths[j] for j in micros[k]], packed))
+        i = max(splittable, key=lambda k: cost([lengths[j] for j in micros[k]], packed, _shares(shares, micros[k])))
         half = len(micros[i]) // 2
         micros[i : i + 1] = [micros[i][:half], micros[i][half:]]
     return micros
@@ -116,9 +132,32 @@ def row_lengths(data: dict[str, torch.Tensor]) -> list[int]:
     return data["attention_mask"].sum(-1).tolist()
 
 
-def shard_rows(data: dict[str, torch.Tensor], n: int, balance: bool) -> list[list[int]]:
-    """Row indices per rank: contiguous shards, or (`balance`) shards with even token totals; sizes differ by at
-    most one row where the batch does not divide (forward-only passes)."""
+def prompt_shares(data: dict[str, torch.Tensor]) -> list[int]:
+    """Per row, the prompt tokens it shares with the row before it (0: a new group; see `shared_prefixes`)."""
+    from openppo.models.actor import prompt_lengths
+    from openppo.models.row_layout import shared_prefixes
+
+    return shared_prefixes(data["sequences"], data["attention_mask"], prompt_lengths(data["action_mask"]))
+
+
+def group_shards(data: dict[str, torch.Tensor], n: int) -> list[list[int]] | None:
+    """Row indices per rank dealing whole groups (rows sharing a prompt), their token totals evened out; None when
+    the groups do not split into equal row counts (the rows are then dealt one by one)."""
+    shares, lengths = prompt_shares(data), row_lengths(data)
+    starts = [i for i, s in enumerate(shares) if not s] + [len(shares)]
+    groups = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+    if len(groups) % n or len({len(g) for g in groups}) > 1:
+        return None
+    costs = [lengths[g[0]] + sum(lengths[i] - shares[i] for i in g[1:]) for g in groups]
+    return [[i for k in shard for i in groups[k]] for shard in balanced_shards(costs, n)]
+
+
+def shard_rows(data: dict[str, torch.Tensor], n: int, balance: bool, share: bool = False) -> list[list[int]]:
+    """Row indices per rank: contiguous shards, or (`balance`) shards with even token totals (with `share`, of whole
+    groups where they divide evenly); sizes differ by at most one row where the batch does not divide (forward-only
+    passes)."""
+    if share and n > 1 and (dealt := group_shards(data, n)) is not None:
+        return dealt
     if balance and n > 1:
         return balanced_shards(row_lengths(data), n)
     bounds = [0]
@@ -149,14 +188,14 @@ def replicated(
 
 
 def shards(
-    data: dict[str, torch.Tensor], n: int, balance: bool = False, replicas: int = 1
+    data: dict[str, torch.Tensor], n: int, balance: bool = False, replicas: int = 1, share: bool = False
 ) -> list[dict[str, torch.Tensor]]:
     """One shard per rank of a group of `n` ranks, for training: the shards hold equal numbers of rows (validation
     makes --train_batch_size divide over the data-parallel ranks of the actor and the critic)."""
     size, data_parallel = data["sequences"].size(0), n // replicas
     if size % data_parallel:
         raise ValueError(f"a training batch of {size} rows does not split over {data_parallel} data-parallel ranks")
-    return replicated(data, shard_rows(data, data_parallel, balance), replicas)
+    return replicated(data, shard_rows(data, data_parallel, balance, share), replicas)
 
 
 def all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
@@ -170,15 +209,22 @@ def all_reduce(t: torch.Tensor, world_size: int, op=None) -> torch.Tensor:
 
 
 def plan_on_all_ranks(
-    batching: Batching, lengths: list[list[int]], world_size: int, device: torch.device
+    batching: Batching,
+    lengths: list[list[int]],
+    world_size: int,
+    device: torch.device,
+    shares: list[list[int]] | None = None,
 ) -> list[list[list[int]]]:
-    """One micro-batch plan per group of rows (an optimizer step, or a whole forward pass), with the same number
-    of micro-batches on every rank (one all-reduce for all groups)."""
-    plans = [batching.plan(group) for group in lengths]
+    """One micro-batch plan per set of rows (an optimizer step, or a whole forward pass), with the same number
+    of micro-batches on every rank (one all-reduce for all sets); `shares` as in `Batching.plan`, per set."""
+    shares = shares if batching.share_prompts and shares is not None else [None] * len(lengths)
+    plans = [batching.plan(rows, s) for rows, s in zip(lengths, shares)]
     counts = all_reduce(
         torch.tensor([len(p) for p in plans], device=device), world_size, torch.distributed.ReduceOp.MAX
     )
-    return [equalize(p, group, int(c), batching.packed) for p, group, c in zip(plans, lengths, counts.tolist())]
+    return [
+        equalize(p, rows, int(c), batching.packed, s) for p, rows, s, c in zip(plans, lengths, shares, counts.tolist())
+    ]
 
 
 def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -221,21 +267,25 @@ def noop_rows(data: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {**batch, "action_mask": torch.zeros_like(batch["action_mask"])}
 
 
-def train_batching(cfg: PPOConfig) -> Batching:
+def train_batching(cfg: PPOConfig, share_prompts: bool = False) -> Batching:
     r = cfg.rollout
     return Batching(
         packed=r.packing_samples,
         rows=cfg.train.micro_train_batch_size,
         max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None,
+        share_prompts=share_prompts,
     )
 
 
-def forward_batching(cfg: PPOConfig) -> Batching:
+def forward_batching(cfg: PPOConfig, share_prompts: bool = False) -> Batching:
     """Forward-only passes keep no activations for a backward, so their micro-batches may be larger."""
     r = cfg.rollout
     budget = r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu
     return Batching(
-        packed=r.packing_samples, rows=r.micro_rollout_batch_size, max_tokens=budget if r.use_dynamic_batch else None
+        packed=r.packing_samples,
+        rows=r.micro_rollout_batch_size,
+        max_tokens=budget if r.use_dynamic_batch else None,
+        share_prompts=share_prompts,
     )
 
 
@@ -254,7 +304,8 @@ class ForwardChunks:
         engine.eval()
         self.data, self.device = data, strategy.device
         self.width = data["sequences"].size(1)
-        self.plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device)[0]
+        shares = [prompt_shares(data)] if batching.share_prompts and "action_mask" in data else None
+        self.plan = plan_on_all_ranks(batching, [row_lengths(data)], strategy.world_size, strategy.device, shares)[0]
         self.out: list[torch.Tensor] = []
 
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:

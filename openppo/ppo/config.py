@@ -229,6 +229,13 @@ class RolloutConfig:
     packing_samples: bool = opt(
         False, "run each micro-batch as one packed row: no padding computed, no cross-sequence attention"
     )
+    share_prompt_in_group: str = opt(
+        "auto",
+        "compute each group's prompt once in every forward and update, exactly (the n samples of a prompt share "
+        "it); auto = on for group estimators with --packing_samples and --n_samples_per_prompt > 1",
+        choices=("auto", "on", "off"),
+        const="on",
+    )
     use_dynamic_batch: bool = opt(False, "fill micro-batches by a token budget instead of a sample count")
     train_max_tokens_per_gpu: int = opt(16384, "token budget of a training micro-batch (--use_dynamic_batch)")
     rollout_max_tokens_per_gpu: int = opt(

@@ -31,7 +31,16 @@ from openppo.algorithms import (
     policy_loss,
     value_loss,
 )
-from openppo.ppo.batching import Batching, all_reduce, noop_rows, plan_on_all_ranks, row_lengths, select_rows
+from openppo.models.actor import prompt_lengths
+from openppo.ppo.batching import (
+    Batching,
+    all_reduce,
+    noop_rows,
+    plan_on_all_ranks,
+    prompt_shares,
+    row_lengths,
+    select_rows,
+)
 from openppo.ppo.config import AlgoConfig
 from openppo.strategy.step_guard import StepGuard
 
@@ -79,16 +88,26 @@ def fit_experience(
     grad_scale = world_size // tensor_parallel_size  # the ranks DeepSpeed averages gradients over
     losses: dict[str, float] = defaultdict(float)
     sums: dict[str, float] = defaultdict(float)
-    steps = skipped = count = micro_steps = computed = real_tokens = 0
+    steps = skipped = count = micro_steps = computed = real_tokens = shared_tokens = 0
     engine.train()
     size = data["sequences"].size(0)
     lengths = row_lengths(data)
+    # --share_prompt_in_group: the rows of a group stay together when shuffled, so their prompt is computed once
+    shares = prompt_shares(data) if batching.share_prompts else [0] * size
+    groups = [i for i, s in enumerate(shares) if not s] + [size]
     for epoch in range(epochs):
-        order = torch.randperm(size, generator=torch.Generator().manual_seed(seed + epoch)).tolist()
+        order = shuffled(size, seed + epoch, groups)
         step_rows = [order[i : i + rows_per_step] for i in range(0, size, rows_per_step)]
-        plans = plan_on_all_ranks(batching, [[lengths[r] for r in rows] for rows in step_rows], world_size, device)
-        for rows, plan in zip(step_rows, plans):
+        step_shares = [
+            [shares[r] if k and rows[k - 1] == r - 1 else 0 for k, r in enumerate(rows)] for rows in step_rows
+        ]
+        plans = plan_on_all_ranks(
+            batching, [[lengths[r] for r in rows] for rows in step_rows], world_size, device, step_shares
+        )
+        for rows, step_share, plan in zip(step_rows, step_shares, plans):
             micros = [select_rows(data, [rows[j] for j in m]) if m else noop_rows(data) for m in plan]
+            if batching.share_prompts:  # prompt tokens a micro-batch's rows share with the row before them
+                shared_tokens += sum(step_share[j] for m in plan for j in m[1:])
             counts = sum(loss_normalizers(b["action_mask"]) for b in micros)
             normalizers = all_reduce(counts.to(device), world_size) // replicas
             step_losses: dict[str, float] = defaultdict(float)
@@ -134,12 +153,22 @@ def fit_experience(
         "perf/padding_share": 1.0 - real_tokens / max(computed, 1),
         "perf/micro_batches": micro_steps / max(steps + skipped, 1),
     }
+    if batching.share_prompts:  # the share of the rows' tokens computed once for several rows, not per row
+        perf["perf/shared_prompt_share"] = shared_tokens / max(real_tokens, 1)
     return {
         **{k: v / max(steps, 1) for k, v in losses.items()},
         **{k: v / max(count, 1) for k, v in sums.items()},
         **perf,
         **({guard.metric: float(skipped)} if guard is not None else {}),
     }
+
+
+def shuffled(size: int, seed: int, starts: list[int]) -> list[int]:
+    """The rows in a random order of their groups (`starts`: each group's first row, then `size`), keeping the rows
+    of a group together and in order; one row a group gives a plain random order of the rows."""
+    groups = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+    order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
+    return [i for g in order for i in groups[g]]
 
 
 def actor_loss(
@@ -243,7 +272,9 @@ def critic_loss(engine, algo: AlgoConfig) -> LossFn:
 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
-        values = engine(batch["sequences"], batch["attention_mask"])[:, :-1]
+        values = engine(batch["sequences"], batch["attention_mask"], prompt_lens=prompt_lengths(batch["action_mask"]))[
+            :, :-1
+        ]
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
         return loss, {

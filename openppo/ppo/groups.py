@@ -29,10 +29,11 @@ from openppo.rollout.pool import EnginePool
 class ModelGroup:
     """One model's ranks (a `WorkerGroup`), seen from the driver."""
 
-    def __init__(self, workers: WorkerGroup, *, replicas: int = 1, balance: bool = False):
+    def __init__(self, workers: WorkerGroup, *, replicas: int = 1, balance: bool = False, share: bool = False):
         self.workers = workers
         self.replicas = replicas  # consecutive ranks holding the same rows (a ring, a tensor-parallel group)
         self.balance = balance  # deal rows by tokens (packing, token budgets)
+        self.share = share  # deal whole groups, so that a group's prompt is computed once (--share_prompt_in_group)
 
     @property
     def num_workers(self) -> int:
@@ -44,7 +45,7 @@ class ModelGroup:
 
     def forward(self, method: Method, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """A forward-only pass over the whole batch; the result in the batch's row order."""
-        rows = shard_rows(data, self.num_workers // self.replicas, self.balance)
+        rows = shard_rows(data, self.num_workers // self.replicas, self.balance, self.share)
         # the ranks of a ring or a tensor-parallel group return the same values: keep one per group
         return in_batch_order(
             self.workers.run_sharded(method, replicated(data, rows, self.replicas))[:: self.replicas], rows
@@ -66,9 +67,9 @@ class TrainedGroup(ModelGroup):
     def fit(self, method: Method, data: dict[str, torch.Tensor], **kwargs) -> dict[str, float]:
         """One update on the batch: each data-parallel rank trains on its shard; the metrics, averaged over the
         ranks by the workers, come from rank 0."""
-        return self.workers.run_sharded(method, shards(data, self.num_workers, self.balance, self.replicas), **kwargs)[
-            0
-        ]
+        return self.workers.run_sharded(
+            method, shards(data, self.num_workers, self.balance, self.replicas, self.share), **kwargs
+        )[0]
 
     def save_checkpoint(self, ckpt_dir: str, step: int, client_state: dict) -> None:
         self.workers.run(_TrainedWorker.save_checkpoint, ckpt_dir, step, client_state)

@@ -217,7 +217,9 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
             name=name,
             timeout_s=timeout,
         )
-        return handle(workers, replicas=role.replicas, balance=plan.balance), workers.run_async(worker.setup, cfg, role)
+        return handle(
+            workers, replicas=role.replicas, balance=plan.balance, share=role.share_prompts
+        ), workers.run_async(worker.setup, cfg, role)
 
     handles = {
         "actor": (ActorGroup, ActorWorker),

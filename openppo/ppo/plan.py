@@ -27,6 +27,7 @@ class RolePlan:
     tensor_parallel: int  # --ds_tensor_parallel_size (actor only): consecutive ranks that split the weights
     rows_per_step: int  # rows of one optimizer step on one rank; 0 for a frozen model
     optimizer_steps: int  # optimizer steps over the run (the LR schedule's length); 0 for a frozen model
+    share_prompts: bool = False  # --share_prompt_in_group: each group's prompt computed once
 
     @property
     def replicas(self) -> int:
@@ -46,6 +47,7 @@ class RunPlan:
     old_logprob_pass: bool  # a separate forward scores pi_old (else the update's own log-probs, detached)
     balance: bool  # deal rows to ranks by tokens (packing or token budgets cost micro-batches by tokens)
     roles: dict[str, RolePlan]
+    shared_prompts: str = "off"  # --share_prompt_in_group as resolved, with the reason (one log line)
 
     def describe(self) -> str:
         roles = "; ".join(
@@ -78,6 +80,8 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
     # reference's KL is measured against pi_old before the update: both need the pass.
     one_step = t.max_epochs == 1 and samples == t.train_batch_size
 
+    share, why = shares_prompts(cfg)
+
     def role(name: str, flag: str, trained: bool) -> RolePlan:
         ranks = role_ranks(cfg, flag)
         tp = cfg.ds.ds_tensor_parallel_size if name == "actor" else 1
@@ -89,6 +93,7 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
             tensor_parallel=tp,
             rows_per_step=t.train_batch_size // data_parallel if trained else 0,
             optimizer_steps=max(1, rl_steps * samples * t.max_epochs // t.train_batch_size) if trained else 0,
+            share_prompts=share,
         )
 
     roles = {"actor": role("actor", "actor", True)}
@@ -105,4 +110,24 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
         old_logprob_pass=not one_step or needs_reference(cfg),
         balance=r.packing_samples or r.use_dynamic_batch,
         roles=roles,
+        shared_prompts=f"{'on' if share else 'off'} ({why})",
     )
+
+
+def shares_prompts(cfg: PPOConfig) -> tuple[bool, str]:
+    """--share_prompt_in_group resolved, and why: auto shares where it is exact and pays (module doc of
+    openppo.models.row_layout): group estimators, several samples a prompt, packed rows, no ring."""
+    r, estimator = cfg.rollout, cfg.algo.advantage_estimator
+    if r.share_prompt_in_group == "off":
+        return False, "--share_prompt_in_group off"
+    if r.n_samples_per_prompt == 1:
+        return False, "one sample a prompt"
+    if r.share_prompt_in_group == "on":
+        return True, "--share_prompt_in_group on"
+    if estimator == "gae":
+        return False, "--advantage_estimator gae (--share_prompt_in_group on to share anyway)"
+    if not r.packing_samples:
+        return False, "rows are padded (add --packing_samples)"
+    if r.ring_attn_size > 1:
+        return False, "--ring_attn_size splits rows over ranks"
+    return True, f"{estimator}, {r.n_samples_per_prompt} samples a prompt, packed rows"

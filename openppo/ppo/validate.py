@@ -215,12 +215,24 @@ def _batches(cfg: PPOConfig) -> None:
         _positive(r.rollout_max_tokens_per_gpu, "--rollout_max_tokens_per_gpu")
 
 
+def _shared_prompts(cfg: PPOConfig) -> None:
+    if cfg.rollout.share_prompt_in_group == "on" and not cfg.rollout.packing_samples:
+        raise UserError(
+            "--share_prompt_in_group packs each group's rows around one copy of its prompt: add --packing_samples"
+        )
+
+
 def _sequence_parallel(cfg: PPOConfig) -> None:
     r = cfg.rollout
     _positive(r.ring_attn_size, "--ring_attn_size")
     require(
         r.ring_head_stride >= 0, f"--ring_head_stride must be >= 0 (0 = all KV heads at once), got {r.ring_head_stride}"
     )
+    if r.ring_attn_size > 1 and r.share_prompt_in_group == "on":
+        raise UserError(
+            "--share_prompt_in_group with --ring_attn_size: a ring splits a row's tokens over ranks, and a shared "
+            "prompt would have to reach every chunk of its responses; drop one of them"
+        )
     if r.ring_attn_size == 1:
         return
     if cfg.model.aux_loss_coef > 0:
@@ -409,6 +421,8 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
         )
     if (notice := aux_loss_notice(cfg.model.aux_loss_coef, cfg.model.pretrain)) is not None:
         notices.append(notice)
+    if cfg.rollout.share_prompt_in_group == "on" and cfg.rollout.n_samples_per_prompt == 1:
+        notices.append("--share_prompt_in_group has no effect with --n_samples_per_prompt 1: no prompt has two rows")
     if cfg.logging.logging_steps > 1:
         notices.append(
             f"--logging_steps {cfg.logging.logging_steps} thins only the progress lines on stdout; "
@@ -441,6 +455,7 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     _models(cfg)
     _algorithm(cfg)
     _sequence_parallel(cfg)
+    _shared_prompts(cfg)
     _tensor_parallel(cfg)
     _batches(cfg)
     _resources(cfg, on_gpu, notices)

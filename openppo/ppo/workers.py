@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from openppo.distributed.worker import BaseWorker
-from openppo.models.actor import Actor
+from openppo.models.actor import Actor, prompt_lengths
 from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.models.scalar import ScalarModel, last_token_index
 from openppo.ppo.batching import ForwardChunks, forward_batching, train_batching
@@ -58,13 +58,19 @@ def make_strategy(cfg: PPOConfig, role: RolePlan) -> DeepSpeedStrategy:
     )
 
 
-def _set_layout(cfg: PPOConfig, model: Actor | ScalarModel) -> None:
+def _set_layout(cfg: PPOConfig, role: RolePlan, model: Actor | ScalarModel) -> None:
     """The model's row layout for the whole run (collective with --ring_attn_size: all ranks call it)."""
     r = cfg.rollout
     if r.ring_attn_size > 1:
         model.layout = ring_layout(model.model, r.ring_attn_size, r.ring_head_stride)
     else:
-        model.layout = RowLayout(packed=r.packing_samples)
+        model.layout = RowLayout(packed=r.packing_samples, share_prompts=role.share_prompts)
+
+
+def _prompt_lens(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
+    """The rows' prompt lengths, for a shared-prompt layout (the scalar models take them; the actor reads its score
+    mask)."""
+    return prompt_lengths(batch["action_mask"]) if "action_mask" in batch else None
 
 
 def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
@@ -158,7 +164,7 @@ class ActorWorker(_TrainedWorker):
             model = Actor.from_pretrained(
                 cfg.model.pretrain, dtype=self.strategy.torch_dtype, **cfg.model.build_kwargs()
             )
-        _set_layout(cfg, model)
+        _set_layout(cfg, role, model)
         self.num_params = _num_params(model)
         if cfg.train.enable_ema:
             # Read before DeepSpeed splits the model: an AutoTP gather before the first optimizer step leaves the
@@ -176,7 +182,7 @@ class ActorWorker(_TrainedWorker):
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Per-token log-probs [B, T-1] of the sequences at the rollout temperature (fp32, CPU)."""
         temperature = self.cfg.rollout.temperature
-        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg, self.role.share_prompts))
         for b in chunks:
             out = self.engine(
                 b["sequences"], b["attention_mask"], temperature=temperature, score_mask=b.get("action_mask")
@@ -189,7 +195,7 @@ class ActorWorker(_TrainedWorker):
         """[B, T-1, 2]: `log_probs`, and from the same forwards the log-probs under the engine's top-k/top-p
         truncation (`openppo.algorithms.sampling`), which compare with the engine's own."""
         r = self.cfg.rollout
-        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg, self.role.share_prompts))
         for b in chunks:
             out = self.engine(
                 b["sequences"],
@@ -225,7 +231,7 @@ class ActorWorker(_TrainedWorker):
             self.engine,
             data,
             loss_fn,
-            batching=train_batching(cfg),
+            batching=train_batching(cfg, self.role.share_prompts),
             rows_per_step=self.role.rows_per_step,
             epochs=cfg.train.max_epochs,
             world_size=self.strategy.world_size,
@@ -342,7 +348,7 @@ class CriticWorker(_TrainedWorker):
             model = ScalarModel.from_pretrained(
                 path, dtype=self.strategy.torch_dtype, flag="--critic_pretrain", **cfg.model.build_kwargs()
             )
-        _set_layout(cfg, model)
+        _set_layout(cfg, role, model)
         self.num_params = _num_params(model)
         self.engine = self.strategy.prepare_train(
             model, **_optimizer_kwargs(cfg, cfg.train.critic_learning_rate, role.optimizer_steps)
@@ -352,9 +358,9 @@ class CriticWorker(_TrainedWorker):
     @torch.no_grad()
     def values(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
-        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg, self.role.share_prompts))
         for b in chunks:
-            chunks.add(self.engine(b["sequences"], b["attention_mask"])[:, :-1])
+            chunks.add(self.engine(b["sequences"], b["attention_mask"], prompt_lens=_prompt_lens(b))[:, :-1])
         return chunks.result()
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
@@ -364,7 +370,7 @@ class CriticWorker(_TrainedWorker):
             self.engine,
             data,
             critic_loss(self.engine, cfg.algo),
-            batching=train_batching(cfg),
+            batching=train_batching(cfg, self.role.share_prompts),
             rows_per_step=self.role.rows_per_step,
             epochs=cfg.train.max_epochs,
             world_size=self.strategy.world_size,
@@ -386,7 +392,7 @@ class _FrozenWorker(BaseWorker):
         offload = cfg.model.ref_reward_offload
         with self.strategy.zero3_init(for_training=False, offload=offload):
             self.model = build(self.strategy.torch_dtype)
-        _set_layout(cfg, self.model)
+        _set_layout(cfg, role, self.model)
         self.engine = self.strategy.prepare_eval(self.model, offload=offload)
 
 
@@ -421,8 +427,9 @@ class RewardWorker(_FrozenWorker):
     @torch.no_grad()
     def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """Raw reward-model score per sequence [B] (normalisation is applied with the reward shaping)."""
-        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg))
+        chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg, self.role.share_prompts))
         for b in chunks:
             last = last_token_index(b["attention_mask"]).unsqueeze(1)
-            chunks.add(self.engine(b["sequences"], b["attention_mask"]).gather(1, last).squeeze(1))
+            values = self.engine(b["sequences"], b["attention_mask"], prompt_lens=_prompt_lens(b))
+            chunks.add(values.gather(1, last).squeeze(1))
         return chunks.result()

@@ -72,3 +72,51 @@ def test_forward_batches_that_do_not_divide_are_dealt_unevenly_and_reassembled()
     with pytest.raises(ValueError, match="does not split over 3 data-parallel ranks"):
         shards(data, 3)
     assert [len(s["sequences"]) for s in shards(data, 4, replicas=2)] == [5, 5, 5, 5]
+
+
+def _grouped(prompts: list[tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
+    """Rows of groups: (prompt tokens, response lengths); the rows of a group share the same prompt tokens."""
+    gen = torch.Generator().manual_seed(1)
+    rows, spans = [], []
+    for p, responses in prompts:
+        prompt = torch.randint(10, 900, (p,), generator=gen)
+        for n in responses:
+            rows.append(torch.cat([prompt, torch.randint(10, 900, (n,), generator=gen)]))
+            spans.append((p, n))
+    width = max(r.numel() for r in rows)
+    data = {
+        "sequences": torch.zeros(len(rows), width, dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+        "action_mask": torch.zeros(len(rows), width - 1),
+    }
+    for i, (row, (p, n)) in enumerate(zip(rows, spans)):
+        data["sequences"][i, : row.numel()] = row
+        data["attention_mask"][i, : row.numel()] = 1
+        data["action_mask"][i, p - 1 : p - 1 + n] = 1
+    return data
+
+
+def test_shared_prompts_cost_once_and_groups_are_dealt_whole():
+    from openppo.ppo.batching import group_shards, prompt_shares
+    from openppo.ppo.fit import shuffled
+
+    data = _grouped([(20, [3, 5]), (30, [2, 2]), (10, [8, 1]), (25, [4, 4])])
+    shares = prompt_shares(data)
+    assert shares == [0, 20, 0, 30, 0, 10, 0, 25]
+    lengths = [23, 25, 32, 32, 18, 11, 29, 29]
+    assert cost(lengths[:2], packed=True, shares=shares[:2]) == 28  # the prompt once, two responses
+    assert cost(lengths[1:3], packed=True, shares=shares[1:3]) == 57  # a micro-batch starting mid-group pays it
+    # a 62-token budget: two groups fit where a shared prompt counts once (62 and 52 tokens)
+    assert split_by_tokens(lengths, 62, packed=True, shares=shares) == [[0, 1, 2, 3], [4, 5, 6, 7]]
+    assert split_by_tokens(lengths, 62, packed=True) == [[0, 1], [2], [3, 4, 5], [6, 7]]
+    # 2 ranks get 2 whole groups each, the token totals (28 + 34, 19 + 33) evened out
+    shards = group_shards(data, 2)
+    assert sorted(map(sorted, shards)) == [[0, 1, 6, 7], [2, 3, 4, 5]]
+    assert group_shards(data, 3) is None  # 4 groups do not split over 3 ranks: rows are dealt one by one
+    # an update's shuffle moves whole groups and keeps each group's rows in order
+    order = shuffled(8, seed=3, starts=[0, 2, 4, 6, 8])
+    assert sorted(order) == list(range(8)) and all(order[i] + 1 == order[i + 1] for i in range(0, 8, 2))
+    assert (
+        shuffled(8, seed=3, starts=list(range(9)))
+        == torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
+    )

@@ -106,3 +106,58 @@ def test_critic_learns_returns():
         device=strategy.device,
     )["train/value_loss"]
     assert later < 0.5 * first
+
+
+def test_shared_prompt_updates_equal_the_packed_ones():
+    """--share_prompt_in_group in the update: an actor and a critic step over 3 groups (long prompts, 2-3 rows
+    each) with a token budget, each prompt computed once per micro-batch, against the same step on plain packed
+    rows: the same losses and the same weights after it (fp32)."""
+    from openppo.models.row_layout import RowLayout
+    from tests.ppo.test_batching import _grouped
+
+    data = _grouped([(30, [4, 7, 2]), (22, [5, 3]), (35, [6, 1, 3])])
+    gen = torch.Generator().manual_seed(2)
+    data["advantages"] = torch.randn(data["action_mask"].shape, generator=gen) * data["action_mask"]
+    data["returns"] = torch.randn(data["action_mask"].shape, generator=gen) * data["action_mask"]
+    results = {}
+    for share in (False, True):
+        strategy = _strategy(8, 1)
+        actor = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+        critic = _prepare(
+            strategy, ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--critic_pretrain")
+        )
+        for engine in (actor, critic):
+            engine.module.layout = RowLayout(packed=True, share_prompts=share)
+        batching = Batching(packed=True, max_tokens=80, share_prompts=share)  # several micro-batches
+        step = dict(batching=batching, rows_per_step=8, epochs=1, world_size=1, seed=0, device=strategy.device)
+        with torch.no_grad():
+            data["old_log_probs"] = actor(data["sequences"], data["attention_mask"], score_mask=data["action_mask"])[0]
+            data["old_values"] = torch.zeros_like(data["returns"])
+        algo = AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0, value_clip=None)
+        actor_metrics = fit_experience(
+            actor,
+            data,
+            actor_loss(
+                actor,
+                algo,
+                kl_coef=0.0,
+                temperature=1.0,
+                generate_max_len=8,
+                is_correction=None,
+                is_threshold=(0.5, 5.0),
+            ),
+            **step,
+        )
+        critic_metrics = fit_experience(critic, data, critic_loss(critic, algo), **step)
+        weights = {f"actor.{n}": p.detach().clone() for n, p in actor.module.named_parameters()}
+        weights.update({f"critic.{n}": p.detach().clone() for n, p in critic.module.named_parameters()})
+        results[share] = {**actor_metrics, **critic_metrics}, weights
+    (plain, plain_w), (shared, shared_w) = results[False], results[True]
+    for key in ("train/policy_loss", "train/entropy", "train/value_loss"):
+        assert shared[key] == pytest.approx(plain[key], abs=1e-6), key
+    assert shared["perf/shared_prompt_share"] > 0.4  # 45 % of the row tokens: prompts computed once
+    # one Adam step of lr 1e-4 moves every weight by about 1e-4 whatever its gradient's size, so the float noise of
+    # a near-zero gradient can move an element visibly (measured: one gate_proj element 1.1e-5 apart, all else
+    # < 1e-6); the gradients themselves are compared to 1e-5 in tests/models/test_shared_prompts.py
+    worst = max((plain_w[n] - shared_w[n]).abs().max().item() for n in plain_w)
+    assert worst < 2e-5, worst

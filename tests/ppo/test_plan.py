@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from openppo.config.schema import parse_config
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.plan import make_plan
@@ -57,3 +59,26 @@ def test_tensor_parallel_actor_shares_rows_and_a_reward_model_runs():
     actor = plan.roles["actor"]
     assert (actor.tensor_parallel, actor.replicas, actor.data_parallel, actor.rows_per_step) == (2, 2, 2, 2)
     assert plan.roles["reward"].ranks == 1 and plan.engine_dtype == "float16"
+
+
+@pytest.mark.parametrize(
+    "flags,shared",
+    [
+        ("--advantage_estimator group_norm --n_samples_per_prompt 4 --packing_samples", True),
+        ("--advantage_estimator rloo --n_samples_per_prompt 4 --packing_samples --use_dynamic_batch", True),
+        ("--advantage_estimator group_norm --n_samples_per_prompt 4", False),  # padded rows
+        ("--advantage_estimator gae --n_samples_per_prompt 4 --packing_samples", False),
+        ("--advantage_estimator gae --n_samples_per_prompt 4 --packing_samples --share_prompt_in_group", True),
+        (
+            "--advantage_estimator group_norm --n_samples_per_prompt 4 --packing_samples --share_prompt_in_group off",
+            False,
+        ),
+        ("--advantage_estimator reinforce --n_samples_per_prompt 1 --packing_samples --share_prompt_in_group", False),
+    ],
+)
+def test_shared_prompts_are_on_where_they_are_exact_and_pay(flags, shared):
+    """--share_prompt_in_group auto: on for group estimators with several samples a prompt and packed rows; every
+    model's slice of the plan carries the choice, and the plan says why in one line."""
+    plan = _plan(f"--param_dtype fp32 --rollout_batch_size 4 --train_batch_size 16 --init_kl_coef 0 {flags}", 8)
+    assert all(role.share_prompts == shared for role in plan.roles.values())
+    assert plan.shared_prompts.startswith("on (" if shared else "off (") and "\n" not in plan.shared_prompts

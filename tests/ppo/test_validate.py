@@ -104,6 +104,11 @@ BAD = [
     (["--ema_beta", "1.5"], ["--ema_beta"]),
     (["--enable_ema", "--lora_rank", "4"], ["--enable_ema", "--lora_rank"]),
     (["--vllm_generate_batch_size", "16"], ["--vllm_generate_batch_size", "--async_train"]),
+    (["--share_prompt_in_group", "on"], ["--share_prompt_in_group", "--packing_samples"]),
+    (
+        ["--share_prompt_in_group", "on", "--packing_samples", "--ring_attn_size", "2"],
+        ["--share_prompt_in_group", "--ring_attn_size"],
+    ),
     (
         ["--vllm_generate_batch_size", "1", "--async_train", "--vllm_num_engines", "1"],
         ["--vllm_generate_batch_size", "--rollout_batch_size"],
@@ -223,6 +228,11 @@ NO_EFFECT = [
     (["--full_determinism", "--async_train"], "--full_determinism with --async_train"),
     (["--partial_rollout"], "--partial_rollout has no effect without --async_train"),
     (["--aux_loss_coef", "0.01"], "--aux_loss_coef has no effect"),  # the dense tiny model has no router
+    (
+        ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "1", "--train_batch_size", "4"]
+        + ["--packing_samples", "--share_prompt_in_group", "on"],
+        "--share_prompt_in_group has no effect with --n_samples_per_prompt 1",
+    ),
 ]
 
 
