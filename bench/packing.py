@@ -26,7 +26,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+from bench.record import add_dtype_option, emit, resolve_dtype, timing_engine  # noqa: E402 (after the path set-up)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -105,16 +105,7 @@ def main() -> None:
     )
     strategy.setup_distributed()
     model = Actor.from_pretrained(model_dir, dtype=strategy.torch_dtype)
-    engine = strategy.prepare_train(
-        model,
-        lr=1e-7,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=1000,
-    )
+    engine = timing_engine(strategy, model)
     vocab = model.config.vocab_size
     data = ragged_batch(args.rows, args.max_response, vocab, seed=0, shape=args.lengths)
     lengths = data["attention_mask"].sum(-1)

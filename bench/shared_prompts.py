@@ -24,7 +24,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+from bench.record import add_dtype_option, emit, resolve_dtype, timing_engine  # noqa: E402 (after the path set-up)
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -99,16 +99,7 @@ def main() -> None:
     model = Actor.from_pretrained(
         str(tiny_model_dir() if args.model == "tiny" else smollm2_dir()), dtype=strategy.torch_dtype
     )
-    engine = strategy.prepare_train(
-        model,
-        lr=1e-7,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=1000,
-    )
+    engine = timing_engine(strategy, model)
     prompt_len, response = JOBS[args.job]
     data = group_batch(args.groups, args.n, prompt_len, response, model.config.vocab_size, seed=0)
     lengths = data["attention_mask"].sum(-1)

@@ -15,29 +15,14 @@ from openppo.models.actor import Actor, prompt_lengths
 from openppo.models.row_layout import RowLayout, SharedPrompts
 from openppo.models.scalar import ScalarModel
 from tests.model_cache import tiny_model_dir
+from tests.ppo.rank_helpers import grouped_rows
 
 GROUPS = [(5, [4, 1, 7]), (9, [3, 6]), (3, [2, 5, 1, 4])]  # (prompt tokens, response tokens of each row)
 TOL = 1e-5
 
 
 def _batch() -> dict[str, torch.Tensor]:
-    """Right-padded rows: each group's rows start with the same prompt; the action mask scores the responses."""
-    gen = torch.Generator().manual_seed(0)
-    rows, masks = [], []
-    for prompt_len, responses in GROUPS:
-        prompt = torch.randint(10, 5000, (prompt_len,), generator=gen)
-        for n in responses:
-            rows.append(torch.cat([prompt, torch.randint(10, 5000, (n,), generator=gen)]))
-            masks.append((prompt_len, n))
-    width = max(r.numel() for r in rows)
-    seqs = torch.zeros(len(rows), width, dtype=torch.long)
-    attn = torch.zeros_like(seqs)
-    action = torch.zeros(len(rows), width - 1)
-    for i, (row, (p, n)) in enumerate(zip(rows, masks)):
-        seqs[i, : row.numel()] = row
-        attn[i, : row.numel()] = 1
-        action[i, p - 1 : p - 1 + n] = 1
-    return {"sequences": seqs, "attention_mask": attn, "action_mask": action}
+    return grouped_rows(GROUPS, seed=0)
 
 
 def test_the_row_holds_each_prompt_once_at_its_own_positions():

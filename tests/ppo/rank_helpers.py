@@ -45,6 +45,29 @@ def ragged_rows(
     }
 
 
+def grouped_rows(groups: list[tuple[int, list[int]]], seed: int = 1) -> dict[str, torch.Tensor]:
+    """Right-padded rows of GRPO-like groups, (prompt tokens, response lengths) each: the rows of a group start with
+    the same random prompt; the action mask scores each response."""
+    gen = torch.Generator().manual_seed(seed)
+    rows, spans = [], []
+    for p, responses in groups:
+        prompt = torch.randint(10, 900, (p,), generator=gen)
+        for n in responses:
+            rows.append(torch.cat([prompt, torch.randint(10, 900, (n,), generator=gen)]))
+            spans.append((p, n))
+    width = max(r.numel() for r in rows)
+    data = {
+        "sequences": torch.zeros(len(rows), width, dtype=torch.long),
+        "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
+        "action_mask": torch.zeros(len(rows), width - 1),
+    }
+    for i, (row, (p, n)) in enumerate(zip(rows, spans)):
+        data["sequences"][i, : row.numel()] = row
+        data["attention_mask"][i, : row.numel()] = 1
+        data["action_mask"][i, p - 1 : p - 1 + n] = 1
+    return data
+
+
 def full_weights(strategy, engine) -> dict[str, torch.Tensor]:
     """Every parameter of a DeepSpeed engine, whole (gathered under ZeRO-3; collective there)."""
     import deepspeed

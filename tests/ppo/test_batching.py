@@ -74,33 +74,12 @@ def test_forward_batches_that_do_not_divide_are_dealt_unevenly_and_reassembled()
     assert [len(s["sequences"]) for s in shards(data, 4, replicas=2)] == [5, 5, 5, 5]
 
 
-def _grouped(prompts: list[tuple[int, list[int]]]) -> dict[str, torch.Tensor]:
-    """Rows of groups: (prompt tokens, response lengths); the rows of a group share the same prompt tokens."""
-    gen = torch.Generator().manual_seed(1)
-    rows, spans = [], []
-    for p, responses in prompts:
-        prompt = torch.randint(10, 900, (p,), generator=gen)
-        for n in responses:
-            rows.append(torch.cat([prompt, torch.randint(10, 900, (n,), generator=gen)]))
-            spans.append((p, n))
-    width = max(r.numel() for r in rows)
-    data = {
-        "sequences": torch.zeros(len(rows), width, dtype=torch.long),
-        "attention_mask": torch.zeros(len(rows), width, dtype=torch.long),
-        "action_mask": torch.zeros(len(rows), width - 1),
-    }
-    for i, (row, (p, n)) in enumerate(zip(rows, spans)):
-        data["sequences"][i, : row.numel()] = row
-        data["attention_mask"][i, : row.numel()] = 1
-        data["action_mask"][i, p - 1 : p - 1 + n] = 1
-    return data
-
-
 def test_shared_prompts_cost_once_and_groups_are_dealt_whole():
     from openppo.ppo.batching import group_shards, prompt_shares
     from openppo.ppo.fit import shuffled
+    from tests.ppo.rank_helpers import grouped_rows
 
-    data = _grouped([(20, [3, 5]), (30, [2, 2]), (10, [8, 1]), (25, [4, 4])])
+    data = grouped_rows([(20, [3, 5]), (30, [2, 2]), (10, [8, 1]), (25, [4, 4])])
     shares = prompt_shares(data)
     assert shares == [0, 20, 0, 30, 0, 10, 0, 25]
     lengths = [23, 25, 32, 32, 18, 11, 29, 29]

@@ -113,9 +113,9 @@ def test_shared_prompt_updates_equal_the_packed_ones():
     each) with a token budget, each prompt computed once per micro-batch, against the same step on plain packed
     rows: the same losses and the same weights after it (fp32)."""
     from openppo.models.row_layout import RowLayout
-    from tests.ppo.test_batching import _grouped
+    from tests.ppo.rank_helpers import grouped_rows
 
-    data = _grouped([(30, [4, 7, 2]), (22, [5, 3]), (35, [6, 1, 3])])
+    data = grouped_rows([(30, [4, 7, 2]), (22, [5, 3]), (35, [6, 1, 3])])
     gen = torch.Generator().manual_seed(2)
     data["advantages"] = torch.randn(data["action_mask"].shape, generator=gen) * data["action_mask"]
     data["returns"] = torch.randn(data["action_mask"].shape, generator=gen) * data["action_mask"]

@@ -4,11 +4,12 @@ Real Ray + DeepSpeed (ZeRO-0, an actor and a reference rank for the k3 KL loss) 
 packed rows under a token budget; --full_determinism makes every run draw the same samples. Two epochs over the
 batch (each one optimizer step over all rows): the second is off the first's update, so its policy loss and KL loss
 (exact token-means over the step) carry the shared update's gradient. (train/approx_kl is a mean of micro-batch
-means, so it moves with the micro-batch split, which sharing changes under a token budget: not compared.) The run shares its prompts in the old-log-prob, reference and
-update forwards; its step-1 metrics must equal, to 1e-5 relative, those
-of the same run without sharing, recorded in tests/assets/shared_prompts_step1.json (one run instead of two: the
-suite's time is counted). Re-record (without sharing) after a change meant to move the numbers, as the golden
-trace:
+means, so it moves with the micro-batch split, which sharing changes under a token budget: not compared.)
+
+The run shares its prompts in the old-log-prob, reference and update forwards; its step-1 metrics must equal, to
+1e-5 relative, those of the same run without sharing, recorded in tests/assets/shared_prompts_step1.json (one run
+instead of two: the suite's time is counted). Re-record (without sharing) after a change meant to move the numbers,
+as the golden trace:
 
     OPENPPO_WRITE_GOLDEN=1 .venv/bin/python -m pytest tests/ppo/test_shared_prompts_run.py
 """
