@@ -98,7 +98,7 @@ def main() -> None:
     from openppo.ppo.reporting import mfu, peak_flops, train_flops
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-    from openppo.utils.resources import trim_host_heap
+    from openppo.utils.hardware import trim_host_heap
     from tests.model_cache import smollm2_dir, tiny_model_dir
 
     shape = MODELS[args.model]

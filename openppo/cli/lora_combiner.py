@@ -10,7 +10,7 @@ from pathlib import Path
 from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
 from openppo.errors import require
-from openppo.models.loading import load_tokenizer, resolve_model_path, torch_dtype
+from openppo.models.hf import load_tokenizer, resolve_model_path, torch_dtype
 from openppo.utils.paths import check_output_dir
 
 

@@ -42,7 +42,7 @@ def _device_bytes(cfg: PlanConfig) -> float:
         return cfg.plan.device_memory_gib * GIB
     if torch.cuda.is_available():
         return torch.cuda.get_device_properties(0).total_memory
-    from openppo.utils.resources import host_memory_gib
+    from openppo.utils.hardware import host_memory_gib
 
     return host_memory_gib() * GIB
 

@@ -10,7 +10,7 @@ from typing import TypeVar
 
 from openppo.config.schema import parse_config
 from openppo.errors import RunFailure, UserError
-from openppo.utils.run_log import setup_logging
+from openppo.utils.tracking import setup_logging
 
 C = TypeVar("C")
 

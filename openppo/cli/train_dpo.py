@@ -10,7 +10,7 @@ from openppo.cli.train_rm import build_preference_data, preference_keys
 from openppo.datasets import collate_pairs
 from openppo.errors import require
 from openppo.models.actor import Actor
-from openppo.models.loading import load_tokenizer, resolve_model_path
+from openppo.models.hf import load_tokenizer, resolve_model_path
 from openppo.trainers import setup
 from openppo.trainers.configs import DPOConfig
 from openppo.trainers.loop import SupervisedTrainer

@@ -12,7 +12,7 @@ import torch
 
 from openppo.cli.runner import run_cli
 from openppo.config.schema import to_dict
-from openppo.models.loading import load_tokenizer
+from openppo.models.hf import load_tokenizer
 from openppo.ppo import launch
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.plan import make_plan
@@ -20,9 +20,8 @@ from openppo.ppo.reporting import advice_text, advise, summary_table
 from openppo.ppo.trainer import PPOTrainer
 from openppo.ppo.validate import validate
 from openppo.rewards import build_reward_source
-from openppo.utils.resources import host_memory_gib
-from openppo.utils.run_log import log_run_info, run_info
-from openppo.utils.tracking import MetricsTracker
+from openppo.utils.hardware import host_memory_gib
+from openppo.utils.tracking import MetricsTracker, log_run_info, run_info
 
 logger = logging.getLogger("openppo.train_ppo_ray")
 

@@ -9,7 +9,7 @@ import sys
 from openppo.cli.runner import run_cli
 from openppo.datasets import PreferenceDataset, collate_pairs
 from openppo.errors import require
-from openppo.models.loading import load_tokenizer
+from openppo.models.hf import load_tokenizer
 from openppo.models.scalar import ScalarModel
 from openppo.trainers import setup
 from openppo.trainers.configs import RMConfig

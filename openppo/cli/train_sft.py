@@ -9,7 +9,7 @@ from openppo.cli.runner import run_cli
 from openppo.datasets import SFTDataset, collate_packed, collate_padded
 from openppo.errors import require
 from openppo.models.actor import Actor
-from openppo.models.loading import load_tokenizer
+from openppo.models.hf import load_tokenizer
 from openppo.trainers import setup
 from openppo.trainers.configs import SFTConfig
 from openppo.trainers.loop import SupervisedTrainer

@@ -40,7 +40,7 @@ class _RingHandler(logging.Handler):
 
 def _setup_worker_logging(group: str, rank: int) -> _RingHandler:
     """Rank-prefixed logging: every rank keeps INFO in its ring buffer; only rank 0 prints INFO to stdout."""
-    from openppo.utils.run_log import setup_logging
+    from openppo.utils.tracking import setup_logging
 
     setup_logging(rank)  # format, quiet libraries; then re-prefix and open the root logger to INFO for the ring
     formatter = logging.Formatter(

@@ -21,7 +21,7 @@ from openppo.algorithms import (
     log_probs_from_logits,
     sampling_log_probs,
 )
-from openppo.models.loading import finish_model, resolve_model_path
+from openppo.models.hf import finish_model, resolve_model_path
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 

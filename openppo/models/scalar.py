@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openppo.models.loading import finish_model, resolve_model_path
+from openppo.models.hf import finish_model, resolve_model_path
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 

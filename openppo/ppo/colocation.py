@@ -1,4 +1,6 @@
-"""Which model groups share devices: the colocation flags as a list of shared pools (pure; no Ray).
+"""Which model groups share devices, and who holds the memory of a shared device when.
+
+The colocation flags become a list of shared pools (pure; no Ray):
 
 A pool is one placement group of `bundles` bundles (one device each: a GPU, or on CPU one worker slot); rank i of
 every member group runs in bundle i and asks for `fraction` of it, so the members of a pool share each device.
@@ -10,14 +12,24 @@ Groups in no pool get a placement group of their own.
 
 In the hybrid engine an engine of tensor-parallel size tp takes tp consecutive bundles: worker w of engine i shares
 the device of actor rank i * tp + w (`engine_placement`).
+
+`MemorySwap` is the run-time half: with everything colocated, engines sleep while the trainer works
+(--vllm_enable_sleep) and the trainer's states leave the device while the engines generate
+(--deepspeed_enable_sleep).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from openppo.distributed.placement import colocated_fraction
 from openppo.ppo.config import PPOConfig
+
+if TYPE_CHECKING:  # the run-time handles import Ray; the placement math does not
+    from openppo.ppo.groups import Groups
 
 ROLES = ("actor", "reference", "critic", "reward", "engines")
 
@@ -84,3 +96,53 @@ def engine_placement(cfg: PPOConfig, engine_index: int, *, on_gpu: bool, hybrid_
         )
         return EnginePlacement(num_cpus=hybrid_share, num_gpus=0.0, bundles=bundles, executor="ray", env=env)
     return EnginePlacement(num_cpus=hybrid_share, num_gpus=gpu * hybrid_share, bundles=bundles)
+
+
+# -- memory swapping at run time ---------------------------------------------------------------------------------------
+
+
+class MemorySwap:
+    """Who holds the device memory when everything is colocated.
+
+    Engines sleep (`--vllm_enable_sleep`) while the trainer runs and wake for the weight sync (weights first, so the
+    KV cache is only re-allocated once the trainer has offloaded its states); the trainer's optimizer, gradient and
+    parameter states are offloaded (`--deepspeed_enable_sleep`) while the engines generate. Each switch is timed.
+    """
+
+    def __init__(self, cfg: PPOConfig, groups: Groups, timer: Callable[[str], AbstractContextManager]):
+        self.engines_sleep = cfg.vllm.vllm_enable_sleep
+        self.trainer_sleep = cfg.ds.deepspeed_enable_sleep
+        self.groups = groups
+        self.timer = timer  # `with timer("swap"):` adds to the step's timing/swap
+
+    def to_trainer(self) -> None:
+        """After generation: engines release their memory, the trainer takes its states back."""
+        if self.engines_sleep:
+            with self.timer("swap"):
+                self.groups.engines.sleep()
+        if self.trainer_sleep:
+            with self.timer("swap"):
+                for g in self.groups.trained():
+                    g.reload_states()
+
+    def engine_weights(self) -> None:
+        """Before the weight sync: engine weights back in memory (the trainer still holds its own)."""
+        if self.engines_sleep:
+            with self.timer("swap"):
+                self.groups.engines.wake_up(["weights"])
+
+    def start(self) -> None:
+        """Before the first generation: the engines are awake; the trainer's states go out of their way."""
+        if self.trainer_sleep:
+            for g in self.groups.trained():
+                g.offload_states()
+
+    def to_engines(self) -> None:
+        """After the sync: the trainer offloads, then the engines re-allocate their KV cache."""
+        if self.trainer_sleep:
+            with self.timer("swap"):
+                for g in self.groups.trained():
+                    g.offload_states()
+        if self.engines_sleep:
+            with self.timer("swap"):
+                self.groups.engines.wake_up(["kv_cache"])

@@ -352,7 +352,7 @@ def model_shape(path: str, flag: str, *, scalar: bool = False) -> ModelShape:
     import torch
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from openppo.models.loading import resolve_model_path
+    from openppo.models.hf import resolve_model_path
 
     config = AutoConfig.from_pretrained(resolve_model_path(path, flag), trust_remote_code=True)
     with torch.device("meta"):

@@ -34,15 +34,15 @@ from tqdm import tqdm
 from openppo.algorithms import build_kl_controller, engine_gap, masked_mean, sequence_kl
 from openppo.errors import UserError
 from openppo.ppo.collector import Collector, PromptStream, Rollout, RolloutProducer, RolloutSource, staleness
+from openppo.ppo.colocation import MemorySwap
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups import Groups, TrainedGroup
-from openppo.ppo.memory_swap import MemorySwap
 from openppo.ppo.plan import RunPlan
 from openppo.ppo.reporting import RunHistory, idle_seconds, step_throughput, timed
 from openppo.strategy import checkpoint as ckpt
+from openppo.utils.hardware import rss_gib
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
-from openppo.utils.resources import rss_gib
 from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
 logger = logging.getLogger(__name__)

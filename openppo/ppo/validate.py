@@ -9,7 +9,7 @@ from __future__ import annotations
 from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
-from openppo.models.loading import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
+from openppo.models.hf import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
 from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision

@@ -33,7 +33,7 @@ from openppo.ppo.reporting import mfu, peak_flops, train_flops
 from openppo.strategy.checkpoint import tag_for_step
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-from openppo.utils.resources import device_name, device_stats, trim_host_heap
+from openppo.utils.hardware import device_name, device_stats, trim_host_heap
 
 logger = logging.getLogger(__name__)
 
@@ -127,7 +127,7 @@ class _TrainedWorker(BaseWorker):
         self.strategy.load_checkpoint(self.engine, ckpt_dir, step)
 
     def save_hf(self, out_dir: str | Path, tokenizer_path: str) -> None:
-        from openppo.models.loading import load_tokenizer
+        from openppo.models.hf import load_tokenizer
 
         self.strategy.save_hf(self.engine, load_tokenizer(tokenizer_path), out_dir)
 
@@ -254,8 +254,7 @@ class ActorWorker(_TrainedWorker):
         """With --enable_ema every HF export of the actor is the weights' average (as OpenRLHF's)."""
         if self.ema is None:
             return super().save_hf(out_dir, tokenizer_path)
-        from openppo.models.loading import load_tokenizer
-        from openppo.models.saving import save_hf_folder
+        from openppo.models.hf import load_tokenizer, save_hf_folder
 
         if self.strategy.is_rank0:
             model = self.engine.module.model

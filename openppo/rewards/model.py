@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from openppo.models.loading import load_tokenizer, resolve_model_path
+from openppo.models.hf import load_tokenizer, resolve_model_path
 from openppo.models.row_layout import RowLayout
 from openppo.models.scalar import ScalarModel
 from openppo.rewards.base import RewardError, RewardResult, RewardSource, check_inputs

@@ -173,7 +173,7 @@ class VLLMEngine:
         require(kv_cache_bytes is None or kv_cache_bytes > 0, f"kv_cache_bytes must be positive, got {kv_cache_bytes}")
 
         if not logging.getLogger().handlers:  # a fresh Ray actor: make the one-line start-up facts visible
-            from openppo.utils.run_log import setup_logging
+            from openppo.utils.tracking import setup_logging
 
             setup_logging(rank=0)
         self.tensor_parallel_size = tensor_parallel_size

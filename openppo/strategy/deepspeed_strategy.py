@@ -296,7 +296,7 @@ class DeepSpeedStrategy:
         self, engine_or_model, tokenizer, out_dir: str | Path, extra_config: dict[str, Any] | None = None
     ) -> None:
         """Export an HF folder (adapter only for LoRA models) from rank 0; all ranks must call it."""
-        from openppo.models.saving import save_hf_folder
+        from openppo.models.hf import save_hf_folder
 
         state = self.gathered_state_dict(engine_or_model)
         if self.is_rank0:

@@ -5,10 +5,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import ClassVar
 
+from openppo.algorithms.losses import RM_LOSSES
 from openppo.config.common import CheckpointConfig, LoggingConfig, ModelConfig, OptimConfig, value_head_prefix_opt
 from openppo.config.schema import opt
 from openppo.strategy.config import DeepSpeedConfig
-from openppo.trainers.preference_losses import RM_LOSSES
 
 
 @dataclass

@@ -17,13 +17,12 @@ from openppo.config.common import validate_build, validate_outputs, validate_sch
 from openppo.config.schema import to_dict
 from openppo.datasets import load_blended_dataset, require_columns
 from openppo.errors import UserError, require
-from openppo.models.loading import aux_loss_notice, kv_heads, resolve_model_path
+from openppo.models.hf import aux_loss_notice, kv_heads, resolve_model_path
 from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.strategy.config import ds_notices, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
 from openppo.trainers.configs import DataConfig
-from openppo.utils.run_log import log_run_info, run_info
-from openppo.utils.tracking import MetricsTracker
+from openppo.utils.tracking import MetricsTracker, log_run_info, run_info
 
 logger = logging.getLogger(__name__)
 

@@ -5,7 +5,7 @@
   std saved with the model for --normalize_reward.
 - DPO / IPO / cDPO: against a frozen reference model, with an optional NLL term on the chosen responses.
 
-The losses themselves are pure functions in openppo.trainers.preference_losses.
+The losses themselves are pure functions in openppo.algorithms.losses.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ from typing import Any
 
 import torch
 
+from openppo.algorithms.losses import dpo_loss, pairwise_rm_loss
 from openppo.models.scalar import last_token_index
 from openppo.trainers.loop import SupervisedTrainer, move_to
-from openppo.trainers.preference_losses import dpo_loss, pairwise_rm_loss
 
 # -- SFT ----------------------------------------------------------------------------------------------------------
 

@@ -109,8 +109,8 @@ def test_margin_loss_uses_each_pairs_margin(tokenizer):
     checked through the reward-model trainer's loss on a real scalar model."""
     import torch
 
+    from openppo.algorithms.losses import pairwise_rm_loss
     from openppo.models.scalar import ScalarModel
-    from openppo.trainers.preference_losses import pairwise_rm_loss
     from openppo.trainers.stages import RewardModelTrainer
     from tests.model_cache import tiny_model_dir
 

@@ -76,7 +76,7 @@ def test_response_fallback_for_a_template_that_is_not_prefix_stable(tokenizer, m
 
 def test_tokenizer_chat_template_replaces_the_models_own(tmp_path):
     """--tokenizer_chat_template (OpenRLHF's --data.tokenizer_chat_template) renders the prompts and is saved."""
-    from openppo.models.loading import load_tokenizer
+    from openppo.models.hf import load_tokenizer
     from tests.model_cache import tiny_model_dir
 
     template = "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}[assistant] "
@@ -95,10 +95,10 @@ def test_disable_fast_tokenizer_says_when_the_model_has_no_slow_one(caplog):
     transformers 5, so the fast one is used and one warning says the flag had no effect."""
     import logging
 
-    from openppo.models.loading import load_tokenizer
+    from openppo.models.hf import load_tokenizer
     from tests.model_cache import tiny_model_dir
 
-    with caplog.at_level(logging.WARNING, logger="openppo.models.loading"):
+    with caplog.at_level(logging.WARNING, logger="openppo.models.hf"):
         fast = load_tokenizer(str(tiny_model_dir()))
         assert not caplog.records
         slow = load_tokenizer(str(tiny_model_dir()), use_fast=False)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import torch
 
 from openppo.models.actor import Actor
-from openppo.models.loading import apply_lora
+from openppo.models.hf import apply_lora
 from tests.model_cache import tiny_model_dir
 from tests.ppo.rank_helpers import train_engine
 

@@ -27,8 +27,7 @@ def _train_and_export(rank: int, zero: int, out: Path) -> dict | None:
     returns how far the export is from the recurrence over the recorded weights."""
     from safetensors.torch import load_file
 
-    from openppo.models.loading import load_tokenizer
-    from openppo.models.saving import save_hf_folder
+    from openppo.models.hf import load_tokenizer, save_hf_folder
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import WeightAverage, actor_loss, fit_experience

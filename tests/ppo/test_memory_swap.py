@@ -9,9 +9,9 @@ import contextlib
 import pytest
 
 from openppo.config.schema import parse_config
+from openppo.ppo.colocation import MemorySwap
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.groups import Groups
-from openppo.ppo.memory_swap import MemorySwap
 from openppo.rollout.pool import EnginePool
 
 

@@ -41,7 +41,7 @@ def _rel(a: torch.Tensor, b: torch.Tensor) -> float:
 def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
     from openppo.models.actor import Actor
-    from openppo.models.loading import load_tokenizer
+    from openppo.models.hf import load_tokenizer
     from openppo.models.row_layout import RowLayout
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig

@@ -92,8 +92,7 @@ def rm_dir(tmp_path_factory) -> Path:
     """A reward-model folder with a saved (random) score head and normalisation statistics."""
     import torch
 
-    from openppo.models.loading import load_tokenizer
-    from openppo.models.saving import save_hf_folder
+    from openppo.models.hf import load_tokenizer, save_hf_folder
     from openppo.models.scalar import ScalarModel
     from tests.model_cache import tiny_model_dir
 

@@ -122,7 +122,7 @@ def test_reward_func_error_is_500_with_the_sample(func_servers):
 
 
 def direct_scores(rm_dir, queries, max_len):
-    from openppo.models.loading import load_tokenizer
+    from openppo.models.hf import load_tokenizer
     from openppo.models.scalar import ScalarModel
 
     model = ScalarModel.from_pretrained(str(rm_dir), dtype=torch.float32, flag="--reward_pretrain").eval()

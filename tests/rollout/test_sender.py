@@ -13,7 +13,7 @@ import torch
 from safetensors import safe_open
 
 from openppo.models.actor import Actor
-from openppo.models.loading import apply_lora
+from openppo.models.hf import apply_lora
 from openppo.rollout.sender import iter_full_weights, tensors_checksum, unwrap_model
 from tests.model_cache import REPO, tiny_model_dir
 

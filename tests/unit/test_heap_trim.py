@@ -6,17 +6,17 @@ import ctypes.util
 
 import pytest
 
-from openppo.utils import resources
+from openppo.utils import hardware
 
 
 @pytest.mark.skipif(ctypes.util.find_library("c") is None, reason="no C library to trim")
 def test_trim_is_rate_limited(monkeypatch):
     clock = [1000.0]
-    monkeypatch.setattr(resources.time, "monotonic", lambda: clock[0])
-    monkeypatch.setattr(resources, "_last_trim", None)
-    assert resources.trim_host_heap(min_interval_s=60.0)  # the first call trims
+    monkeypatch.setattr(hardware.time, "monotonic", lambda: clock[0])
+    monkeypatch.setattr(hardware, "_last_trim", None)
+    assert hardware.trim_host_heap(min_interval_s=60.0)  # the first call trims
     clock[0] += 59.0
-    assert not resources.trim_host_heap(min_interval_s=60.0)  # too soon
+    assert not hardware.trim_host_heap(min_interval_s=60.0)  # too soon
     clock[0] += 1.0
-    assert resources.trim_host_heap(min_interval_s=60.0)  # a minute after the last trim
-    assert resources.trim_host_heap(min_interval_s=0.0)  # no limit: always
+    assert hardware.trim_host_heap(min_interval_s=60.0)  # a minute after the last trim
+    assert hardware.trim_host_heap(min_interval_s=0.0)  # no limit: always

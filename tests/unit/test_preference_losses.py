@@ -5,7 +5,7 @@ import math
 import pytest
 import torch
 
-from openppo.trainers.preference_losses import dpo_loss, pairwise_rm_loss
+from openppo.algorithms.losses import dpo_loss, pairwise_rm_loss
 
 
 def test_pairwise_sigmoid_hand_value():
