@@ -128,6 +128,8 @@ def shares_prompts(cfg: PPOConfig) -> tuple[bool, str]:
         return False, "--advantage_estimator gae (--share_prompt_in_group on to share anyway)"
     if not r.packing_samples:
         return False, "rows are padded (add --packing_samples)"
+    if cfg.model.attn_implementation != "sdpa":
+        return False, f"--attn_implementation {cfg.model.attn_implementation} cannot take a shared row (use sdpa)"
     if r.ring_attn_size > 1:
         return False, "--ring_attn_size splits rows over ranks"
     return True, f"{estimator}, {r.n_samples_per_prompt} samples a prompt, packed rows"

@@ -220,6 +220,12 @@ def _shared_prompts(cfg: PPOConfig) -> None:
         raise UserError(
             "--share_prompt_in_group packs each group's rows around one copy of its prompt: add --packing_samples"
         )
+    if cfg.rollout.share_prompt_in_group == "on" and cfg.model.attn_implementation != "sdpa":
+        raise UserError(
+            f"--share_prompt_in_group on needs openppo's own attention over the shared row (per-response sdpa on "
+            f"CPU, FlexAttention on GPU), which replaces sdpa only: drop --attn_implementation "
+            f"{cfg.model.attn_implementation} or the sharing"
+        )
 
 
 def _sequence_parallel(cfg: PPOConfig) -> None:

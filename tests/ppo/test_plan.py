@@ -74,6 +74,8 @@ def test_tensor_parallel_actor_shares_rows_and_a_reward_model_runs():
             False,
         ),
         ("--advantage_estimator reinforce --n_samples_per_prompt 1 --packing_samples --share_prompt_in_group", False),
+        # a kernel of transformers' own would read the shared row's positions as one long sequence
+        ("--advantage_estimator rloo --n_samples_per_prompt 4 --packing_samples --attn_implementation eager", False),
     ],
 )
 def test_shared_prompts_are_on_where_they_are_exact_and_pay(flags, shared):

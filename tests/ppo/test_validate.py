@@ -110,6 +110,10 @@ BAD = [
         ["--share_prompt_in_group", "--ring_attn_size"],
     ),
     (
+        ["--share_prompt_in_group", "on", "--packing_samples", "--attn_implementation", "eager"],
+        ["--share_prompt_in_group", "--attn_implementation"],
+    ),
+    (
         ["--vllm_generate_batch_size", "1", "--async_train", "--vllm_num_engines", "1"],
         ["--vllm_generate_batch_size", "--rollout_batch_size"],
     ),
