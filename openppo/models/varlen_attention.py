@@ -14,12 +14,16 @@ each response attends to the prompt and to itself. The prompts attend as packed 
 one sdpa call, right-padded, with each response's keys and values laid out as [its prompt, padded to the longest |
 itself] and a mask that lets query j see the prompt and the response up to j (the lower-right causal rule of a
 suffix). The prompt's keys and values are gathered once per response, so their gradients add up over the group.
+On a GPU (`FLEX_DEVICES`) the whole shared row instead runs as one FlexAttention call (transformers' compiled
+`flex_attention_forward`) under a block mask of the same rule, so no key or value is copied and only the blocks
+the rule keeps are computed.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import AttentionInterface
+from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -29,6 +33,10 @@ ATTN_IMPLEMENTATION = "openppo_varlen_sdpa"
 # (forward + backward, 2048 tokens per call: 0.37x the time at 64, 0.52x at 128, 0.77x at 256, 0.99x at 512 and
 # 1.11x at 1024), so shorter sequences attend in fp32: faster, and the softmax in full precision.
 CPU_FP32_ATTENTION_MAX_LEN = 512
+
+# Devices whose shared-prompt rows attend through FlexAttention: it needs torch.compile's GPU kernels for speed and
+# has no backward on CPU, where the per-response sdpa call runs instead.
+FLEX_DEVICES = ("cuda",)
 
 _BOUNDS: list[tuple[int, int]] | None = None  # (start, end) of every sequence of the current packed row
 _PADDED: tuple[torch.Tensor, torch.Tensor] | None = None  # its `_padded_index` when `batches_well`, else None
@@ -92,6 +100,31 @@ class SharedAttention:
         order = torch.cat([torch.arange(s, e) for s, e in prompts] + [torch.arange(s, e) for s, e, _ in responses])
         assert order.numel() == num_tokens, "the prompts and responses must cover the row"
         self.inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
+        self._prompts, self._responses, self._num_tokens = prompts, responses, num_tokens
+        self._block_mask = None  # FlexAttention's, built at the first layer that needs it
+
+    def block_mask(self, device: torch.device):
+        """FlexAttention's block mask of the row: a token sees the earlier tokens of its own sequence (a prompt, or a
+        response), and a response token also sees every token of the prompt it answers."""
+        if self._block_mask is None:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            n = self._num_tokens
+            sequence = torch.empty(n, dtype=torch.long)  # prompts 0..P-1, then one id per response
+            group = torch.empty(n, dtype=torch.long)  # the prompt a token is of, or answers
+            in_prompt = torch.zeros(n, dtype=torch.bool)
+            for g, (s, e) in enumerate(self._prompts):
+                sequence[s:e], group[s:e], in_prompt[s:e] = g, g, True
+            for i, (s, e, g) in enumerate(self._responses):
+                sequence[s:e], group[s:e] = len(self._prompts) + i, g
+            sequence, group, in_prompt = sequence.to(device), group.to(device), in_prompt.to(device)
+
+            def visible(b, h, q, kv):
+                own = (sequence[q] == sequence[kv]) & (kv <= q)
+                return own | (in_prompt[kv] & ~in_prompt[q] & (group[q] == group[kv]))
+
+            self._block_mask = create_block_mask(visible, None, None, n, n, device=device)
+        return self._block_mask
 
     def responses(self, module, query, key, value, **kwargs) -> torch.Tensor:
         """[n, H, D]: every response token's attention output, response after response (n: their tokens)."""
@@ -163,6 +196,8 @@ def varlen_attention_forward(
     """query [1, H, N, D], key/value [1, Hkv, N, D] -> [1, N, H, D] (transformers' attention-function contract)."""
     bounds, padded, shared = _BOUNDS, _PADDED, _SHARED
     if shared is not None and attention_mask is None and query.shape[0] == 1:
+        if query.device.type in FLEX_DEVICES:
+            return flex_attention_forward(module, query, key, value, shared.block_mask(query.device), **kwargs)
         parts = [_sequences(module, query, key, value, bounds, padded, **kwargs)[0]]
         if shared.num_responses:
             parts.append(shared.responses(module, query, key, value, **kwargs))

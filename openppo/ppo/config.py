@@ -232,7 +232,8 @@ class RolloutConfig:
     share_prompt_in_group: str = opt(
         "auto",
         "compute each group's prompt once in every forward and update, exactly (the n samples of a prompt share "
-        "it); auto = on for group estimators with --packing_samples and --n_samples_per_prompt > 1",
+        "it); auto = on for group estimators with --packing_samples, --n_samples_per_prompt > 1 and sdpa attention "
+        "(CPU: one sdpa call per response; GPU: FlexAttention)",
         choices=("auto", "on", "off"),
         const="on",
     )

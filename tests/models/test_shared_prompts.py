@@ -3,7 +3,8 @@
 Three groups in one batch, with prompts of 5, 9 and 3 tokens and 3, 2 and 4 responses of 1-7 tokens, on the zoo's
 tiny Qwen2, Llama and Qwen3 in fp32. The shared row holds each prompt once (50 tokens instead of 86). Log-probs,
 entropy, a scalar model's values and every parameter's gradient of a loss over them must equal the packed
-computation to 1e-5; LoRA adapters and gradient checkpointing included.
+computation to 1e-5; LoRA adapters and gradient checkpointing included. The GPU's FlexAttention path runs here
+forward only (FlexAttention has no CPU backward); tests/gpu checks its gradients.
 """
 
 from __future__ import annotations
@@ -97,3 +98,22 @@ def test_scalar_model_values_and_gradients_equal_the_packed_ones():
     assert (results[False][0] - results[True][0]).abs().max() < TOL
     worst = max((results[False][1][n] - results[True][1][n]).abs().max().item() for n in results[False][1])
     assert worst < TOL * max(1.0, max(g.abs().max().item() for g in results[False][1].values()))
+
+
+def test_the_flex_attention_path_gives_the_packed_forward(monkeypatch):
+    """The GPU path: the whole shared row in one compiled FlexAttention call under the block mask, here on CPU with
+    no gradient. A mask that let a response see another response of its group would change the log-probs."""
+    from openppo.models import varlen_attention
+
+    actor = _actor("qwen2").eval()
+    b = _batch()
+    mask = b["action_mask"].bool()
+    results = {}
+    for name, shared, flex_devices in [("packed", False, ()), ("flex", True, ("cpu",))]:
+        monkeypatch.setattr(varlen_attention, "FLEX_DEVICES", flex_devices)
+        actor.layout = RowLayout(packed=True, share_prompts=shared)
+        with torch.no_grad():
+            out = actor(b["sequences"], b["attention_mask"], return_entropy=True, score_mask=b["action_mask"])
+        results[name] = torch.cat([out.log_probs[mask], out.entropy[mask]])
+    assert varlen_attention._SHARED._block_mask is not None  # the flex path ran
+    assert (results["packed"] - results["flex"]).abs().max() < TOL
