@@ -1,10 +1,11 @@
 """The gradient DeepSpeed applies on 2 data-parallel ranks is the gradient of the global loss.
 
 Two spawned gloo ranks (one module fixture), fp32, max_norm 0. The step's 8 rows are split 4 + 4, and the ranks'
-rows hold different numbers of tokens (61 against 45, one response fully masked), so any per-rank or
-per-micro-batch normaliser shows. For ZeRO-2 and ZeRO-3, each micro-batch layout (padded rows, packed rows,
-token-budget micro-batches of a different count on each rank) and each `--loss_agg_mode`, plus the critic's value
-loss, `fit_experience` runs one optimizer step and the fully reduced gradient of every parameter is read at the
+rows hold different numbers of tokens (61 against 46, one response fully masked), so any per-rank or
+per-micro-batch normaliser shows. Rows 0-5 come in pairs that share a 3-token prompt, as a GRPO group. For ZeRO-2
+and ZeRO-3, each micro-batch layout (padded rows, packed rows, token-budget micro-batches of a different count on
+each rank, shared-prompt rows with each pair's prompt computed once) and each `--loss_agg_mode`, plus the critic's
+value loss, `fit_experience` runs one optimizer step and the fully reduced gradient of every parameter is read at the
 accumulation boundary (`deepspeed.utils.safe_get_full_grad`, before the optimizer uses it).
 
 The same comparison runs for a ring (`--ring_attn_size 2`, ZeRO-2): both ranks form one ring and hold all 8 rows,
@@ -41,7 +42,8 @@ from tests.spawn import run_ranks
 
 WORLD = 2
 TIMEOUT_S = 600
-LENGTHS = [5, 17, 9, 30, 12, 3, 22, 8]  # rows 0-3 on rank 0 (61 tokens), rows 4-7 on rank 1 (45 tokens)
+LENGTHS = [5, 17, 9, 30, 12, 4, 22, 8]  # rows 0-3 on rank 0 (61 tokens), rows 4-7 on rank 1 (46 tokens)
+PROMPT = 3  # tokens before each row's first action; rows 2k and 2k + 1 (k < 3) share theirs
 EMPTY_ROW = 6  # a response with no kept token: no sample of the step in any mode
 EPS = 0.2
 VALUE_CLIP = 0.2
@@ -51,6 +53,7 @@ LAYOUTS = {
     "padded": dict(rows=2),
     "packed": dict(packed=True, rows=2),
     "token_budget": dict(packed=True, rows=4, max_tokens=40),
+    "shared": dict(packed=True, rows=2, share_prompts=True),
 }
 CONFIGS = [(2, 1), (3, 1), (2, 2)]  # (ZeRO stage, ring size): data-parallel ZeRO-2 and ZeRO-3, one ring of 2
 
@@ -60,7 +63,12 @@ def _config_name(zero: int, ring: int) -> str:
 
 
 def _global_batch(vocab: int) -> dict[str, torch.Tensor]:
-    return ragged_rows(LENGTHS, vocab, torch.Generator().manual_seed(0), empty_rows=(EMPTY_ROW,))
+    data = ragged_rows(
+        LENGTHS, vocab, torch.Generator().manual_seed(0), first_action=PROMPT - 1, empty_rows=(EMPTY_ROW,)
+    )
+    for row in (0, 2, 4):
+        data["sequences"][row + 1, :PROMPT] = data["sequences"][row, :PROMPT]
+    return data
 
 
 def _plain_copy(strategy, engine, plain) -> None:
@@ -118,10 +126,10 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                 reference_loss.backward()
                 expected = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
                 for layout, kwargs in LAYOUTS.items():
-                    if ring > 1 and not kwargs.get("packed"):
-                        continue  # a ring shards packed rows only
+                    if ring > 1 and (not kwargs.get("packed") or kwargs.get("share_prompts")):
+                        continue  # a ring shards packed rows only, and shares no prompt
                     batching = Batching(**kwargs)
-                    model.layout = ring_rows or RowLayout(packed=batching.packed)
+                    model.layout = ring_rows or RowLayout(packed=batching.packed, share_prompts=batching.share_prompts)
                     if role == "actor":
                         algo = AlgoConfig(
                             advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=EPS, loss_agg_mode=mode
@@ -159,6 +167,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     loss_key = "train/policy_loss" if role == "actor" else "train/value_loss"
                     results[key + "/loss_rank"] = metrics[loss_key]
                     results[key + "/loss_expected"] = reference_loss.item()
+                    results[key + "/shared"] = metrics.get("perf/shared_prompt_share", 0.0)
             del engine
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
@@ -175,7 +184,7 @@ CASES = [
     for role in ("actor", "critic")
     for mode in (MODES if role == "actor" else ("token-mean",))
     for layout, kwargs in LAYOUTS.items()
-    if ring == 1 or kwargs.get("packed")
+    if ring == 1 or (kwargs.get("packed") and not kwargs.get("share_prompts"))
 ]
 
 
@@ -183,9 +192,11 @@ CASES = [
 def test_applied_gradient_is_the_global_loss_gradient(dp_results, config, role, mode, layout):
     key = f"{config}/{role}/{mode}/{layout}"
     for r in dp_results:
-        # a per-rank normaliser would be off by the ranks' token ratio (61 / 45); a missing rank scale by 2x
+        # a per-rank normaliser would be off by the ranks' token ratio (61 / 46); a missing rank scale by 2x
         assert r[key + "/grad"] <= 1e-5, (key, r[key + "/grad"])
         assert r[key + "/untouched"] == 1.0, key
+    # the shared layout computed a pair's prompt once (where a shuffle keeps a pair in one micro-batch of 2 rows)
+    assert (max(r[key + "/shared"] for r in dp_results) > 0) == (layout == "shared"), key
     # the logged loss, averaged over the ranks as the caller does, is the global loss
     mean_loss = sum(r[key + "/loss_rank"] for r in dp_results) / WORLD
     assert mean_loss == pytest.approx(dp_results[0][key + "/loss_expected"], rel=1e-5, abs=1e-7), key
