@@ -277,7 +277,8 @@ def test_reinforce_baseline_with_http_reward_and_lora(tmp_path, request):
 def test_multi_turn_agent(tmp_path):
     """guess_number over 3 turns: environment feedback sits in the sequence but outside the loss and the
     engine/trainer log-prob comparison (1 actor rank, 1 engine). 4 samples per step and --train_batch_size 4: the
-    update's own log-probs serve as the old ones."""
+    update's own log-probs serve as the old ones. Packed rows, so the 2 episodes of a prompt share their initial
+    prompt (--share_prompt_in_group auto) and the update's log-probs come from the shared row."""
     import subprocess
     import sys
 
@@ -310,6 +311,7 @@ def test_multi_turn_agent(tmp_path):
             "4",
             "--micro_train_batch_size",
             "2",
+            "--packing_samples",
             "--vllm_kv_cache_bytes",
             str(128 * 2**20),
             "--init_kl_coef",
@@ -341,6 +343,8 @@ def test_multi_turn_agent(tmp_path):
         assert r["rollout/logprob_diff"] < 1e-4
         # the batch is one on-policy optimizer step: no separate old-log-prob pass, the gap is measured in the update
         assert "timing/old_logprob" not in r
+        # each micro-batch of 2 rows is one prompt's 2 episodes: its initial prompt computed once
+        assert r["perf/actor_shared_prompt_share"] > 0.15  # 0.25 measured
 
 
 def test_async_grpo_with_oversampling(tmp_path):
