@@ -2,10 +2,11 @@
 
 One spawn of two workers (a module fixture) holding one tensor-parallel group (data-parallel size 1). Each rank
 builds the tiny model twice: as a real DeepSpeed AutoTP engine (ZeRO-0, fp32) and as a plain `Actor`. It checks
-the weight gather the sync and the HF export use, the log-probs, and one optimizer step of `fit_experience`
-(the loss and the gradient at the boundary: each rank's weight slice against the same slice of the gradient plain
-autograd gives the step loss written from the formulas, which catches a wrong backward scale or a normaliser
-counted once per replica), then writes the measured errors to a JSON file that the tests read.
+the weight gather the sync and the HF export use, the log-probs (of packed and of shared-prompt rows), and one
+optimizer step of `fit_experience` (the loss and the gradient at the boundary: each rank's weight slice against the
+same slice of the gradient plain autograd gives the step loss written from the formulas, which catches a wrong
+backward scale or a normaliser counted once per replica), then writes the measured errors to a JSON file that the
+tests read.
 """
 
 from __future__ import annotations
@@ -16,7 +17,14 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.ppo.rank_helpers import GradAtBoundary, join_gloo_group, ppo_per_token, reduce_global, train_engine
+from tests.ppo.rank_helpers import (
+    GradAtBoundary,
+    grouped_rows,
+    join_gloo_group,
+    ppo_per_token,
+    reduce_global,
+    train_engine,
+)
 from tests.ppo.test_dynamic_batch import _experience
 from tests.spawn import run_ranks
 
@@ -86,6 +94,15 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         theirs = plain(data["sequences"], data["attention_mask"]).log_probs
     mask = data["attention_mask"][:, 1:].bool()
     results["log_probs"] = (ours - theirs)[mask].abs().max().item()
+    # shared-prompt rows (--share_prompt_in_group) on the split heads: the unsplit model's packed log-probs
+    groups = grouped_rows([(9, [4, 7, 2]), (5, [6, 3])])
+    scored = groups["action_mask"].bool()
+    with torch.no_grad():
+        engine.module.layout = RowLayout(packed=True, share_prompts=True)
+        shared = engine(groups["sequences"], groups["attention_mask"], score_mask=groups["action_mask"]).log_probs
+        engine.module.layout = RowLayout(packed=True)
+        unshared = plain(groups["sequences"], groups["attention_mask"]).log_probs
+    results["shared_log_probs"] = (shared - unshared)[scored].abs().max().item()
     data["old_log_probs"] = theirs + 0.05 * torch.randn(theirs.shape, generator=torch.Generator().manual_seed(1))
 
     # The reference: plain autograd of the step's token-mean PPO loss over all rows, written from the formulas. The
@@ -149,6 +166,11 @@ def test_weights_are_split_and_the_sync_gathers_them_whole(tp_results):
 def test_log_probs_equal_the_unsplit_model(tp_results):
     for r in tp_results:
         assert r["log_probs"] <= 1e-5, r
+
+
+def test_shared_prompt_log_probs_equal_the_unsplit_model(tp_results):
+    for r in tp_results:
+        assert r["shared_log_probs"] <= 1e-5, r
 
 
 def test_one_step_has_the_unsplit_loss_and_gradient(tp_results):
