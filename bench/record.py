@@ -6,6 +6,13 @@ from __future__ import annotations
 
 import argparse
 import json
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+# The benches' models: the real SmolLM2-135M, the suite's tiny random model, and random models of a real shape (the
+# Qwen3 tokenizer's 151k vocabulary), built once under .cache/bench/models.
+SHAPES = {"qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864}}
+MODELS = ("qwen0.5b", "smollm2", "tiny")
 
 
 def add_dtype_option(parser: argparse.ArgumentParser, what: str = "training precision") -> None:
@@ -22,6 +29,17 @@ def resolve_dtype(value: str) -> str:
     from openppo.utils.hardware import auto_param_dtype
 
     return auto_param_dtype() if value == "auto" else value
+
+
+def model_path(name: str) -> str:
+    """The folder of bench model `name` (one of MODELS), built or converted on first use."""
+    from tests.model_cache import smollm2_dir, tiny_model_dir
+
+    if name in SHAPES:
+        from openppo.models.zoo import build_tiny_model
+
+        return str(build_tiny_model(REPO / ".cache" / "bench" / "models" / name, dtype="bfloat16", **SHAPES[name]))
+    return str(smollm2_dir() if name == "smollm2" else tiny_model_dir())
 
 
 def emit(record: dict, prefix: str = "") -> None:

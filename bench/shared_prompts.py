@@ -2,9 +2,12 @@
 
     .venv/bin/python bench/shared_prompts.py --model smollm2 --job demo          # the demo's shape
     .venv/bin/python bench/shared_prompts.py --model smollm2 --job long_prompt   # 512-token prompts
+    python bench/shared_prompts.py --model qwen0.5b --job long_prompt --dtype bf16   # a GPU (tests/gpu/run.sh)
 
 A GRPO batch of --groups prompts with --n responses each: `demo` has 46-token prompts and responses of 10-25
 tokens (the demo job's shape), `long_prompt` 512-token prompts and 128-token responses (few-shot math recipes).
+On a GPU the shared rows attend through FlexAttention (`openppo.models.varlen_attention`), on CPU through one sdpa
+call per micro-batch's responses; `qwen0.5b` is a random model of Qwen2.5-0.5B's shape (`bench/record.py`).
 Both variants run the trainer's own code on one rank (real DeepSpeed, ZeRO-0, --dtype auto), with packed rows
 under the same token budget per micro-batch (or the same --micro_rows, as the demo's --micro_train_batch_size 8):
 `packed` computes every row's prompt, `shared` each group's prompt once. The update is `fit_experience` with the
@@ -24,7 +27,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import add_dtype_option, emit, resolve_dtype, timing_engine  # noqa: E402 (after the path set-up)
+from bench.record import MODELS, add_dtype_option, emit, model_path, resolve_dtype, timing_engine  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -63,7 +66,7 @@ def group_batch(groups: int, n: int, prompt_len: int, response: tuple[int, int],
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=("tiny", "smollm2"), default="tiny")
+    parser.add_argument("--model", choices=MODELS, default="tiny")
     parser.add_argument("--job", choices=tuple(JOBS), default="demo")
     add_dtype_option(parser)
     parser.add_argument("--groups", type=int, default=8, help="prompts in the batch")
@@ -85,7 +88,6 @@ def main() -> None:
     from openppo.ppo.fit import actor_loss, fit_experience
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-    from tests.model_cache import smollm2_dir, tiny_model_dir
 
     rows = args.groups * args.n
     strategy = DeepSpeedStrategy(
@@ -96,9 +98,7 @@ def main() -> None:
         seed=0,
     )
     strategy.setup_distributed()
-    model = Actor.from_pretrained(
-        str(tiny_model_dir() if args.model == "tiny" else smollm2_dir()), dtype=strategy.torch_dtype
-    )
+    model = Actor.from_pretrained(model_path(args.model), dtype=strategy.torch_dtype)
     engine = timing_engine(strategy, model)
     prompt_len, response = JOBS[args.job]
     data = group_batch(args.groups, args.n, prompt_len, response, model.config.vocab_size, seed=0)

@@ -32,13 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
-
-MODELS = {
-    "qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864},
-    "smollm2": {},
-    "tiny": {},
-}
+from bench.record import MODELS, add_dtype_option, emit, model_path, resolve_dtype  # noqa: E402 (path set-up)
 
 
 def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
@@ -60,7 +54,7 @@ def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", choices=sorted(MODELS), default="qwen0.5b")
+    parser.add_argument("--model", choices=MODELS, default="qwen0.5b")
     add_dtype_option(parser)
     parser.add_argument("--zero_stage", type=int, default=2)
     parser.add_argument("--rows", type=int, default=32, help="rows per optimizer step")
@@ -91,7 +85,6 @@ def main() -> None:
 
     from openppo.models.actor import Actor
     from openppo.models.row_layout import RowLayout
-    from openppo.models.zoo import build_tiny_model
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
     from openppo.ppo.fit import actor_loss, fit_experience
@@ -99,16 +92,8 @@ def main() -> None:
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from openppo.utils.hardware import trim_host_heap
-    from tests.model_cache import smollm2_dir, tiny_model_dir
 
-    shape = MODELS[args.model]
-    path = (
-        build_tiny_model(REPO / ".cache" / "bench" / "models" / args.model, dtype="bfloat16", **shape)
-        if shape
-        else smollm2_dir()
-        if args.model == "smollm2"
-        else tiny_model_dir()
-    )
+    path = model_path(args.model)
     strategy = DeepSpeedStrategy(
         DeepSpeedConfig(zero_stage=args.zero_stage, param_dtype=args.dtype, dist_timeout=600),
         train_batch_size=args.rows,

