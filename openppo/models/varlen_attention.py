@@ -30,8 +30,8 @@ from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 ATTN_IMPLEMENTATION = "openppo_varlen_sdpa"
 
 # On CPU, PyTorch's bf16/fp16 flash kernel is slower than its fp32 one up to about this many tokens per sequence
-# (forward + backward, 2048 tokens per call: 0.37x the time at 64, 0.52x at 128, 0.77x at 256, 0.99x at 512 and
-# 1.11x at 1024), so shorter sequences attend in fp32: faster, and the softmax in full precision.
+# (docs/benchmarks.md, "Measurements behind code defaults"), so shorter sequences attend in fp32: faster, and the
+# softmax in full precision.
 CPU_FP32_ATTENTION_MAX_LEN = 512
 
 # Devices whose shared-prompt rows attend through FlexAttention: it needs torch.compile's GPU kernels for speed and
@@ -211,8 +211,8 @@ def _sequences(module, query, key, value, bounds, padded, **kwargs) -> torch.Ten
     """[1, n, H, D]: the packed sequences at `bounds` of the row, each attending to itself (n: their tokens)."""
     if padded is not None:
         # Sequences of similar length: one causal sdpa call over them right-padded. A real query never sees the
-        # padding, which comes after it, so the result is exact. One call instead of one per sequence took a
-        # SmolLM2 update on CPU from 27.3 to 24.9 s (docs/benchmarks.md).
+        # padding, which comes after it, so the result is exact. One call is faster than one per sequence
+        # (docs/benchmarks.md, "Measurements behind code defaults").
         index, real = padded
         num = len(bounds)
         out = _sdpa(

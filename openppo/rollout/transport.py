@@ -215,8 +215,8 @@ def open_local(handle: tuple, nbytes: int) -> torch.Tensor:
 class SharedSlots:
     """This process's shared-memory buffers, reused bucket after bucket and sync after sync (slot k of each sync).
 
-    A fresh buffer per bucket pays for new zeroed pages on every write (measured: SmolLM2 synced 1.35x slower than
-    the gloo broadcast that way); a reused one is resident, so a bucket costs one copy on each side. The buffers are
+    A fresh buffer per bucket pays for new zeroed pages on every write (slower than the gloo broadcast, measured in
+    docs/benchmarks.md); a reused one is resident, so a bucket costs one copy on each side. The buffers are
     anonymous files (memfd) another process of this node opens as /proc/<pid>/fd/<fd>: the kernel frees one when
     the last process holding it is gone, however it ended (Ray kills its actors without running atexit, which left
     named /dev/shm files behind). A slot too small for a bucket gets a new, larger file; `release` closes them all.

@@ -142,8 +142,8 @@ class DeepSpeedStrategy:
 
             cls = DeepSpeedCPUAdam if self.cfg.adam_offload else FusedAdam
             return cls(groups, lr=lr, betas=betas, eps=eps)
-        # On CPU torch's AdamW needs no JIT build; its fused kernel steps SmolLM2's 135M fp32 master weights in
-        # 0.10 s where the default per-tensor loop takes 0.47 s (2 threads).
+        # On CPU torch's AdamW needs no JIT build, and its fused kernel is several times faster than the default
+        # per-tensor loop (docs/benchmarks.md, "Measurements behind code defaults").
         return torch.optim.AdamW(groups, lr=lr, betas=betas, eps=eps, fused=True)
 
     def prepare_train(

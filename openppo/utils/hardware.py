@@ -197,9 +197,9 @@ def rss_gib() -> float:
     return psutil.Process(os.getpid()).memory_info().rss / GIB
 
 
-# The pages a trim hands back are faulted in again by the next update: on SmolLM2 (bf16, CPU) an update right after a
-# trim took 1.3-2.2 s longer than an immediate second one. At most one trim a minute keeps that under ~3 % of the
-# time while still bounding what the heap retains.
+# The pages a trim hands back are faulted in again by the next update, which then takes seconds longer
+# (docs/benchmarks.md, "Measurements behind code defaults"). At most one trim a minute keeps that a few percent of
+# the time while still bounding what the heap retains.
 TRIM_INTERVAL_S = 60.0
 
 
