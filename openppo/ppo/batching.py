@@ -140,12 +140,17 @@ def prompt_shares(data: dict[str, torch.Tensor]) -> list[int]:
     return shared_prefixes(data["sequences"], data["attention_mask"], prompt_lengths(data["action_mask"]))
 
 
+def prompt_groups(shares: list[int]) -> list[list[int]]:
+    """The row indices of each group: a row that shares nothing with the row before it (`prompt_shares`) opens one."""
+    starts = [i for i, s in enumerate(shares) if not s] + [len(shares)]
+    return [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+
+
 def group_shards(data: dict[str, torch.Tensor], n: int) -> list[list[int]] | None:
     """Row indices per rank dealing whole groups (rows sharing a prompt), their token totals evened out; None when
     the groups do not split into equal row counts (the rows are then dealt one by one)."""
     shares, lengths = prompt_shares(data), row_lengths(data)
-    starts = [i for i, s in enumerate(shares) if not s] + [len(shares)]
-    groups = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+    groups = prompt_groups(shares)
     if len(groups) % n or len({len(g) for g in groups}) > 1:
         return None
     costs = [lengths[g[0]] + sum(lengths[i] - shares[i] for i in g[1:]) for g in groups]

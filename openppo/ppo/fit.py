@@ -37,6 +37,7 @@ from openppo.ppo.batching import (
     all_reduce,
     noop_rows,
     plan_on_all_ranks,
+    prompt_groups,
     prompt_shares,
     row_lengths,
     select_rows,
@@ -94,9 +95,9 @@ def fit_experience(
     lengths = row_lengths(data)
     # --share_prompt_in_group: the rows of a group stay together when shuffled, so their prompt is computed once
     shares = prompt_shares(data) if batching.share_prompts else [0] * size
-    groups = [i for i, s in enumerate(shares) if not s] + [size]
+    groups = prompt_groups(shares)
     for epoch in range(epochs):
-        order = shuffled(size, seed + epoch, groups)
+        order = shuffled(groups, seed + epoch)
         step_rows = [order[i : i + rows_per_step] for i in range(0, size, rows_per_step)]
         step_shares = [
             [shares[r] if k and rows[k - 1] == r - 1 else 0 for k, r in enumerate(rows)] for rows in step_rows
@@ -163,10 +164,9 @@ def fit_experience(
     }
 
 
-def shuffled(size: int, seed: int, starts: list[int]) -> list[int]:
-    """The rows in a random order of their groups (`starts`: each group's first row, then `size`), keeping the rows
-    of a group together and in order; one row a group gives a plain random order of the rows."""
-    groups = [list(range(a, b)) for a, b in zip(starts, starts[1:])]
+def shuffled(groups: list[list[int]], seed: int) -> list[int]:
+    """The rows in a random order of their groups (`prompt_groups`), keeping the rows of a group together and in
+    order; one row a group gives a plain random order of the rows."""
     order = torch.randperm(len(groups), generator=torch.Generator().manual_seed(seed)).tolist()
     return [i for g in order for i in groups[g]]
 
@@ -272,9 +272,7 @@ def critic_loss(engine, algo: AlgoConfig) -> LossFn:
 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
-        values = engine(batch["sequences"], batch["attention_mask"], prompt_lens=prompt_lengths(batch["action_mask"]))[
-            :, :-1
-        ]
+        values = engine(batch["sequences"], batch["attention_mask"], prompt_lens=prompt_lengths(mask))[:, :-1]
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
         return loss, {

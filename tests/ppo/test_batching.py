@@ -75,7 +75,7 @@ def test_forward_batches_that_do_not_divide_are_dealt_unevenly_and_reassembled()
 
 
 def test_shared_prompts_cost_once_and_groups_are_dealt_whole():
-    from openppo.ppo.batching import group_shards, prompt_shares
+    from openppo.ppo.batching import group_shards, prompt_groups, prompt_shares
     from openppo.ppo.fit import shuffled
     from tests.ppo.rank_helpers import grouped_rows
 
@@ -93,9 +93,10 @@ def test_shared_prompts_cost_once_and_groups_are_dealt_whole():
     assert sorted(map(sorted, shards)) == [[0, 1, 6, 7], [2, 3, 4, 5]]
     assert group_shards(data, 3) is None  # 4 groups do not split over 3 ranks: rows are dealt one by one
     # an update's shuffle moves whole groups and keeps each group's rows in order
-    order = shuffled(8, seed=3, starts=[0, 2, 4, 6, 8])
+    assert prompt_groups(prompt_shares(data)) == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    order = shuffled([[0, 1], [2, 3], [4, 5], [6, 7]], seed=3)
     assert sorted(order) == list(range(8)) and all(order[i] + 1 == order[i + 1] for i in range(0, 8, 2))
     assert (
-        shuffled(8, seed=3, starts=list(range(9)))
+        shuffled(prompt_groups([0] * 8), seed=3)
         == torch.randperm(8, generator=torch.Generator().manual_seed(3)).tolist()
     )
