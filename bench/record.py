@@ -49,16 +49,10 @@ def emit(record: dict, prefix: str = "") -> None:
     print(prefix + json.dumps({**record, "device": device_record()}))
 
 
-def timing_engine(strategy, model):
-    """A training engine for timing updates: AdamW at lr 1e-7 on a constant schedule, so that the steps a bench
-    times barely move the weights and every variant it compares computes with (nearly) the same ones."""
-    return strategy.prepare_train(
-        model,
-        lr=1e-7,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=1000,
-    )
+def timing_engine(strategy, model, lr: float = 1e-7):
+    """A training engine for timing updates: AdamW at a small `lr` on a constant schedule (the tests' own,
+    `train_engine`), so that the steps a bench times barely move the weights and every variant it compares computes
+    with (nearly) the same ones."""
+    from tests.ppo.rank_helpers import train_engine
+
+    return train_engine(strategy, model, lr=lr, steps=1000)

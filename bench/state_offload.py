@@ -22,7 +22,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+from bench.record import add_dtype_option, emit, model_path, resolve_dtype, timing_engine  # noqa: E402
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
@@ -41,7 +41,6 @@ def main() -> None:
     from openppo.models.actor import Actor
     from openppo.strategy.config import DeepSpeedConfig, state_offload_supported
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
-    from tests.model_cache import smollm2_dir, tiny_model_dir
 
     on_gpu = torch.cuda.is_available()
     if not state_offload_supported(args.zero_stage, on_gpu):
@@ -62,19 +61,9 @@ def main() -> None:
         seed=0,
     )
     strategy.setup_distributed()
-    model_dir = str(tiny_model_dir() if args.model == "tiny" else smollm2_dir())
     with strategy.zero3_init():
-        model = Actor.from_pretrained(model_dir, dtype=strategy.torch_dtype)
-    engine = strategy.prepare_train(
-        model,
-        lr=1e-6,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=10,
-    )
+        model = Actor.from_pretrained(model_path(args.model), dtype=strategy.torch_dtype)
+    engine = timing_engine(strategy, model, lr=1e-6)
     ids = torch.randint(100, 1000, (2, 64), device=strategy.device)
     out = engine(ids, torch.ones_like(ids))
     engine.backward(out.log_probs.mean())

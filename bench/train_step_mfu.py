@@ -32,7 +32,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import MODELS, add_dtype_option, emit, model_path, resolve_dtype  # noqa: E402 (path set-up)
+from bench.record import MODELS, add_dtype_option, emit, model_path, resolve_dtype, timing_engine  # noqa: E402
 
 
 def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
@@ -106,16 +106,7 @@ def main() -> None:
         str(path), dtype=strategy.torch_dtype, gradient_checkpointing=args.gradient_checkpointing
     )
     num_params = sum(p.numel() for p in actor.parameters())
-    engine = strategy.prepare_train(
-        actor,
-        lr=1e-6,
-        betas=(0.9, 0.95),
-        weight_decay=0.0,
-        scheduler="constant",
-        warmup_ratio=0.0,
-        min_lr_ratio=0.1,
-        num_training_steps=args.steps,
-    )
+    engine = timing_engine(strategy, actor, lr=1e-6)
     response = args.seq_len // 2
     vocab = actor.model.config.vocab_size
     loss_fn = actor_loss(
