@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import random
+import re
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -25,6 +27,25 @@ from openppo.strategy.distributed import init_distributed
 from openppo.strategy.step_guard import StepGuard
 
 logger = logging.getLogger(__name__)
+
+
+def deepspeed_arch_list(value: str) -> str:
+    """TORCH_CUDA_ARCH_LIST as DeepSpeed's JIT op builder can read it: "9.0a;10.0f+PTX" -> "9.0;10.0+PTX".
+
+    PyTorch accepts the architecture-specific (`a`) and family (`f`) entries that CUDA images set, but DeepSpeed
+    0.19's builder reads every part of an entry as an integer and stops at them ("invalid literal for int() with
+    base 10: '0a'", seen on an H200 image). Its Adam kernels use no architecture-specific instruction, so the plain
+    capability builds the same op."""
+    entries = (re.sub(r"(?<=\d)[af](?=\+|$)", "", e.strip()) for e in value.replace(" ", ";").split(";"))
+    return ";".join(dict.fromkeys(e for e in entries if e))
+
+
+def readable_cuda_arch_list() -> None:
+    """Rewrite TORCH_CUDA_ARCH_LIST in this process's environment so that DeepSpeed can build its CUDA ops."""
+    value = os.environ.get("TORCH_CUDA_ARCH_LIST")
+    if value and (fixed := deepspeed_arch_list(value)) != value:
+        logger.info("TORCH_CUDA_ARCH_LIST=%r read as %r for DeepSpeed's op builds", value, fixed)
+        os.environ["TORCH_CUDA_ARCH_LIST"] = fixed
 
 
 def set_seed(seed: int) -> None:
@@ -141,6 +162,7 @@ class DeepSpeedStrategy:
             from deepspeed.ops.adam import DeepSpeedCPUAdam, FusedAdam
 
             cls = DeepSpeedCPUAdam if self.cfg.adam_offload else FusedAdam
+            readable_cuda_arch_list()  # before the op's first use, which JIT-builds it
             return cls(groups, lr=lr, betas=betas, eps=eps)
         # On CPU torch's AdamW needs no JIT build, and its fused kernel is several times faster than the default
         # per-tensor loop (docs/benchmarks.md, "Measurements behind code defaults").
