@@ -3,6 +3,7 @@
     .venv/bin/python bench/train_step_mfu.py                       # 0.5B-class model, auto dtype, ZeRO-2 (GPU)
     .venv/bin/python bench/train_step_mfu.py --model tiny --rows 8 --seq_len 128   # a quick look on CPU
     .venv/bin/python bench/train_step_mfu.py --model smollm2 --rows 16 --seq_len 96 --dtype fp32   # CPU, real model
+    python bench/train_step_mfu.py --steps 4 --profile 25       # where a GPU step's time goes (last step profiled)
 
 The update is the trainer's own: `Actor` (sdpa, varlen attention for packed rows) under `DeepSpeedStrategy`, the
 GRPO policy loss (`actor_loss`), micro-batches and optimizer steps by `fit_experience`, one rank. Rows are random
@@ -24,6 +25,7 @@ one JSON object, with the device it ran on (CPU model and PyTorch's CPU capabili
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import statistics
 import sys
@@ -52,6 +54,14 @@ def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
+def profiler(device):
+    """torch's profiler over the host and, on a GPU, its kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    return profile(activities=activities)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="qwen0.5b")
@@ -69,14 +79,21 @@ def main() -> None:
         help="packed micro-batches (--packing_samples), or padded ones with --no-pack",
     )
     parser.add_argument(
+        "--profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="profile the last step and print its N costliest operators by device time (stderr)",
+    )
+    parser.add_argument(
         "--trim",
         action="store_true",
         help="hand the freed heap back to the OS after every step (malloc_trim), to measure its cost",
     )
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)
-    if args.steps < 2 or args.rows % args.micro or args.seq_len < 4:
-        raise SystemExit("--steps must be >= 2, --rows a multiple of --micro, --seq_len >= 4")
+    if args.steps < 2 + bool(args.profile) or args.rows % args.micro or args.seq_len < 4:
+        raise SystemExit("--steps must be >= 2 (3 with --profile), --rows a multiple of --micro, --seq_len >= 4")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     from tests.spawn import free_port
 
@@ -133,25 +150,31 @@ def main() -> None:
         }
         if strategy.device.type == "cuda":
             torch.cuda.synchronize()
+        profiled = args.profile and step == args.steps - 1
         start = time.perf_counter()
-        fit_experience(
-            engine,
-            data,
-            loss_fn,
-            batching=Batching(packed=args.pack, rows=args.micro),
-            rows_per_step=args.rows,
-            epochs=1,
-            world_size=1,
-            seed=step,
-            device=strategy.device,
-        )
-        if strategy.device.type == "cuda":
-            torch.cuda.synchronize()
+        with profiler(strategy.device) if profiled else contextlib.nullcontext() as prof:
+            fit_experience(
+                engine,
+                data,
+                loss_fn,
+                batching=Batching(packed=args.pack, rows=args.micro),
+                rows_per_step=args.rows,
+                epochs=1,
+                world_size=1,
+                seed=step,
+                device=strategy.device,
+            )
+            if strategy.device.type == "cuda":
+                torch.cuda.synchronize()
+        if profiled:
+            by = "self_cuda_time_total" if strategy.device.type == "cuda" else "self_cpu_time_total"
+            print(prof.key_averages().table(sort_by=by, row_limit=args.profile), file=sys.stderr)
         if args.trim:
             trim_host_heap(min_interval_s=0.0)
         times.append(time.perf_counter() - start)
         print(f"step {step + 1}/{args.steps}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
-    step_s = statistics.fmean(times[1:])
+    # the profiled step is slower: it is left out of the mean
+    step_s = statistics.fmean(times[1 : len(times) - bool(args.profile)])
     tokens = args.rows * args.seq_len
     flops = train_flops(num_params, tokens, args.gradient_checkpointing)
     device = strategy.device
