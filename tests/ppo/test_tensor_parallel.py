@@ -2,11 +2,11 @@
 
 One spawn of two workers (a module fixture) holding one tensor-parallel group (data-parallel size 1). Each rank
 builds the tiny model twice: as a real DeepSpeed AutoTP engine (ZeRO-0, fp32) and as a plain `Actor`. It checks
-the weight gather the sync and the HF export use, the log-probs (of packed and of shared-prompt rows), and one
-optimizer step of `fit_experience` (the loss and the gradient at the boundary: each rank's weight slice against the
-same slice of the gradient plain autograd gives the step loss written from the formulas, which catches a wrong
-backward scale or a normaliser counted once per replica), then writes the measured errors to a JSON file that the
-tests read.
+the weight gather the sync and the HF export use, the log-probs (of packed and of shared-prompt rows), and two
+optimizer steps of `fit_experience`, on packed rows and then on shared-prompt rows (the loss and the gradient at the
+boundary: each rank's weight slice against the same slice of the gradient plain autograd gives the step loss
+written from the formulas, which catches a wrong backward scale or a normaliser counted once per replica), then
+writes the measured errors to a JSON file that the tests read.
 """
 
 from __future__ import annotations
@@ -148,6 +148,44 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         exported = dict(AutoModelForCausalLM.from_pretrained(out, dtype=torch.float32).named_parameters())
         results["export"] = max((exported[n] - t).abs().max().item() for n, t in trained.items())
         results["trained_moved"] = max((trained[n] - full[n]).abs().max().item() for n in trained)
+
+    # A second step, on shared-prompt rows (--share_prompt_in_group: a group's prompt once, on the split heads),
+    # against plain autograd of the same rows unshared, through the model the export wrote: the engine's weights now.
+    torch.distributed.barrier()
+    after = Actor.from_pretrained(str(out), dtype=torch.float32)
+    gen = torch.Generator().manual_seed(2)
+    groups["advantages"] = torch.randn(groups["action_mask"].shape, generator=gen) * groups["action_mask"]
+    with torch.no_grad():
+        base = after(groups["sequences"], groups["attention_mask"]).log_probs
+    groups["old_log_probs"] = base + 0.05 * torch.randn(base.shape, generator=gen)
+    per_token = ppo_per_token(
+        after(groups["sequences"], groups["attention_mask"]).log_probs,
+        groups["old_log_probs"],
+        groups["advantages"],
+        EPS,
+    )
+    reference_loss = reduce_global(per_token, groups["action_mask"], "token-mean", 32)
+    reference_loss.backward()
+    engine.module.layout = RowLayout(packed=True, share_prompts=True)
+    rows = groups["sequences"].shape[0]
+    metrics = fit_experience(
+        engine,
+        groups,
+        loss_fn,
+        batching=Batching(packed=True, rows=rows, share_prompts=True),
+        rows_per_step=rows,
+        epochs=1,
+        world_size=WORLD,
+        seed=0,
+        device=strategy.device,
+        tensor_parallel_size=WORLD,
+    )
+    results["shared_share"] = metrics.get("perf/shared_prompt_share", 0.0)
+    results["shared_loss"] = abs(metrics["train/policy_loss"] - reference_loss.item())
+    reference = dict(after.named_parameters())
+    results["shared_grads_rel"] = max(
+        _rel(g, _slice_like(reference[n].grad, g, rank)) for n, g in engine.grads[1].items()
+    )
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
 
@@ -177,6 +215,13 @@ def test_one_step_has_the_unsplit_loss_and_gradient(tp_results):
     for r in tp_results:
         assert r["loss"] <= 1e-6, r
         assert r["grads_rel"] <= 1e-5, r  # a backward scaled by the world size instead would be off by 1.0
+
+
+def test_shared_prompt_step_has_the_unsplit_loss_and_gradient(tp_results):
+    for r in tp_results:
+        assert r["shared_share"] > 0, r  # the prompts were computed once
+        assert r["shared_loss"] <= 1e-6, r
+        assert r["shared_grads_rel"] <= 1e-5, r
 
 
 def test_hf_export_holds_the_trained_weights(tp_results):
