@@ -22,7 +22,18 @@ from collections.abc import Iterator
 import torch
 from torch.autograd.function import once_differentiable
 
-DEFAULT_CHUNK_SIZE = 1024
+DEFAULT_CHUNK_SIZE = 1024  # positions a chunk on GPUs, where each chunk costs a few kernel launches
+# On CPU the passes over a chunk (logsumexp, gather, entropy; softmax in backward) run from cache when the chunk's
+# fp32 logits take a few MiB, instead of streaming from memory (docs/benchmarks.md, "Measurements behind code
+# defaults").
+CPU_CHUNK_BYTES = 4 << 20
+
+
+def default_chunk_size(logits: torch.Tensor) -> int:
+    """Positions a chunk for these logits: cache-sized on CPU, DEFAULT_CHUNK_SIZE elsewhere."""
+    if logits.device.type == "cpu":
+        return max(1, CPU_CHUNK_BYTES // (logits.shape[-1] * 4))
+    return DEFAULT_CHUNK_SIZE
 
 
 def _compute_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -119,27 +130,26 @@ class _Entropy(torch.autograd.Function):
         return grad, None, None
 
 
-def _as_3d(logits: torch.Tensor, temperature: float, chunk_size: int) -> torch.Tensor:
+def _as_3d(logits: torch.Tensor, temperature: float, chunk_size: int | None) -> tuple[torch.Tensor, int]:
+    """[B, T, V] logits and the chunk size (`default_chunk_size` when None)."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    if chunk_size < 1:
+    if chunk_size is not None and chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    if logits.dim() == 2:
-        return logits.unsqueeze(0)
-    if logits.dim() != 3:
+    if logits.dim() not in (2, 3):
         raise ValueError(f"logits must be [B, T, V] or [N, V], got {tuple(logits.shape)}")
-    return logits
+    return (logits.unsqueeze(0) if logits.dim() == 2 else logits), chunk_size or default_chunk_size(logits)
 
 
 def log_probs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int | None = None
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[label], chunked (see the module docstring).
 
     Shapes: logits [B, T, V] (or [N, V]), labels [B, T] (or [N]) int64 in [0, V) -> [B, T] (or [N]); no reduction.
     Align them yourself (logits at position t predict the token at t + 1). Gradient flows to `logits`.
     """
-    logits3 = _as_3d(logits, temperature, chunk_size)
+    logits3, chunk_size = _as_3d(logits, temperature, chunk_size)
     labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
     if labels3.shape != logits3.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
@@ -148,10 +158,10 @@ def log_probs_from_logits(
 
 
 def log_probs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`log_probs_from_logits` (with its gradient) and the entropy for logging (no gradient), in one pass."""
-    logits3 = _as_3d(logits, temperature, chunk_size)
+    logits3, chunk_size = _as_3d(logits, temperature, chunk_size)
     labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
     if labels3.shape != logits3.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
@@ -160,13 +170,13 @@ def log_probs_and_entropy(
 
 
 def entropy_from_logits(
-    logits: torch.Tensor, temperature: float = 1.0, *, chunk_size: int = DEFAULT_CHUNK_SIZE
+    logits: torch.Tensor, temperature: float = 1.0, *, chunk_size: int | None = None
 ) -> torch.Tensor:
     """Entropy H = -sum_v p_v log p_v of softmax(logits / temperature) per position, chunked.
 
     Shapes: logits [B, T, V] (or [N, V]) -> [B, T] (or [N]); no reduction (mask and reduce with `aggregate_loss`
     for the entropy bonus, `--entropy_loss_coef`). Gradient flows to `logits`.
     """
-    logits3 = _as_3d(logits, temperature, chunk_size)
+    logits3, chunk_size = _as_3d(logits, temperature, chunk_size)
     out = _Entropy.apply(logits3, float(temperature), chunk_size)
     return out.squeeze(0) if logits.dim() == 2 else out

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from openppo.algorithms import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
+from openppo.algorithms.entropy import CPU_CHUNK_BYTES, DEFAULT_CHUNK_SIZE, default_chunk_size
 
 
 def _reference_log_probs(logits, labels, temperature):
@@ -15,6 +16,15 @@ def _reference_log_probs(logits, labels, temperature):
 def _reference_entropy(logits, temperature):
     logp = torch.log_softmax(logits.double() / temperature, -1)
     return -(logp.exp() * logp).sum(-1)
+
+
+def test_default_chunk_is_cache_sized_on_cpu_only():
+    # 4 MiB of fp32 logits: 21 positions of SmolLM2's 49152-token vocabulary, 6 of Qwen's 151936, at least 1
+    assert CPU_CHUNK_BYTES == 4 << 20
+    assert default_chunk_size(torch.empty(1, 1, 49152)) == 21
+    assert default_chunk_size(torch.empty(1, 1, 151936)) == 6
+    assert default_chunk_size(torch.empty(1, 1, 2_000_000)) == 1
+    assert default_chunk_size(torch.empty(1, 1, 49152, device="meta")) == DEFAULT_CHUNK_SIZE  # not a CPU
 
 
 def test_hand_values():
@@ -30,7 +40,7 @@ def test_hand_values():
     assert entropy_from_logits(logits, 2.0).item() == pytest.approx(-(p * math.log(p) + (1 - p) * math.log(1 - p)))
 
 
-@pytest.mark.parametrize("chunk_size", [1, 3, 7, 1024])
+@pytest.mark.parametrize("chunk_size", [1, 3, 7, 1024, None])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_matches_reference_values_and_grads(chunk_size, dtype):
     torch.manual_seed(0)
