@@ -64,14 +64,16 @@ def fit_experience(
     guard: StepGuard | None = None,
     after_step: Callable[[], None] | None = None,
 ) -> dict[str, float]:
-    """Train `engine` on `data` (this rank's share) for `epochs`; returns metrics averaged over micro-batches.
+    """Train `engine` on `data` (this rank's share) for `epochs`; returns the step metrics, averaged over steps.
 
     Each epoch shuffles the rows (seeded, so a resume repeats it) and takes `rows_per_step` rows per optimizer step,
     cut into micro-batches by `batching` (a row count, or a token budget with --use_dynamic_batch).
     `loss_fn(micro_batch, normalizers)` returns (contribution to the step loss, metrics). `normalizers` is the
     all-reduced int64 [2] (num_tokens, num_seqs) of the step's action masks. The metrics named `*_loss` are the
     micro-batch's share of a step loss: summed over micro-batches and averaged over ranks they are the mean step loss;
-    the other metrics are means over the real micro-batches.
+    the others are means over a micro-batch's response tokens (entropy, approx_kl, clip_ratio, ...), which this
+    returns as means over the response tokens of every applied step on every rank, the same on all ranks: a plain
+    mean of micro-batch means would change with the micro-batch cut (a 1-token row weighing as much as 6 tokens).
 
     With `ring_size` K > 1 the K ranks of a ring hold the same rows and each backpropagates its chunk's part of the
     gradient: the parts sum to the row's gradient, so the backward scale stays `world_size`, while token counts and
@@ -88,8 +90,8 @@ def fit_experience(
     data_parallel = world_size // replicas
     grad_scale = world_size // tensor_parallel_size  # the ranks DeepSpeed averages gradients over
     losses: dict[str, float] = defaultdict(float)
-    sums: dict[str, float] = defaultdict(float)
-    steps = skipped = count = micro_steps = computed = real_tokens = shared_tokens = 0
+    sums: dict[str, float] = defaultdict(float)  # token-mean metrics times their micro-batch's response tokens
+    steps = skipped = scored = micro_steps = computed = real_tokens = shared_tokens = 0
     engine.train()
     size = data["sequences"].size(0)
     lengths = row_lengths(data)
@@ -113,7 +115,7 @@ def fit_experience(
             normalizers = all_reduce(counts.to(device), world_size) // replicas
             step_losses: dict[str, float] = defaultdict(float)
             step_sums: dict[str, float] = defaultdict(float)
-            step_count = 0
+            step_scored = 0
             for i, (batch, planned) in enumerate(zip(micros, plan)):
                 # The boundary is ours: the number of micro-batches varies per step with a token budget.
                 engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
@@ -127,13 +129,14 @@ def fit_experience(
                     engine.backward(contribution * grad_scale, scale_wrt_gas=False)
                     engine.step()
                     applied = True
+                tokens = int(batch["action_mask"].sum().item()) if planned else 0
                 for key, value in metrics.items():
                     if key.endswith("_loss"):
                         step_losses[key] += value * data_parallel
-                    elif planned:
-                        step_sums[key] += value
+                    else:  # every rank lists every key, also for its padding micro-batches (weight 0)
+                        step_sums[key] += value * tokens if tokens else 0.0
                 if planned:
-                    step_count += 1
+                    step_scored += tokens
                     real = batch["attention_mask"].sum().item()
                     computed += real if batching.packed else batch["attention_mask"].numel()
                     real_tokens += real
@@ -144,7 +147,7 @@ def fit_experience(
                     losses[key] += value
                 for key, value in step_sums.items():
                     sums[key] += value
-                count += step_count
+                scored += step_scored
                 steps += 1
             else:
                 skipped += 1
@@ -158,10 +161,20 @@ def fit_experience(
         perf["perf/shared_prompt_share"] = shared_tokens / max(real_tokens, 1)
     return {
         **{k: v / max(steps, 1) for k, v in losses.items()},
-        **{k: v / max(count, 1) for k, v in sums.items()},
+        **token_means(sums, scored, world_size, device),
         **perf,
         **({guard.metric: float(skipped)} if guard is not None else {}),
     }
+
+
+def token_means(sums: dict[str, float], tokens: int, world_size: int, device: torch.device) -> dict[str, float]:
+    """Token-weighted sums over every rank divided by the response tokens of every rank (one collective). Ranks
+    holding the same rows (a ring, a tensor-parallel group) add the same sums and tokens, which cancel."""
+    keys = sorted(sums)
+    totals = all_reduce(
+        torch.tensor([sums[k] for k in keys] + [tokens], dtype=torch.float64, device=device), world_size
+    )
+    return {k: v / max(totals[-1].item(), 1.0) for k, v in zip(keys, totals[:-1].tolist())}
 
 
 def shuffled(groups: list[list[int]], seed: int) -> list[int]:

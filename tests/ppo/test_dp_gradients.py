@@ -124,6 +124,12 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     per_token = value_per_token(values, data["old_values"], data["returns"], VALUE_CLIP)
                 reference_loss = reduce_global(per_token, mask, mode, NORM_LEN)
                 reference_loss.backward()
+                # a logged token mean over the whole step: the k3 KL estimate (actor), the values (critic)
+                if role == "actor":
+                    x = (log_probs.detach() - data["old_log_probs"])[mask.bool()]
+                    logged_expected = (x.expm1() - x).mean().item()
+                else:
+                    logged_expected = values.detach()[mask.bool()].mean().item()
                 expected = {n: p.grad for n, p in plain.named_parameters() if p.grad is not None}
                 for layout, kwargs in LAYOUTS.items():
                     if ring > 1 and (not kwargs.get("packed") or kwargs.get("share_prompts")):
@@ -168,6 +174,8 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     results[key + "/loss_rank"] = metrics[loss_key]
                     results[key + "/loss_expected"] = reference_loss.item()
                     results[key + "/shared"] = metrics.get("perf/shared_prompt_share", 0.0)
+                    results[key + "/logged"] = metrics["train/approx_kl" if role == "actor" else "train/values"]
+                    results[key + "/logged_expected"] = logged_expected
             del engine
     Path(out_dir, f"rank{rank}.json").write_text(json.dumps(results))
     torch.distributed.destroy_process_group()
@@ -200,3 +208,7 @@ def test_applied_gradient_is_the_global_loss_gradient(dp_results, config, role, 
     # the logged loss, averaged over the ranks as the caller does, is the global loss
     mean_loss = sum(r[key + "/loss_rank"] for r in dp_results) / WORLD
     assert mean_loss == pytest.approx(dp_results[0][key + "/loss_expected"], rel=1e-5, abs=1e-7), key
+    # a token-mean metric is the step's over every rank's tokens, on each rank (not a mean of the ranks' means,
+    # which weighs the ranks' 61 and 46 tokens alike)
+    for r in dp_results:
+        assert r[key + "/logged"] == pytest.approx(r[key + "/logged_expected"], rel=1e-5, abs=1e-8), key

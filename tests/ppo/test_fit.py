@@ -73,6 +73,42 @@ def test_actor_step_loss_is_global_token_mean(micro, accum):
     assert metrics["train/clip_ratio"] == 0.0
 
 
+@pytest.mark.parametrize("batching", [Batching(rows=1), Batching(rows=3), Batching(packed=True, max_tokens=12)])
+def test_logged_means_are_token_means_of_the_step(batching):
+    """train/entropy, train/approx_kl, train/clip_ratio are means over the step's response tokens, whatever the
+    micro-batches (here of 5, 2, 6 and 1 tokens: a mean of micro-batch means would weigh the 1-token row as much as
+    the 6-token one), checked against one plain forward over all rows."""
+    data = _experience()
+    strategy = _strategy(1, 4)
+    engine = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+    mask = data["action_mask"].bool()
+    with torch.no_grad():
+        out = engine(data["sequences"], data["attention_mask"], return_entropy="log")
+    shift = 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
+    data["old_log_probs"] = out.log_probs - shift  # log ratio = shift on every token
+    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=0.2)
+    loss_fn = actor_loss(
+        engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=8, is_correction=None, is_threshold=(0.5, 5.0)
+    )
+    metrics = fit_experience(
+        engine,
+        data,
+        loss_fn,
+        batching=batching,
+        rows_per_step=4,
+        epochs=1,
+        world_size=1,
+        seed=0,
+        device=strategy.device,
+    )
+    x, adv = shift[mask], data["advantages"][mask]  # k3 of KL(pi_old || pi) with x = log(pi / pi_old)
+    ratio = shift[mask].exp()
+    clipped = torch.where(adv >= 0, ratio > 1.2, ratio < 0.8)  # where the clipped surrogate is the smaller one
+    assert metrics["train/entropy"] == pytest.approx(out.entropy[mask].mean().item(), rel=1e-6)
+    assert metrics["train/approx_kl"] == pytest.approx((x.expm1() - x).mean().item(), abs=1e-6)
+    assert metrics["train/clip_ratio"] == pytest.approx(clipped.float().mean().item(), abs=1e-6)
+
+
 def test_critic_learns_returns():
     data = _experience()
     data["returns"] = torch.full((4, 8), 2.0)
