@@ -21,7 +21,7 @@ from openppo.algorithms import (
     log_probs_from_logits,
     sampling_log_probs,
 )
-from openppo.models.hf import finish_model, resolve_model_path
+from openppo.models.hf import finish_model, resolve_model_path, router_aux_loss
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 
@@ -178,8 +178,14 @@ class Actor(nn.Module):
             entropy=per_token(entropy),
             logits=rows.to_grid(out.logits) if return_logits else None,
             sampling_log_probs=per_token(behaviour),
-            aux_loss=out.aux_loss if return_aux_loss else None,
+            aux_loss=self._aux_loss(out, rows) if return_aux_loss else None,
         )
+
+    def _aux_loss(self, out, rows) -> torch.Tensor:
+        """transformers' router loss, but over a shared-prompt row weighted as the rows it stands for."""
+        if rows.shared is None:
+            return out.aux_loss
+        return router_aux_loss(self.model, out.router_logits, rows.router_weights())
 
 
 def prompt_lengths(score_mask: torch.Tensor) -> torch.Tensor:

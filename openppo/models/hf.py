@@ -7,6 +7,7 @@ import logging
 import os
 import re
 import shutil
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -63,6 +64,18 @@ def aux_loss_notice(aux_loss_coef: float, path: str) -> str | None:
     if aux_loss_coef > 0 and not is_mixture_of_experts(path):
         return f"--aux_loss_coef has no effect: {path} is not a mixture-of-experts model (it has no router)"
     return None
+
+
+def router_aux_loss(hf_model: nn.Module, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor:
+    """A mixture-of-experts backbone's load-balancing loss from its per-layer router logits, by the architecture's
+    own transformers function (what its *ForCausalLM returns as `aux_loss`). `attention_mask` weighs each token of
+    the batch in the loss's per-expert means: 0/1 for padding, or how many rows a shared prompt's token stands for."""
+    config = hf_model.config
+    loss_fn = getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
+    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
+    if loss_fn is None or not experts:
+        raise ValueError(f"{type(hf_model).__name__} has no router load-balancing loss (not a mixture of experts)")
+    return loss_fn(router_logits, experts, config.num_experts_per_tok, attention_mask)
 
 
 def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | None = None, use_fast: bool = True):

@@ -187,6 +187,16 @@ class Rows:
             return self.shared.to_grid(values)
         return values if self.token_mask is None else unpack_rows(values, self.token_mask)
 
+    def router_weights(self) -> torch.Tensor | None:
+        """Each input token's weight in a mean over the batch's tokens (a router's load-balancing loss): the
+        attention mask, or with shared prompts the rows a token stands for, so that a group's prompt counts once per
+        response, as in rows that do not share it."""
+        if self.shared is None:
+            return self.attention_mask
+        index = self.shared.grid_index
+        counts = torch.bincount(index[index >= 0], minlength=self.input_ids.size(1))
+        return counts.unsqueeze(0).to(torch.float32)
+
     def next_token_grid(self, values: torch.Tensor) -> torch.Tensor:
         """Next-token values [b, C] of the model's row (position i scores token i + 1) -> [B, T-1]. The row's last
         position predicts nothing: it is dropped, and in a packed row its place on the grid holds 0."""

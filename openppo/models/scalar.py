@@ -14,22 +14,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openppo.models.hf import finish_model, resolve_model_path
+from openppo.models.hf import finish_model, resolve_model_path, router_aux_loss
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
-
-
-def router_aux_loss(hf_model: nn.Module, router_logits, attention_mask: torch.Tensor | None) -> torch.Tensor:
-    """A mixture-of-experts backbone's load-balancing loss from its per-layer router logits, by the architecture's
-    own transformers function (what its *ForCausalLM returns as `aux_loss`; our scalar head skips that forward)."""
-    import sys
-
-    config = hf_model.config
-    loss_fn = getattr(sys.modules[type(hf_model).__module__], "load_balancing_loss_func", None)
-    experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
-    if loss_fn is None or not experts:
-        raise ValueError(f"{type(hf_model).__name__} has no router load-balancing loss (not a mixture of experts)")
-    return loss_fn(router_logits, experts, config.num_experts_per_tok, attention_mask)
 
 
 def last_token_index(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -126,7 +113,7 @@ class ScalarModel(nn.Module):
             mean, std = self.normalization()
             values = (values - mean) / std
         if return_aux_loss:
-            return values, router_aux_loss(hf, out.router_logits, rows.attention_mask)
+            return values, router_aux_loss(hf, out.router_logits, rows.router_weights())
         return values
 
     def score_last(

@@ -59,6 +59,28 @@ def test_actor_and_scalar_model_return_transformers_router_loss_padded_or_packed
     assert len(gates) == 2 and all(g is not None and g.abs().max() > 0 for g in gates.values())
 
 
+def test_shared_prompt_rows_return_the_unshared_router_loss(moe_dir):
+    """--share_prompt_in_group: a group's prompt sits once in the row but stands for one copy per response, so the
+    router loss weighs its tokens by the group's size: transformers' loss over the padded rows, Actor and ScalarModel
+    (the plain shared row would give each prompt the weight of one response)."""
+    from openppo.models.actor import Actor, prompt_lengths
+    from openppo.models.row_layout import RowLayout
+    from openppo.models.scalar import ScalarModel
+    from tests.ppo.rank_helpers import grouped_rows
+
+    rows = grouped_rows([(9, [4, 7, 2]), (5, [6, 3])])
+    seqs, attn, mask = rows["sequences"], rows["attention_mask"], rows["action_mask"]
+    expected = _expected(moe_dir, rows).item()
+    actor = Actor.from_pretrained(str(moe_dir), dtype=torch.float32)
+    scalar = ScalarModel.from_pretrained(str(moe_dir), dtype=torch.float32, flag="--pretrain")
+    actor.layout = scalar.layout = RowLayout(packed=True, share_prompts=True)
+    assert actor(seqs, attn, score_mask=mask, return_aux_loss=True).aux_loss.item() == pytest.approx(expected, abs=1e-6)
+    _, aux = scalar(seqs, attn, prompt_lens=prompt_lengths(mask), return_aux_loss=True)
+    assert aux.item() == pytest.approx(expected, abs=1e-6)
+    plain = RowLayout(packed=True).rows(seqs, attn, None)  # the same tokens, each prompt once per row
+    assert plain.input_ids.size(1) > actor.layout.rows(seqs, attn, None, prompt_lengths(mask)).input_ids.size(1)
+
+
 def test_ppo_actor_loss_adds_coef_times_the_token_share(moe_dir, batch):
     """Each micro-batch adds coef x aux x (its action tokens / the step's): a step sums to coef x the
     token-weighted mean."""
