@@ -204,8 +204,8 @@ TRIM_INTERVAL_S = 60.0
 
 
 def trim_host_heap(min_interval_s: float = TRIM_INTERVAL_S) -> bool:
-    """Hand the C allocator's free pages back to the OS (glibc's `malloc_trim`) unless this process did so less than
-    `min_interval_s` ago; a no-op without glibc. Returns whether it trimmed.
+    """Hand the C allocator's free pages back to the OS (glibc's `malloc_trim`) unless less than `min_interval_s`
+    passed since this process's last trim or its first call; a no-op without glibc. Returns whether it trimmed.
 
     PyTorch's CPU tensors come from malloc. After a large block is freed glibc raises its mmap threshold (up to
     32 MiB), so the same-sized tensors made again every step (weight-sync buckets, embedding-sized gradients) then
@@ -214,7 +214,11 @@ def trim_host_heap(min_interval_s: float = TRIM_INTERVAL_S) -> bool:
     sync; a trim takes a few milliseconds, the refaults after it are the cost."""
     global _malloc_trim, _last_trim
     now = time.monotonic()
-    if _last_trim is not None and now - _last_trim < min_interval_s:
+    if _last_trim is None:  # the first call starts the clock: what the first update freed, the next reuses
+        _last_trim = now
+        if min_interval_s > 0:
+            return False
+    elif now - _last_trim < min_interval_s:
         return False
     if _malloc_trim is None:
         import ctypes
