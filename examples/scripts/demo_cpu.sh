@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The embedded default (`make demo`): GRPO on the real SmolLM2-135M-Instruct with the built-in arithmetic task,
-# vLLM rollouts, a DeepSpeed actor, on CPU. Packed rows, so each group's prompt is computed once
-# (--share_prompt_in_group auto). Override OUT / PY / STEPS from the environment.
+# vLLM rollouts, a DeepSpeed actor, on CPU. Each group's prompt is computed once: in the update by packed rows
+# (--share_prompt_in_group auto), in generation by the engine's prefix cache. Override OUT / PY / STEPS from the
+# environment.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 PY=${PY:-.venv/bin/python}
@@ -22,5 +23,5 @@ $PY -m openppo.cli.train_ppo_ray \
    --prompt_max_len 128 --generate_max_len 32 --temperature 1.0 \
    --actor_num_gpus_per_node 1 --vllm_num_engines 1 --vllm_kv_cache_bytes 1073741824 \
    --zero_stage 2 --actor_learning_rate 2e-5 --lr_warmup_ratio 0 --lr_scheduler constant \
-   --packing_samples \
+   --packing_samples --enable_prefix_caching \
    --max_steps "$STEPS" --save_path "$OUT/grpo" --use_tensorboard "$OUT/tensorboard"
