@@ -45,28 +45,34 @@ def _prepare(strategy, model):
     return train_engine(strategy, model, lr=1e-4, steps=4)
 
 
+def _actor(micro: int, accum: int):
+    """The tiny actor under one fp32 rank (ZeRO-0) and the batch of `_experience`."""
+    strategy = _strategy(micro, accum)
+    return strategy, _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+
+
+def _actor_step(strategy, engine, data, batching: Batching, **algo) -> dict[str, float]:
+    """One optimizer step over the 4 rows with the PPO loss of `AlgoConfig(**algo)`."""
+    loss_fn = actor_loss(
+        engine,
+        AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, **algo),
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=8,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+    )
+    step = dict(batching=batching, rows_per_step=4, epochs=1, world_size=1, seed=0, device=strategy.device)
+    return fit_experience(engine, data, loss_fn, **step)
+
+
 @pytest.mark.parametrize("micro,accum", [(1, 4), (2, 2), (4, 1)])
 def test_actor_step_loss_is_global_token_mean(micro, accum):
     data = _experience()
-    strategy = _strategy(micro, accum)
-    engine = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+    strategy, engine = _actor(micro, accum)
     with torch.no_grad():
         data["old_log_probs"] = engine(data["sequences"], data["attention_mask"]).log_probs
-    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0)
-    loss_fn = actor_loss(
-        engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=8, is_correction=None, is_threshold=(0.5, 5.0)
-    )
-    metrics = fit_experience(
-        engine,
-        data,
-        loss_fn,
-        batching=Batching(rows=micro),
-        rows_per_step=micro * accum,
-        epochs=1,
-        world_size=1,
-        seed=0,
-        device=strategy.device,
-    )
+    metrics = _actor_step(strategy, engine, data, Batching(rows=micro))
     # ratio 1 everywhere: per-token loss = -A, so the step loss = -(sum of A over the 14 response tokens) / 14
     expected = -(data["advantages"] * data["action_mask"]).sum() / data["action_mask"].sum()
     assert metrics["train/policy_loss"] == pytest.approx(expected.item(), abs=1e-5)
@@ -79,28 +85,13 @@ def test_logged_means_are_token_means_of_the_step(batching):
     micro-batches (here of 5, 2, 6 and 1 tokens: a mean of micro-batch means would weigh the 1-token row as much as
     the 6-token one), checked against one plain forward over all rows."""
     data = _experience()
-    strategy = _strategy(1, 4)
-    engine = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+    strategy, engine = _actor(1, 4)
     mask = data["action_mask"].bool()
     with torch.no_grad():
         out = engine(data["sequences"], data["attention_mask"], return_entropy="log")
     shift = 0.3 * torch.randn(mask.shape, generator=torch.Generator().manual_seed(3))
     data["old_log_probs"] = out.log_probs - shift  # log ratio = shift on every token
-    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, eps_clip=0.2)
-    loss_fn = actor_loss(
-        engine, algo, kl_coef=0.0, temperature=1.0, generate_max_len=8, is_correction=None, is_threshold=(0.5, 5.0)
-    )
-    metrics = fit_experience(
-        engine,
-        data,
-        loss_fn,
-        batching=batching,
-        rows_per_step=4,
-        epochs=1,
-        world_size=1,
-        seed=0,
-        device=strategy.device,
-    )
+    metrics = _actor_step(strategy, engine, data, batching, eps_clip=0.2)
     x, adv = shift[mask], data["advantages"][mask]  # k3 of KL(pi_old || pi) with x = log(pi / pi_old)
     ratio = shift[mask].exp()
     clipped = torch.where(adv >= 0, ratio > 1.2, ratio < 0.8)  # where the clipped surrogate is the smaller one
