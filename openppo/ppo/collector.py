@@ -38,7 +38,7 @@ import queue
 import threading
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -125,8 +125,8 @@ class RolloutSource:
     order; `seed` (--full_determinism) reseeds the engines' sampling; `version` is the weight version at the start
     of the generation (the oldest that can have produced a sample)."""
 
-    def __init__(self, engines: EnginePool, cfg: PPOConfig):
-        self.engines, self.cfg = engines, cfg
+    def __init__(self, cfg: PPOConfig):
+        self.cfg = cfg
 
     def generate(
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
@@ -138,30 +138,66 @@ class RolloutSource:
 
 
 class SingleTurn(RolloutSource):
-    """One response per request; rewards from `reward_source` (a function or HTTP server, on the decoded text) or,
-    without one, from the reward model's ranks (`reward_model.scores`)."""
+    """One response per request, the prompts dealt round-robin over the engines; rewards from `reward_source` (a
+    function or HTTP server, on the decoded text) or, without one, from the reward model's ranks
+    (`reward_model.scores`). An agent's turn is one such generation of its contexts (`AgentEpisodes`)."""
 
     def __init__(
         self, engines: EnginePool, cfg: PPOConfig, tokenizer, *, reward_source: Any = None, reward_model: Any = None
     ):
-        super().__init__(engines, cfg)
-        self.tokenizer, self.reward_source, self.reward_model = tokenizer, reward_source, reward_model
+        super().__init__(cfg)
+        self.engines, self.tokenizer = engines, tokenizer
+        self.reward_source, self.reward_model = reward_source, reward_model
         # the reward model's ranks run collectives: the rollout thread and eval must not interleave their calls
         self._reward_lock = threading.Lock()
 
     def generate(
-        self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
+        self,
+        items: list[dict],
+        *,
+        n: int,
+        temperature: float,
+        seed: int | None,
+        version: int,
+        max_new_tokens: Sequence[int] | None = None,
     ) -> list[Sample]:
-        r, d = self.cfg.rollout, self.cfg.data
-        outputs = self.engines.generate(
-            [it["prompt_ids"] for it in items],
-            max_new_tokens=[d.response_budget(len(it["prompt_ids"])) for it in items],
-            n=n,
-            temperature=temperature,
-            top_p=r.top_p,
-            top_k=r.top_k,
-            seed=seed,
-        )
+        """`VLLMEngine.generate` of the items' `prompt_ids`, one request per engine (prompt i goes to engine
+        i mod E), waiting at most the pool's timeout. `max_new_tokens`: a budget per item (default: what
+        --generate_max_len and --max_len leave after the prompt). With a `seed`, engine e reseeds with
+        `seed + 1000 e` (--full_determinism). Under the pool's lock, so no weight sync lands mid-generation;
+        with --partial_rollout the engines are advanced a few steps a call outside it (`EnginePool.advance`)."""
+        import ray
+
+        r, d, pool = self.cfg.rollout, self.cfg.data, self.engines
+        if max_new_tokens is None:
+            max_new_tokens = [d.response_budget(len(it["prompt_ids"])) for it in items]
+        sampling = dict(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k)
+        refs, slots, used = [], [], []
+        with pool.lock:
+            for e, engine in enumerate(pool.engines):
+                chunk = list(range(e, len(items), len(pool.engines)))
+                if not chunk:
+                    continue
+                call = engine.submit if pool.partial else engine.generate
+                refs.append(
+                    call.remote(
+                        [items[i]["prompt_ids"] for i in chunk],
+                        max_new_tokens=[max_new_tokens[i] for i in chunk],
+                        seed=None if seed is None else seed + 1_000 * e,
+                        **sampling,
+                    )
+                )
+                slots.append(chunk)
+                used.append(engine)
+            if not pool.partial:
+                results = ray.get(refs, timeout=pool.timeout_s)
+        if pool.partial:  # outside the lock: a weight sync may land between two advances
+            ray.get(refs, timeout=pool.timeout_s)
+            results = pool.advance(used)
+        completions: list = [None] * len(items)
+        for chunk, out in zip(slots, results):
+            for i, result in zip(chunk, out):
+                completions[i] = result
         return [
             Sample(
                 prompt_ids=list(item["prompt_ids"]),
@@ -169,14 +205,14 @@ class SingleTurn(RolloutSource):
                 rollout_log_probs=c["logprobs"],
                 finish_reason=c["finish_reason"],
                 group=item["index"],
-                label=item["label"],
-                prompt_text=item["prompt"],
+                label=item.get("label"),
+                prompt_text=item.get("prompt", ""),
                 # the engine's tags (--partial_rollout: a sync may land mid-response; versions never decrease)
                 policy_version=c["versions"][0] if c.get("versions") else version,
                 token_versions=c.get("versions"),
             )
-            for item, completions in zip(items, outputs)
-            for c in completions
+            for item, group in zip(items, completions)
+            for c in group
         ]
 
     def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -195,30 +231,33 @@ class SingleTurn(RolloutSource):
 
 class AgentEpisodes(RolloutSource):
     """Multi-turn episodes of an --agent_func_path environment; `episodes(generate, items, n)` plays them
-    (`openppo.agents.run_agent_episodes`), each sample carrying its episode's reward."""
+    (`openppo.agents.run_agent_episodes`), each turn one `SingleTurn.generate` of the running episodes' contexts,
+    and each sample carries its episode's reward."""
 
-    def __init__(self, engines: EnginePool, cfg: PPOConfig, episodes: Callable):
-        super().__init__(engines, cfg)
-        self.episodes = episodes
+    def __init__(self, turns: SingleTurn, episodes: Callable):
+        super().__init__(turns.cfg)
+        self.turns, self.episodes = turns, episodes
 
     def generate(
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
-        r = self.cfg.rollout
-        turns = itertools.count()  # each turn reseeds with its own number
+        turn_numbers = itertools.count()  # each turn reseeds with its own number
 
         def one_turn(ids: list[list[int]], budgets: list[int]) -> list[dict]:
-            turn_seed = None if seed is None else seed + next(turns)
-            outputs = self.engines.generate(
-                ids,
-                max_new_tokens=budgets,
+            turn = next(turn_numbers)
+            contexts = [{"prompt_ids": x, "index": i} for i, x in enumerate(ids)]
+            samples = self.turns.generate(
+                contexts,
                 n=1,
                 temperature=temperature,
-                top_p=r.top_p,
-                top_k=r.top_k,
-                seed=turn_seed,
+                seed=None if seed is None else seed + turn,
+                version=version,
+                max_new_tokens=budgets,
             )
-            return [completions[0] for completions in outputs]
+            return [
+                {"token_ids": s.response_ids, "logprobs": s.rollout_log_probs, "finish_reason": s.finish_reason}
+                for s in samples
+            ]
 
         samples = self.episodes(one_turn, items, n)
         for s in samples:

@@ -80,9 +80,8 @@ def rollout_source(cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=Non
     the reward model."""
     from openppo.ppo.collector import AgentEpisodes, SingleTurn
 
-    if agent_episodes is not None:
-        return AgentEpisodes(groups.engines, cfg, agent_episodes)
-    return SingleTurn(groups.engines, cfg, tokenizer, reward_source=groups.reward_source, reward_model=groups.reward)
+    single = SingleTurn(groups.engines, cfg, tokenizer, reward_source=groups.reward_source, reward_model=groups.reward)
+    return single if agent_episodes is None else AgentEpisodes(single, agent_episodes)
 
 
 def agent_episodes(cfg: PPOConfig, tokenizer):

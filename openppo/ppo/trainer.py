@@ -5,7 +5,8 @@
 Where each call goes (driver: this process; ranks and engines: Ray actors):
 
     step -+ Collector.collect (ppo/collector.py: prompt order, dynamic filtering; --async_train: a thread ahead)
-          |    +-> RolloutSource.generate --> EnginePool.generate (prompts round-robin) --> VLLMEngine.generate --> vLLM
+          |    +-> SingleTurn.generate (prompts round-robin over the engines) --> VLLMEngine.generate --> vLLM
+          |        (AgentEpisodes.generate: the --agent_func_path episodes, each turn a SingleTurn.generate)
           |    +-> RolloutSource.score --> reward function / HTTP server / RewardGroup.scores (reward-model ranks)
           + ActorGroup.log_probs / ReferenceGroup.log_probs / CriticGroup.values     (ppo/groups.py: deal rows)
           |    +-> ActorWorker.log_probs ... (ppo/workers.py, one per rank) --> DeepSpeed engine --> Actor.forward

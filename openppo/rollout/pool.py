@@ -1,13 +1,13 @@
 """The driver's handle on the vLLM engines of a run, and the `Sample` each completion becomes.
 
-`EnginePool.generate(prompts, ...)` spreads prompts round-robin over the engines (`VLLMEngine.generate`), one
-request per engine, and waits at most `timeout_s`. Its `lock` keeps generation and weight replacement apart: an
-engine never generates while its weights are being replaced (the actor group's sync holds the lock), which also
-makes the engines' prefix cache reset at the end of a sync safe.
+Generation (`SingleTurn.generate`, ppo/collector.py) deals prompts round-robin over the engines
+(`VLLMEngine.generate`), one request per engine, and waits at most `timeout_s`. The pool's `lock` keeps
+generation and weight replacement apart: an engine never generates while its weights are being replaced (the
+actor group's sync holds the lock), which also makes the engines' prefix cache reset at the end of a sync safe.
 
 With --partial_rollout (`partial=True`) a generation does not hold the lock: each engine gets its requests
-(`VLLMEngine.submit`) and is then advanced `PARTIAL_STEPS` decoding steps per call until done, so a sync queues
-between two calls and lands between two steps; the engine holds its steps while the sync is open.
+(`VLLMEngine.submit`) and is then advanced `PARTIAL_STEPS` decoding steps per call until done (`advance`), so a
+sync queues between two calls and lands between two steps; the engine holds its steps while the sync is open.
 """
 
 from __future__ import annotations
@@ -67,51 +67,9 @@ class EnginePool:
     def __len__(self) -> int:
         return len(self.engines)
 
-    def generate(
-        self,
-        prompt_ids: list[list[int]],
-        *,
-        max_new_tokens: Sequence[int],
-        n: int,
-        temperature: float,
-        top_p: float,
-        top_k: int,
-        seed: int | None,
-    ) -> list[list[dict]]:
-        """`VLLMEngine.generate` of the prompts dealt round-robin over the engines, one request per engine; the `n`
-        completions of each prompt, in prompt order. `max_new_tokens` is one budget per prompt. With a `seed`,
-        engine e gets `seed + 1000 e`, so that each reseeds its sampling with its own number (--full_determinism)."""
-        import ray
-
-        sampling = dict(n=n, temperature=temperature, top_p=top_p, top_k=top_k)
-        refs, slots, used = [], [], []
-        with self.lock:
-            for e, engine in enumerate(self.engines):
-                chunk = list(range(e, len(prompt_ids), len(self.engines)))
-                if not chunk:
-                    continue
-                request = dict(
-                    max_new_tokens=[max_new_tokens[i] for i in chunk],
-                    seed=None if seed is None else seed + 1_000 * e,
-                    **sampling,
-                )
-                call = engine.submit if self.partial else engine.generate
-                refs.append(call.remote([prompt_ids[i] for i in chunk], **request))
-                slots.append(chunk)
-                used.append(engine)
-            if not self.partial:
-                results = ray.get(refs, timeout=self.timeout_s)
-        if self.partial:  # outside the lock: a weight sync may land between two advances
-            ray.get(refs, timeout=self.timeout_s)
-            results = self._advance(used)
-        outputs: list = [None] * len(prompt_ids)
-        for chunk, out in zip(slots, results):
-            for i, result in zip(chunk, out):
-                outputs[i] = result
-        return outputs
-
-    def _advance(self, engines: list) -> list:
-        """--partial_rollout: each engine's results, advancing every unfinished engine PARTIAL_STEPS steps a call."""
+    def advance(self, engines: list) -> list:
+        """--partial_rollout: the results of `engines` (each with a submitted batch), advancing every unfinished
+        one PARTIAL_STEPS steps a call, outside the lock, so that a weight sync may land between two calls."""
         import ray
 
         deadline = time.monotonic() + self.timeout_s

@@ -47,7 +47,7 @@ class _ParitySource(RolloutSource):
     1), and records the rounds. The engines' part is covered end to end in tests/ppo/test_train_ppo_ray.py."""
 
     def __init__(self, cfg):
-        super().__init__(None, cfg)
+        super().__init__(cfg)
         self.rounds: list[list[int]] = []
 
     def generate(self, items, *, n, temperature, seed, version):
