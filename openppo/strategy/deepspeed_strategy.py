@@ -25,6 +25,7 @@ from openppo.strategy import checkpoint as ckpt
 from openppo.strategy.config import DeepSpeedConfig, eval_ds_config, train_ds_config
 from openppo.strategy.distributed import init_distributed
 from openppo.strategy.step_guard import StepGuard
+from openppo.utils.hardware import keep_freed_host_memory
 
 logger = logging.getLogger(__name__)
 
@@ -185,6 +186,8 @@ class DeepSpeedStrategy:
         import deepspeed
         from transformers import get_scheduler
 
+        if not self.on_gpu:  # a CPU rank's activations and gradients are host memory, made again every micro-batch
+            keep_freed_host_memory()
         optimizer = self._optimizer(model, lr, betas, weight_decay, eps)
         kwargs = {"min_lr_rate": min_lr_ratio} if scheduler == "cosine_with_min_lr" else {}
         lr_scheduler = get_scheduler(

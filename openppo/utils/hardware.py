@@ -221,13 +221,7 @@ def trim_host_heap(min_interval_s: float = TRIM_INTERVAL_S) -> bool:
     elif now - _last_trim < min_interval_s:
         return False
     if _malloc_trim is None:
-        import ctypes
-        import ctypes.util
-
-        try:
-            _malloc_trim = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
-        except (OSError, AttributeError):  # not glibc (musl, macOS)
-            _malloc_trim = False
+        _malloc_trim = _glibc_function("malloc_trim") or False
     if not _malloc_trim:
         return False
     _malloc_trim(0)
@@ -237,6 +231,39 @@ def trim_host_heap(min_interval_s: float = TRIM_INTERVAL_S) -> bool:
 
 _malloc_trim = None
 _last_trim: float | None = None
+
+# glibc's mallopt parameters (malloc.h)
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+
+
+def keep_freed_host_memory() -> bool:
+    """Have the C allocator keep freed memory for reuse instead of giving it back at once; a no-op without glibc.
+    Returns whether it took effect. Only `trim_host_heap` then hands pages back, at most once a minute.
+
+    glibc serves every block over its mmap threshold (at most 32 MiB) with a fresh mapping and unmaps it on free,
+    so a CPU update's logits, their gradients and the embedding-sized weight gradients, allocated again for every
+    micro-batch, are faulted in page by page each time: a few GiB a step, about a tenth of the update on a CPU
+    trainer (docs/benchmarks.md, "Measurements behind code defaults"). With mmap off and no automatic trim they come
+    from the heap, which keeps the pages the previous micro-batch freed. The cost: between two trims the process
+    holds what it freed, its working peak plus the heap's fragmentation."""
+    import ctypes
+
+    mallopt = _glibc_function("mallopt")
+    if mallopt is None:
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def _glibc_function(name: str):
+    """A glibc allocator function through ctypes; None without one (musl, macOS)."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        return getattr(ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6"), name)
+    except (OSError, AttributeError):
+        return None
 
 
 def host_memory_gib() -> float:
