@@ -64,8 +64,8 @@ def train(cfg: PPOConfig) -> None:
     try:
         launch.start_ray()
         groups = launch.build_groups(cfg, plan, reward_source, kv_bytes)
-        source = launch.rollout_source(cfg, groups, tokenizer, agent_episodes)
-        trainer = PPOTrainer(cfg, plan, groups, tokenizer, prompts, tracker, source, eval_prompts=eval_prompts)
+        source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)
+        trainer = PPOTrainer(cfg, plan, groups, tokenizer, prompts, tracker, source, scorer, eval_prompts=eval_prompts)
         try:
             history = trainer.fit()
         except Exception as exc:

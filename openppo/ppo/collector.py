@@ -1,11 +1,12 @@
 """Where a step's batch comes from: prompts in a resumable order, a rollout source that turns them into scored
 samples, dynamic filtering, generating ahead (--async_train), and the eval set's pass@k.
 
-    Collector.collect: PromptStream.take -> RolloutSource.generate (engines) -> RolloutSource.score -> [filter]
+    Collector.collect: PromptStream.take -> RolloutSource.generate (engines) -> Scorer.score -> [filter]
 
-The rollout source is chosen once per run: `SingleTurn` (one response per request, scored by a reward function,
-an HTTP reward server or the reward model's ranks) or `AgentEpisodes` (multi-turn episodes of an --agent_func_path
-environment, which also gives the rewards).
+The rollout source and the scorer are chosen once per run. Source: `SingleTurn` (one response per request) or
+`AgentEpisodes` (multi-turn episodes of an --agent_func_path environment). Scorer: `TextRewards` (a reward function
+or an HTTP reward server), `RewardGroup` (the reward model's ranks, ppo/groups.py) or, for agents, the episodes'
+own rewards.
 
 Prompt order. Every episode is a fresh random permutation of the prompt set, seeded by `(seed, episode)` alone, so
 a resumed run rebuilds the same order without replaying earlier episodes. Each episode uses a whole number of
@@ -40,12 +41,11 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.experience import collate_samples
 from openppo.ppo.reporting import timed
 from openppo.rollout.pool import EnginePool, Sample
 
@@ -121,9 +121,9 @@ def keep_groups(scores: torch.Tensor, n_samples_per_prompt: int, reward_range: t
 
 
 class RolloutSource:
-    """Prompts -> samples -> raw rewards. `generate` returns the n samples of each prompt consecutively, prompts in
-    order; `seed` (--full_determinism) reseeds the engines' sampling; `version` is the weight version at the start
-    of the generation (the oldest that can have produced a sample)."""
+    """Prompts -> samples. `generate` returns the n samples of each prompt consecutively, prompts in order; `seed`
+    (--full_determinism) reseeds the engines' sampling; `version` is the weight version at the start of the
+    generation (the oldest that can have produced a sample)."""
 
     def __init__(self, cfg: PPOConfig):
         self.cfg = cfg
@@ -133,23 +133,38 @@ class RolloutSource:
     ) -> list[Sample]:
         raise NotImplementedError
 
+
+class Scorer(Protocol):
+    """Samples -> raw rewards [len(samples)] and extra metrics to log: `TextRewards` (a reward function or HTTP
+    server), `RewardGroup` (the reward model's ranks) or `AgentEpisodes` (the environment's rewards)."""
+
+    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]: ...
+
+
+class TextRewards:
+    """Rewards of the decoded prompt + response texts from a `RewardSource` (--remote_rm_url: a Python file or an
+    HTTP server), with each sample's label."""
+
+    def __init__(self, reward_source: Any, tokenizer):
+        self.reward_source, self.tokenizer = reward_source, tokenizer
+
     def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
-        raise NotImplementedError
+        responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
+        prompts = [s.prompt_text for s in samples]
+        result = self.reward_source.score(
+            [p + r for p, r in zip(prompts, responses)], prompts, [s.label for s in samples]
+        )
+        extra = {f"reward/{k}": sum(v) / len(v) for k, v in result.extra_logs.items() if v}
+        return torch.tensor(result.rewards, dtype=torch.float32), extra
 
 
 class SingleTurn(RolloutSource):
-    """One response per request, the prompts dealt round-robin over the engines; rewards from `reward_source` (a
-    function or HTTP server, on the decoded text) or, without one, from the reward model's ranks
-    (`reward_model.scores`). An agent's turn is one such generation of its contexts (`AgentEpisodes`)."""
+    """One response per request, the prompts dealt round-robin over the engines. An agent's turn is one such
+    generation of its contexts (`AgentEpisodes`)."""
 
-    def __init__(
-        self, engines: EnginePool, cfg: PPOConfig, tokenizer, *, reward_source: Any = None, reward_model: Any = None
-    ):
+    def __init__(self, engines: EnginePool, cfg: PPOConfig):
         super().__init__(cfg)
-        self.engines, self.tokenizer = engines, tokenizer
-        self.reward_source, self.reward_model = reward_source, reward_model
-        # the reward model's ranks run collectives: the rollout thread and eval must not interleave their calls
-        self._reward_lock = threading.Lock()
+        self.engines = engines
 
     def generate(
         self,
@@ -215,19 +230,6 @@ class SingleTurn(RolloutSource):
             for c in group
         ]
 
-    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
-        if self.reward_source is not None:
-            responses = self.tokenizer.batch_decode([s.response_ids for s in samples], skip_special_tokens=True)
-            prompts = [s.prompt_text for s in samples]
-            result = self.reward_source.score(
-                [p + r for p, r in zip(prompts, responses)], prompts, [s.label for s in samples]
-            )
-            extra = {f"reward/{k}": sum(v) / len(v) for k, v in result.extra_logs.items() if v}
-            return torch.tensor(result.rewards, dtype=torch.float32), extra
-        batch = collate_samples(samples, self.tokenizer.pad_token_id)
-        with self._reward_lock:
-            return self.reward_model.scores({k: batch[k] for k in ("sequences", "attention_mask")}), {}
-
 
 class AgentEpisodes(RolloutSource):
     """Multi-turn episodes of an --agent_func_path environment; `episodes(generate, items, n)` plays them
@@ -291,9 +293,15 @@ class Collector:
     """
 
     def __init__(
-        self, cfg: PPOConfig, prompts, source: RolloutSource, stream: PromptStream, version: Callable[[], int]
+        self,
+        cfg: PPOConfig,
+        prompts,
+        source: RolloutSource,
+        scorer: Scorer,
+        stream: PromptStream,
+        version: Callable[[], int],
     ):
-        self.cfg, self.prompts, self.source, self.stream = cfg, prompts, source, stream
+        self.cfg, self.prompts, self.source, self.scorer, self.stream = cfg, prompts, source, scorer, stream
         self.version = version  # the weight version the engines generate with now
         r = cfg.rollout
         self.surplus = (r.vllm_generate_batch_size or r.rollout_batch_size) - r.rollout_batch_size
@@ -327,7 +335,7 @@ class Collector:
             with timed(timing, "generate"):
                 new = self.source.generate(items, n=n, temperature=r.temperature, seed=seed, version=self.version())
             with timed(timing, "reward"):
-                new_scores, logs = self.source.score(new)
+                new_scores, logs = self.scorer.score(new)
             generated.append(new_scores)
             groups = [
                 _Group(new[g * n : (g + 1) * n], new_scores[g * n : (g + 1) * n], first + g) for g in range(len(items))
@@ -360,7 +368,7 @@ class Collector:
     def evaluate(self, items: list[dict], n: int, temperature: float) -> dict[str, float]:
         """pass@1 / pass@k of `n` samples per eval prompt with the current weights (`eval_metrics`)."""
         samples = self.source.generate(items, n=n, temperature=temperature, seed=None, version=self.version())
-        scores, _ = self.source.score(samples)
+        scores, _ = self.scorer.score(samples)
         return eval_metrics(
             scores.view(len(items), n),
             [it.get("datasource", "default") for it in items],

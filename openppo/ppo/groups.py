@@ -12,6 +12,7 @@ receive its shard; forward passes keep one result per such group.
 
 from __future__ import annotations
 
+import threading
 from dataclasses import dataclass
 from typing import Any
 
@@ -20,8 +21,9 @@ import torch
 from openppo.distributed.worker import BaseWorker
 from openppo.distributed.worker_group import Method, WorkerGroup
 from openppo.ppo.batching import in_batch_order, replicated, shard_rows, shards
+from openppo.ppo.experience import collate_samples
 from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, _TrainedWorker
-from openppo.rollout.pool import EnginePool
+from openppo.rollout.pool import EnginePool, Sample
 
 # -- the handles ------------------------------------------------------------------------------------------------------
 
@@ -148,11 +150,22 @@ class ReferenceGroup(ModelGroup):
 
 
 class RewardGroup(ModelGroup):
-    normalization: tuple[float, float] | None = None  # the reward model's saved (mean, std), set at start-up
+    """The reward model's ranks, and the run's scorer when it has no reward function (`collector.Scorer`)."""
 
-    def scores(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
-        """The reward model's raw score per sequence [B]."""
-        return self.forward(RewardWorker.scores, data)
+    normalization: tuple[float, float] | None = None  # the reward model's saved (mean, std), set at start-up
+    pad_token_id: int | None = None  # the tokenizer's, set when it becomes the run's scorer (`launch.rollout_parts`)
+
+    def __init__(self, workers: WorkerGroup, **kwargs):
+        super().__init__(workers, **kwargs)
+        # the ranks run collectives: the rollout thread (--async_train) and eval must not interleave their calls
+        self._lock = threading.Lock()
+
+    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
+        """The reward model's raw score per sample [B], and no extra metrics."""
+        assert self.pad_token_id is not None, "set pad_token_id before scoring samples"
+        batch = collate_samples(samples, self.pad_token_id)
+        with self._lock:
+            return self.forward(RewardWorker.scores, {k: batch[k] for k in ("sequences", "attention_mask")}), {}
 
 
 @dataclass

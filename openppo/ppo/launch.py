@@ -10,7 +10,7 @@ import datasets
 import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
-from openppo.ppo.collector import RolloutSource
+from openppo.ppo.collector import RolloutSource, Scorer
 from openppo.ppo.colocation import colocation_pools, engine_placement
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.groups import Groups
@@ -74,14 +74,21 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
     )
 
 
-def rollout_source(cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=None) -> RolloutSource:
-    """The run's rollout source, chosen once: the agent's episodes (`agent_episodes(cfg, tokenizer)`, built before
-    Ray starts so that a broken agent file fails first) or single-turn generation scored by the reward source or
-    the reward model."""
-    from openppo.ppo.collector import AgentEpisodes, SingleTurn
+def rollout_parts(cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=None) -> tuple[RolloutSource, Scorer]:
+    """The run's rollout source and scorer, chosen once: the agent's episodes for both (`agent_episodes(cfg,
+    tokenizer)`, built before Ray starts so that a broken agent file fails first), or single-turn generation scored
+    by the reward source (--remote_rm_url) or else the reward model's ranks."""
+    from openppo.ppo.collector import AgentEpisodes, SingleTurn, TextRewards
 
-    single = SingleTurn(groups.engines, cfg, tokenizer, reward_source=groups.reward_source, reward_model=groups.reward)
-    return single if agent_episodes is None else AgentEpisodes(single, agent_episodes)
+    single = SingleTurn(groups.engines, cfg)
+    if agent_episodes is not None:
+        agent = AgentEpisodes(single, agent_episodes)
+        return agent, agent
+    if groups.reward_source is not None:
+        return single, TextRewards(groups.reward_source, tokenizer)
+    assert groups.reward is not None, "validation requires a reward model or a reward source"
+    groups.reward.pad_token_id = tokenizer.pad_token_id
+    return single, groups.reward
 
 
 def agent_episodes(cfg: PPOConfig, tokenizer):

@@ -7,7 +7,8 @@ Where each call goes (driver: this process; ranks and engines: Ray actors):
     step -+ Collector.collect (ppo/collector.py: prompt order, dynamic filtering; --async_train: a thread ahead)
           |    +-> SingleTurn.generate (prompts round-robin over the engines) --> VLLMEngine.generate --> vLLM
           |        (AgentEpisodes.generate: the --agent_func_path episodes, each turn a SingleTurn.generate)
-          |    +-> RolloutSource.score --> reward function / HTTP server / RewardGroup.scores (reward-model ranks)
+          |    +-> TextRewards.score --> reward function / HTTP server (--remote_rm_url)
+          |        or RewardGroup.score --> RewardWorker.scores (the reward model's ranks)
           + ActorGroup.log_probs / ReferenceGroup.log_probs / CriticGroup.values     (ppo/groups.py: deal rows)
           |    +-> ActorWorker.log_probs ... (ppo/workers.py, one per rank) --> DeepSpeed engine --> Actor.forward
           + compute_advantages_for_batch (ppo/experience.py --> algorithms/: pure tensor math)
@@ -34,7 +35,15 @@ from tqdm import tqdm
 
 from openppo.algorithms import build_kl_controller, engine_gap, masked_mean, sequence_kl
 from openppo.errors import UserError
-from openppo.ppo.collector import Collector, PromptStream, Rollout, RolloutProducer, RolloutSource, staleness
+from openppo.ppo.collector import (
+    Collector,
+    PromptStream,
+    Rollout,
+    RolloutProducer,
+    RolloutSource,
+    Scorer,
+    staleness,
+)
 from openppo.ppo.colocation import MemorySwap
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
@@ -61,6 +70,7 @@ class PPOTrainer:
         prompts,
         tracker: MetricsTracker,
         source: RolloutSource,
+        scorer: Scorer,
         eval_prompts=None,
     ):
         self.cfg, self.plan = cfg, plan
@@ -76,7 +86,7 @@ class PPOTrainer:
             seed=cfg.train.seed,
         )
         # prompts (PromptDataset items: prompt, prompt_ids, label, index, datasource) -> scored rollout batches
-        self.collector = Collector(cfg, prompts, source, self.stream, lambda: self.policy_version)
+        self.collector = Collector(cfg, prompts, source, scorer, self.stream, lambda: self.policy_version)
         self.total_steps = plan.rl_steps
         self.global_step = 0
         self.policy_version = 0  # weight syncs done: the version the engines generate with

@@ -75,7 +75,7 @@ def _collector(*flags, prompts=24):
     cfg = _cfg("--n_samples_per_prompt", "2", "--rollout_batch_size", "4", "--async_train", *flags)
     stream = PromptStream(prompts, rollout_batch_size=4, num_episodes=1, seed=0)
     source = _ParitySource(cfg)
-    return Collector(cfg, [{"index": i} for i in range(prompts)], source, stream, lambda: 0), source
+    return Collector(cfg, [{"index": i} for i in range(prompts)], source, source, stream, lambda: 0), source
 
 
 def test_oversampling_keeps_the_surplus_groups_for_the_next_batch():
