@@ -97,3 +97,28 @@ def test_export_holds_the_average_of_every_step(ema_results, zero):
     assert r["steps"] == 4  # 2 epochs x 2 optimizer steps
     assert r["moved"] > 1e-3  # the weights did move, so the average differs from them and from the start
     assert r["average_error"] < 1e-6, r
+
+
+def test_mixture_of_experts_average_exports_under_the_checkpoint_names(tmp_path):
+    """A mixture-of-experts model's average (one process, no DeepSpeed): every expert's weights are averaged and the
+    export names them as the checkpoint does (transformers keeps the experts fused in memory)."""
+    from safetensors.torch import load_file
+
+    from openppo.models.actor import Actor
+    from openppo.models.hf import load_tokenizer, save_hf_folder
+    from openppo.ppo.fit import WeightAverage
+    from tests.model_cache import tiny_model_dir
+
+    path = tiny_model_dir(arch="qwen3_moe")
+    actor = Actor.from_pretrained(str(path), dtype=torch.float32)
+    ema = WeightAverage(actor, BETA, rank=0)
+    with torch.no_grad():
+        for p in actor.parameters():
+            p.add_(1.0)
+    ema.update()
+    save_hf_folder(actor.model, ema.state(torch.float32), load_tokenizer(str(path)), tmp_path)
+    exported, initial = load_file(tmp_path / "model.safetensors"), load_file(path / "model.safetensors")
+    assert set(exported) == set(initial)
+    assert any(".experts." in name for name in initial)
+    for name, w in initial.items():  # e = beta w0 + (1 - beta) (w0 + 1)
+        torch.testing.assert_close(exported[name], w + (1 - BETA), rtol=0, atol=1e-6, msg=name)
