@@ -26,6 +26,7 @@ from openppo.config.common import CheckpointConfig, LoggingConfig, OptimConfig
 from openppo.errors import UserError
 from openppo.strategy.checkpoint import hf_export_dir, max_bytes, rotate_hf
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+from openppo.utils.hardware import trim_host_heap
 from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
 logger = logging.getLogger(__name__)
@@ -205,6 +206,7 @@ class SupervisedTrainer:
                 step_count = 0
                 global_step += 1
                 progress.update(1)
+                trim_host_heap()  # at most once a minute: hands back what a CPU rank's heap keeps between steps
                 if global_step % self.logging_cfg.logging_steps == 0 or global_step == self.total_steps:
                     last = self.strategy.all_reduce_mean({k: v / max(count, 1) for k, v in sums.items()})
                     last[self.guard.metric] = skipped  # the same on every rank: they skip together

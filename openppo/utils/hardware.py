@@ -210,8 +210,9 @@ def trim_host_heap(min_interval_s: float = TRIM_INTERVAL_S) -> bool:
     PyTorch's CPU tensors come from malloc. After a large block is freed glibc raises its mmap threshold (up to
     32 MiB), so the same-sized tensors made again every step (weight-sync buckets, embedding-sized gradients) then
     come from heaps that keep freed pages, and a rank's RSS drifts in steps of one such block with how many happen
-    to be kept. The training ranks call this after their update (before logging their RSS) and after the weight
-    sync; a trim takes a few milliseconds, the refaults after it are the cost."""
+    to be kept. The RL training ranks call this after their update (before logging their RSS) and after the weight
+    sync, the SFT / RM / DPO loop after each optimizer step; a trim takes a few milliseconds, the refaults after it
+    are the cost."""
     global _malloc_trim, _last_trim
     now = time.monotonic()
     if _last_trim is None:  # the first call starts the clock: what the first update freed, the next reuses
