@@ -44,11 +44,33 @@ def opt(
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """An ArgumentParser whose usage errors are a single line on stderr and exit code 2."""
+    """An ArgumentParser whose usage errors are a single line on stderr and exit code 2.
+
+    Abbreviations are refused: argparse's default takes `--pretrai` for `--pretrain`, so a recipe's typo (or a flag
+    that a later version adds with a longer name) silently sets another option. An unknown flag names the closest
+    known one instead."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(*args, **kwargs)
 
     def error(self, message: str) -> typing.NoReturn:  # noqa: D401 - argparse API
+        if message.startswith("unrecognized arguments:"):
+            message += self._closest(message.split(":", 1)[1].split())
         sys.stderr.write(f"error: {message} (see {self.prog} --help)\n")
         sys.exit(2)
+
+    def _closest(self, tokens: list[str]) -> str:
+        """`; did you mean --pretrain?` for the first unknown flag that is close to a known one."""
+        import difflib
+
+        known = [s for action in self._actions for s in action.option_strings if action.help != argparse.SUPPRESS]
+        for token in tokens:
+            if token.startswith("--"):
+                match = difflib.get_close_matches(token.partition("=")[0], known, n=1, cutoff=0.75)
+                if match:
+                    return f"; did you mean {match[0]}?"
+        return ""
 
 
 class _HelpFormatter(argparse.HelpFormatter):

@@ -92,3 +92,29 @@ def test_every_flag_has_help():
         for action in build_parser(cls, "t", "")._actions:
             if action.option_strings and action.dest not in ("help", "local_rank"):
                 assert action.help and not action.help.startswith("(default"), action.dest
+
+
+def test_a_truncated_flag_is_refused_naming_the_full_one():
+    """argparse's default `allow_abbrev` took `--pretrai` for `--pretrain` (and `--zero 3` for `--zero_stage 3`)."""
+    from openppo.ppo.config import PPOConfig
+
+    for argv, closest in ((["--pretrai", "m"], "--pretrain"), (["--zero", "3"], None), (["--seed=3"], None)):
+        proc = subprocess.run(
+            [
+                sys.executable,
+                "-c",
+                f"from openppo.config.schema import parse_config as p; "
+                f"from openppo.ppo.config import PPOConfig; p(PPOConfig, {argv!r}, 't')",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        if argv == ["--seed=3"]:  # the full name, with "=", still parses
+            assert proc.returncode == 0, proc.stderr
+            continue
+        assert proc.returncode == 2, (argv, proc.stderr)
+        lines = [line for line in proc.stderr.splitlines() if line.strip()]
+        assert len(lines) == 1 and f"unrecognized arguments: {argv[0]}" in lines[0], proc.stderr
+        assert (f"did you mean {closest}?" in lines[0]) if closest else "did you mean" not in lines[0], lines[0]
+    assert parse_config(PPOConfig, ["--pretrain", "m"], "t").model.pretrain == "m"
