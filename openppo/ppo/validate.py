@@ -6,6 +6,9 @@ for options that are accepted but cannot take effect here. It never rewrites the
 
 from __future__ import annotations
 
+import dataclasses
+from typing import Any
+
 from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
@@ -14,6 +17,14 @@ from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
 from openppo.utils.profiling import parse_profile_steps
+
+# (config section, field) of the settings that only a critic (--advantage_estimator gae) reads
+_CRITIC_ONLY = (
+    ("algo", "lambd"),
+    ("algo", "value_clip"),
+    ("train", "critic_learning_rate"),
+    ("train", "freezing_actor_steps"),
+)
 
 
 def needs_reference(cfg: PPOConfig) -> bool:
@@ -406,9 +417,24 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
             notices.append("--vllm_sync_backend nccl needs GPUs: gloo is used instead")
 
 
+def _set(section: Any, name: str) -> bool:
+    """Whether the field `name` of a config section holds other than its default (the user set it)."""
+    default = next(f.default for f in dataclasses.fields(section) if f.name == name)
+    return getattr(section, name) != default
+
+
 def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
     """Options that are accepted, and valid, but do nothing (or not what their name says) in this run."""
     algo, m = cfg.algo, cfg.model
+    if not needs_critic_group(cfg):
+        unused = [f"--{name}" for section, name in _CRITIC_ONLY if _set(getattr(cfg, section), name)]
+        if unused:
+            notices.append(
+                f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with --advantage_estimator "
+                f"{algo.advantage_estimator}: only gae trains a critic"
+            )
+    if _set(algo, "kl_horizon") and algo.kl_target is None:
+        notices.append("--kl_horizon has no effect without --kl_target: the KL coefficient stays --init_kl_coef")
     if algo.normalize_reward and not m.reward_pretrain:
         source = "--agent_func_path" if cfg.rollout.agent_func_path else "--remote_rm_url"
         notices.append(

@@ -232,6 +232,12 @@ NO_EFFECT = [
     (["--full_determinism", "--async_train"], "--full_determinism with --async_train"),
     (["--partial_rollout"], "--partial_rollout has no effect without --async_train"),
     (["--aux_loss_coef", "0.01"], "--aux_loss_coef has no effect"),  # the dense tiny model has no router
+    (["--lambd", "0.95"], "--lambd has no effect with --advantage_estimator group_norm: only gae trains a critic"),
+    (["--value_clip", "0.2"], "--value_clip has no effect with --advantage_estimator group_norm"),
+    (["--critic_learning_rate", "1e-5"], "--critic_learning_rate has no effect with --advantage_estimator"),
+    (["--freezing_actor_steps", "3"], "--freezing_actor_steps has no effect with --advantage_estimator"),
+    (["--lambd", "0.9", "--value_clip", "0.1"], "--lambd, --value_clip have no effect with --advantage_estimator"),
+    (["--kl_horizon", "500"], "--kl_horizon has no effect without --kl_target"),
     (
         ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "1", "--train_batch_size", "4"]
         + ["--packing_samples", "--share_prompt_in_group", "on"],
@@ -258,6 +264,9 @@ def test_options_with_effect_say_nothing(base):
         "--ref_reward_offload": ["--ref_reward_offload", "--init_kl_coef", "0.01", "--zero_stage", "3"],
         "--zpg": ["--zpg", "2", "--zero_stage", "3"],
         "--kl_estimator": ["--init_kl_coef", "0.01", "--kl_estimator", "k3", "--use_kl_loss"],
+        # a critic reads them; an adaptive KL controller reads its horizon
+        "--lambd": ["--advantage_estimator", "gae", "--lambd", "0.95", "--value_clip", "0.2"],
+        "--kl_horizon": ["--init_kl_coef", "0.01", "--kl_target", "6", "--kl_horizon", "500"],
     }
     for flag, extra in quiet.items():
         notices = validate(_cfg(base, extra), on_gpu=False)
