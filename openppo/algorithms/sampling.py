@@ -13,9 +13,16 @@ logits / T. To compare the two sides (importance weights of `--enable_vllm_is_co
 
 This is vLLM's rule (`apply_top_k_top_p`: top-k first, then top-p on the top-k distribution). A token the engine
 sampled can fall outside the trainer's kept set: at the boundary through rounding, or because the policy moved
-(a stale batch). Its probability under the trainer's truncated policy is then 0, and -inf says so; the importance
-weights clamp log-ratios, so such a token gets a weight of about e^-20 (dropped), and `engine_gap` counts them
-(`rollout/outside_support`).
+(a stale batch). Its probability under the trainer's truncated policy is then 0, and -inf says so; `engine_gap`
+counts such tokens (`rollout/outside_support`). The importance weights (`losses.importance_weights`) clamp the
+log-ratio to -20, so its ratio is e^-20, which each correction treats as it treats any ratio below the band's low end
+(`--vllm_is_truncated_threshold`, 0.5 by default):
+    tis           weight = low: truncated IS clips every ratio into [low, high], as OpenRLHF defines it;
+    icepop        weight 0: the token is dropped, as is every token whose ratio leaves the band;
+    seq-mask-tis  weight = low, unless the response's geometric-mean ratio leaves the band, then 0.
+`tis` keeps the token at the floor weight rather than 0 because the floor is its rule for every token the trainer
+finds less likely than the engine did, and a boundary token lost to rounding belongs there; use `icepop` to drop
+tokens outside the trainer's support.
 """
 
 from __future__ import annotations

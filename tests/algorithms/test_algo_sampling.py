@@ -122,3 +122,22 @@ def test_importance_weights_compare_one_distribution():
     gap = engine_gap(engine, moved, mask)
     assert gap["outside_support"] == pytest.approx(1 / mask.sum().item())
     assert gap["logprob_diff"] == pytest.approx(0.0, abs=1e-12)
+
+
+def test_a_token_outside_the_trainers_support_under_each_correction():
+    """The default band (0.5, 5): the ratio of a token the trainer's truncation excludes is e^-20; tis raises it to
+    the band's floor like any low ratio, icepop drops it, seq-mask-tis floors it unless the response's geometric
+    mean leaves the band (the module docstring of `openppo.algorithms.sampling` says the same)."""
+    rollout = torch.zeros(2, 100, dtype=torch.float64)  # log-probs the engine reported
+    old = torch.zeros_like(rollout)  # the trainer agrees on every other token (ratio 1)
+    old[:, 0] = float("-inf")  # the first token of each response is outside the trainer's support
+    mask = torch.ones_like(rollout)
+    mask[1, 10:] = 0  # the second response is 10 tokens long: its mean log-ratio is -20 / 10
+    band = (0.5, 5.0)
+    tis, _ = importance_weights(old, rollout, mask, "tis", band)
+    icepop, _ = importance_weights(old, rollout, mask, "icepop", band)
+    seq, _ = importance_weights(old, rollout, mask, "seq-mask-tis", band)
+    assert tis[:, 0].tolist() == [0.5, 0.5] and tis[0, 1:].eq(1).all()
+    assert icepop[:, 0].tolist() == [0.0, 0.0] and icepop[0, 1:].eq(1).all()
+    # 100 tokens: exp(-20 / 100) = 0.82 is inside the band, the token is floored; 10 tokens: exp(-2) = 0.14 is not
+    assert seq[0, 0] == 0.5 and seq[0, 1:].eq(1).all() and seq[1].eq(0).all()
