@@ -50,11 +50,17 @@ def make_strategy(cfg: PPOConfig, role: RolePlan) -> DeepSpeedStrategy:
             max_norm=t.max_norm,
             seed=t.seed,
             tensor_parallel_size=role.tensor_parallel,
+            full_determinism=t.full_determinism,
         )
     # Frozen models never step an optimizer; DeepSpeed still wants batch sizes that divide over the ranks.
     micro = cfg.rollout.micro_rollout_batch_size
     return DeepSpeedStrategy(
-        cfg.ds, train_batch_size=micro * role.ranks, micro_batch_size=micro, max_norm=t.max_norm, seed=t.seed
+        cfg.ds,
+        train_batch_size=micro * role.ranks,
+        micro_batch_size=micro,
+        max_norm=t.max_norm,
+        seed=t.seed,
+        full_determinism=t.full_determinism,
     )
 
 

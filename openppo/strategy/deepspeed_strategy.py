@@ -80,6 +80,7 @@ class DeepSpeedStrategy:
         max_norm: float,
         seed: int,
         tensor_parallel_size: int = 1,
+        full_determinism: bool = False,
     ):
         self.cfg = cfg
         if cfg.param_dtype == "auto":  # the CLIs resolve it up front; a strategy built directly resolves it here
@@ -91,6 +92,7 @@ class DeepSpeedStrategy:
         self.micro_batch_size = micro_batch_size
         self.max_norm = max_norm
         self.seed = seed
+        self.full_determinism = full_determinism  # --full_determinism: deterministic kernels on this rank
         self.on_gpu = torch.cuda.is_available()
         self.rank = 0
         self.world_size = 1
@@ -102,6 +104,10 @@ class DeepSpeedStrategy:
         self.rank, self.world_size = init_distributed(self.cfg.dist_timeout)
         validate_batch_sizes(self.train_batch_size, self.micro_batch_size, self.world_size)
         set_seed(self.seed)
+        if self.full_determinism:
+            from transformers import enable_full_determinism
+
+            enable_full_determinism(self.seed)  # seeds, deterministic torch/cuDNN/cuBLAS kernels
 
     @property
     def is_rank0(self) -> bool:

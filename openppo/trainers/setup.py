@@ -112,12 +112,9 @@ def make_strategy(cfg: Any) -> DeepSpeedStrategy:
         max_norm=cfg.optim.max_norm,
         seed=cfg.optim.seed,
         tensor_parallel_size=cfg.ds.ds_tensor_parallel_size,
+        full_determinism=cfg.optim.full_determinism,
     )
     strategy.setup_distributed()
-    if cfg.optim.full_determinism:
-        from transformers import enable_full_determinism
-
-        enable_full_determinism(cfg.optim.seed)  # seeds, deterministic torch/cuDNN/cuBLAS
     return strategy
 
 

@@ -103,3 +103,39 @@ def test_workers(cfg, batch):
     # longest row, so what lies beyond is zero)
     before_next = batch["attention_mask"][:, 1:].bool()
     assert torch.allclose(values[before_next], full[:, :-1][before_next], atol=1e-5)
+
+
+SETUP_RANKS = """
+import os, sys, torch
+os.environ.update(RANK="0", LOCAL_RANK="0", WORLD_SIZE="1", MASTER_ADDR="127.0.0.1", MASTER_PORT=sys.argv[1])
+from openppo.config.schema import parse_config
+from openppo.ppo.config import PPOConfig
+from openppo.ppo.plan import make_plan
+from openppo.ppo.workers import make_strategy
+argv = ["--pretrain", sys.argv[2], "--prompt_data", "x", "--init_kl_coef", "0.01", "--param_dtype", "fp32"]
+cfg = parse_config(PPOConfig, argv + sys.argv[3:], "t")
+roles = make_plan(cfg, num_prompts=8).roles
+for name in ("actor", "reference"):
+    make_strategy(cfg, roles[name]).setup_distributed()
+    print(name, torch.are_deterministic_algorithms_enabled())
+"""
+
+
+@pytest.mark.parametrize("flags", [[], ["--full_determinism"]])
+def test_full_determinism_makes_the_trainer_ranks_deterministic(flags):
+    """--full_determinism reseeded only the engines' sampling; the trainer ranks (trained and frozen) ran torch's
+    nondeterministic kernels, as in a run without it. A subprocess: the setting is global to torch."""
+    import subprocess
+    import sys
+
+    from openppo.rollout.sync_group import free_port
+
+    proc = subprocess.run(
+        [sys.executable, "-c", SETUP_RANKS, str(free_port("127.0.0.1")), str(tiny_model_dir()), *flags],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    on = bool(flags)
+    assert proc.stdout.split()[-4:] == ["actor", str(on), "reference", str(on)], proc.stdout
