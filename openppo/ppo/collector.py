@@ -188,27 +188,28 @@ class SingleTurn(RolloutSource):
             max_new_tokens = [d.response_budget(len(it["prompt_ids"])) for it in items]
         sampling = dict(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k)
         refs, slots, used = [], [], []
-        with pool.lock:
-            for e, engine in enumerate(pool.engines):
-                chunk = list(range(e, len(items), len(pool.engines)))
-                if not chunk:
-                    continue
-                call = engine.submit if pool.partial else engine.generate
-                refs.append(
-                    call.remote(
-                        [items[i]["prompt_ids"] for i in chunk],
-                        max_new_tokens=[max_new_tokens[i] for i in chunk],
-                        seed=None if seed is None else seed + 1_000 * e,
-                        **sampling,
+        with pool.turn:  # one generation at a time: an evaluation waits for the producer's partial rollout
+            with pool.lock:
+                for e, engine in enumerate(pool.engines):
+                    chunk = list(range(e, len(items), len(pool.engines)))
+                    if not chunk:
+                        continue
+                    call = engine.submit if pool.partial else engine.generate
+                    refs.append(
+                        call.remote(
+                            [items[i]["prompt_ids"] for i in chunk],
+                            max_new_tokens=[max_new_tokens[i] for i in chunk],
+                            seed=None if seed is None else seed + 1_000 * e,
+                            **sampling,
+                        )
                     )
-                )
-                slots.append(chunk)
-                used.append(engine)
-            if not pool.partial:
-                results = ray.get(refs, timeout=pool.timeout_s)
-        if pool.partial:  # outside the lock: a weight sync may land between two advances
-            ray.get(refs, timeout=pool.timeout_s)
-            results = pool.advance(used)
+                    slots.append(chunk)
+                    used.append(engine)
+                if not pool.partial:
+                    results = ray.get(refs, timeout=pool.timeout_s)
+            if pool.partial:  # outside the lock: a weight sync may land between two advances
+                ray.get(refs, timeout=pool.timeout_s)
+                results = pool.advance(used)
         completions: list = [None] * len(items)
         for chunk, out in zip(slots, results):
             for i, result in zip(chunk, out):

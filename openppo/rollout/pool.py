@@ -8,6 +8,10 @@ actor group's sync holds the lock), which also makes the engines' prefix cache r
 With --partial_rollout (`partial=True`) a generation does not hold the lock: each engine gets its requests
 (`VLLMEngine.submit`) and is then advanced `PARTIAL_STEPS` decoding steps per call until done (`advance`), so a
 sync queues between two calls and lands between two steps; the engine holds its steps while the sync is open.
+
+The pool's `turn` is held for a whole generation, submit to last result, in both modes: an engine runs one batch at a
+time, so an evaluation (on the trainer's thread) waits for the rollout producer's batch (--async_train), which a
+partial rollout keeps running outside the lock, instead of submitting beside it. A weight sync takes only `lock`.
 """
 
 from __future__ import annotations
@@ -62,7 +66,8 @@ class EnginePool:
         self.infos = list(infos)  # pid, node, log files of each engine (failure reports)
         self.timeout_s = timeout_s
         self.partial = partial
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # generation vs weight replacement
+        self.turn = threading.Lock()  # one generation at a time (taken before `lock`, never after it)
 
     def __len__(self) -> int:
         return len(self.engines)

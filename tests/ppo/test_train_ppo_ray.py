@@ -355,9 +355,12 @@ def test_async_grpo_with_oversampling(tmp_path):
     without generating, and train on samples one version older still. --vllm_sync_with_ray: the weights reach the
     engine through Ray's object store, in no group, exactly (--vllm_sync_check). --partial_rollout: the engine is
     advanced a few steps per call and tags each token with its weight version (whether a sync lands mid-batch
-    depends on timing: tests/rollout/test_engine.py places one there)."""
+    depends on timing: tests/rollout/test_engine.py places one there). --eval_dataset: evaluations run beside the
+    producer, each after the producer's batch in flight if there is one (whether one is depends on timing:
+    tests/rollout/test_engine.py places one there)."""
     # label "mixed": rewards 0.25/0.75 by response parity, so advantages are non-zero and the weights move
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(16, seed=4)], tmp_path / "prompts.jsonl")
+    evals = write_jsonl([{**row, "label": "mixed"} for row in make_rows(2, seed=5)], tmp_path / "evals.jsonl")
     save = tmp_path / "out"
     proc = run_cli(
         "train_ppo_ray",
@@ -376,6 +379,12 @@ def test_async_grpo_with_oversampling(tmp_path):
             "--vllm_sync_with_ray",
             "--vllm_sync_check",
             "--partial_rollout",
+            "--eval_dataset",
+            str(evals),
+            "--eval_steps",
+            "2",
+            "--eval_n_samples_per_prompt",
+            "2",
         ],
         nproc=1,
         timeout=600,
@@ -394,6 +403,8 @@ def test_async_grpo_with_oversampling(tmp_path):
     assert rounds[2]["prompts"] == rounds[1]["taken"][4:] and rounds[4]["prompts"] == rounds[3]["taken"][4:]
     assert all("timing/wait_rollout" in r and "train/is_ratio_mean" in r for r in records), records[0].keys()
     assert all(0.0 <= r["rollout/mixed_version_share"] <= 1.0 for r in records)
+    assert [r["step"] for r in records if "eval/pass@1" in r] == [2, 4]  # 2 prompts x 2 samples, rewards 0.25/0.75
+    assert all(0.25 <= r["eval/pass@1"] <= 0.75 for r in records if "eval/pass@1" in r)
     # fresh engine == trainer at step 1 (under the engine's top-p truncation, recomputed in the update: weights 1);
     # later the samples' log-probs are those of the previous weights
     assert records[0]["rollout/logprob_diff"] < 1e-4

@@ -240,6 +240,39 @@ def test_partial_rollout_keeps_its_tokens_and_goes_on_with_the_new_weights(engin
         sync_weights(hf_model, None, [engine], timeout_s=60, version=0)  # the module's other tests expect these
 
 
+@pytest.mark.slow
+def test_an_evaluation_waits_for_the_partial_rollout_in_flight(engine):
+    """--partial_rollout --async_train --eval_dataset: the producer's batch advances outside the sync lock; an
+    evaluation on the trainer's thread then takes its turn after it (it called `submit` beside it, which the engine
+    refuses, and the run crashed)."""
+    import threading
+
+    import ray
+
+    from openppo.config.schema import parse_config
+    from openppo.ppo.collector import SingleTurn
+    from openppo.ppo.config import PPOConfig
+    from openppo.rollout.pool import EnginePool
+
+    cfg = parse_config(PPOConfig, ["--pretrain", "m", "--generate_max_len", "64", "--prompt_max_len", "64"], "t")
+    turns = SingleTurn(EnginePool([engine], timeout_s=120, partial=True), cfg)
+    items = [{"prompt_ids": p, "index": i} for i, p in enumerate(PROMPTS)]
+    produced: dict = {}
+
+    def producer():  # 64 tokens each, PARTIAL_STEPS per advance call: several calls in flight
+        produced["samples"] = turns.generate(items, n=2, temperature=1.0, seed=None, version=0)
+
+    thread = threading.Thread(target=producer)
+    thread.start()
+    deadline = time.monotonic() + 60
+    while ray.get(engine.num_unfinished_requests.remote()) == 0 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert thread.is_alive()  # the producer's batch is running
+    evaluated = turns.generate(items[:1], n=1, temperature=1.0, seed=None, version=0)
+    thread.join(timeout=120)
+    assert len(evaluated) == 1 and len(produced["samples"]) == 4
+
+
 def _engine_batch(samples_per_prompt: list[list[dict]]) -> tuple[torch.Tensor, ...]:
     """(sequences [N, T], attention mask [N, T], response mask [N, T-1], engine log-probs [N, T-1]) of the samples,
     right-padded."""
