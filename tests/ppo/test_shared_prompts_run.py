@@ -8,8 +8,8 @@ means, so it moves with the micro-batch split, which sharing changes under a tok
 
 The run shares its prompts in the old-log-prob, reference and update forwards; its step-1 metrics must equal, to
 1e-5 relative, those of the same run without sharing, recorded in tests/assets/shared_prompts_step1.json (one run
-instead of two: the suite's time is counted). Re-record (without sharing) after a change meant to move the numbers,
-as the golden trace:
+instead of two: the suite's time is counted); the engine-trainer log-prob gap, fp32 rounding, is bounded.
+Re-record (without sharing) after a change meant to move the numbers, as the golden trace:
 
     OPENPPO_WRITE_GOLDEN=1 .venv/bin/python -m pytest tests/ppo/test_shared_prompts_run.py
 """
@@ -34,8 +34,11 @@ COMPARED = (
     "train/kl",
     "train/entropy",
     "train/response_length",
-    "rollout/logprob_diff",
 )
+# The engine and the trainer agree to fp32 rounding with or without sharing; the size of that rounding (4.4e-7 here)
+# moves with the CPU's kernels (6.5e-7 under AVX2 caps; 2.3e-7 drift in tests/ppo/test_golden_trace.py), so it is
+# bounded, not compared with a stored value.
+EXACT = 1e-5
 
 
 def test_grpo_step_is_the_same_with_shared_prompts(tmp_path):
@@ -63,5 +66,6 @@ def test_grpo_step_is_the_same_with_shared_prompts(tmp_path):
     expected = json.loads(ASSET.read_text())
     for key in COMPARED:
         assert metrics[key] == pytest.approx(expected[key], rel=1e-5, abs=1e-7), key
+    assert metrics["rollout/logprob_diff"] < EXACT
     # the prompts (about 23 tokens) are most of each row: 4 rows of a prompt computed it once
     assert metrics["perf/actor_shared_prompt_share"] > 0.3
