@@ -37,10 +37,10 @@ format: install
 	$(VENV)/bin/ruff format .
 
 test: install lint
-	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 --durations 25 $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -p no:cacheprovider --durations 25 $(PYTEST_ARGS)
 
 test-fast: install
-	$(PY) -m pytest tests -q -p no:cacheprovider --timeout 900 -m "not slow" $(PYTEST_ARGS)
+	$(PY) -m pytest tests -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 demo: install
 	bash examples/scripts/demo_cpu.sh
