@@ -101,8 +101,13 @@ def test_scalar_model_values_and_gradients_equal_the_packed_ones():
 
 
 def test_the_flex_attention_path_gives_the_packed_forward(monkeypatch):
-    """The GPU path: the whole shared row in one compiled FlexAttention call under the block mask, here on CPU with
-    no gradient. A mask that let a response see another response of its group would change the log-probs."""
+    """The GPU path: the whole shared row in one FlexAttention call under the block mask, here on CPU with no
+    gradient. A mask that let a response see another response of its group would change the log-probs.
+
+    FlexAttention runs eagerly here (its reference implementation, with the same block mask and mask rule): no CPU run
+    compiles it, and inductor's CPU kernel for it is box-dependent (9.6 s on one AVX-512 box, 18.7 s under AVX2 caps
+    on an Intel Xeon, still running after 17 minutes under the same caps on an AMD EPYC). The compiled kernel that
+    runs is the GPU's, checked by tests/gpu/test_shared_prompts_cuda.py."""
     from openppo.models import varlen_attention
 
     actor = _actor("qwen2").eval()
@@ -112,7 +117,7 @@ def test_the_flex_attention_path_gives_the_packed_forward(monkeypatch):
     for name, shared, flex_devices in [("packed", False, ()), ("flex", True, ("cpu",))]:
         monkeypatch.setattr(varlen_attention, "FLEX_DEVICES", flex_devices)
         actor.layout = RowLayout(packed=True, share_prompts=shared)
-        with torch.no_grad():
+        with torch.no_grad(), torch.compiler.set_stance("force_eager"):
             out = actor(b["sequences"], b["attention_mask"], return_entropy=True, score_mask=b["action_mask"])
         results[name] = torch.cat([out.log_probs[mask], out.entropy[mask]])
     assert varlen_attention._SHARED._block_mask is not None  # the flex path ran
