@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export RAY_AUTH_MODE ?= disabled
 PYTEST_ARGS ?=
 
-.PHONY: install lint format test test-fast demo clean
+.PHONY: install install-gpu lint format test test-fast demo clean
 
 install: $(VENV)/.installed
 
@@ -27,10 +27,20 @@ $(VENV)/.installed: requirements/cpu.txt setup.py
 	$(PY) -c "import torch, deepspeed, ray, vllm, transformers, peft, datasets; from transformers import Qwen2ForCausalLM"
 	touch $@
 
+# The GPU stack (a CUDA machine), pinned in requirements/gpu.txt: torch first, so that flash-attn and DeepSpeed's
+# ops build against it (hence no build isolation for the rest).
+install-gpu:
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q -r requirements/gpu-build.txt
+	$(PIP) install -q --no-build-isolation -r requirements/gpu.txt
+	$(PIP) install -q --no-deps --no-build-isolation -e .
+	$(PY) -c "import torch, vllm, deepspeed, flash_attn, ray; assert torch.cuda.is_available(), 'no CUDA GPU visible'"
+
 # ruff.toml: lint rules and 120 columns. `make format` rewrites the files; `make lint` only checks.
 lint: install
 	$(VENV)/bin/ruff check .
 	$(VENV)/bin/ruff format --check .
+	$(VENV)/bin/hadolint dockerfile/Dockerfile
 
 format: install
 	$(VENV)/bin/ruff check --fix .
