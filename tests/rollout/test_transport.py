@@ -30,7 +30,7 @@ from openppo.rollout.transport import (
     read_shared,
     shared_slots,
 )
-from tests.engines import logprob_gap
+from tests.engines import cuda_reduce_args, logprob_gap
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -174,11 +174,21 @@ def test_cuda_ipc_handle_opens_on_this_processes_index_of_the_gpu(monkeypatch):
     monkeypatch.setattr("torch.multiprocessing.reductions.rebuild_cuda_tensor", fake_rebuild)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)  # the GPU is cuda:0 in the worker's process...
     monkeypatch.setattr(transport, "gpu_uuid", lambda index: "GPU-aaaa")
-    args = (None,) * 6 + (3,) + (None,) * 8  # ...and cuda:3 in the sender's (index 6: reduce_tensor's device)
-    assert torch.equal(open_local((CUDA_IPC, "GPU-aaaa", args), 8), torch.arange(8, dtype=torch.uint8))
+    args = cuda_reduce_args(device=3)  # ...and cuda:3 in the sender's (index 6: reduce_tensor's device)
+    handle = [CUDA_IPC, "GPU-aaaa", transport.plain_ipc_args(args)]
+    assert torch.equal(open_local(handle, 8), torch.arange(8, dtype=torch.uint8))
     assert rebuilt == [0]
     with pytest.raises(RuntimeError, match="from GPU GPU-bbbb reached an engine worker on GPU GPU-aaaa"):
-        open_local((CUDA_IPC, "GPU-bbbb", args), 8)
+        open_local([CUDA_IPC, "GPU-bbbb", handle[2]], 8)
+
+
+def test_a_processs_gpu_is_named_as_ray_names_it():
+    """The entry of CUDA_VISIBLE_DEVICES a CUDA device index stands for (Ray lists a process's GPUs there by the
+    node's ids); without the variable the index is the node's own."""
+    assert transport.visible_gpu_id(1, "3,5") == "5"
+    assert transport.visible_gpu_id(0, " 7 ") == "7"
+    assert transport.visible_gpu_id(0, "GPU-aa,GPU-bb") == "GPU-aa"
+    assert transport.visible_gpu_id(2, "") == "2"
 
 
 @pytest.mark.slow
