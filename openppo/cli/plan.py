@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import sys
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 import torch
 
@@ -34,6 +35,9 @@ class PlanOptions:
 
 @dataclass
 class PlanConfig(PPOConfig):
+    # the planner sizes a run for this machine (or --device_memory_gib) and starts no cluster
+    precision_on_cluster: ClassVar[bool] = False
+
     plan: PlanOptions = field(default_factory=PlanOptions)
 
 

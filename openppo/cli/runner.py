@@ -22,7 +22,7 @@ def run_cli(
     cfg = parse_config(config_cls, argv, prog, description)
     try:
         ds = getattr(cfg, "ds", None)
-        if ds is not None and hasattr(ds, "param_dtype"):
+        if ds is not None and hasattr(ds, "param_dtype") and not getattr(config_cls, "precision_on_cluster", False):
             # --param_dtype auto becomes bf16 or fp32 here, once, before anything reads or logs the config
             from openppo.utils.hardware import resolve_precision
 

@@ -8,8 +8,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from openppo.cli.runner import run_cli
 from openppo.config.schema import to_dict
 from openppo.models.hf import load_tokenizer
@@ -18,7 +16,7 @@ from openppo.ppo.config import PPOConfig
 from openppo.ppo.plan import make_plan
 from openppo.ppo.reporting import advice_text, advise, summary_table
 from openppo.ppo.trainer import PPOTrainer
-from openppo.ppo.validate import validate
+from openppo.ppo.validate import validate_devices, validate_flags
 from openppo.rewards import build_reward_source
 from openppo.utils.hardware import host_memory_gib
 from openppo.utils.tracking import MetricsTracker, log_run_info, run_info
@@ -27,7 +25,7 @@ logger = logging.getLogger("openppo.train_ppo_ray")
 
 
 def train(cfg: PPOConfig) -> None:
-    for notice in validate(cfg, on_gpu=torch.cuda.is_available()):
+    for notice in validate_flags(cfg):  # everything that needs no device, before Ray starts
         logger.info("note: %s", notice)
     # The user's files first (cheap): a wrong path or key fails before the tokenizer loads, and everything
     # that reads the data is done before anything is written to --save_path.
@@ -44,48 +42,59 @@ def train(cfg: PPOConfig) -> None:
     prompts = launch.load_prompts(cfg, tokenizer, rows)
     eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
     agent_episodes = launch.agent_episodes(cfg, tokenizer) if cfg.rollout.agent_func_path else None
-    kv_bytes = launch.kv_cache_bytes(cfg)  # before any model loads (it reads the free RAM) and before any write
-    plan = make_plan(cfg, len(prompts))  # every derived number, once
-    config = to_dict(cfg)
-    log_run_info({**run_info(config, "train_ppo_ray"), "plan": plan.to_dict()}, cfg.ckpt.save_path)
-    logger.info(plan.describe())
-    logger.info("shared prompts (--share_prompt_in_group): %s", plan.shared_prompts)
-    tracker = MetricsTracker(
-        save_dir=cfg.ckpt.save_path,
-        tensorboard_dir=cfg.logging.use_tensorboard,
-        wandb=cfg.logging.use_wandb,
-        wandb_project=cfg.logging.wandb_project,
-        wandb_org=cfg.logging.wandb_org,
-        wandb_group=cfg.logging.wandb_group,
-        run_name=cfg.logging.wandb_run_name or f"ppo_{time.strftime('%m%dT%H%M%S')}",
-        config=config,
-    )
     groups = None
     try:
-        launch.start_ray()
-        groups = launch.build_groups(cfg, plan, reward_source, kv_bytes)
-        source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)
-        trainer = PPOTrainer(cfg, plan, groups, tokenizer, prompts, tracker, source, scorer, eval_prompts=eval_prompts)
+        # The cluster's devices decide the run's, not this process's (a GPU-less head node under `ray job submit`)
+        devices = launch.run_devices()
+        logger.info(devices.describe())
+        launch.resolve_run_precision(cfg, devices)
+        for notice in validate_devices(cfg, devices.on_gpu):
+            logger.info("note: %s", notice)
+        kv_bytes = launch.kv_cache_bytes(cfg, devices.on_gpu)  # before any model loads (it reads the free RAM)
+        plan = make_plan(cfg, len(prompts))  # every derived number, once
+        launch.check_layout_fits(cfg, plan, devices)
+        launch.start_ray()  # joined already when the cluster is not this machine's own
+        config = to_dict(cfg)
+        log_run_info({**run_info(config, "train_ppo_ray"), "plan": plan.to_dict()}, cfg.ckpt.save_path)
+        logger.info(plan.describe())
+        logger.info("shared prompts (--share_prompt_in_group): %s", plan.shared_prompts)
+        tracker = MetricsTracker(
+            save_dir=cfg.ckpt.save_path,
+            tensorboard_dir=cfg.logging.use_tensorboard,
+            wandb=cfg.logging.use_wandb,
+            wandb_project=cfg.logging.wandb_project,
+            wandb_org=cfg.logging.wandb_org,
+            wandb_group=cfg.logging.wandb_group,
+            run_name=cfg.logging.wandb_run_name or f"ppo_{time.strftime('%m%dT%H%M%S')}",
+            config=config,
+        )
         try:
-            history = trainer.fit()
-        except Exception as exc:
-            launch.raise_if_an_engine_died(groups, exc)  # the root cause, whatever failed first
-            raise
-        groups.actor.save_hf(cfg.ckpt.save_path, cfg.model.pretrain)
-        critic_dir = launch.critic_export_dir(cfg) if groups.critic is not None else None
-        if critic_dir is not None:
-            groups.critic.save_hf(critic_dir, cfg.model.pretrain)
-        summary = f"{summary_table(history)}\n\n{advice_text(advise(history, cfg, host_memory_gib()))}"
-        logger.info("run summary\n%s", summary)
-        (Path(cfg.ckpt.save_path) / "summary.txt").write_text(summary + "\n")
-        where = f"trained actor, metrics.jsonl and rollouts.jsonl: {cfg.ckpt.save_path}"
-        if critic_dir is not None:
-            where += f"; trained critic: {critic_dir}"
-        if cfg.logging.use_tensorboard:
-            where += f"; TensorBoard: {cfg.logging.use_tensorboard}"
-        logger.info(where)
+            groups = launch.build_groups(cfg, plan, reward_source, kv_bytes, devices.on_gpu)
+            source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)
+            trainer = PPOTrainer(
+                cfg, plan, groups, tokenizer, prompts, tracker, source, scorer, eval_prompts=eval_prompts
+            )
+            try:
+                history = trainer.fit()
+            except Exception as exc:
+                launch.raise_if_an_engine_died(groups, exc)  # the root cause, whatever failed first
+                raise
+            groups.actor.save_hf(cfg.ckpt.save_path, cfg.model.pretrain)
+            critic_dir = launch.critic_export_dir(cfg) if groups.critic is not None else None
+            if critic_dir is not None:
+                groups.critic.save_hf(critic_dir, cfg.model.pretrain)
+            summary = f"{summary_table(history)}\n\n{advice_text(advise(history, cfg, host_memory_gib()))}"
+            logger.info("run summary\n%s", summary)
+            (Path(cfg.ckpt.save_path) / "summary.txt").write_text(summary + "\n")
+            where = f"trained actor, metrics.jsonl and rollouts.jsonl: {cfg.ckpt.save_path}"
+            if critic_dir is not None:
+                where += f"; trained critic: {critic_dir}"
+            if cfg.logging.use_tensorboard:
+                where += f"; TensorBoard: {cfg.logging.use_tensorboard}"
+            logger.info(where)
+        finally:
+            tracker.close()
     finally:
-        tracker.close()
         launch.shutdown(groups)
 
 

@@ -32,6 +32,7 @@ if TYPE_CHECKING:  # the run-time handles import Ray; the placement math does no
     from openppo.ppo.groups import Groups
 
 ROLES = ("actor", "reference", "critic", "reward", "engines")
+GPU_SLIVER = 1e-4  # Ray's resource granularity: the least share of a GPU an actor can hold
 
 
 @dataclass(frozen=True)
@@ -71,7 +72,8 @@ class EnginePlacement:
 
     `bundles` is None for an engine on devices of its own. In the hybrid pool, a tensor-parallel engine on GPUs runs
     its workers as Ray actors of vLLM's Ray executor, one per bundle (`env` tells vLLM which bundles and what share
-    of each GPU); the engine's own actor then holds no GPU. On CPU vLLM's workers are processes of the engine actor.
+    of each GPU); the engine's own actor then holds a sliver of its first bundle's GPU. On CPU vLLM's workers are
+    processes of the engine actor.
     """
 
     num_cpus: float
@@ -90,12 +92,47 @@ def engine_placement(cfg: PPOConfig, engine_index: int, *, on_gpu: bool, hybrid_
         return EnginePlacement(num_cpus=1, num_gpus=gpu * tp)
     bundles = tuple(range(engine_index * tp, (engine_index + 1) * tp))
     if on_gpu and tp > 1:
+        # The engine actor (vLLM's client, whose engine core drives the Ray executor) takes a sliver of its first
+        # bundle's GPU, and the workers the rest of their share: an actor with no GPU keeps its node's whole
+        # CUDA_VISIBLE_DEVICES under Ray 2.60, so its engine core would open its CUDA context on the node's GPU 0,
+        # another rank's. With the sliver, Ray shows it that bundle's GPU only.
         env = (
             ("VLLM_RAY_BUNDLE_INDICES", ",".join(map(str, bundles))),
-            ("VLLM_RAY_PER_WORKER_GPUS", f"{hybrid_share:g}"),
+            ("VLLM_RAY_PER_WORKER_GPUS", f"{hybrid_share - GPU_SLIVER:.4f}"),
         )
-        return EnginePlacement(num_cpus=hybrid_share, num_gpus=0.0, bundles=bundles, executor="ray", env=env)
+        return EnginePlacement(num_cpus=hybrid_share, num_gpus=GPU_SLIVER, bundles=bundles, executor="ray", env=env)
     return EnginePlacement(num_cpus=hybrid_share, num_gpus=gpu * hybrid_share, bundles=bundles)
+
+
+_FLAG_PREFIX = {"actor": "actor", "reference": "ref", "critic": "critic", "reward": "reward"}
+
+
+def device_demand(cfg: PPOConfig, ranks: dict[str, int], on_gpu: bool) -> list[tuple[str, int]]:
+    """What the run's placement asks the cluster for, one device (a GPU, or a CPU slot) per bundle, as
+    (what, in flags; devices): each pool, each group in no pool (`ranks`: role -> its ranks), and the engines
+    in no pool, which take --vllm_tensor_parallel_size GPUs each (one CPU slot on CPU, where their workers are the
+    engine's own processes). Pure, as `build_groups` places them."""
+    v = cfg.vllm
+    pools = colocation_pools(cfg, set(ranks) | {"engines"})
+    pooled = {role for pool in pools for role in pool.members}
+    demand = [
+        (f"{' + '.join(pool.members)} ({pool.name}: --actor_num_nodes x --actor_num_gpus_per_node)", pool.bundles)
+        if pool.name == "hybrid"
+        else (f"{' + '.join(pool.members)} ({'--colocate_' + pool.name})", pool.bundles)
+        for pool in pools
+    ]
+    for role, count in ranks.items():
+        if role not in pooled:
+            prefix = _FLAG_PREFIX[role]
+            demand.append((f"{role} (--{prefix}_num_nodes x --{prefix}_num_gpus_per_node)", count))
+    if "engines" not in pooled:
+        demand.append(
+            (
+                "vLLM engines (--vllm_num_engines x --vllm_tensor_parallel_size)",
+                v.vllm_num_engines * (v.vllm_tensor_parallel_size if on_gpu else 1),
+            )
+        )
+    return demand
 
 
 # -- memory swapping at run time ---------------------------------------------------------------------------------------

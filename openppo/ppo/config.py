@@ -348,6 +348,9 @@ class AlgoConfig:
 @dataclass
 class PPOConfig:
     openrlhf_cli: ClassVar[str] = "train_ppo_ray"  # its OpenRLHF flags' other spellings (config.openrlhf_names)
+    # --param_dtype auto is resolved on the cluster's devices once Ray is up (launch.resolve_run_precision), not by
+    # the CLI runner on the driver's
+    precision_on_cluster: ClassVar[bool] = True
 
     model: PPOModelConfig = field(default_factory=PPOModelConfig)
     resources: ResourceConfig = field(default_factory=ResourceConfig)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 from typing import Any
 
 import datasets
@@ -11,7 +12,7 @@ import torch
 
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
 from openppo.ppo.collector import RolloutSource, Scorer
-from openppo.ppo.colocation import colocation_pools, engine_placement
+from openppo.ppo.colocation import EnginePlacement, colocation_pools, engine_placement
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.groups import Groups
 from openppo.ppo.plan import RunPlan
@@ -117,7 +118,101 @@ def agent_episodes(cfg: PPOConfig, tokenizer):
     return rollout
 
 
-def kv_cache_bytes(cfg: PPOConfig) -> int | None:
+@dataclass(frozen=True)
+class ClusterDevices:
+    """The devices of the Ray cluster the run uses: its nodes' GPUs when it has any, else their CPUs. Not the
+    driver's: under `ray job submit` the driver may sit on a head node without GPUs."""
+
+    on_gpu: bool
+    count: int  # GPUs, or (logical) CPUs
+    local: bool  # every node is this machine and sees the same device kind as this process
+
+    def describe(self) -> str:
+        where = "this machine" if self.local else "the cluster"
+        return f"devices: {self.count} {'GPU' if self.on_gpu else 'CPU'}(s) on {where} (Ray's resources)"
+
+
+def run_devices() -> ClusterDevices:
+    """The run's devices, before anything starts: joining a cluster (RAY_ADDRESS, as under `ray job submit`) connects
+    to it and asks it (`cluster_devices`); a run on its own starts a cluster of this machine later, whose devices are
+    this machine's, so none is started yet (a bad flag still fails before anything is launched)."""
+    if os.environ.get("RAY_ADDRESS"):
+        start_ray()
+        return cluster_devices()
+    on_gpu = torch.cuda.is_available()
+    return ClusterDevices(on_gpu, torch.cuda.device_count() if on_gpu else local_cpu_slots(), True)
+
+
+def cluster_devices() -> ClusterDevices:
+    """What the connected cluster offers (`placement.device_resources`); call after `start_ray`."""
+    import ray
+
+    from openppo.distributed.placement import device_resources
+
+    on_gpu, count = device_resources()
+    here = ray.util.get_node_ip_address()
+    nodes = [n for n in ray.nodes() if n.get("Alive")]
+    local = all(n["NodeManagerAddress"] == here for n in nodes) and on_gpu == torch.cuda.is_available()
+    return ClusterDevices(on_gpu, count, local)
+
+
+def resolve_run_precision(cfg: PPOConfig, devices: ClusterDevices) -> str:
+    """`--param_dtype auto` (and the bf16 speed warning) decided on the devices the trainer ranks get: probed in this
+    process when they are this machine's, else by one Ray task with a trainer rank's resources. Logged in one line."""
+    from openppo.utils.hardware import bf16_support, resolve_param_dtype
+
+    if devices.local:
+        support = bf16_support()
+    else:
+        import ray
+
+        probe = ray.remote(num_cpus=1, num_gpus=1 if devices.on_gpu else 0)(_bf16_support)
+        support = ray.get(probe.remote(), timeout=float(cfg.ds.dist_timeout))
+    dtype, info, warning = resolve_param_dtype(cfg.ds.param_dtype, support)
+    for line, log in ((info, logger.info), (warning, logger.warning)):
+        if line:
+            log(line)
+    cfg.ds.param_dtype = dtype
+    return dtype
+
+
+def check_layout_fits(cfg: PPOConfig, plan: RunPlan, devices: ClusterDevices) -> None:
+    """Refuse, in one line naming the flags, a layout the cluster cannot place: more devices than it has (counted
+    as `colocation.device_demand` asks for them), or, on GPUs, an engine of its own whose tensor-parallel workers
+    need more GPUs than any one node has. (Ray would otherwise wait for resources that never come.)"""
+    import ray
+
+    from openppo.errors import UserError
+    from openppo.ppo.colocation import device_demand
+
+    kind = "GPU" if devices.on_gpu else "CPU slot"
+    demand = device_demand(cfg, {name: role.ranks for name, role in plan.roles.items()}, devices.on_gpu)
+    total = sum(count for _, count in demand)
+    if total > devices.count:
+        parts = ", ".join(f"{what} {count}" for what, count in demand)
+        raise UserError(
+            f"the run needs {total} {kind}s and the cluster has {devices.count}: {parts}; share devices "
+            f"(--colocate_all_models, --colocate_actor_ref, --colocate_critic_reward), use fewer ranks or engines, or "
+            f"add nodes"
+        )
+    tp = cfg.vllm.vllm_tensor_parallel_size
+    if devices.on_gpu and not cfg.resources.colocate_all_models and tp > 1:
+        nodes = [] if devices.local else [n for n in ray.nodes() if n.get("Alive")]
+        most = max((int(n["Resources"].get("GPU", 0)) for n in nodes), default=devices.count)
+        if most < tp:
+            raise UserError(
+                f"--vllm_tensor_parallel_size {tp}: an engine's workers share one node, and no node of the cluster "
+                f"has more than {most} GPUs; use a smaller --vllm_tensor_parallel_size or nodes with more GPUs"
+            )
+
+
+def _bf16_support():
+    from openppo.utils.hardware import bf16_support
+
+    return bf16_support()
+
+
+def kv_cache_bytes(cfg: PPOConfig, on_gpu: bool) -> int | None:
     """Each engine worker's KV cache in bytes: --vllm_kv_cache_bytes when given; on GPU otherwise None (vLLM sizes
     it from --vllm_gpu_memory_utilization); on CPU sized from the rollouts the run generates and capped by the RAM
     its other processes leave (`memory_plan.cpu_kv_cache_bytes`, logged in one line). Call before the model groups
@@ -127,7 +222,7 @@ def kv_cache_bytes(cfg: PPOConfig) -> int | None:
     from openppo.ppo.memory_plan import cpu_kv_cache_bytes, dtype_bytes, host_bytes_of_trainers, run_shapes
 
     v, r = cfg.vllm, cfg.rollout
-    if v.vllm_kv_cache_bytes or torch.cuda.is_available():
+    if v.vllm_kv_cache_bytes or on_gpu:
         return v.vllm_kv_cache_bytes
     shapes = run_shapes(cfg)
     tp = v.vllm_tensor_parallel_size
@@ -148,13 +243,13 @@ def kv_cache_bytes(cfg: PPOConfig) -> int | None:
     return size.bytes
 
 
-def cpu_threads_per_process(cfg: PPOConfig) -> int:
+def cpu_threads_per_process(cfg: PPOConfig, on_gpu: bool) -> int:
     """Threads for each worker and engine. Stages run one after another in a synchronous step, so only the ranks
     of one group compete for the cores at a time; with --async_train the engines generate while the actor trains,
     so they split the cores. On GPU machines the CPU threads matter little."""
     if "OMP_NUM_THREADS" in os.environ:
         return int(os.environ["OMP_NUM_THREADS"])
-    if torch.cuda.is_available():
+    if on_gpu:
         return 4
     busy = actor_world_size(cfg) + (cfg.vllm.vllm_num_engines if cfg.rollout.async_train else 0)
     return max(1, (os.cpu_count() or 1) // busy)
@@ -179,18 +274,22 @@ def start_ray() -> None:
         "runtime_env": runtime_env,
     }
     if not torch.cuda.is_available():
-        # CPU: resources are logical slots for placement, not cores; threads are budgeted per worker.
-        kwargs["num_cpus"] = max(16, os.cpu_count() or 1)
+        kwargs["num_cpus"] = local_cpu_slots()
     ray.init(**kwargs)
 
 
-def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | None) -> Groups:
-    """Start every model group and the engines; `kv_bytes` is each engine worker's KV cache (`kv_cache_bytes`)."""
+def local_cpu_slots() -> int:
+    """Ray's CPUs in the cluster a CPU run starts on this machine: logical slots for placement, not cores (threads
+    are budgeted per worker)."""
+    return max(16, os.cpu_count() or 1)
+
+
+def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | None, on_gpu: bool) -> Groups:
+    """Start every model group and the engines; `kv_bytes` is each engine worker's KV cache (`kv_cache_bytes`),
+    `on_gpu` whether the cluster's devices are GPUs (`cluster_devices`)."""
     import ray
-    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
     from openppo.distributed.logs import actor_infos
-    from openppo.distributed.placement import make_placement_group
     from openppo.distributed.worker_group import WorkerGroup
     from openppo.ppo.groups import ActorGroup, CriticGroup, ReferenceGroup, RewardGroup
     from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
@@ -198,15 +297,9 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     from openppo.rollout.pool import EnginePool
 
     timeout = float(cfg.ds.dist_timeout)
-    env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg))}
-    gpu = 1.0 if torch.cuda.is_available() else 0.0
-    shared = {}  # role -> (placement group, share of each bundle)
-    for colocated in colocation_pools(cfg, set(plan.roles) | {"engines"}):
-        pg = make_placement_group(
-            colocated.bundles, cpus_per_bundle=1.0, gpus_per_bundle=gpu, timeout_s=timeout, name=f"{colocated.name}-pg"
-        )
-        shared.update({role: (pg, colocated.fraction) for role in colocated.members})
-        logger.info("colocated (%s): %s", colocated.name, colocated.describe())
+    env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg, on_gpu))}
+    gpu = 1.0 if on_gpu else 0.0
+    shared = shared_placement_groups(cfg, set(plan.roles), on_gpu, timeout)
 
     def start(handle, worker, name):
         """The role's worker group, its `setup` started on every rank (its models load in parallel with the
@@ -238,24 +331,14 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     engine_cls = ray.remote(VLLMEngine)
     engines = []
     for i in range(cfg.vllm.vllm_num_engines):
-        pg, share = shared.get("engines", (None, None))
-        place = engine_placement(cfg, i, on_gpu=bool(gpu), hybrid_share=share)
-        options: dict[str, Any] = {
-            "runtime_env": {"env_vars": {**env, **dict(place.env)}},
-            "num_cpus": place.num_cpus,
-            "num_gpus": place.num_gpus,
-        }
-        if place.bundles is not None:  # hybrid engine: its workers on the devices of actor ranks i*tp .. i*tp+tp-1
-            options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
-                pg, placement_group_bundle_index=place.bundles[0], placement_group_capture_child_tasks=True
-            )
+        options, place = engine_options(cfg, i, shared, env, on_gpu)
         engines.append(
             engine_cls.options(**options).remote(
                 cfg.model.pretrain,
                 dtype=plan.engine_dtype,
                 seed=cfg.train.seed + i,
                 max_model_len=cfg.data.total_len(),
-                enforce_eager=cfg.vllm.enforce_eager or not torch.cuda.is_available(),
+                enforce_eager=cfg.vllm.enforce_eager or not on_gpu,
                 enable_prefix_caching=cfg.vllm.enable_prefix_caching,
                 gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization,
                 kv_cache_bytes=kv_bytes,
@@ -272,9 +355,10 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     results = {name: group.workers.get(setups) for name, (group, setups) in started.items()}
     if "reward" in groups:
         groups["reward"].normalization = check_reward_normalization(cfg, results["reward"][0])
-    backend = "nccl" if torch.cuda.is_available() and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
+    backend = "nccl" if on_gpu and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     actor = groups["actor"]
-    transports = sync_plan(cfg, actor.worker_infos, pool.infos, backend, on_gpu=bool(gpu))
+    workers = ray.get([e.worker_locations.remote() for e in engines], timeout=timeout)
+    transports = sync_plan(cfg, actor.worker_infos, workers, backend, on_gpu=bool(gpu))
     actor.connect_engines(
         pool,
         transports,
@@ -293,11 +377,56 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     )
 
 
-def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], backend: str, *, on_gpu: bool):
-    """How each engine gets the weights (a `openppo.rollout.transport.SyncPlan`), logged in one line; a broadcast
-    group that would hold two processes of one GPU is refused here, before the first sync."""
+def shared_placement_groups(cfg: PPOConfig, roles: set[str], on_gpu: bool, timeout_s: float) -> dict[str, tuple]:
+    """{role: (placement group, share of each of its bundles)} for the roles that share devices
+    (`colocation.colocation_pools`: "engines" among them with --colocate_all_models); each pool's group is made (and
+    waited for, at most `timeout_s`) here, one bundle of {CPU: 1, GPU: 1 on GPUs} per device."""
+    from openppo.distributed.placement import make_placement_group
+
+    shared = {}
+    for pool in colocation_pools(cfg, roles | {"engines"}):
+        pg = make_placement_group(
+            pool.bundles,
+            cpus_per_bundle=1.0,
+            gpus_per_bundle=float(on_gpu),
+            timeout_s=timeout_s,
+            name=f"{pool.name}-pg",
+        )
+        shared.update({role: (pg, pool.fraction) for role in pool.members})
+        logger.info("colocated (%s): %s", pool.name, pool.describe())
+    return shared
+
+
+def engine_options(
+    cfg: PPOConfig, index: int, shared: dict[str, tuple], env: dict[str, str], on_gpu: bool
+) -> tuple[dict, EnginePlacement]:
+    """The Ray options of engine `index`'s actor, and its `colocation.engine_placement`: its resources, its
+    environment, and in the hybrid engine the bundle of actor rank index*tp that it and vLLM's workers are placed on."""
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    pg, share = shared.get("engines", (None, None))
+    place = engine_placement(cfg, index, on_gpu=on_gpu, hybrid_share=share)
+    options: dict[str, Any] = {
+        "runtime_env": {"env_vars": {**env, **dict(place.env)}},
+        "num_cpus": place.num_cpus,
+        "num_gpus": place.num_gpus,
+    }
+    if place.bundles is not None:  # hybrid engine: its workers on the devices of actor ranks i*tp .. i*tp+tp-1
+        options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
+            pg, placement_group_bundle_index=place.bundles[0], placement_group_capture_child_tasks=True
+        )
+    return options, place
+
+
+def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_workers: list[list[dict]], backend: str, *, on_gpu: bool):
+    """How each engine gets the weights (a `openppo.rollout.transport.SyncPlan`), from where the actor ranks and each
+    engine's workers report they compute (`VLLMEngine.worker_locations`: vLLM, not openppo, picks a tensor-parallel
+    worker's GPU among its engine's), logged in one line. A hybrid-engine worker on no actor rank's device, or a
+    broadcast group that would hold two processes of one GPU, is refused here, before the first sync."""
+    from openppo.errors import UserError
     from openppo.rollout.transport import (
         BROADCAST,
+        LOCAL,
         OBJECT_STORE,
         Where,
         check_broadcast_group,
@@ -306,19 +435,28 @@ def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_infos: list[dict], 
     )
 
     ranks = [Where.of(info) for info in rank_infos]
-    if cfg.resources.colocate_all_models:
-        # worker w of engine i sits on actor rank i*tp + w's bundle (the engine actor itself may hold no GPU)
-        tp = cfg.vllm.vllm_tensor_parallel_size
-        workers = [[ranks[i * tp + w] for w in range(tp)] for i in range(len(engine_infos))]
-    else:
-        workers = [[Where.of(info)] for info in engine_infos]
+    workers = [[Where.of(w) for w in locations] for locations in engine_workers]
+    colocated = cfg.resources.colocate_all_models
     plan = choose_transports(
         ranks,
         workers,
-        colocated=cfg.resources.colocate_all_models,
+        colocated=colocated,
         on_gpu=on_gpu,
         remote=OBJECT_STORE if cfg.vllm.vllm_sync_with_ray else BROADCAST,
     )
+    for i, (transport, sources) in enumerate(zip(plan.transports, plan.sources)):
+        if colocated and transport not in LOCAL:
+            where = ", ".join(f"worker {w} on {x.describe()}" for w, x in enumerate(workers[i]))
+            raise UserError(
+                f"--colocate_all_models: vLLM engine {i} has a worker on no actor rank's device ({where}; actor ranks: "
+                f"{', '.join(r.describe() for r in ranks)}); its weights would need a broadcast group beside the "
+                f"trainer on one GPU. Check --vllm_num_engines x --vllm_tensor_parallel_size against the actor ranks"
+            )
+        if transport in LOCAL:
+            fed = ", ".join(
+                f"worker {w} on {x.describe()} <- actor rank {r}" for w, (x, r) in enumerate(zip(workers[i], sources))
+            )
+            logger.info("vLLM engine %d: %s", i, fed)
     check_broadcast_group(
         [("actor rank 0", ranks[0])]
         + [

@@ -1,7 +1,9 @@
 """Up-front checks of a PPOConfig: contradictions name both flags, no-ops on this hardware are said once.
 
 `validate(cfg, on_gpu)` raises `UserError` for anything that cannot work and returns the notices (one line each)
-for options that are accepted but cannot take effect here. It never rewrites the config.
+for options that are accepted but cannot take effect here. It never rewrites the config. It is two halves:
+`validate_flags` needs no device (train_ppo_ray runs it before Ray starts), `validate_devices` takes the devices the
+cluster offers (`on_gpu`), which may not be the driver's.
 """
 
 from __future__ import annotations
@@ -301,7 +303,7 @@ def _tensor_parallel(cfg: PPOConfig) -> None:
         )
 
 
-def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
+def _resources(cfg: PPOConfig, notices: list[str]) -> None:
     res, v, ds = cfg.resources, cfg.vllm, cfg.ds
     for flag in ("actor", "critic", "ref", "reward"):
         _positive(getattr(res, f"{flag}_num_nodes"), f"--{flag}_num_nodes")
@@ -358,11 +360,6 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
         raise UserError("--deepspeed_enable_sleep and --adam_offload both move optimizer states to CPU: pick one")
     if ds.deepspeed_enable_sleep and ds.zero_stage == 0:
         raise UserError("--deepspeed_enable_sleep offloads ZeRO optimizer states: set --zero_stage 1, 2 or 3")
-    if ds.deepspeed_enable_sleep and not state_offload_supported(ds.zero_stage, on_gpu):
-        notices.append(
-            "--deepspeed_enable_sleep with --zero_stage 3 on CPU: DeepSpeed offloads ZeRO-3 states only "
-            "with its GPU FusedAdam, so the states stay put (use --zero_stage 2 to exercise the offload)"
-        )
     if res.colocate_actor_ref and not needs_reference(cfg):
         notices.append("--colocate_actor_ref: no reference model runs (--init_kl_coef 0), nothing to colocate")
     if res.colocate_critic_reward and not (needs_critic_group(cfg) and cfg.model.reward_pretrain):
@@ -394,17 +391,29 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
                 f"--async_train: samples from older weights are importance-weighted "
                 f"(--vllm_is_correction_type {v.vllm_is_correction_type})"
             )
-    if not on_gpu and ds.deepcompile:
-        raise UserError("--deepcompile needs a GPU (DeepSpeed compiles CUDA graph passes): drop it on this machine")
     if ds.deepcompile and ds.zero_stage == 0:
         notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
-    validate_precision(ds.param_dtype, on_gpu)
-    notices.extend(ds_notices(ds, on_gpu))
     if cfg.model.ref_reward_offload and ds.zero_stage != 3:
         notices.append(
             f"--ref_reward_offload has no effect with --zero_stage {ds.zero_stage}: the reference and "
             f"reward models' parameters are offloaded by ZeRO-3 only (use --zero_stage 3)"
         )
+
+
+def validate_devices(cfg: PPOConfig, on_gpu: bool) -> list[str]:
+    """The checks and notices that depend on the devices the run gets: the cluster's (`on_gpu`: its nodes have
+    GPUs), not the driver's, which may be a GPU-less head node (`openppo.ppo.launch.cluster_devices`)."""
+    v, ds = cfg.vllm, cfg.ds
+    notices: list[str] = []
+    if ds.deepspeed_enable_sleep and not state_offload_supported(ds.zero_stage, on_gpu):
+        notices.append(
+            "--deepspeed_enable_sleep with --zero_stage 3 on CPU: DeepSpeed offloads ZeRO-3 states only "
+            "with its GPU FusedAdam, so the states stay put (use --zero_stage 2 to exercise the offload)"
+        )
+    if not on_gpu and ds.deepcompile:
+        raise UserError("--deepcompile needs a GPU (DeepSpeed compiles CUDA graph passes): drop it on this machine")
+    validate_precision(ds.param_dtype, on_gpu)
+    notices.extend(ds_notices(ds, on_gpu))
     if not on_gpu:
         notices.append(
             "no GPU: *_num_gpus_per_node count worker processes; vLLM runs eager (CUDA graphs and "
@@ -415,6 +424,7 @@ def _resources(cfg: PPOConfig, on_gpu: bool, notices: list[str]) -> None:
             notices.append("--vllm_enable_sleep is a no-op on CPU (vLLM cannot sleep there)")
         if v.vllm_sync_backend == "nccl":
             notices.append("--vllm_sync_backend nccl needs GPUs: gloo is used instead")
+    return notices
 
 
 def _set(section: Any, name: str) -> bool:
@@ -478,7 +488,13 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
 
 
 def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
-    """Raise UserError on anything that cannot run; return one-line notices about no-ops on this machine."""
+    """Raise UserError on anything that cannot run; return one-line notices about no-ops on these devices."""
+    return validate_flags(cfg) + validate_devices(cfg, on_gpu)
+
+
+def validate_flags(cfg: PPOConfig) -> list[str]:
+    """The checks and notices that need no device: train_ppo_ray runs them before it connects to Ray, so that a
+    wrong flag fails at once."""
     require(
         bool(cfg.data.prompt_data),
         "--prompt_data is required: a local .jsonl/.json/.parquet/.csv file or folder of prompts",
@@ -490,7 +506,7 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     _shared_prompts(cfg)
     _tensor_parallel(cfg)
     _batches(cfg)
-    _resources(cfg, on_gpu, notices)
+    _resources(cfg, notices)
     _no_effect(cfg, notices)
     validate_outputs(cfg.ckpt, cfg.logging)
     return notices

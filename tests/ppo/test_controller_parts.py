@@ -137,8 +137,9 @@ def test_colocation_pools():
 
 def test_engine_placement_covers_every_hybrid_bundle_once():
     """Seed 004's hybrid engine: 8 actor ranks, 4 engines of TP 2. Worker w of engine i sits on actor rank 2i + w's
-    device; on GPUs vLLM's Ray executor places the workers (the engine actor holds no GPU), on CPU the engine's own
-    processes run them."""
+    device; on GPUs vLLM's Ray executor places the workers (the engine actor holds a sliver of its first bundle's
+    GPU, so that Ray shows it that GPU only, and each worker the rest of its share), on CPU the engine's own processes
+    run them."""
     from openppo.ppo.colocation import engine_placement
 
     cfg = parse_config(
@@ -159,8 +160,8 @@ def test_engine_placement_covers_every_hybrid_bundle_once():
     share = colocation_pools(cfg, {"actor", "engines"})[0].fraction
     gpu = [engine_placement(cfg, i, on_gpu=True, hybrid_share=share) for i in range(4)]
     assert [p.bundles for p in gpu] == [(0, 1), (2, 3), (4, 5), (6, 7)]
-    assert all(p.executor == "ray" and p.num_gpus == 0 and p.num_cpus == 0.5 for p in gpu)
-    assert dict(gpu[3].env) == {"VLLM_RAY_BUNDLE_INDICES": "6,7", "VLLM_RAY_PER_WORKER_GPUS": "0.5"}
+    assert all(p.executor == "ray" and p.num_gpus == 1e-4 and p.num_cpus == 0.5 for p in gpu)
+    assert dict(gpu[3].env) == {"VLLM_RAY_BUNDLE_INDICES": "6,7", "VLLM_RAY_PER_WORKER_GPUS": "0.4999"}
     cpu = engine_placement(cfg, 1, on_gpu=False, hybrid_share=share)
     assert cpu.bundles == (2, 3) and cpu.executor is None and cpu.num_gpus == 0 and cpu.env == ()
     single = engine_placement(
