@@ -13,7 +13,8 @@ Start-up, in order:
    its own CUDA_VISIBLE_DEVICES, so its device is always 0), OMP_NUM_THREADS (from its CPU share) and the
    caller's `env` already set, so libraries that read the environment at import time see them;
 2. once all actors answer, rank 0 picks a free port on its node: MASTER_ADDR, MASTER_PORT and LOCAL_WORLD_SIZE
-   (ranks of this group on the same node) are then set in every actor before any user method runs.
+   (ranks of this group on the same node) are then set in every actor before any user method runs (`connect`;
+   with `wait=False` the constructor stops after step 1, so that several groups start side by side).
 """
 
 from __future__ import annotations
@@ -73,7 +74,10 @@ class WorkerGroup:
         timeout_s: float = 600.0,
         init_args: Sequence[Any] = (),
         init_kwargs: dict[str, Any] | None = None,
+        wait: bool = True,
     ):
+        """`wait=False` returns once the actors are asked for (start-up step 1): several groups then start side by
+        side, and each is usable after its `connect()` (step 2)."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)):
             raise TypeError(
                 f"worker group {name!r}: worker_cls must be a plain subclass of BaseWorker (not a "
@@ -102,7 +106,7 @@ class WorkerGroup:
         self._closed = False
         self._owns_placement_group = placement_group is None
         self.placement_group = placement_group
-        t0 = time.monotonic()
+        self._t0 = time.monotonic()
         try:
             if self._owns_placement_group:
                 self.placement_group = make_placement_group(
@@ -113,7 +117,7 @@ class WorkerGroup:
                     name=f"{name}-pg",
                 )
                 bundle_offset = 0
-            self._start(
+            self._launch(
                 bundle_offset,
                 num_cpus_per_worker,
                 num_gpus_per_worker,
@@ -124,18 +128,29 @@ class WorkerGroup:
         except BaseException:
             self.shutdown()
             raise
+        if wait:
+            self.connect()
+
+    def connect(self) -> None:
+        """Start-up step 2 (the constructor does it unless `wait=False`): wait for every actor, then give them the
+        group's rendezvous. A failure shuts the group down."""
+        try:
+            self._connect()
+        except BaseException:
+            self.shutdown()
+            raise
         logger.info(
             "worker group %s: %d x %s ready in %.1f s (master %s:%s)",
-            name,
-            num_workers,
-            worker_cls.__name__,
-            time.monotonic() - t0,
+            self.name,
+            self.num_workers,
+            self.worker_cls.__name__,
+            time.monotonic() - self._t0,
             self.master_addr,
             self.master_port,
         )
 
     # --------------------------------------------------------------------------------------- start-up
-    def _start(
+    def _launch(
         self,
         bundle_offset: int,
         num_cpus: float,
@@ -164,6 +179,8 @@ class WorkerGroup:
                 max_restarts=0,
             ).remote(*init_args, **init_kwargs)
             self._actors.append(actor)
+
+    def _connect(self) -> None:
         self._infos = self._wait(self._submit("ping"), self.timeout_s, during="start-up")
         rank0 = self._infos[0]
         self.master_addr = rank0["node_ip"]

@@ -300,34 +300,8 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg, on_gpu))}
     gpu = 1.0 if on_gpu else 0.0
     shared = shared_placement_groups(cfg, set(plan.roles), on_gpu, timeout)
-
-    def start(handle, worker, name):
-        """The role's worker group, its `setup` started on every rank (its models load in parallel with the
-        other groups' and the engines')."""
-        role = plan.roles[name]
-        pg, share = shared.get(name, (None, 1.0))
-        workers = WorkerGroup(
-            worker,
-            role.ranks,
-            placement_group=pg,
-            num_cpus_per_worker=share,
-            num_gpus_per_worker=gpu * share,
-            env=env,
-            name=name,
-            timeout_s=timeout,
-        )
-        return handle(
-            workers, replicas=role.replicas, balance=plan.balance, share=role.share_prompts
-        ), workers.run_async(worker.setup, cfg, role)
-
-    handles = {
-        "actor": (ActorGroup, ActorWorker),
-        "reference": (ReferenceGroup, ReferenceWorker),
-        "critic": (CriticGroup, CriticWorker),
-        "reward": (RewardGroup, RewardWorker),
-    }
-    started = {name: start(*handles[name], name) for name in plan.roles}
-    groups = {name: group for name, (group, _) in started.items()}
+    # Everything is asked for before anything is waited for, the engines first (the longest start: vLLM's client,
+    # then its engine core process, each importing vLLM): the groups' processes start and load side by side.
     engine_cls = ray.remote(VLLMEngine)
     engines = []
     for i in range(cfg.vllm.vllm_num_engines):
@@ -348,6 +322,33 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
                 partial_rollout=cfg.rollout.partial_rollout,
             )
         )
+    handles = {
+        "actor": (ActorGroup, ActorWorker),
+        "reference": (ReferenceGroup, ReferenceWorker),
+        "critic": (CriticGroup, CriticWorker),
+        "reward": (RewardGroup, RewardWorker),
+    }
+    launched = {}
+    for name, role in plan.roles.items():
+        pg, share = shared.get(name, (None, 1.0))
+        launched[name] = WorkerGroup(
+            handles[name][1],
+            role.ranks,
+            placement_group=pg,
+            num_cpus_per_worker=share,
+            num_gpus_per_worker=gpu * share,
+            env=env,
+            name=name,
+            timeout_s=timeout,
+            wait=False,
+        )
+    started = {}
+    for name, workers in launched.items():  # each group's `setup` starts once its ranks are up (models load)
+        workers.connect()
+        role = plan.roles[name]
+        group = handles[name][0](workers, replicas=role.replicas, balance=plan.balance, share=role.share_prompts)
+        started[name] = (group, workers.run_async(handles[name][1].setup, cfg, role))
+    groups = {name: group for name, (group, _) in started.items()}
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
     pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout, partial=cfg.rollout.partial_rollout)
     for i, info in enumerate(pool.infos):
