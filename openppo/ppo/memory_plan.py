@@ -2,7 +2,8 @@
 
 Pure arithmetic on the model's shape and the flags. Per rank of each model group:
 - weights, gradients and optimizer states by ZeRO stage (Rajbhandari et al. 2020: with mixed precision 2 bytes of
-  weights + 2 of gradients + 12 of fp32 master copy and Adam moments per parameter; in fp32 4 + 4 + 8), partitioned
+  weights + 2 of gradients + 12 of fp32 master copy and Adam moments per parameter; in fp32 4 + 4 + 12, the master
+  copy being DeepSpeed's, not the paper's, and 4 + 4 + 8 under ZeRO-0), partitioned
   over the data-parallel ranks from stage 1 (optimizer), 2 (+ gradients) and 3 (+ weights); `--adam_offload` moves
   the optimizer states to host memory; AutoTP splits the layers' weights;
 - what the optimizer step holds beyond those (DeepSpeed's implementation, not the paper): with 16-bit weights the
@@ -92,7 +93,11 @@ def trained_items(
     p = dtype_bytes(param_dtype)
     split = shape.num_params - shape.embedding_params
     params = shape.embedding_params + split / tensor_parallel  # held by one rank of a tensor-parallel group
-    optimizer = (8 if param_dtype == "fp32" else 12) * params  # (fp32 master copy) + Adam m and v
+    # Adam's m and v, and an fp32 master copy: DeepSpeed's ZeRO optimizers clone the rank's partition to fp32 even
+    # when the model is fp32 already (stage 1/2: `single_partition_of_fp32_groups`, stage 3:
+    # `fp32_partitioned_groups_flat`); only ZeRO-0 in fp32 steps the model's own parameters
+    master = 4 if param_dtype != "fp32" or zero_stage >= 1 else 0
+    optimizer = (8 + master) * params
     return [
         Item(f"{role} weights", p * params / (data_parallel if zero_stage >= 3 else 1)),
         Item(f"{role} gradients", p * params / (data_parallel if zero_stage >= 2 else 1)),
