@@ -3,8 +3,9 @@
     .venv/bin/python bench/weight_sync.py --model tiny        # the tests' tiny Qwen2 (fp32)
     .venv/bin/python bench/weight_sync.py --model smollm2     # SmolLM2-135M-Instruct (bf16)
 
-One engine runs as a Ray actor (1 CPU, in-process vLLM); this process is the trainer (plain torch, rank 0 of a gloo
-sync group). A sync is timed bucketed (`--bucket_mib`, default 256), with one tensor per message (every tensor
+One engine runs as a Ray actor (1 CPU; vLLM's engine core in a process of its own, as in training: set
+VLLM_ENABLE_V1_MULTIPROCESSING=0 to time it in the actor's process); this process is the trainer (plain torch, rank 0
+of a gloo sync group). A sync is timed bucketed (`--bucket_mib`, default 256), with one tensor per message (every tensor
 its own bucket: one Ray call plus one broadcast per tensor, as a per-parameter sync does), and bucketed through
 shared memory (a memfd), the transport of an engine on the trainer's device (--colocate_all_models on CPU), and
 bucketed through Ray's object store (--vllm_sync_with_ray), with the ratios of the last two to the gloo broadcast
