@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import logging
 import sys
-import time
 from pathlib import Path
 
 from openppo.cli.runner import run_cli
@@ -58,16 +57,7 @@ def train(cfg: PPOConfig) -> None:
         log_run_info({**run_info(config, "train_ppo_ray"), "plan": plan.to_dict()}, cfg.ckpt.save_path)
         logger.info(plan.describe())
         logger.info("shared prompts (--share_prompt_in_group): %s", plan.shared_prompts)
-        tracker = MetricsTracker(
-            save_dir=cfg.ckpt.save_path,
-            tensorboard_dir=cfg.logging.use_tensorboard,
-            wandb=cfg.logging.use_wandb,
-            wandb_project=cfg.logging.wandb_project,
-            wandb_org=cfg.logging.wandb_org,
-            wandb_group=cfg.logging.wandb_group,
-            run_name=cfg.logging.wandb_run_name or f"ppo_{time.strftime('%m%dT%H%M%S')}",
-            config=config,
-        )
+        tracker = MetricsTracker.for_run(cfg, config, "ppo")
         try:
             groups = launch.build_groups(cfg, plan, reward_source, kv_bytes, devices.on_gpu)
             source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)

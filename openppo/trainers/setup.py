@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import logging
 import os
-import time
 from typing import Any
 
 import torch
@@ -136,18 +135,7 @@ def make_tracker(cfg: Any, strategy: DeepSpeedStrategy, cli: str) -> MetricsTrac
     config = to_dict(cfg)
     if strategy.is_rank0:
         log_run_info(run_info(config, cli), cfg.ckpt.save_path)
-    run_name = cfg.logging.wandb_run_name or f"{cli}_{time.strftime('%m%dT%H%M%S')}"
-    return MetricsTracker(
-        save_dir=cfg.ckpt.save_path,
-        tensorboard_dir=cfg.logging.use_tensorboard,
-        wandb=cfg.logging.use_wandb,
-        wandb_project=cfg.logging.wandb_project,
-        wandb_org=cfg.logging.wandb_org,
-        wandb_group=cfg.logging.wandb_group,
-        run_name=run_name,
-        config=config,
-        enabled=strategy.is_rank0,
-    )
+    return MetricsTracker.for_run(cfg, config, cli, enabled=strategy.is_rank0)
 
 
 def train_kwargs(

@@ -162,6 +162,23 @@ class MetricsTracker:
         if wandb:
             self._wandb = _start_wandb(wandb, wandb_project, run_name, config, save_dir, wandb_org, wandb_group)
 
+    @classmethod
+    def for_run(cls, cfg: Any, config: dict[str, Any], name: str, enabled: bool = True) -> MetricsTracker:
+        """The sinks a CLI's flags ask for (`cfg.logging`, metrics.jsonl in `cfg.ckpt.save_path`); the run is named
+        `--wandb_run_name` or `<name>_<month><day>T<time>`."""
+        log = cfg.logging
+        return cls(
+            save_dir=cfg.ckpt.save_path,
+            tensorboard_dir=log.use_tensorboard,
+            wandb=log.use_wandb,
+            wandb_project=log.wandb_project,
+            wandb_org=log.wandb_org,
+            wandb_group=log.wandb_group,
+            run_name=log.wandb_run_name or f"{name}_{time.strftime('%m%dT%H%M%S')}",
+            config=config,
+            enabled=enabled,
+        )
+
     def log(self, step: int, metrics: dict[str, float], *, echo: bool = True) -> None:
         """Every sink gets every value, NaN and Inf included: a diverged loss must show, not vanish. In
         metrics.jsonl they are the strings "nan", "inf" and "-inf" (strict JSON has no such numbers)."""
