@@ -62,6 +62,26 @@ def test_matches_transformers_warpers(top_k, top_p):
     torch.testing.assert_close(got[finite], expected[finite], rtol=0, atol=1e-12)
 
 
+def test_ties_at_the_kth_value_are_kept_before_top_p():
+    """Top-k keeps every token tied with the k-th value, so top-p then runs over more than k values (the sort of
+    the whole row, not of the k largest): the same numbers as transformers' warpers. Rows 0-2 have 4 more tokens
+    tied at the 20th value; top-p 0.6 cuts above the ties (a tie at the top-p cut would be broken by sort order)."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    torch.manual_seed(5)
+    logits = torch.randn(6, 200, dtype=torch.float64)
+    logits[:3, 10:14] = logits[:3].topk(20, dim=-1).values[:, -1:]
+    labels = (logits / 0.9).softmax(-1).multinomial(1)[:, 0]
+    got = sampling_log_probs(logits, labels, 0.9, SamplingFilter(20, 0.6))
+    top_k = TopKLogitsWarper(20)(None, logits / 0.9)
+    assert torch.isfinite(top_k).sum(-1).tolist() == [23, 24, 24, 20, 20, 20]
+    expected = TopPLogitsWarper(0.6)(None, top_k).log_softmax(-1).gather(1, labels[:, None])[:, 0]
+    assert torch.equal(torch.isneginf(got), torch.isneginf(expected))
+    finite = ~torch.isneginf(expected)
+    assert finite.any() and not finite.all()
+    torch.testing.assert_close(got[finite], expected[finite], rtol=0, atol=1e-12)
+
+
 def test_chunks_and_dtypes_do_not_change_the_numbers():
     torch.manual_seed(1)
     logits = torch.randn(2, 150, 300)  # 300 positions: several chunks of 64
