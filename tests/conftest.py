@@ -15,3 +15,9 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_exten
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs a real multi-process CLI job (tens of seconds)")
     config.addinivalue_line("markers", "gpu: the GPU check suite (tests/gpu/; skipped without CUDA)")
+
+
+def pytest_sessionfinish(session, exitstatus):
+    from tests import ray_cluster
+
+    ray_cluster.shutdown()

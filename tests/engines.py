@@ -1,4 +1,4 @@
-"""A real vLLM engine on the tiny test model, in a Ray actor of a private local cluster (for module fixtures)."""
+"""A real vLLM engine on the tiny test model, in a Ray actor of the session cluster (for module fixtures)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+from tests import ray_cluster
 from tests.model_cache import tiny_model_dir
 
 
@@ -47,7 +48,7 @@ def start_tiny_engine(kv_cache_bytes: int = 64 << 20, **kwargs) -> Any:
 def tiny_engine_actor(kv_cache_bytes: int = 64 << 20) -> Iterator[Any]:
     import ray
 
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
+    ray_cluster.connect()
     try:
         actor = start_tiny_engine(kv_cache_bytes)
         yield actor

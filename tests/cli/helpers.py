@@ -11,6 +11,7 @@ import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
+RAY_CLIS = {"train_ppo_ray"}
 
 
 def cli_env() -> dict[str, str]:
@@ -32,7 +33,13 @@ def cli_env() -> dict[str, str]:
 def run_cli(
     module: str, args: list[str], *, nproc: int = 2, timeout: int = 600, check: bool = True
 ) -> subprocess.CompletedProcess:
-    """`torchrun --nproc_per_node N -m openppo.cli.<module> args` (plain python for N = 1)."""
+    """`torchrun --nproc_per_node N -m openppo.cli.<module> args` (plain python for N = 1). A Ray CLI joins the
+    session's cluster (tests/ray_cluster.py)."""
+    env = cli_env()
+    if module in RAY_CLIS:
+        from tests import ray_cluster
+
+        env["RAY_ADDRESS"] = ray_cluster.address()
     if nproc > 1:
         cmd = [
             sys.executable,
@@ -46,7 +53,7 @@ def run_cli(
         ]
     else:
         cmd = [sys.executable, "-m", f"openppo.cli.{module}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=cli_env(), cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{module} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}"

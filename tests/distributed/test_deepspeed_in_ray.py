@@ -8,13 +8,14 @@ import pytest
 import ray
 
 from openppo.distributed.worker_group import WorkerGroup, WorkerGroupError
+from tests import ray_cluster
 from tests.distributed.workers import CollectiveWorker, TrainWorker
 from tests.model_cache import tiny_model_dir
 
 
 @pytest.fixture(scope="module")
 def ray_cpu():
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    ray_cluster.connect()
     yield
     ray.shutdown()
 

@@ -11,6 +11,7 @@ from openppo.rollout import VLLMEngine
 from openppo.rollout.engine import cpu_tensor_parallel_binding
 from openppo.rollout.readback import check_engine_weights
 from openppo.rollout.sender import connect_engines, sync_weights
+from tests import ray_cluster
 from tests.engines import logprob_gap
 from tests.model_cache import tiny_model_dir
 
@@ -31,7 +32,7 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
     from transformers import AutoModelForCausalLM
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level="warning")
+    ray_cluster.connect()
     try:
         engine = ray.remote(num_cpus=1)(VLLMEngine).remote(
             str(tiny_model_dir()),

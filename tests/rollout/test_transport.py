@@ -30,6 +30,7 @@ from openppo.rollout.transport import (
     read_shared,
     shared_slots,
 )
+from tests import ray_cluster
 from tests.engines import cuda_reduce_args, logprob_gap
 from tests.model_cache import tiny_model_dir
 
@@ -199,7 +200,7 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
     from openppo.rollout import VLLMEngine
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
-    ray.init(address="local", num_cpus=4, include_dashboard=False, logging_level="warning")
+    ray_cluster.connect()
     try:
         engines = [
             ray.remote(num_cpus=1)(VLLMEngine).remote(
