@@ -23,6 +23,14 @@ def logprob_gap(model, prompt: list[int], sample: dict, temperature: float = 1.0
     return (expected - torch.tensor(sample["logprobs"])).abs().max().item()
 
 
+def vllm_shm_files() -> set[str]:
+    """vLLM's files in /dev/shm: its message queues' buffers (`psm_*`, Python's SharedMemory) and the CPU
+    communicator's (`vllm_dist_*`); a tensor-parallel engine makes them, and removes them when shut down."""
+    import glob
+
+    return set(glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/vllm_dist_*"))
+
+
 def start_tiny_engine(kv_cache_bytes: int = 64 << 20, **kwargs) -> Any:
     """A `VLLMEngine` actor of the tiny fp32 model in the running Ray session, once it is ready."""
     import ray

