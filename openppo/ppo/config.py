@@ -114,10 +114,16 @@ class VLLMConfig:
         "--vllm_sync_backend group: no extra rendezvous or port, one copy per engine (slower for large models)",
     )
     vllm_sync_bucket_mb: int = opt(256, "weights per sync message (MiB): many tensors travel in one bucket")
+    vllm_sync_delta: bool = opt(
+        False,
+        "after the first weight sync, send only the elements whose engine-dtype value changed (indices and "
+        "values; logged as the share of elements and the full sync's size); actor rank 0 and each engine worker "
+        "keep one more copy of the weights in host memory",
+    )
     vllm_sync_check: bool = opt(
         False,
-        "after the run's first weight sync, read every engine's weights back as its "
-        "kernels use them and compare each tensor with the trainer's; stop naming "
+        "after the run's first weight sync (and its first delta sync with --vllm_sync_delta), read every "
+        "engine's weights back as its kernels use them and compare each tensor with the trainer's; stop naming "
         "the tensor that differs (one extra copy of the weights on actor rank 0)",
     )
     enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)")

@@ -111,6 +111,7 @@ class ActorGroup(TrainedGroup):
         *,
         bucket_bytes: int,
         engine_dtype: str,
+        delta: bool = False,
     ) -> None:
         self.workers.run(
             ActorWorker.connect_engines,
@@ -121,6 +122,7 @@ class ActorGroup(TrainedGroup):
             engines.timeout_s,
             bucket_bytes,
             engine_dtype,
+            delta,
         )
 
     def sync_weights(self, engines: EnginePool, version: int) -> dict[str, float]:

@@ -367,6 +367,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         cfg.vllm.vllm_tensor_parallel_size,
         bucket_bytes=cfg.vllm.vllm_sync_bucket_mb * 2**20,
         engine_dtype=plan.engine_dtype,
+        delta=cfg.vllm.vllm_sync_delta,
     )
     return Groups(
         actor=actor,

@@ -91,7 +91,7 @@ class PPOTrainer:
         self.total_steps = plan.rl_steps
         self.global_step = 0
         self.policy_version = 0  # weight syncs done: the version the engines generate with
-        self._sync_checked = False  # --vllm_sync_check ran
+        self._syncs_checked = 0  # syncs --vllm_sync_check checked
         self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
         self._timing: dict[str, float] = {}  # this step's timing/* (the batch's own come with it)
         self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
@@ -135,10 +135,10 @@ class PPOTrainer:
 
     # ------------------------------------------------------------------------------------------------ one step
     def _synced(self) -> None:
-        """After each weight sync: the engines generate with the next policy version (checked once with
-        --vllm_sync_check)."""
+        """After each weight sync: the engines generate with the next policy version (checked with
+        --vllm_sync_check after the first sync, and with --vllm_sync_delta also after the first delta sync)."""
         self.policy_version += 1
-        if self.cfg.vllm.vllm_sync_check and not self._sync_checked:
+        if self.cfg.vllm.vllm_sync_check and self._syncs_checked < 1 + self.cfg.vllm.vllm_sync_delta:
             self._check_engine_weights()
 
     def _check_engine_weights(self) -> None:
@@ -153,7 +153,7 @@ class PPOTrainer:
                 "the trainer's, so rollouts would not come from the trained policy: " + "; ".join(bad)
             )
         logger.info("--vllm_sync_check: %d engine(s) compute with the trainer's weights: %s", len(checks), checks[0][1])
-        self._sync_checked = True
+        self._syncs_checked += 1
 
     def step(self) -> dict[str, float] | None:
         """One RL step on the next rollout batch; None when the prompts ran out before the batch was full."""
@@ -226,6 +226,8 @@ class PPOTrainer:
             with self.timer("weight_sync"):
                 stats = g.actor.sync_weights(g.engines, version=self.policy_version + 1)
             metrics["perf/weight_sync_mb"] = stats["num_bytes"] / 2**20
+            if "full_bytes" in stats:  # --vllm_sync_delta
+                metrics["perf/weight_sync_changed"] = stats["changed"]
             self._synced()
         else:
             self.swap.engine_weights()

@@ -295,11 +295,12 @@ class ActorWorker(_TrainedWorker):
         timeout_s: float,
         bucket_bytes: int,
         engine_dtype: str,
+        delta: bool = False,
     ) -> None:
         """Every rank enters `TrainerTransfer.trainer_init`: with `plan` (a `SyncPlan`) handing engines their buckets
         from several ranks, all ranks make the exchange group (a collective); rank 0 joins the broadcast group with
         the workers of the engines that get buckets by broadcast. Each sync sends buckets of `bucket_bytes` in
-        `engine_dtype`."""
+        `engine_dtype`, only the changed elements after the first with `delta`."""
         from openppo.rollout.sender import TrainerInit, TrainerTransfer
 
         init = TrainerInit(
@@ -310,6 +311,7 @@ class ActorWorker(_TrainedWorker):
             bucket_bytes=bucket_bytes,
             dtype=getattr(torch, engine_dtype),  # vLLM's names are torch's
             timeout_s=timeout_s,
+            delta=delta,
         )
         self.transfer = TrainerTransfer.trainer_init(init, client=engines, source=self.engine.module)
 

@@ -42,6 +42,7 @@ from torch import nn
 from openppo.errors import UserError
 from openppo.rollout import transport as tr
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layer_key
+from openppo.rollout.delta import DeltaEncoder
 from openppo.rollout.sync_group import SyncGroup, create_sync_group, free_port
 from openppo.rollout.transport import SyncPlan
 from openppo.rollout.weight_transfer import BucketUpdate, GroupInit, plain
@@ -307,6 +308,7 @@ class TrainerInit:
     timeout_s: float = 600.0
     master_address: str | None = None  # the broadcast group's rendezvous (default: this node, a free port)
     master_port: int | None = None
+    delta: bool = False  # after the first sync, send only the changed elements (`delta.py`)
 
 
 class TrainerTransfer:
@@ -322,6 +324,8 @@ class TrainerTransfer:
         self.init_info, self.engines, self.source = init_info, list(client), source
         self.group: SyncGroup | None = group
         self.exchange: HandleExchange | None = exchange
+        # the last sync's weights, on the ranks that pack buckets (rank 0 and the exporting ranks)
+        self.encoder = DeltaEncoder(init_info.dtype) if init_info.delta else None
 
     @classmethod
     def trainer_init(cls, init_info: TrainerInit, *, client: Sequence[Any], source: Any) -> TrainerTransfer:
@@ -358,6 +362,9 @@ class TrainerTransfer:
             if isinstance(weights, nn.Module)
             else weights
         )
+        encoder = self.encoder if rank == 0 or exports else None
+        if encoder is not None:
+            named = encoder.encode(named)
         if exports:
             assert exchange is not None, (
                 "an exporting rank other than 0 hands its handles to rank 0 through an exchange"
@@ -384,6 +391,7 @@ class TrainerTransfer:
             if group is not None and broadcast
             else torch.device("cpu")
         )
+        delta = encoder is not None
         pending = [engine.start_weight_update.remote() for engine in engines]
         in_flight: collections.deque = collections.deque()  # per handed-over bucket, the engines' load calls
         num_buckets = num_bytes = num_tensors = 0
@@ -400,17 +408,21 @@ class TrainerTransfer:
                     in_flight.append(
                         [
                             engines[i].update_weights.remote(
-                                plain(BucketUpdate("local", meta, [handles[r] for r in plan.sources[i]], verify=verify))
+                                plain(
+                                    BucketUpdate(
+                                        "local", meta, [handles[r] for r in plan.sources[i]], verify=verify, delta=delta
+                                    )
+                                )
                             )
                             for i in local
                         ]
                     )
                 if stored:
                     ref = ray.put(bucket.buffer.cpu())
-                    update = plain(BucketUpdate("bytes", meta, verify=verify))
+                    update = plain(BucketUpdate("bytes", meta, verify=verify, delta=delta))
                     pending += [e.update_weights.remote(update, ref) for e in stored]
                 if broadcast:
-                    update = plain(BucketUpdate("broadcast", meta, verify=verify))
+                    update = plain(BucketUpdate("broadcast", meta, verify=verify, delta=delta))
                     pending += [e.update_weights.remote(update) for e in broadcast]
                     group.broadcast(bucket.buffer.to(group.device), src=0)
                 pending = _raise_failed(pending)
@@ -429,15 +441,27 @@ class TrainerTransfer:
         finish = [engine.finish_weight_update.remote(version) for engine in engines]
         ray.get(pending + finish, timeout=timeout_s)
         seconds = time.perf_counter() - start
+        stats = {"num_buckets": num_buckets, "num_bytes": num_bytes, "num_tensors": num_tensors, "seconds": seconds}
+        note = ""
+        if encoder is not None:
+            d = encoder.stats
+            stats.update(
+                num_tensors=len(encoder.last),
+                num_elements=d.elements,
+                full_bytes=d.full_bytes,
+                changed=d.sent / max(d.elements, 1),
+            )
+            note = f" (delta: {stats['changed']:.2%} of the elements; a full sync is {d.full_bytes / 2**20:.1f} MiB)"
         logger.info(
-            "weight sync: %d tensors, %.1f MiB in %d bucket(s) to %d engine(s) in %.2f s",
-            num_tensors,
+            "weight sync: %d tensors, %.1f MiB in %d bucket(s) to %d engine(s) in %.2f s%s",
+            stats["num_tensors"],
             num_bytes / 2**20,
             num_buckets,
             len(engines),
             seconds,
+            note,
         )
-        return {"num_buckets": num_buckets, "num_bytes": num_bytes, "num_tensors": num_tensors, "seconds": seconds}
+        return stats
 
     def shutdown(self) -> None:
         """Leave the sync group (rank 0); the engines keep their weights."""

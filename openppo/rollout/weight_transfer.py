@@ -15,7 +15,8 @@ vLLM worker), and every engine, on CPU and on GPU, in every placement, runs it:
 A bucket arrives one of three ways (`kind`): "broadcast" (the sync group, gloo on CPU, NCCL on GPU), "local"
 (handed over on the device by the actor rank that shares it: shared memory on CPU, CUDA IPC on GPU; see
 `transport.py`), or "bytes" (the payload itself, through Ray's object store). Only how a local buffer is exported
-and opened differs between CPU and GPU.
+and opened differs between CPU and GPU. With --vllm_sync_delta, the buckets after the first sync hold only the
+changed elements of each tensor (`delta.py`), which the workers apply to their copy of the last sync before loading.
 
 Why not vLLM's own backends: its `IPCWeightTransferEngine` sends `reduce_tensor`'s arguments (torch classes and
 dtypes), which vLLM's msgpack RPC refuses unless `VLLM_ALLOW_INSECURE_SERIALIZATION=1` (`tests/rollout/
@@ -56,13 +57,15 @@ class GroupInit:
 class BucketUpdate:
     """`update_weights`'s info: one bucket of a sync. `bucket` is `BucketMeta.to_plain()`; `handles[w]` is worker w's
     hand-over handle ("local"; one handle serves every worker); `payload` the bucket's bytes ("bytes"); `verify`
-    makes the workers sum what they receive in float64 (`last_sync_checksum`)."""
+    makes the workers sum what they load in float64 (`last_sync_checksum`); `delta`: the bucket holds changes
+    against the last sync (`delta.py`), which the workers apply to their copy of it and keep."""
 
     kind: str
     bucket: dict
     handles: list = field(default_factory=list)
     payload: bytes | None = None
     verify: bool = False
+    delta: bool = False
 
     def __post_init__(self):
         if self.kind not in KINDS:

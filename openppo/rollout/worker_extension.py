@@ -30,6 +30,7 @@ import torch
 from vllm.distributed.weight_transfer import WeightTransferEngine, WeightTransferEngineFactory
 
 from openppo.rollout.buckets import BucketMeta, unpack_bucket
+from openppo.rollout.delta import DeltaDecoder
 from openppo.rollout.weight_transfer import BACKEND, BucketUpdate, GroupInit
 
 logger = logging.getLogger(__name__)
@@ -48,6 +49,7 @@ class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate])
         self.loaded: set[str] = set()  # vLLM parameter names loaded in the open sync
         self.received_sum: float | None = None  # float64 sum of what the open sync received, when verified
         self.last_checksum: float | None = None  # the same of the last finished sync
+        self.delta: DeltaDecoder | None = None  # the last delta sync's weights (--vllm_sync_delta)
         self._started = 0.0
 
     def init_transfer_engine(self, init_info: GroupInit) -> None:
@@ -89,6 +91,9 @@ class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate])
             payload = update.payload or b""
             buffer = torch.frombuffer(bytearray(payload), dtype=torch.uint8) if meta.nbytes else torch.empty(0)
         named = unpack_bucket(meta, buffer.to(torch.uint8))
+        if update.delta:
+            self.delta = self.delta or DeltaDecoder()
+            named = self.delta.decode(named)
         if update.verify:
             total = sum(t.detach().to(torch.float64).sum().item() for _, t in named)
             self.received_sum = (self.received_sum or 0.0) + total

@@ -1,8 +1,8 @@
 """train_ppo_ray end to end: hybrid engine (everything colocated, sleep flags) with the actor split by AutoTP
-(--ds_tensor_parallel_size 2), DAPO dynamic filtering, eval with pass@k, checkpoints, and a resume that sees the same
-prompts as the unbroken run. --enable_ema with --ema_beta 1 keeps the initial weights as the average: every export
-(best, final, resumed final) must hold them exactly (tests/ppo/test_ema.py checks the average of moving weights).
-Real Ray + DeepSpeed + vLLM CPU, tiny model."""
+(--ds_tensor_parallel_size 2) and delta weight syncs (--vllm_sync_delta), DAPO dynamic filtering, eval with pass@k,
+checkpoints, and a resume that sees the same prompts as the unbroken run. --enable_ema with --ema_beta 1 keeps the
+initial weights as the average: every export (best, final, resumed final) must hold them exactly
+(tests/ppo/test_ema.py checks the average of moving weights). Real Ray + DeepSpeed + vLLM CPU, tiny model."""
 
 from __future__ import annotations
 
@@ -116,10 +116,12 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         "--ema_beta",
         "1",
     ]
-    proc = run_cli("train_ppo_ray", args + ["--save_path", str(save), "--vllm_sync_check"], nproc=1, timeout=800)
+    delta = ["--vllm_sync_check", "--vllm_sync_delta"]
+    proc = run_cli("train_ppo_ray", args + ["--save_path", str(save), *delta], nproc=1, timeout=800)
     log = proc.stdout + proc.stderr
-    # both engines hold the AutoTP-gathered weights, tensor by tensor, after the first update
-    assert "--vllm_sync_check: 2 engine(s) compute with the trainer's weights" in log
+    # both engines hold the AutoTP-gathered weights, tensor by tensor, after the first update and after the first
+    # delta sync (each actor rank computes the changes for the engine worker on its device)
+    assert log.count("--vllm_sync_check: 2 engine(s) compute with the trainer's weights") == 2
     assert "colocated (hybrid): actor, reference, engines share 2 device(s)" in log
     assert "--vllm_enable_sleep is a no-op on CPU" in log
     # engine i sits on actor rank i's bundle: each rank hands it the buckets through shared memory, no gloo group
@@ -128,6 +130,8 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
 
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2, 3]
+    changed = series(records, "perf/weight_sync_changed")
+    assert changed[0] == (1, 1.0) and all(0 < c <= 1 for _, c in changed[1:]), changed
     for r in records:
         assert r["timing/swap"] > 0  # ZeRO-2 states offloaded and reloaded around every generation
         assert r["rollout/logprob_diff"] < 1e-4

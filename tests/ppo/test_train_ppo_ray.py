@@ -42,10 +42,11 @@ def test_grpo_with_py_reward(tmp_path):
     """GRPO with a Python reward, the default KV cache, top-k/top-p sampling and IS correction; the 2 actor ranks
     form one ring (--ring_attn_size 2): each packed row is split between them and attention runs across the halves,
     and the log-probs still equal those of the engine, which is tensor-parallel (2 worker processes, each holding
-    half of every layer, both synced; --vllm_sync_check reads both halves back after the first sync and compares
-    them with the ZeRO-3 gathered weights). Step 2 is traced by the torch profiler; the run ends with the stage
-    table and the bottleneck advice, and the engine is shut down, leaving nothing in /dev/shm. Flags are spelled in
-    OpenRLHF >= 0.10's dotted names, --data.max_len among them."""
+    half of every layer, both synced; the second sync is a delta sync (--vllm_sync_delta); --vllm_sync_check reads
+    both halves back after each of the two and compares them with the ZeRO-3 gathered weights). Step 2 is traced by
+    the torch profiler; the run ends with the stage table and the bottleneck advice, and the engine is shut down,
+    leaving nothing in /dev/shm. Flags are spelled in OpenRLHF >= 0.10's dotted names, --data.max_len among them.
+    """
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
     save = tmp_path / "out"
     shm_before = vllm_shm_files()
@@ -59,7 +60,7 @@ def test_grpo_with_py_reward(tmp_path):
         "--prompt_max_len 64 --ds.zero_stage 3 --ds.param_dtype fp32 --max_steps 2 --actor.adam.lr 1e-4 "
         "--ds.packing_samples --ds.ring_attn_size 2 --ds.ring_attn_head_stride 1 --profile_steps 2 "
         "--vllm.tensor_parallel_size 2 --rollout.top_p 0.9 --top_k 1000 --algo.advantage.is_correction_enable "
-        "--vllm_sync_check"
+        "--vllm_sync_check --vllm_sync_delta"
     ).split()
     proc = run_cli(
         "train_ppo_ray",
@@ -77,7 +78,7 @@ def test_grpo_with_py_reward(tmp_path):
         nproc=1,
         timeout=600,
     )
-    assert SYNC_CHECKED in proc.stdout
+    assert proc.stdout.count(SYNC_CHECKED) == 2  # after the full sync and after the delta sync
     # the run shut its engine down before the end: the TP workers' message queues are gone from /dev/shm
     assert vllm_shm_files() - shm_before == set()
     # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 33 tokens, two of the engine's 32-token blocks
@@ -87,6 +88,11 @@ def test_grpo_with_py_reward(tmp_path):
     assert len(sized) == 1 and "16 seqs x 64 tokens x 0.5 KiB/token" in sized[0], sized
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]
+    # the first sync sends everything, the delta sync what changed: nothing when every reward of step 2 was 0 (the
+    # tiny random model does not do arithmetic), which leaves GRPO nothing to learn from (its KL coefficient is 0)
+    changed = [r["perf/weight_sync_changed"] for r in records]
+    assert changed[0] == 1.0 and (changed[1] == 0.0) == (records[1]["train/reward"] == 0.0), changed
+    assert "(delta: " in proc.stdout
     assert all(0 < r["train/response_length"] <= 10 for r in records), series(records, "train/response_length")
     for key in STEP_METRICS:
         assert all(key in r for r in records), key

@@ -14,7 +14,14 @@ import torch
 
 from openppo.errors import UserError
 from openppo.rollout import transport
-from openppo.rollout.sender import connect_engines, iter_full_weights, sync_weights
+from openppo.rollout.sender import (
+    TrainerInit,
+    TrainerTransfer,
+    connect_engines,
+    iter_full_weights,
+    sync_weights,
+    tensors_checksum,
+)
 from openppo.rollout.transport import (
     BROADCAST,
     CUDA_IPC,
@@ -194,6 +201,8 @@ def test_a_processs_gpu_is_named_as_ray_names_it():
 
 @pytest.mark.slow
 def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
+    """Full syncs, then delta syncs (--vllm_sync_delta) through the same two transports: exact after each, and a
+    delta sync sends only the changed elements."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -244,6 +253,33 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
             with pytest.raises(RuntimeError, match="mid-sync"):
                 sync_weights(failing(), None, engines[:1], bucket_bytes=64 << 10, plan=[SHARED_MEMORY])
             assert shared_slots().paths() == [], "a failed sync kept its shared memory"
+
+            init = TrainerInit(0, SyncPlan.of(plan), bucket_bytes=64 << 10, timeout_s=120, delta=True)
+            delta = TrainerTransfer(init, engines, model, group, None)
+            embed = model.get_input_embeddings().weight
+            for sync, change in enumerate(("all", "rows", "none", "all")):
+                with torch.no_grad():
+                    if change == "all":
+                        for p in model.parameters():
+                            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+                    elif change == "rows":  # as an update touches only the embedding rows of the tokens it saw
+                        embed[PROMPT[:5]] += 0.05
+                stats = delta.send_weights(verify=True)
+                changed = {"all": 1.0, "rows": 5 * embed.shape[1] / stats["num_elements"], "none": 0.0}[change]
+                assert stats["changed"] == pytest.approx(changed, abs=1e-3), f"delta sync {sync + 1}"
+                if change != "all":  # 8 bytes per changed fp32 element (index and value), and alignment
+                    assert stats["num_bytes"] < 8 * changed * stats["full_bytes"] / 4 + 16 * 2 * stats["num_tensors"]
+                expected = tensors_checksum(iter_full_weights(model, rank=0))
+                assert (
+                    ray.get([e.last_sync_checksum.remote() for e in engines])
+                    == [pytest.approx(expected, rel=1e-12)] * 2
+                )
+                for engine in engines:
+                    [[sample]] = ray.get(
+                        engine.generate.remote([PROMPT], n=1, max_new_tokens=8, temperature=1.0, top_p=1.0), timeout=120
+                    )
+                    gap = logprob_gap(model, PROMPT, sample)
+                    assert gap < TOL, f"delta sync {sync + 1}: engine log-probs {gap:.3g} off the trainer's"
         finally:
             group.destroy()
     finally:
