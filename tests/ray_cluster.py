@@ -14,9 +14,6 @@ from __future__ import annotations
 
 import os
 
-# What the CLI runs' drivers get (tests/cli/helpers.py:cli_env), given to the processes Ray starts: a local cluster
-# inherits them from its driver, a joined one from whoever started it.
-_WORKER_ENV = {"OMP_NUM_THREADS": "1", "PYTHONUNBUFFERED": "1", "TOKENIZERS_PARALLELISM": "false"}
 _cluster = None
 
 
@@ -27,9 +24,12 @@ def address() -> str:
         from ray.cluster_utils import Cluster
 
         from openppo.ppo.launch import local_cpu_slots
+        from tests.cli.helpers import cli_env
 
         saved = dict(os.environ)
-        os.environ.update(_WORKER_ENV)
+        # the processes Ray starts get what the CLI runs' drivers get: a local cluster inherits it from its driver, a
+        # joined one from whoever started it
+        os.environ.update(cli_env())
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         try:
             _cluster = Cluster(
