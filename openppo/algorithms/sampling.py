@@ -11,12 +11,15 @@ logits / T. To compare the two sides (importance weights of `--enable_vllm_is_co
            (the largest token is always kept)
     log q(a) = z_a - logsumexp(z over the kept tokens),   -inf when a was not kept
 
-This is vLLM's rule (`apply_top_k_top_p`: top-k first, then top-p on the top-k distribution). A token the engine
-sampled can fall outside the trainer's kept set: at the boundary through rounding, or because the policy moved
-(a stale batch). Its probability under the trainer's truncated policy is then 0, and -inf says so; `engine_gap`
-counts such tokens (`rollout/outside_support`). The importance weights (`losses.importance_weights`) clamp the
-log-ratio to -20, so its ratio is e^-20, which each correction treats as it treats any ratio below the band's low end
-(`--vllm_is_truncated_threshold`, 0.5 by default):
+This is vLLM's rule (`apply_top_k_top_p`: top-k first, then top-p on the top-k distribution), except for exact ties
+at the top-p cut: here every token equal to the first kept value is kept, while vLLM cuts by position in its sort,
+so it may drop some of them (which ones depends on the sort). The trainer's kept set then holds those tokens too,
+and its log-probs are lower by their share (`rollout/logprob_diff` shows it); logits of a trained model are exactly
+equal only by chance. A token the engine sampled can fall outside the trainer's kept set: at the boundary through
+rounding, or because the policy moved (a stale batch). Its probability under the trainer's truncated policy is then
+0, and -inf says so; `engine_gap` counts such tokens (`rollout/outside_support`). The importance weights
+(`losses.importance_weights`) clamp the log-ratio to -20, so its ratio is e^-20, which each correction treats as it
+treats any ratio below the band's low end (`--vllm_is_truncated_threshold`, 0.5 by default):
     tis           weight = low: truncated IS clips every ratio into [low, high], as OpenRLHF defines it;
     icepop        weight 0: the token is dropped, as is every token whose ratio leaves the band;
     seq-mask-tis  weight = low, unless the response's geometric-mean ratio leaves the band, then 0.
