@@ -359,7 +359,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     backend = "nccl" if on_gpu and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     actor = groups["actor"]
     workers = ray.get([e.worker_locations.remote() for e in engines], timeout=timeout)
-    transports = sync_plan(cfg, actor.worker_infos, workers, backend, on_gpu=bool(gpu))
+    transports = sync_plan(cfg, actor.worker_infos, workers, backend, on_gpu=on_gpu)
     actor.connect_engines(
         pool,
         transports,
