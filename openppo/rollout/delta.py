@@ -61,12 +61,17 @@ class DeltaEncoder:
         self.last: dict[str, torch.Tensor] = {}
         self.stats = DeltaStats()
 
+    def forget(self) -> None:
+        """Drop the last sync's copy, so that the next sync sends every tensor in full: after a sync that failed
+        half-way, the engines hold some of its tensors and not others, and only a full sync is exact for both."""
+        self.last.clear()
+
     def encode(self, named: Iterable[tuple[str, torch.Tensor]]) -> Iterator[tuple[str, torch.Tensor]]:
         self.stats = DeltaStats()
         for name, tensor in named:
-            if self.dtype is not None and tensor.is_floating_point():
-                tensor = tensor.detach().to(self.dtype)
-            current = tensor.detach().to("cpu", copy=True)  # a copy: the source may be a live parameter
+            # one copy, cast and moved at once: the source may be a live parameter
+            dtype = self.dtype if self.dtype is not None and tensor.is_floating_point() else tensor.dtype
+            current = tensor.detach().to("cpu", dtype, copy=True)
             previous = self.last.get(name)
             self.last[name] = current
             self.stats.elements += current.numel()

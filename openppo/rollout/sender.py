@@ -348,7 +348,15 @@ class TrainerTransfer:
     def send_weights(self, *, version: int | None = None, verify: bool = False) -> dict[str, float] | None:
         """One full sync (see `sync_weights`); rank 0 returns its statistics, the other ranks None. `version` tags
         the tokens the engines sample from then on; `verify` makes them sum what they receive
-        (`last_sync_checksum`)."""
+        (`last_sync_checksum`). A sync that fails makes the next one full on this rank (`DeltaEncoder.forget`)."""
+        try:
+            return self._send(version, verify)
+        except BaseException:
+            if self.encoder is not None:
+                self.encoder.forget()
+            raise
+
+    def _send(self, version: int | None, verify: bool) -> dict[str, float] | None:
         import collections
 
         import ray

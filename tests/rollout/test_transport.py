@@ -201,8 +201,8 @@ def test_a_processs_gpu_is_named_as_ray_names_it():
 
 @pytest.mark.slow
 def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
-    """Full syncs, then delta syncs (--vllm_sync_delta) through the same two transports: exact after each, and a
-    delta sync sends only the changed elements."""
+    """Full syncs, then delta syncs (--vllm_sync_delta) through the same two transports: exact after each, a
+    delta sync sends only the changed elements, and one that failed half-way is followed by a full one."""
     import ray
     from transformers import AutoModelForCausalLM
 
@@ -280,6 +280,20 @@ def test_shared_memory_and_broadcast_engines_in_one_sync_are_exact():
                     )
                     gap = logprob_gap(model, PROMPT, sample)
                     assert gap < TOL, f"delta sync {sync + 1}: engine log-probs {gap:.3g} off the trainer's"
+
+            # A delta sync that fails half-way leaves the engines with some of its tensors and the sender with all
+            # of the ones it encoded: the next sync must go in full, or those would never reach the engines.
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(torch.randn(p.shape, generator=g) * 0.02)
+            delta.source = failing()
+            with pytest.raises(RuntimeError, match="mid-sync"):
+                delta.send_weights()
+            delta.source = model
+            stats = delta.send_weights(verify=True)
+            assert stats["changed"] == 1.0
+            expected = tensors_checksum(iter_full_weights(model, rank=0))
+            assert ray.get([e.last_sync_checksum.remote() for e in engines]) == [pytest.approx(expected, rel=1e-12)] * 2
         finally:
             group.destroy()
     finally:
