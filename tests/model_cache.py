@@ -17,12 +17,17 @@ def cache_dir() -> Path:
     return Path(os.environ.get("OPENPPO_TEST_CACHE") or REPO / ".cache" / "test-models")
 
 
+# The suite's tiny models speak Qwen3's tokenizer cut to its first 8192 tokens: at the full 151,669 the vocabulary
+# is ~96 % of a tiny model's compute and the suite ran 1.45x as long (docs/benchmarks.md, "Test suite").
+TOKENIZER = "qwen3-8k"
+
+
 def tiny_model_dir(**kwargs) -> Path:
-    """`<cache>/tiny-qwen2` for the defaults; other `build_tiny_model` keyword arguments get their own folder."""
+    """`<cache>/tiny-qwen2-8k` for the defaults; other `build_tiny_model` keyword arguments get their own folder."""
     from openppo.models.zoo import build_tiny_model
 
-    name = "tiny-qwen2" if not kwargs else "tiny-" + "-".join(f"{k}{v}" for k, v in sorted(kwargs.items()))
-    return build_tiny_model(cache_dir() / name, **kwargs)
+    name = "tiny-qwen2-8k" if not kwargs else "tiny-8k-" + "-".join(f"{k}{v}" for k, v in sorted(kwargs.items()))
+    return build_tiny_model(cache_dir() / name, **{"tokenizer": TOKENIZER, **kwargs})
 
 
 def smollm2_dir() -> Path:
@@ -32,10 +37,10 @@ def smollm2_dir() -> Path:
     return materialize_smollm2(cache_dir() / "smollm2")
 
 
-def favoured_word_model_dir(word: str = " hello", scale: float = 6.0) -> Path:
-    """The default tiny model edited so that it already says `word` (one token) in about 14 % of positions.
+def favoured_word_model_dir(word: str = " world", scale: float = 2.5) -> Path:
+    """The default tiny model edited so that it already says `word` (one token) in many positions.
 
-    A random tiny model spreads its probability over the 151k-token vocabulary (any given token ~7e-6), so a
+    A random tiny model spreads its probability over its 8k-token vocabulary (any given token ~1.2e-4), so a
     "say the target word" reward never fires and there is nothing to learn from. Setting the token's (tied)
     embedding to `scale` x the unit mean of the final hidden states gives it a large logit in most contexts:
     a policy with a learnable start, for tests where the reward must rise. Cached like the other test models.
@@ -43,7 +48,7 @@ def favoured_word_model_dir(word: str = " hello", scale: float = 6.0) -> Path:
     from openppo.models.zoo import _cached_build
 
     base = tiny_model_dir()
-    out = cache_dir() / f"tiny-qwen2-favour{word.strip()}-{scale:g}"
+    out = cache_dir() / f"tiny-qwen2-8k-favour{word.strip()}-{scale:g}"
 
     def make(tmp: Path) -> dict:
         import torch

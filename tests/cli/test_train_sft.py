@@ -1,4 +1,4 @@
-"""train_sft end to end: 2 ranks, ZeRO-3, real DeepSpeed on CPU, a tiny model on the Qwen3 tokenizer."""
+"""train_sft end to end: 2 ranks, ZeRO-3, real DeepSpeed on CPU, a tiny model on the (cut) Qwen3 tokenizer."""
 
 from __future__ import annotations
 
@@ -97,9 +97,11 @@ def test_sft_saved_folder_reproduces_eval_loss(sft_run):
     )
     total = 0.0
     batches = 0
+    # the trainer's batches: rank r of 2 takes rows r, r + 2, ... in micro-batches of 2; the mean of per-batch means
+    pairs = [rows[i : i + 2] for r in (0, 1) for rows in [list(range(r, len(ds), 2))] for i in range(0, len(rows), 2)]
     with torch.no_grad():
-        for i in range(0, len(ds), 2):
-            batch = collate_padded([ds[j] for j in range(i, min(i + 2, len(ds)))], pad_token_id=tok.pad_token_id)
+        for pair in pairs:
+            batch = collate_padded([ds[j] for j in pair], pad_token_id=tok.pad_token_id)
             logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits[:, :-1]
             lp = torch.log_softmax(logits.float(), -1).gather(-1, batch["input_ids"][:, 1:, None]).squeeze(-1)
             mask = batch["loss_mask"][:, 1:].float()

@@ -104,15 +104,18 @@ def test_collate_pairs_puts_chosen_rows_first(tokenizer):
     assert masked(tokenizer, batch["input_ids"][2], batch["loss_mask"][2]).endswith("r1 longer<|im_end|>")
 
 
-def test_margin_loss_uses_each_pairs_margin(tokenizer):
+def test_margin_loss_uses_each_pairs_margin():
     """--margin_loss: the data's 'margin' column (0 where empty) is each pair's required gap in the sigmoid loss,
     checked through the reward-model trainer's loss on a real scalar model."""
     import torch
+    from transformers import AutoTokenizer
 
     from openppo.algorithms.losses import pairwise_rm_loss
     from openppo.models.scalar import ScalarModel
     from openppo.trainers.stages import RewardModelTrainer
     from tests.model_cache import tiny_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())  # the model's own (cut) vocabulary
 
     rows = [
         {"prompt": "2+2?", "chosen": "4", "rejected": "5", "margin": 1.5},
@@ -135,16 +138,19 @@ def test_margin_loss_uses_each_pairs_margin(tokenizer):
     assert loss.item() != pytest.approx(pairwise_rm_loss(chosen, rejected).item())
 
 
-def test_packed_preference_pairs_give_the_padded_losses(tokenizer):
+def test_packed_preference_pairs_give_the_padded_losses():
     """--packing_samples for train_rm and train_dpo: the models run each micro-batch as one packed row (their
     RowLayout); the reward-model and DPO losses equal the padded ones to 1e-5 (fp32)."""
     import torch
+    from transformers import AutoTokenizer
 
     from openppo.models.actor import Actor
     from openppo.models.row_layout import RowLayout
     from openppo.models.scalar import ScalarModel
     from openppo.trainers.stages import DPOTrainer, RewardModelTrainer
     from tests.model_cache import tiny_model_dir
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())  # the model's own (cut) vocabulary
 
     rows = [
         {"prompt": "2+2?", "chosen": "4", "rejected": "five, I think"},

@@ -14,7 +14,7 @@ import torch
 
 from openppo.errors import UserError
 from openppo.models.zoo import MARKER, VLLM_CPU_HEAD_DIMS, build_tiny_model, qwen3_tokenizer_dir, read_build_info
-from tests.model_cache import REPO, cache_dir
+from tests.model_cache import REPO, TOKENIZER, cache_dir
 
 CHAT = [{"role": "user", "content": "What is 2+3? Reply with only the number."}]
 
@@ -60,6 +60,24 @@ def test_tiny_reloads_like_a_checkpoint(tiny_model_dir):
     assert logits.shape == (1, ids.shape[1], len(tok)) and torch.isfinite(logits).all()
 
 
+def test_the_cut_qwen3_tokenizer_keeps_the_text_pipeline(tiny_model_dir):
+    """--tokenizer qwen3-8k (the suite's tiny models): Qwen3's first 8166 merges and its 26 special tokens, numbered
+    after them. Same chat template, same ids for the tokens it keeps, and any text still round-trips."""
+    from transformers import AutoTokenizer
+
+    full = AutoTokenizer.from_pretrained(qwen3_tokenizer_dir())
+    cut = AutoTokenizer.from_pretrained(tiny_model_dir)
+    assert TOKENIZER == "qwen3-8k" and len(cut) == 8192 and len(full) == 151669
+    specials = [t for t in full.get_added_vocab() if full.convert_tokens_to_ids(t) >= 151643]
+    assert [cut.convert_tokens_to_ids(t) for t in specials] == list(range(8166, 8192))
+    chat = CHAT + [{"role": "assistant", "content": "5, I think. Ünïcödé: 北京 ✓"}]
+    text = cut.apply_chat_template(chat, tokenize=False)
+    assert text == full.apply_chat_template(chat, tokenize=False)
+    ids, full_ids = cut(text).input_ids, full(text).input_ids
+    assert cut.decode(ids) == text and max(ids) < 8192 and len(full_ids) < len(ids) < 2 * len(full_ids)
+    assert [i for i in full_ids if i < 8166] == [i for i in ids if i in set(full_ids)]  # a kept token keeps its id
+
+
 def test_tiny_seed_cache_and_rebuild(tmp_path, tiny_model_dir):
     target = tmp_path / "m"
     stale = tmp_path / ".m.abc123.tmp"  # what a killed build leaves behind: ignored, then swept
@@ -67,7 +85,7 @@ def test_tiny_seed_cache_and_rebuild(tmp_path, tiny_model_dir):
     (stale / "config.json").write_text("{}")
 
     start = time.perf_counter()
-    assert build_tiny_model(target, seed=0) == target
+    assert build_tiny_model(target, seed=0, tokenizer=TOKENIZER) == target
     print(f"tiny build: {time.perf_counter() - start:.1f} s")
     assert not stale.exists()
     weights = load_weights(target)
@@ -76,11 +94,11 @@ def test_tiny_seed_cache_and_rebuild(tmp_path, tiny_model_dir):
 
     mtime = (target / "model.safetensors").stat().st_mtime_ns
     start = time.perf_counter()
-    assert build_tiny_model(target, seed=0) == target
+    assert build_tiny_model(target, seed=0, tokenizer=TOKENIZER) == target
     assert time.perf_counter() - start < 0.5
     assert (target / "model.safetensors").stat().st_mtime_ns == mtime
 
-    build_tiny_model(target, seed=1)  # other arguments: rebuilt in place
+    build_tiny_model(target, seed=1, tokenizer=TOKENIZER)  # other arguments: rebuilt in place
     assert read_build_info(target)["build"]["seed"] == 1
     reseeded = load_weights(target)
     assert any(not torch.equal(weights[k], reseeded[k]) for k in weights)
@@ -142,12 +160,12 @@ def test_cli_errors_are_one_line(tmp_path):
 def test_cli_tiny_prints_path_and_summary(tiny_model_dir):
     # Same arguments as the shared model: served from the cache, without importing torch.
     start = time.perf_counter()
-    proc = run_cli("tiny", "--out", str(tiny_model_dir))
+    proc = run_cli("tiny", "--out", str(tiny_model_dir), "--tokenizer", TOKENIZER)
     elapsed = time.perf_counter() - start
     assert proc.returncode == 0, proc.stderr
     path, summary = proc.stdout.splitlines()
     assert Path(path) == tiny_model_dir
-    assert "params" in summary and "float32" in summary and "vocab 151669" in summary
+    assert "params" in summary and "float32" in summary and "vocab 8192" in summary
     assert elapsed < 5, elapsed
 
 

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.slow
 
 def test_grpo_reward_rises_on_target_word_task(tmp_path):
     prompts = tmp_path / "prompts.jsonl"
-    prompts.write_text("".join(json.dumps({"input": f"Say hello. ({i})", "label": "hello"}) + "\n" for i in range(64)))
+    prompts.write_text("".join(json.dumps({"input": f"Say world. ({i})", "label": "world"}) + "\n" for i in range(64)))
     save = tmp_path / "out"
     run_cli(
         "train_ppo_ray",
@@ -70,5 +70,5 @@ def test_grpo_reward_rises_on_target_word_task(tmp_path):
     rewards = [v for _, v in series(read_metrics(save), "train/reward")]
     assert len(rewards) == 10
     first, last = sum(rewards[:3]) / 3, sum(rewards[-3:]) / 3
-    # measured: 0.09 0.16 0.18 0.44 0.69 0.75 0.76 0.81 0.91 0.87
+    # measured: 0.22 0.32 0.57 0.78 0.79 0.85 0.79 0.89 0.93 0.94
     assert last > first + 0.3, rewards

@@ -330,7 +330,7 @@ def test_multi_turn_agent(tmp_path):
             "--generate_max_len",
             "6",
             "--prompt_max_len",
-            "64",
+            "96",  # the prompt, then 3 turns of 6 tokens and 2 feedbacks of up to 12 tokens
             "--param_dtype",
             "fp32",
             "--zero_stage",
@@ -348,8 +348,10 @@ def test_multi_turn_agent(tmp_path):
     records = read_metrics(save)
     assert len(records) == 2
     for r in records:
-        # a random tiny model never names a digit: every episode runs all 3 turns and collects feedback
-        assert r["rollout/agent_turns"] == 3 and r["env/guess_number/solved"] == 0.0
+        # a random tiny model seldom names a digit (10 of its 8192 tokens) and then seldom the secret: the episodes
+        # run all 3 turns and collect feedback, but for one that guessed right (reward 1)
+        assert r["rollout/agent_turns"] == 3 or 0 < r["env/guess_number/solved"] <= 0.25, r
+        assert r["rollout/agent_turns"] >= 2.5
         assert r["train/response_length"] > 3 * 6 * 0.5  # model turns plus feedback tokens
         assert r["rollout/logprob_diff"] < 1e-4
         # the batch is one on-policy optimizer step: no separate old-log-prob pass, the gap is measured in the update

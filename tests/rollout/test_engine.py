@@ -56,7 +56,7 @@ def test_generate_logprobs_match_hf(engine, hf_model):
                 assert len(s["token_ids"]) == 12 or s["finish_reason"] == "stop"
                 assert logprob_gap(hf_model, prompt, s, temperature) < TOL
     # Stop tokens: generation ends at the first even token id, which is kept; min_new_tokens holds it off.
-    even = list(range(0, 151669, 2))
+    even = list(range(0, hf_model.config.vocab_size, 2))
     [samples] = ray.get(
         engine.generate.remote(
             PROMPTS[:1], n=4, max_new_tokens=40, temperature=1.0, top_p=1.0, min_new_tokens=2, stop_token_ids=even
@@ -249,6 +249,9 @@ def test_partial_rollout_keeps_its_tokens_and_goes_on_with_the_new_weights(engin
     def hf_log_probs(model, prompt, ids):
         with torch.no_grad():
             logits = model(torch.tensor([prompt + ids]), use_cache=False).logits[0, len(prompt) - 1 : -1].float()
+        # min_new_tokens masks EOS before vLLM computes the log-probs (`processed_logprobs`): its share, ~1/V
+        # on the random model, is 1.2e-4 on the 8k vocabulary, more than TOL
+        logits[:, model.generation_config.eos_token_id] = float("-inf")
         return torch.log_softmax(logits, -1).gather(-1, torch.tensor(ids)[:, None])[:, 0]
 
     try:
@@ -338,12 +341,29 @@ def _warped_log_probs(model, seqs: torch.Tensor, temperature: float, top_k: int,
     return flat.log_softmax(-1).gather(1, seqs[:, 1:].reshape(-1, 1)).reshape(seqs.size(0), -1)
 
 
+def _cut_share(model, seqs: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """[N, T-1]: per position, the larger share of the kept mass held by the last token kept or the first dropped
+    (transformers' warpers on the HF model's logits / T): what one token's rounding at the cut can move it by."""
+    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
+
+    with torch.no_grad():
+        scores = model(seqs, use_cache=False).logits[:, :-1].float() / temperature
+    flat = scores.reshape(-1, scores.size(-1))
+    warped = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, flat) if top_k > 0 else flat)
+    probs, kept = flat.softmax(-1), warped > float("-inf")
+    mass = (probs * kept).sum(-1)
+    last_kept = probs.masked_fill(~kept, float("inf")).min(-1).values
+    first_dropped = probs.masked_fill(kept, 0.0).max(-1).values
+    return (torch.maximum(last_kept, first_dropped) / mass).reshape(seqs.size(0), -1)
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("top_k,top_p", [(-1, 0.9), (64, 0.9)])
 def test_on_policy_importance_weights_are_one_under_top_p(engine, hf_model, top_k, top_p):
     """Same weights on both sides, fp32, --top_p 0.9 (and --top_k): the trainer's ratio and IS weight are 1 +- 1e-4 on
-    every sampled token, because the trainer scores them under the engine's truncation. Against the plain softmax
-    the engine's log-probs sit above the trainer's on every token (weights = the kept mass < 1)."""
+    every sampled token (but the few whose cut rounds differently), because the trainer scores them under the engine's
+    truncation. Against the plain softmax the engine's log-probs sit above the trainer's on every token (weights = the
+    kept mass < 1)."""
     import ray
 
     from openppo.algorithms import SamplingFilter, importance_weights, policy_loss
@@ -368,10 +388,15 @@ def test_on_policy_importance_weights_are_one_under_top_p(engine, hf_model, top_
         old_sampling_log_probs=scored.sampling_log_probs,
     )
     weights, _ = importance_weights(scored.sampling_log_probs, engine_lp, mask, "tis", band)
-    print(f"top_k {top_k} top_p {top_p}: {int(valid.sum())} tokens, |w - 1| max {(weights[valid] - 1).abs().max():.2e}")
-    torch.testing.assert_close(weights[valid], torch.ones(int(valid.sum())), rtol=0, atol=1e-4)
-    torch.testing.assert_close(loss[valid], -torch.ones(int(valid.sum())), rtol=0, atol=1e-4)  # ratio x weight
-    assert float(metrics["is_ratio_mean"]) == pytest.approx(1.0, abs=1e-4)
+    dev = (weights[valid] - 1).abs()
+    print(f"top_k {top_k} top_p {top_p}: {int(valid.sum())} tokens, |w - 1| max {dev.max():.2e}")
+    # A token whose probability sits at the cut is kept or dropped by rounding, on either side: where the two sides
+    # decide it differently, the kept mass differs by its share (`_cut_share`, ~1/V on the random model: 1.2e-4 on
+    # the 8k vocabulary). That happens to few tokens; everywhere else the two agree to fp32 rounding.
+    cut = _cut_share(hf_model, seqs, 0.8, top_k, top_p)[valid]
+    assert (dev <= 1e-4 + cut).all() and (dev > 1e-5).float().mean() <= 0.05, (dev.max(), (dev > 1e-5).sum())
+    assert ((loss[valid] + 1).abs() <= 1e-4 + cut).all()  # ratio x weight
+    assert float(metrics["is_ratio_mean"]) == pytest.approx(1.0, abs=1e-4 + float(cut.mean()))
     plain, _ = importance_weights(scored.log_probs, engine_lp, mask, "tis", band)
     assert (plain[valid] < 1 - 1e-3).all(), "the plain softmax should not match a truncated engine"
 
