@@ -66,9 +66,11 @@ def _compare(single, double, loss_key: str = "train/loss") -> None:
     assert set(wa) == set(wb)
     # 3 steps at 5e-3 moved the weights: the comparison is not of two untrained models
     assert max((wa[k] - start[k]).abs().max().item() for k in wa if k in start) > 1e-3
-    # AutoTP sums a row-parallel layer's products in another order; Adam's g / sqrt(v) then magnifies that 1e-7
-    # noise in weights with tiny gradients (measured: the RM's MLP 4.9e-5 apart, its losses 1e-7)
-    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 1e-4
+    # AutoTP and the ring sum products in another order; Adam's g / sqrt(v) moves a weight by up to ~lr a step
+    # whatever its gradient's size, so where a gradient is at that 1e-7 noise the runs part by a fraction of lr
+    # (measured: 4.9e-5 in the RM's MLP; 1.2e-4 with the AVX2 caps on the 8k-vocabulary model). A mistake in the
+    # parallel math (a missing reduction, a wrong shard) parts them by ~lr, 5e-3.
+    assert max((wa[k] - wb[k]).abs().max().item() for k in wa) < 0.05 * 5e-3
 
 
 def test_sft_with_a_ring_or_tensor_parallel_trains_as_one_rank(tmp_path):
