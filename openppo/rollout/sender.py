@@ -43,7 +43,7 @@ from openppo.errors import UserError
 from openppo.rollout import transport as tr
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layer_key
 from openppo.rollout.delta import DeltaEncoder
-from openppo.rollout.sync_group import SyncGroup, create_sync_group, free_port
+from openppo.rollout.sync_group import SyncGroup, create_sync_group, serve_store
 from openppo.rollout.transport import SyncPlan
 from openppo.rollout.weight_transfer import BucketUpdate, GroupInit, plain
 
@@ -233,22 +233,23 @@ def connect_engines(
     engine's `init_weight_transfer_engine` (`weight_transfer.GroupInit`).
 
     `engines` are Ray actor handles of `VLLMEngine`; engine i's workers take ranks 1 + i*tp ... Call on trainer
-    rank 0 only. `master_addr` defaults to this node's IP as Ray sees it, `master_port` to a free port.
+    rank 0 only. `master_addr` defaults to this node's IP as Ray sees it, `master_port` to one the OS picks.
     """
     import ray
 
     if master_addr is None:
         master_addr = ray.util.get_node_ip_address()
-    if master_port is None:
-        master_port = free_port(master_addr)
     world_size = 1 + len(engines) * tensor_parallel_size
+    # listening before any engine hears the port, so nothing can take it in between
+    store = serve_store(master_addr, master_port or 0, world_size, timeout_s)
+    master_port = store.port
     refs = [
         engine.init_weight_transfer_engine.remote(
             plain(GroupInit(master_addr, master_port, 1 + i * tensor_parallel_size, world_size, backend, timeout_s))
         )
         for i, engine in enumerate(engines)
     ]
-    group = create_sync_group(backend, master_addr, master_port, 0, world_size, timeout_s)
+    group = create_sync_group(backend, master_addr, master_port, 0, world_size, timeout_s, store=store)
     ray.get(refs, timeout=timeout_s)
     return group
 

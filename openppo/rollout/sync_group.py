@@ -79,10 +79,31 @@ class SyncGroup:
         self._store = None
 
 
+def serve_store(master_addr: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
+    """Rank 0's store, listening from now on. Port 0 takes one the OS picks and keeps it: a port probed free and
+    bound later can be taken in between (an outgoing connection's ephemeral port on a busy node), which failed a
+    run with EADDRINUSE when two runs shared a 2-core box."""
+    return dist.TCPStore(
+        master_addr,
+        master_port,
+        world_size,
+        is_master=True,
+        timeout=timedelta(seconds=timeout_s),
+        wait_for_workers=False,
+    )
+
+
 def create_sync_group(
-    backend: str, master_addr: str, master_port: int, rank: int, world_size: int, timeout_s: float
+    backend: str,
+    master_addr: str,
+    master_port: int,
+    rank: int,
+    world_size: int,
+    timeout_s: float,
+    store: dist.TCPStore | None = None,
 ) -> SyncGroup:
-    """Join the weight-sync group as `rank` of `world_size`; rank 0 serves the store on `master_addr:master_port`.
+    """Join the weight-sync group as `rank` of `world_size`; rank 0 serves the store on `master_addr:master_port`
+    (or passes the one `serve_store` already opened, whose port it told the others).
 
     Every rank must call this within `timeout_s` of the others: the call returns once all have joined. Rank 0 is
     the trainer (the sender); engine workers take ranks 1..world_size-1.
@@ -95,9 +116,10 @@ def create_sync_group(
         raise UserError(
             "the nccl weight sync backend needs a CUDA GPU in every process of the group; use the gloo backend on CPU"
         )
-    store = dist.TCPStore(
-        master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-    )
+    if store is None:
+        store = dist.TCPStore(
+            master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
+        )
     # A prefix keeps our keys apart should the same store ever serve something else.
     prefixed = dist.PrefixStore(f"openppo_weight_sync/{backend}/", store)
     if backend == "gloo":

@@ -10,7 +10,7 @@ import torch
 import torch.distributed as dist
 
 from openppo.errors import UserError
-from openppo.rollout.sync_group import create_sync_group, free_port
+from openppo.rollout.sync_group import create_sync_group, free_port, serve_store
 
 
 def _run_ranks(world_size: int, fn, timeout_s: float = 30.0) -> list:
@@ -91,3 +91,24 @@ def test_bad_backend_and_nccl_without_cuda_are_user_errors():
     if not torch.cuda.is_available():
         with pytest.raises(UserError, match="CUDA"):
             create_sync_group("nccl", "127.0.0.1", 1, 0, 1, timeout_s=1)
+
+
+def test_rank_zero_listens_on_a_port_the_os_gave_it_before_anyone_hears_it():
+    """`serve_store(port 0)` binds first and reports the port: nothing can take it between choosing it and using it
+    (a probed-free port bound later was taken in between once, when two runs shared a box: EADDRINUSE)."""
+    import socket
+
+    store = serve_store("127.0.0.1", 0, 2, timeout_s=20)
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe, pytest.raises(OSError):
+        probe.bind(("127.0.0.1", store.port))
+
+    def rank_fn(rank: int, _unused_port: int):
+        group = create_sync_group(
+            "gloo", "127.0.0.1", store.port, rank, 2, timeout_s=20, store=store if rank == 0 else None
+        )
+        buf = torch.arange(5.0) if rank == 0 else torch.zeros(5)
+        group.broadcast(buf, src=0)
+        group.destroy()
+        return buf
+
+    assert all(torch.equal(b, torch.arange(5.0)) for b in _run_ranks(2, rank_fn))
