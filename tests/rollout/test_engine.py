@@ -327,29 +327,28 @@ def _engine_batch(samples_per_prompt: list[list[dict]]) -> tuple[torch.Tensor, .
     return seqs, attn, mask, engine_lp
 
 
-def _warped_log_probs(model, seqs: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """log q(token) with transformers' own TopK/TopP warpers on the HF model's logits / T (an independent route)."""
+def _scores_and_warped(model, seqs: torch.Tensor, temperature: float, top_k: int, top_p: float):
+    """[N * (T-1), V] twice: the HF model's logits / T, and the same after transformers' own TopK/TopP warpers (an
+    independent route to what the engine samples from)."""
     from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
 
     with torch.no_grad():
         scores = model(seqs, use_cache=False).logits[:, :-1].float() / temperature
     flat = scores.reshape(-1, scores.size(-1))
-    if top_k > 0:
-        flat = TopKLogitsWarper(top_k)(None, flat)
-    if top_p < 1:
-        flat = TopPLogitsWarper(top_p)(None, flat)
-    return flat.log_softmax(-1).gather(1, seqs[:, 1:].reshape(-1, 1)).reshape(seqs.size(0), -1)
+    warped = TopKLogitsWarper(top_k)(None, flat) if top_k > 0 else flat
+    return flat, TopPLogitsWarper(top_p)(None, warped) if top_p < 1 else warped
+
+
+def _warped_log_probs(model, seqs: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
+    """log q(token) under the warped distribution, [N, T-1]."""
+    _, warped = _scores_and_warped(model, seqs, temperature, top_k, top_p)
+    return warped.log_softmax(-1).gather(1, seqs[:, 1:].reshape(-1, 1)).reshape(seqs.size(0), -1)
 
 
 def _cut_share(model, seqs: torch.Tensor, temperature: float, top_k: int, top_p: float) -> torch.Tensor:
-    """[N, T-1]: per position, the larger share of the kept mass held by the last token kept or the first dropped
-    (transformers' warpers on the HF model's logits / T): what one token's rounding at the cut can move it by."""
-    from transformers.generation.logits_process import TopKLogitsWarper, TopPLogitsWarper
-
-    with torch.no_grad():
-        scores = model(seqs, use_cache=False).logits[:, :-1].float() / temperature
-    flat = scores.reshape(-1, scores.size(-1))
-    warped = TopPLogitsWarper(top_p)(None, TopKLogitsWarper(top_k)(None, flat) if top_k > 0 else flat)
+    """[N, T-1]: per position, the larger share of the kept mass held by the last token kept or the first dropped:
+    what one token's rounding at the cut can move it by."""
+    flat, warped = _scores_and_warped(model, seqs, temperature, top_k, top_p)
     probs, kept = flat.softmax(-1), warped > float("-inf")
     mass = (probs * kept).sum(-1)
     last_kept = probs.masked_fill(~kept, float("inf")).min(-1).values
