@@ -220,8 +220,8 @@ def _cut_qwen3_tokenizer(size: int):
 
     Byte-level BPE numbers each merged token after the merge that makes it (id 256 + rank), so keeping the first
     merges keeps a complete tokenizer: the same pre-tokenizer, chat template and special tokens, any text still
-    encodes (in ~1.2x the tokens on English), and the embedding is 18x smaller. A tiny model's compute is ~96 %
-    vocabulary at 151k tokens: the test suite, made of tiny runs, takes 0.69x the time on this one.
+    encodes (in ~1.2x the tokens on English), and the embedding is 18x smaller: a tiny model's compute is mostly
+    vocabulary (docs/benchmarks.md has what that saves the test suite).
     """
     from transformers import AutoTokenizer
 
