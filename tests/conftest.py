@@ -12,6 +12,41 @@ os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
 
 
+# The longest files, longest first (seconds one at a time on a 2-core box, 2026-11-27). `make test` runs two pytest
+# workers, each taking whole files (`--dist loadfile`, module fixtures run once) in this order as it frees up: the
+# long ones start early and the short ones fill the end, instead of one long file running alone at the end.
+LONGEST_FIRST = (
+    "tests/ppo/test_train_ppo_ray.py",  # 304
+    "tests/ppo/test_golden_trace.py",  # 143
+    "tests/ppo/test_train_ppo_features.py",  # 132
+    "tests/ppo/test_crash_resume.py",  # 95
+    "tests/cli/test_supervised_parallel.py",  # 65
+    "tests/cli/test_lora_and_packing.py",  # 55
+    "tests/ppo/test_engine_death.py",  # 46
+    "tests/ppo/test_memory_plan.py",  # 44
+    "tests/agents/test_agent_rollout.py",  # 43
+    "tests/ppo/test_learning.py",  # 42
+    "tests/distributed/test_worker_group.py",  # 42
+    "tests/cli/test_train_dpo.py",  # 41
+    "tests/rollout/test_transport.py",  # 41
+    "tests/ppo/test_shared_prompts_run.py",  # 41
+    "tests/rollout/test_engine.py",  # 39
+    "tests/rollout/test_engine_tensor_parallel.py",  # 38
+    "tests/distributed/test_cluster_devices.py",  # 36
+    "tests/cli/test_train_rm.py",  # 35
+    "tests/cli/test_train_sft.py",  # 34
+    "tests/models/test_zoo.py",  # 33
+    "tests/cli/test_launchers.py",  # 28
+    "tests/ppo/test_dp_gradients.py",  # 25
+)
+
+
+def pytest_collection_modifyitems(session, config, items):
+    rank = {path: i for i, path in enumerate(LONGEST_FIRST)}
+    # stable: the tests of a file keep their order, and the files not listed theirs, after the listed ones
+    items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))
+
+
 def pytest_configure(config):
     config.addinivalue_line("markers", "slow: runs a real multi-process CLI job (tens of seconds)")
     config.addinivalue_line("markers", "gpu: the GPU check suite (tests/gpu/; skipped without CUDA)")

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import contextlib
+import os
 import time
 from collections.abc import Iterator
+from pathlib import Path
 from typing import Any
 
 from tests import ray_cluster
@@ -29,6 +31,39 @@ def vllm_shm_files() -> set[str]:
     import glob
 
     return set(glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/vllm_dist_*"))
+
+
+def vllm_shm_left_behind(before: set[str]) -> set[str]:
+    """vLLM's /dev/shm files made since `before` that no live process maps or holds open: what a shut-down engine
+    left. A file a live engine uses (another run's, where test workers run side by side) is not counted."""
+    new = vllm_shm_files() - before
+    for entry in Path("/proc").iterdir():
+        if not new or not entry.name.isdigit():
+            continue
+        try:
+            maps = (entry / "maps").read_text()
+            fds = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
+        except OSError:  # gone, or not ours to read
+            continue
+        new = {f for f in new if f not in maps and f not in fds}
+    return new
+
+
+def shm_files_of(pid: int) -> set[str]:
+    """The /dev/shm files that process `pid` and its descendants map or hold open: a vLLM engine's message-queue
+    buffers (`psm_*`, Python's SharedMemory) and its CPU communicator's (`vllm_dist_*`). Asked per process tree, not
+    by listing /dev/shm, so another run on the box (a parallel test worker) cannot show up in it."""
+    import psutil
+
+    root = psutil.Process(pid)
+    files = set()
+    for proc in [root, *root.children(recursive=True)]:
+        try:
+            files.update(m.path for m in proc.memory_maps() if m.path.startswith("/dev/shm/"))
+            files.update(f.path for f in proc.open_files() if f.path.startswith("/dev/shm/"))
+        except psutil.NoSuchProcess:
+            pass
+    return files
 
 
 def start_tiny_engine(kv_cache_bytes: int = 64 << 20, **kwargs) -> Any:

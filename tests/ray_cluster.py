@@ -29,7 +29,9 @@ def address() -> str:
         saved = dict(os.environ)
         # the processes Ray starts get what the CLI runs' drivers get: a local cluster inherits it from its driver, a
         # joined one from whoever started it
-        os.environ.update(cli_env())
+        env = cli_env()
+        os.environ.clear()
+        os.environ.update(env)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         try:
             _cluster = Cluster(

@@ -14,8 +14,13 @@ REPO = Path(__file__).resolve().parents[2]
 RAY_CLIS = {"train_ppo_ray"}
 
 
+# torch.distributed's rendezvous variables: a test that set up a process group in the pytest process (world size 1)
+# leaves them in its environment, with MASTER_PORT held by that process's store; a CLI run is a fresh launch.
+RENDEZVOUS_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
 def cli_env() -> dict[str, str]:
-    env = dict(os.environ)
+    env = {k: v for k, v in os.environ.items() if k not in RENDEZVOUS_VARS}
     # One thread per rank: 2 ranks on 2 cores; more threads oversubscribe and run several times slower.
     env.update(
         {

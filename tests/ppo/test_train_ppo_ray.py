@@ -9,7 +9,7 @@ import pytest
 
 from openppo.tasks.arithmetic import make_rows, write_jsonl
 from tests.cli.helpers import REPO, read_metrics, run_cli, series
-from tests.engines import vllm_shm_files
+from tests.engines import vllm_shm_files, vllm_shm_left_behind
 from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -80,7 +80,7 @@ def test_grpo_with_py_reward(tmp_path):
     )
     assert proc.stdout.count(SYNC_CHECKED) == 2  # after the full sync and after the delta sync
     # the run shut its engine down before the end: the TP workers' message queues are gone from /dev/shm
-    assert vllm_shm_files() - shm_before == set()
+    assert vllm_shm_left_behind(shm_before) == set()
     # no --vllm_kv_cache_bytes: sized from the run (16 sequences of 33 tokens, two of the engine's 32-token blocks
     # each; a TP-2 worker holds 1 of the 2 KV heads: 2 layers x 1 head x 32 x 4 B x 2 = 512 B a token) and logged
     # in one line

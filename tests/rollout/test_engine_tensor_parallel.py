@@ -4,6 +4,8 @@ back per worker, every slice equals the same slice of the model's tensor. Shut d
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -12,7 +14,7 @@ from openppo.rollout.engine import cpu_tensor_parallel_binding
 from openppo.rollout.readback import check_engine_weights
 from openppo.rollout.sender import connect_engines, sync_weights
 from tests import ray_cluster
-from tests.engines import logprob_gap, vllm_shm_files
+from tests.engines import logprob_gap, shm_files_of
 from tests.model_cache import tiny_model_dir
 
 TOL = 1e-4
@@ -33,7 +35,6 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
 
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
     ray_cluster.connect()
-    before = vllm_shm_files()
     try:
         engine = ray.remote(num_cpus=1)(VLLMEngine).remote(
             str(tiny_model_dir()),
@@ -73,8 +74,9 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
         finally:
             group.destroy()
         # the engine's message queues and communicator live in /dev/shm until it is shut down, not killed
-        assert len(vllm_shm_files() - before) >= 2
+        files = shm_files_of(ray.get(engine.__ray_call__.remote(lambda e: os.getpid()), timeout=60))
+        assert len(files) >= 2, files
         ray.get([engine.shutdown.remote(), engine.shutdown.remote()], timeout=120)
-        assert vllm_shm_files() - before == set()
+        assert not [f for f in files if os.path.exists(f)]
     finally:
         ray.shutdown()
