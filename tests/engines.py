@@ -33,19 +33,29 @@ def vllm_shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/vllm_dist_*"))
 
 
+def _shm_held_by(pid: int) -> set[str]:
+    """The /dev/shm files process `pid` maps or holds open (none if it is gone or not ours to read)."""
+    proc = Path("/proc") / str(pid)
+    try:
+        paths = [line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines()]
+        fds = list((proc / "fd").iterdir())
+    except OSError:
+        return set()
+    for fd in fds:
+        try:
+            paths.append(os.readlink(fd))
+        except OSError:  # closed since the listing (the listing's own fd, in this process)
+            pass
+    return {path.removesuffix(" (deleted)") for path in paths if path.startswith("/dev/shm/")}
+
+
 def vllm_shm_left_behind(before: set[str]) -> set[str]:
     """vLLM's /dev/shm files made since `before` that no live process maps or holds open: what a shut-down engine
     left. A file a live engine uses (another run's, where test workers run side by side) is not counted."""
     new = vllm_shm_files() - before
     for entry in Path("/proc").iterdir():
-        if not new or not entry.name.isdigit():
-            continue
-        try:
-            maps = (entry / "maps").read_text()
-            fds = [os.readlink(fd) for fd in (entry / "fd").iterdir()]
-        except OSError:  # gone, or not ours to read
-            continue
-        new = {f for f in new if f not in maps and f not in fds}
+        if new and entry.name.isdigit():
+            new -= _shm_held_by(int(entry.name))
     return new
 
 
@@ -56,14 +66,7 @@ def shm_files_of(pid: int) -> set[str]:
     import psutil
 
     root = psutil.Process(pid)
-    files = set()
-    for proc in [root, *root.children(recursive=True)]:
-        try:
-            files.update(m.path for m in proc.memory_maps() if m.path.startswith("/dev/shm/"))
-            files.update(f.path for f in proc.open_files() if f.path.startswith("/dev/shm/"))
-        except psutil.NoSuchProcess:
-            pass
-    return files
+    return set().union(*(_shm_held_by(p.pid) for p in [root, *root.children(recursive=True)]))
 
 
 def start_tiny_engine(kv_cache_bytes: int = 64 << 20, **kwargs) -> Any:

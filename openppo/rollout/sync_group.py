@@ -116,10 +116,10 @@ def create_sync_group(
         raise UserError(
             "the nccl weight sync backend needs a CUDA GPU in every process of the group; use the gloo backend on CPU"
         )
-    if store is None:
-        store = dist.TCPStore(
-            master_addr, master_port, world_size, is_master=(rank == 0), timeout=timeout, wait_for_workers=False
-        )
+    if store is None and rank == 0:
+        store = serve_store(master_addr, master_port, world_size, timeout_s)
+    elif store is None:
+        store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
     # A prefix keeps our keys apart should the same store ever serve something else.
     prefixed = dist.PrefixStore(f"openppo_weight_sync/{backend}/", store)
     if backend == "gloo":
