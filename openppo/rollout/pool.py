@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 # Decoding steps per engine call in a partial rollout: the most a weight sync waits for the steps in flight (a
 # decoding step of a batch takes milliseconds), against one Ray round trip (under a millisecond) per call.
 PARTIAL_STEPS = 8
-# How long the end of a run waits for all engines to stop their vLLM processes (each gives vLLM 30 s).
+# How long the end of a run waits for all engines to stop their vLLM processes: each gives vLLM 30 s, then waits up
+# to 10 s for the processes vLLM killed to be gone before it removes the files they left in /dev/shm.
 SHUTDOWN_WAIT_S = 60.0
 
 
