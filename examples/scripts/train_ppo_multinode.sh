@@ -18,6 +18,11 @@
 # (bf16 weights and gradients, fp32 master weights and Adam moments) / 8 ZeRO-3 ranks = ~16 GB + reference bf16
 # shard ~2 GB; critic 7.5 B x 16 / 4 = ~30 GB + reward-model shard ~4 GB; engines 8 GB of weights per GPU (TP 2)
 # plus KV cache within --vllm_gpu_memory_utilization 0.9 of an 80 GB GPU. Time per step was not measured.
+# Tested: this script has not run on GPUs. Its multi-node path (a job joining a Ray cluster of two nodes, with ranks,
+# engines, the ZeRO-3 collectives and the weight sync spanning them, and a checkpoint resumed from shared storage)
+# runs in CI on two Ray nodes of one CPU box, each with an IP address of its own (tests/ppo/test_two_nodes.py,
+# docs/platform.md "Several nodes"). If the nodes' hostnames do not resolve to their addresses on the link between
+# them, start each node's Ray with NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME set to that link's interface.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RAY_DASHBOARD=${RAY_DASHBOARD:-http://127.0.0.1:8265}

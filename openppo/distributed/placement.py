@@ -14,13 +14,37 @@ from __future__ import annotations
 
 import logging
 import math
+from typing import TYPE_CHECKING
 
-import ray
-from ray.util.placement_group import PlacementGroup, placement_group, remove_placement_group
+if TYPE_CHECKING:  # Ray is imported where it is used: the config imports the strategies, and Ray takes 1.5 s
+    from ray.util.placement_group import PlacementGroup
 
 logger = logging.getLogger(__name__)
 
 STRATEGIES = ("PACK", "SPREAD", "STRICT_PACK", "STRICT_SPREAD")
+
+
+def strategy_fits(strategy: str, bundles: int, per_node: list[int]) -> bool:
+    """Whether a placement group of `bundles` one-device bundles can ever be placed with `strategy` on nodes of
+    `per_node` devices each (all of them free): STRICT_SPREAD needs a node for each bundle, STRICT_PACK one node for
+    them all; PACK and SPREAD fall back to any node with room."""
+    if strategy == "STRICT_SPREAD":
+        return sum(1 for count in per_node if count >= 1) >= bundles
+    if strategy == "STRICT_PACK":
+        return max(per_node, default=0) >= bundles
+    return sum(per_node) >= bundles
+
+
+def describe_nodes(ranks: dict[str, list[str]]) -> str:
+    """Where each group's ranks (or engines) run, from {group: [node address of rank 0, rank 1, ...]}:
+    `actor 10.0.0.1 [0 1], 10.0.0.2 [2 3]; engines 10.0.0.2 [0]`."""
+    parts = []
+    for name, nodes in ranks.items():
+        on: dict[str, list[int]] = {}
+        for rank, node in enumerate(nodes):
+            on.setdefault(node, []).append(rank)
+        parts.append(f"{name} " + ", ".join(f"{node} [{' '.join(map(str, r))}]" for node, r in on.items()))
+    return "; ".join(parts)
 
 
 class PlacementError(RuntimeError):
@@ -32,6 +56,8 @@ def device_resources() -> tuple[bool, int]:
 
     Counts the cluster's total, not what is free now. A cluster started with fake `num_gpus` counts as a GPU one.
     """
+    import ray
+
     total = ray.cluster_resources()
     num_gpus = int(total.get("GPU", 0))
     if num_gpus > 0:
@@ -79,6 +105,9 @@ def make_placement_group(
     Raises `PlacementError` after `timeout_s` seconds, naming the request and what the cluster has free, and
     removes the half-made group so that it holds nothing afterwards.
     """
+    import ray
+    from ray.util.placement_group import placement_group, remove_placement_group
+
     if num_bundles < 1:
         raise ValueError(f"num_bundles must be >= 1, got {num_bundles}")
     if strategy not in STRATEGIES:

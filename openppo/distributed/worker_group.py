@@ -67,6 +67,7 @@ class WorkerGroup:
         *,
         placement_group: PlacementGroup | None = None,
         bundle_offset: int = 0,
+        strategy: str = "PACK",
         num_cpus_per_worker: float = 1.0,
         num_gpus_per_worker: float = 0.0,
         env: dict[str, str] | None = None,
@@ -77,7 +78,8 @@ class WorkerGroup:
         wait: bool = True,
     ):
         """`wait=False` returns once the actors are asked for (start-up step 1): several groups then start side by
-        side, and each is usable after its `connect()` (step 2)."""
+        side, and each is usable after its `connect()` (step 2). `strategy` places the placement group the group
+        makes itself (`placement.STRATEGIES`), when it is given none."""
         if not (isinstance(worker_cls, type) and issubclass(worker_cls, BaseWorker)):
             raise TypeError(
                 f"worker group {name!r}: worker_cls must be a plain subclass of BaseWorker (not a "
@@ -113,6 +115,7 @@ class WorkerGroup:
                     num_workers,
                     cpus_per_bundle=num_cpus_per_worker,
                     gpus_per_bundle=num_gpus_per_worker,
+                    strategy=strategy,
                     timeout_s=self.timeout_s,
                     name=f"{name}-pg",
                 )

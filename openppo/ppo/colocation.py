@@ -23,7 +23,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from contextlib import AbstractContextManager
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from openppo.distributed.placement import colocated_fraction
 from openppo.ppo.config import PPOConfig
@@ -107,29 +107,39 @@ def engine_placement(cfg: PPOConfig, engine_index: int, *, on_gpu: bool, hybrid_
 _FLAG_PREFIX = {"actor": "actor", "reference": "ref", "critic": "critic", "reward": "reward"}
 
 
-def device_demand(cfg: PPOConfig, ranks: dict[str, int], on_gpu: bool) -> list[tuple[str, int]]:
-    """What the run's placement asks the cluster for, one device (a GPU, or a CPU slot) per bundle, as
-    (what, in flags; devices): each pool, each group in no pool (`ranks`: role -> its ranks), and the engines
-    in no pool, which take --vllm_tensor_parallel_size GPUs each (one CPU slot on CPU, where their workers are the
-    engine's own processes). Pure, as `build_groups` places them."""
+class Demand(NamedTuple):
+    """Devices the run asks for in one piece: `what` names it in flags; `placement_group` says whether its bundles
+    form a placement group of the run (--placement_strategy places them), not engines of their own."""
+
+    what: str
+    count: int
+    placement_group: bool = True
+
+
+def device_demand(cfg: PPOConfig, ranks: dict[str, int], on_gpu: bool) -> list[Demand]:
+    """What the run's placement asks the cluster for, one device (a GPU, or a CPU slot) per bundle: each pool, each
+    group in no pool (`ranks`: role -> its ranks), and the engines in no pool, which take --vllm_tensor_parallel_size
+    GPUs each (one CPU slot on CPU, where their workers are the engine's own processes). Pure, as `build_groups`
+    places them."""
     v = cfg.vllm
     pools = colocation_pools(cfg, set(ranks) | {"engines"})
     pooled = {role for pool in pools for role in pool.members}
     demand = [
-        (f"{' + '.join(pool.members)} ({pool.name}: --actor_num_nodes x --actor_num_gpus_per_node)", pool.bundles)
+        Demand(f"{' + '.join(pool.members)} ({pool.name}: --actor_num_nodes x --actor_num_gpus_per_node)", pool.bundles)
         if pool.name == "hybrid"
-        else (f"{' + '.join(pool.members)} ({'--colocate_' + pool.name})", pool.bundles)
+        else Demand(f"{' + '.join(pool.members)} ({'--colocate_' + pool.name})", pool.bundles)
         for pool in pools
     ]
     for role, count in ranks.items():
         if role not in pooled:
             prefix = _FLAG_PREFIX[role]
-            demand.append((f"{role} (--{prefix}_num_nodes x --{prefix}_num_gpus_per_node)", count))
+            demand.append(Demand(f"{role} (--{prefix}_num_nodes x --{prefix}_num_gpus_per_node)", count))
     if "engines" not in pooled:
         demand.append(
-            (
+            Demand(
                 "vLLM engines (--vllm_num_engines x --vllm_tensor_parallel_size)",
                 v.vllm_num_engines * (v.vllm_tensor_parallel_size if on_gpu else 1),
+                placement_group=False,
             )
         )
     return demand

@@ -26,6 +26,7 @@ from openppo.config.common import (
     value_head_prefix_opt,
 )
 from openppo.config.schema import opt
+from openppo.distributed.placement import STRATEGIES
 from openppo.strategy.config import DeepSpeedConfig
 
 
@@ -77,6 +78,15 @@ class ResourceConfig:
     colocate_actor_ref: bool = opt(False, "actor and reference share devices")
     colocate_critic_reward: bool = opt(False, "critic and reward model share devices")
     colocate_all_models: bool = opt(False, "hybrid engine: every model and the vLLM engines share the actor's devices")
+    placement_strategy: str = opt(
+        "PACK",
+        "how each group's devices (one per rank, or per pool of colocated groups) spread over the cluster's nodes, "
+        "as Ray's placement strategies: PACK fills as few nodes as it can (OpenRLHF's), SPREAD spreads them where "
+        "it can, STRICT_PACK keeps each group on one node, STRICT_SPREAD puts every rank of a group on a node of "
+        "its own; vLLM engines of their own spread with SPREAD and STRICT_SPREAD. The node of every rank and engine "
+        "is logged",
+        choices=STRATEGIES,
+    )
 
 
 @dataclass

@@ -126,6 +126,7 @@ class ClusterDevices:
     on_gpu: bool
     count: int  # GPUs, or (logical) CPUs
     local: bool  # every node is this machine and sees the same device kind as this process
+    nodes: tuple[tuple[str, int], ...] = ()  # (address, devices) of each node
 
     def describe(self) -> str:
         where = "this machine" if self.local else "the cluster"
@@ -140,7 +141,8 @@ def run_devices() -> ClusterDevices:
         start_ray()
         return cluster_devices()
     on_gpu = torch.cuda.is_available()
-    return ClusterDevices(on_gpu, torch.cuda.device_count() if on_gpu else local_cpu_slots(), True)
+    count = torch.cuda.device_count() if on_gpu else local_cpu_slots()
+    return ClusterDevices(on_gpu, count, True, (("this machine", count),))
 
 
 def cluster_devices() -> ClusterDevices:
@@ -153,7 +155,9 @@ def cluster_devices() -> ClusterDevices:
     here = ray.util.get_node_ip_address()
     nodes = [n for n in ray.nodes() if n.get("Alive")]
     local = all(n["NodeManagerAddress"] == here for n in nodes) and on_gpu == torch.cuda.is_available()
-    return ClusterDevices(on_gpu, count, local)
+    kind = "GPU" if on_gpu else "CPU"
+    per_node = tuple((n["NodeManagerAddress"], int(n["Resources"].get(kind, 0))) for n in nodes)
+    return ClusterDevices(on_gpu, count, local, per_node)
 
 
 def resolve_run_precision(cfg: PPOConfig, devices: ClusterDevices) -> str:
@@ -178,27 +182,41 @@ def resolve_run_precision(cfg: PPOConfig, devices: ClusterDevices) -> str:
 
 def check_layout_fits(cfg: PPOConfig, plan: RunPlan, devices: ClusterDevices) -> None:
     """Refuse, in one line naming the flags, a layout the cluster cannot place: more devices than it has (counted
-    as `colocation.device_demand` asks for them), or, on GPUs, an engine of its own whose tensor-parallel workers
-    need more GPUs than any one node has. (Ray would otherwise wait for resources that never come.)"""
-    import ray
-
+    as `colocation.device_demand` asks for them); a placement group that --placement_strategy STRICT_SPREAD or
+    STRICT_PACK cannot place on the nodes there are (named, with their devices); or, on GPUs, an engine of its own
+    whose tensor-parallel workers need more GPUs than any one node has. (Ray would otherwise wait for resources that
+    never come.)"""
+    from openppo.distributed.placement import strategy_fits
     from openppo.errors import UserError
     from openppo.ppo.colocation import device_demand
 
     kind = "GPU" if devices.on_gpu else "CPU slot"
     demand = device_demand(cfg, {name: role.ranks for name, role in plan.roles.items()}, devices.on_gpu)
-    total = sum(count for _, count in demand)
+    total = sum(d.count for d in demand)
     if total > devices.count:
-        parts = ", ".join(f"{what} {count}" for what, count in demand)
+        parts = ", ".join(f"{d.what} {d.count}" for d in demand)
         raise UserError(
             f"the run needs {total} {kind}s and the cluster has {devices.count}: {parts}; share devices "
             f"(--colocate_all_models, --colocate_actor_ref, --colocate_critic_reward), use fewer ranks or engines, or "
             f"add nodes"
         )
+    strategy = cfg.resources.placement_strategy
+    per_node = [count for _, count in devices.nodes]
+    for d in demand:
+        if d.placement_group and not strategy_fits(strategy, d.count, per_node):
+            where = "each on a node of its own" if strategy == "STRICT_SPREAD" else "all on one node"
+            nodes = ", ".join(f"{address} {count}" for address, count in devices.nodes)
+            raise UserError(
+                f"--placement_strategy {strategy}: {d.what} needs {d.count} {kind}s {where}, and the cluster's "
+                f"nodes have {nodes} {kind}s; use --placement_strategy PACK or SPREAD, fewer ranks, or more nodes"
+            )
+    if strategy != "PACK" and len(devices.nodes) == 1:
+        logger.info(
+            "--placement_strategy %s has no effect: the cluster has one node, which holds every group", strategy
+        )
     tp = cfg.vllm.vllm_tensor_parallel_size
     if devices.on_gpu and not cfg.resources.colocate_all_models and tp > 1:
-        nodes = [] if devices.local else [n for n in ray.nodes() if n.get("Alive")]
-        most = max((int(n["Resources"].get("GPU", 0)) for n in nodes), default=devices.count)
+        most = max(per_node, default=devices.count)
         if most < tp:
             raise UserError(
                 f"--vllm_tensor_parallel_size {tp}: an engine's workers share one node, and no node of the cluster "
@@ -290,6 +308,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     import ray
 
     from openppo.distributed.logs import actor_infos
+    from openppo.distributed.placement import describe_nodes
     from openppo.distributed.worker_group import WorkerGroup
     from openppo.ppo.groups import ActorGroup, CriticGroup, ReferenceGroup, RewardGroup
     from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
@@ -335,6 +354,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
             handles[name][1],
             role.ranks,
             placement_group=pg,
+            strategy=cfg.resources.placement_strategy,
             num_cpus_per_worker=share,
             num_gpus_per_worker=gpu * share,
             env=env,
@@ -353,6 +373,9 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout, partial=cfg.rollout.partial_rollout)
     for i, info in enumerate(pool.infos):
         logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
+    nodes = {name: [info["node_ip"] for info in group.workers.worker_infos] for name, group in groups.items()}
+    nodes["engines"] = [info["node_ip"] for info in pool.infos]
+    logger.info("placement (%s): %s", cfg.resources.placement_strategy, describe_nodes(nodes))
     results = {name: group.workers.get(setups) for name, (group, setups) in started.items()}
     if "reward" in groups:
         groups["reward"].normalization = check_reward_normalization(cfg, results["reward"][0])
@@ -391,6 +414,7 @@ def shared_placement_groups(cfg: PPOConfig, roles: set[str], on_gpu: bool, timeo
             pool.bundles,
             cpus_per_bundle=1.0,
             gpus_per_bundle=float(on_gpu),
+            strategy=cfg.resources.placement_strategy,
             timeout_s=timeout_s,
             name=f"{pool.name}-pg",
         )
@@ -417,6 +441,8 @@ def engine_options(
         options["scheduling_strategy"] = PlacementGroupSchedulingStrategy(
             pg, placement_group_bundle_index=place.bundles[0], placement_group_capture_child_tasks=True
         )
+    elif cfg.resources.placement_strategy in ("SPREAD", "STRICT_SPREAD"):
+        options["scheduling_strategy"] = "SPREAD"  # Ray spreads actors on a best-effort basis only
     return options, place
 
 

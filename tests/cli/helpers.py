@@ -36,15 +36,21 @@ def cli_env() -> dict[str, str]:
 
 
 def run_cli(
-    module: str, args: list[str], *, nproc: int = 2, timeout: int = 600, check: bool = True
+    module: str,
+    args: list[str],
+    *,
+    nproc: int = 2,
+    timeout: int = 600,
+    check: bool = True,
+    ray_address: str | None = None,
 ) -> subprocess.CompletedProcess:
     """`torchrun --nproc_per_node N -m openppo.cli.<module> args` (plain python for N = 1). A Ray CLI joins the
-    session's cluster (tests/ray_cluster.py)."""
+    cluster at `ray_address`, by default the session's (tests/ray_cluster.py)."""
     env = cli_env()
     if module in RAY_CLIS:
         from tests import ray_cluster
 
-        env["RAY_ADDRESS"] = ray_cluster.address()
+        env["RAY_ADDRESS"] = ray_address or ray_cluster.address()
     if nproc > 1:
         cmd = [
             sys.executable,

@@ -103,7 +103,9 @@ def _place(cfg: PPOConfig) -> tuple[dict[str, list[dict]], list[dict], list[list
         if name in shared:
             pg, share = shared[name]
         else:  # as a WorkerGroup makes its own: one bundle of a whole GPU per rank
-            pg, share = make_placement_group(role.ranks, cpus_per_bundle=1, gpus_per_bundle=1, timeout_s=60), 1.0
+            strategy = cfg.resources.placement_strategy
+            pg = make_placement_group(role.ranks, cpus_per_bundle=1, gpus_per_bundle=1, strategy=strategy, timeout_s=60)
+            share = 1.0
             owned.append(pg)
         # one stand-in at a time: Ray then runs them all in one idle worker process instead of starting one each
         ranks[name] = [ray.get(_on(pg, rank, share, share), timeout=60) for rank in range(role.ranks)]
@@ -197,3 +199,22 @@ def test_a_layout_the_cluster_cannot_place_is_refused_in_one_line(gpu_cluster):
     with pytest.raises(UserError, match="--vllm_tensor_parallel_size 56: .* no node .* more than 48 GPUs"):
         launch.check_layout_fits(wide, make_plan(wide, 64), devices)
     launch.check_layout_fits(_cfg(HYBRID), make_plan(_cfg(HYBRID), 64), devices)
+
+
+def test_strict_spread_puts_each_rank_of_a_group_on_a_node_of_its_own(gpu_cluster):
+    """Two nodes have GPUs: a group of 2 ranks (or a pool of 2 devices) is split over both, and one of 8 refused."""
+    devices = launch.cluster_devices()
+    assert sorted(count for _, count in devices.nodes) == [0, 16, 48]
+    two = _cfg(MIXED.replace("_per_node 8", "_per_node 2") + " --placement_strategy STRICT_SPREAD")
+    launch.check_layout_fits(two, make_plan(two, 64), devices)
+    ranks, engines, _ = _place(two)
+    assert set(ranks) == {"actor", "reference", "critic", "reward"}
+    for name, reports in ranks.items():
+        assert len({r["node_id"] for r in reports}) == 2, name
+    assert [r["node_id"] for r in ranks["actor"]] == [r["node_id"] for r in ranks["reference"]]  # colocated
+    eight = _cfg(MIXED + " --placement_strategy STRICT_SPREAD")
+    with pytest.raises(UserError) as refused:
+        launch.check_layout_fits(eight, make_plan(eight, 64), devices)
+    message = str(refused.value)
+    assert "\n" not in message and "--placement_strategy STRICT_SPREAD: actor + reference" in message, message
+    assert "needs 8 GPUs each on a node of its own" in message and " 48, " in message, message

@@ -8,7 +8,15 @@ import pytest
 import ray
 
 from openppo.distributed.logs import format_log_tail, read_log_tail, tail_file
-from openppo.distributed.placement import PlacementError, colocated_fraction, device_resources, make_placement_group
+from openppo.distributed.placement import (
+    STRATEGIES,
+    PlacementError,
+    colocated_fraction,
+    describe_nodes,
+    device_resources,
+    make_placement_group,
+    strategy_fits,
+)
 from openppo.distributed.worker_group import WorkerGroup, WorkerGroupError
 from tests.distributed.workers import BrokenWorker, ProbeWorker
 
@@ -191,6 +199,16 @@ def test_argument_errors():
     assert colocated_fraction(3) * 3 <= 1.0 and colocated_fraction(5) == 0.2
     with pytest.raises(ValueError, match="both 0"):
         make_placement_group(1, cpus_per_bundle=0, gpus_per_bundle=0)
+
+
+def test_which_strategy_can_place_a_group_and_where_the_ranks_are():
+    nodes = [8, 8, 0]  # devices per node: two nodes of 8 and one (a head) of none
+    assert [strategy_fits(s, 2, nodes) for s in STRATEGIES] == [True] * 4
+    assert [strategy_fits(s, 3, nodes) for s in STRATEGIES] == [True, True, True, False]  # 3 nodes, 2 with devices
+    assert [strategy_fits(s, 9, nodes) for s in STRATEGIES] == [True, True, False, False]  # no node has 9
+    assert [strategy_fits(s, 17, nodes) for s in STRATEGIES] == [False] * 4
+    where = {"actor": ["10.0.0.1", "10.0.0.2", "10.0.0.1"], "engines": ["10.0.0.2"]}
+    assert describe_nodes(where) == "actor 10.0.0.1 [0 2], 10.0.0.2 [1]; engines 10.0.0.2 [0]"
 
 
 def test_log_tail_drops_ray_markers(tmp_path):
