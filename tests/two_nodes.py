@@ -44,6 +44,7 @@ class TwoNodes:
     head_ip: str
     worker_ip: str
     address: str  # the head's GCS, host:port (RAY_ADDRESS)
+    dashboard: str  # the head's dashboard, http://host:port (`ray job submit --address`)
     netns: str  # the second node's network namespace
 
     def env(self) -> dict[str, str]:
@@ -71,16 +72,17 @@ def _free_port(host: str) -> int:
 
 
 def _kill_tree_of(marker: str) -> None:
-    """SIGKILL every process whose command line names `marker` (this cluster's temp dir)."""
-    victims = []
+    """SIGKILL every process whose command line names `marker` (this cluster's temp dir), and their descendants: the
+    agents a raylet starts rename themselves (`ray::DashboardAgent`), and outlive a killed raylet."""
+    victims = set()
     for proc in psutil.process_iter(["cmdline"]):
         with contextlib.suppress(psutil.Error):
             if any(marker in part for part in proc.info["cmdline"] or ()):
-                victims.append(proc)
+                victims.update([proc, *proc.children(recursive=True)])
     for proc in victims:
         with contextlib.suppress(psutil.Error):
             proc.send_signal(signal.SIGKILL)
-    psutil.wait_procs(victims, timeout=30)
+    psutil.wait_procs(list(victims), timeout=30)
 
 
 @contextlib.contextmanager
@@ -104,7 +106,9 @@ def two_nodes(env: dict[str, str], *, head_cpus: int, worker_cpus: int) -> Itera
         _ip("link", "set", worker_dev, "up", netns=netns)
         _ip("link", "set", "lo", "up", netns=netns)
         port = _free_port(head_ip)
-        head = ["--head", "--port", str(port), "--temp-dir", str(temp), "--include-dashboard", "false"]
+        dashboard_port = _free_port(head_ip)
+        head = ["--head", "--port", str(port), "--temp-dir", str(temp), "--dashboard-host", head_ip]
+        head += ["--dashboard-port", str(dashboard_port)]
         for where, ip, cpus, dev, role in (
             ([], head_ip, head_cpus, head_dev, head),
             (["ip", "netns", "exec", netns], worker_ip, worker_cpus, worker_dev, ["--address", f"{head_ip}:{port}"]),
@@ -112,7 +116,7 @@ def two_nodes(env: dict[str, str], *, head_cpus: int, worker_cpus: int) -> Itera
             node = ["--node-ip-address", ip, "--num-cpus", str(cpus), "--num-gpus", "0", "--disable-usage-stats"]
             # gloo binds to the address of this hostname unless told the interface: that is the box's, not the node's
             _run([*where, ray, "start", *role, *node], timeout=START_TIMEOUT_S, env={**env, "GLOO_SOCKET_IFNAME": dev})
-        nodes = TwoNodes(head_ip, worker_ip, f"{head_ip}:{port}", netns)
+        nodes = TwoNodes(head_ip, worker_ip, f"{head_ip}:{port}", f"http://{head_ip}:{dashboard_port}", netns)
         _wait_for_nodes(nodes, env)
         yield nodes
     finally:

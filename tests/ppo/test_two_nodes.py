@@ -1,21 +1,28 @@
 """train_ppo_ray on a two-node Ray cluster (tests/two_nodes.py: each node has an IP address of its own, in its own
 network namespace): GRPO with one actor rank on each node (--placement_strategy STRICT_SPREAD), ZeRO-3 over gloo
-across the link, the engine on one node, and the weight sync reaching it exactly wherever it landed."""
+across the link, an engine on each node and the weight sync reaching both exactly, in a job submitted with `ray job
+submit`, stopped, and resumed from its checkpoint by the next job."""
 
 from __future__ import annotations
 
 import re
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
 
 import pytest
 
+from openppo.strategy import checkpoint as ckpt
 from openppo.tasks.arithmetic import make_rows, write_jsonl
 from tests import two_nodes
-from tests.cli.helpers import REPO, cli_env, read_metrics, run_cli, series
+from tests.cli.helpers import REPO, cli_env, read_metrics, series
 from tests.model_cache import tiny_model_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(two_nodes.why_not() is not None, reason=str(two_nodes.why_not()))]
 
-SYNC_CHECKED = "--vllm_sync_check: 1 engine(s) compute with the trainer's weights: "
+SYNC_CHECKED = "--vllm_sync_check: 2 engine(s) compute with the trainer's weights: "
 
 
 @pytest.fixture(scope="module")
@@ -24,57 +31,78 @@ def cluster():
         yield nodes
 
 
-def _run(cluster, prompts, save, ckpt, steps: int, *extra: str):
-    return run_cli(
-        "train_ppo_ray",
-        [
-            "--pretrain",
-            str(tiny_model_dir()),
-            "--remote_rm_url",
-            str(REPO / "examples/reward_funcs/arithmetic.py"),
-            "--prompt_data",
-            str(prompts),
-            "--save_path",
-            str(save),
-            "--ckpt_path",
-            str(ckpt),
-            "--max_steps",
-            str(steps),
-            *(
-                "--input_key input --label_key label --apply_chat_template --advantage_estimator group_norm "
-                "--n_samples_per_prompt 4 --rollout_batch_size 4 --train_batch_size 8 --micro_train_batch_size 2 "
-                "--micro_rollout_batch_size 4 --actor_num_gpus_per_node 2 --placement_strategy STRICT_SPREAD "
-                "--vllm_num_engines 2 --init_kl_coef 0 --generate_max_len 8 --prompt_max_len 64 --zero_stage 3 "
-                "--param_dtype fp32 --actor_learning_rate 1e-4 --save_steps 1"
-            ).split(),
-            *extra,
-        ],
-        nproc=1,
-        timeout=600,
-        ray_address=cluster.address,
-    )
+def _args(prompts, save, ckpt, steps: int, *extra: str) -> list[str]:
+    return [
+        "--pretrain",
+        str(tiny_model_dir()),
+        "--remote_rm_url",
+        str(REPO / "examples/reward_funcs/arithmetic.py"),
+        "--prompt_data",
+        str(prompts),
+        "--save_path",
+        str(save),
+        "--ckpt_path",
+        str(ckpt),
+        "--max_steps",
+        str(steps),
+        *(
+            "--input_key input --label_key label --apply_chat_template --advantage_estimator group_norm "
+            "--n_samples_per_prompt 4 --rollout_batch_size 4 --train_batch_size 8 --micro_train_batch_size 2 "
+            "--micro_rollout_batch_size 4 --actor_num_gpus_per_node 2 --placement_strategy STRICT_SPREAD "
+            "--vllm_num_engines 2 --init_kl_coef 0 --generate_max_len 8 --prompt_max_len 64 --zero_stage 3 "
+            "--param_dtype fp32 --actor_learning_rate 1e-4 --save_steps 1"
+        ).split(),
+        *extra,
+    ]
 
 
-def test_grpo_with_a_rank_on_each_node_then_resume(cluster, tmp_path):
-    """Two steps with --vllm_sync_check, a checkpoint after each in a folder both nodes see, then a run that resumes
-    from it for a third step: the metrics hold each step once."""
+def _submit(cluster, args: list[str], *options: str) -> str:
+    """`ray job submit` to the head's dashboard, as a user submits a job (the driver runs on the head node): its
+    output until the job ends, or with --no-wait its submission line."""
+    ray = str(Path(sys.executable).parent / "ray")
+    cmd = [ray, "job", "submit", "--address", cluster.dashboard, *options, "--", sys.executable, "-m"]
+    cmd += ["openppo.cli.train_ppo_ray", *args]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=REPO)
+    assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
+    return proc.stdout
+
+
+def test_grpo_with_a_rank_on_each_node_killed_then_resumed(cluster, tmp_path):
+    """A job submitted with `ray job submit` runs steps with --vllm_sync_check and a checkpoint after each in a folder
+    both nodes see; it is stopped (`ray job stop`: SIGTERM, then SIGKILL) once step 2 is committed, and a second job
+    resumes from the checkpoint to step 4: the metrics hold each step once."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
-    save, ckpt = tmp_path / "out", tmp_path / "ckpt"
-    proc = _run(cluster, prompts, save, ckpt, 2, "--vllm_sync_check")
-    placed = re.search(r"placement \(STRICT_SPREAD\): actor (.*?); engines (.*)", proc.stdout)
-    assert placed, proc.stdout[-3000:]
+    save, ckpt_dir = tmp_path / "out", tmp_path / "ckpt"
+    job = f"openppo-{uuid.uuid4().hex[:8]}"
+    _submit(cluster, _args(prompts, save, ckpt_dir, 4, "--vllm_sync_check"), "--no-wait", "--submission-id", job)
+    client = JobSubmissionClient(cluster.dashboard)
+    deadline = time.monotonic() + 600
+    while not ckpt.marker_path(ckpt_dir, 2).exists():
+        status = client.get_job_status(job)
+        assert not status.is_terminal(), f"{status}: {client.get_job_logs(job)[-6000:]}"
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-6000:]
+        time.sleep(1)
+    client.stop_job(job)
+    while not client.get_job_status(job).is_terminal():
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-6000:]
+        time.sleep(1)
+    assert client.get_job_status(job) == JobStatus.STOPPED
+    logs = client.get_job_logs(job)
+    placed = re.search(r"placement \(STRICT_SPREAD\): actor (.*?); engines (.*)", logs)
+    assert placed, logs[-3000:]
     head, worker = cluster.head_ip, cluster.worker_ip
     # ZeRO-3's collectives cross the link; the engines spread over both nodes, so the broadcast from rank 0 reaches
     # an engine on the other node
     assert placed.group(1) in (f"{head} [0], {worker} [1]", f"{worker} [0], {head} [1]"), placed.group(0)
     assert placed.group(2) in (f"{head} [0], {worker} [1]", f"{worker} [0], {head} [1]"), placed.group(0)
-    assert "engine(s) 0,1 via gloo broadcast" in proc.stdout
-    assert proc.stdout.count(SYNC_CHECKED.replace("1 engine", "2 engine")) == 1
+    assert "engine(s) 0,1 via gloo broadcast" in logs
+    assert logs.count(SYNC_CHECKED) == 1
+    committed = ckpt.resolve(ckpt_dir)
+    assert committed is not None and committed.step in (2, 3), committed
+    resumed = _submit(cluster, _args(prompts, save, ckpt_dir, 4, "--load_checkpoint"))
+    assert f"at step {committed.step}" in resumed and "succeeded" in resumed, resumed[-3000:]
     records = read_metrics(save)
-    assert [r["step"] for r in records] == [1, 2]
+    assert [r["step"] for r in records] == [1, 2, 3, 4]
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
-    resumed = _run(cluster, prompts, save, ckpt, 3, "--load_checkpoint")
-    assert "resumed from" in resumed.stdout and "at step 2" in resumed.stdout, resumed.stdout[-3000:]
-    records = read_metrics(save)
-    assert [r["step"] for r in records] == [1, 2, 3]
-    assert records[2]["rollout/logprob_diff"] < 1e-4
