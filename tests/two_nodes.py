@@ -21,6 +21,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -140,3 +141,25 @@ def _wait_for_nodes(nodes: TwoNodes, env: dict[str, str]) -> None:
     )
     out = _run([sys.executable, "-c", script], timeout=START_TIMEOUT_S + 30, env={**env, **nodes.env()})
     assert out.strip() == str(sorted([nodes.head_ip, nodes.worker_ip])), out
+    _wait_for_jobs(nodes)
+
+
+def _wait_for_jobs(nodes: TwoNodes) -> None:
+    """Until the head takes jobs: its dashboard answers before the agent that starts a job's driver is up ("No
+    available agent to submit job"), which on a busy box took longer than the nodes; a job that runs `true` goes
+    through once it is."""
+    from ray.job_submission import JobSubmissionClient
+
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while True:
+        try:
+            client = JobSubmissionClient(nodes.dashboard)
+            job = client.submit_job(entrypoint="true")
+            break
+        except (RuntimeError, OSError) as exc:  # a 500 from the dashboard, or no answer yet
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the head at {nodes.dashboard} took no job in {START_TIMEOUT_S} s: {exc}") from exc
+            time.sleep(1)
+    while not client.get_job_status(job).is_terminal():
+        assert time.monotonic() < deadline, client.get_job_logs(job)
+        time.sleep(0.5)
