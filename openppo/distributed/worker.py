@@ -14,7 +14,6 @@ from __future__ import annotations
 import collections
 import logging
 import os
-import socket
 from typing import Any
 
 logger = logging.getLogger(__name__)
@@ -76,11 +75,12 @@ class BaseWorker:
 
         return ray.util.get_node_ip_address()
 
-    def free_port(self) -> int:
-        """A TCP port free on this node right now, on all interfaces (other nodes connect to it)."""
-        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind(("", 0))
-            return s.getsockname()[1]
+    def serve_rendezvous(self, master_addr: str, timeout_s: float) -> int:
+        """Rank 0: serve the group's store on a port the OS picks, held until the process group starts on it
+        (`rendezvous.group_store`); returns the port the other ranks connect to."""
+        from openppo.distributed.rendezvous import hold_store
+
+        return hold_store(master_addr, self.world_size, timeout_s)
 
     def ping(self) -> dict[str, Any]:
         """Where this worker runs: answers once the constructor has finished. The group's first call: from here on

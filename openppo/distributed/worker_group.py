@@ -8,13 +8,15 @@ likely blocked in a collective waiting for the one that failed and would otherwi
 distributed timeout (10 minutes by default), which is what users of RLHF trainers most often report.
 
 Start-up, in order:
-1. one actor per rank, rank i in bundle `bundle_offset + i` of the placement group (the group makes its own PACK
-   group when none is given). Each actor starts with RANK, WORLD_SIZE, LOCAL_RANK=0 (on GPUs Ray gives each actor
+1. one actor per rank, rank i in bundle `bundle_offset + i` of the placement group (the group makes its own, with
+   `strategy`, when none is given). Each actor starts with RANK, WORLD_SIZE, LOCAL_RANK=0 (on GPUs Ray gives each actor
    its own CUDA_VISIBLE_DEVICES, so its device is always 0), OMP_NUM_THREADS (from its CPU share) and the
    caller's `env` already set, so libraries that read the environment at import time see them;
-2. once all actors answer, rank 0 picks a free port on its node: MASTER_ADDR, MASTER_PORT and LOCAL_WORLD_SIZE
-   (ranks of this group on the same node) are then set in every actor before any user method runs (`connect`;
-   with `wait=False` the constructor stops after step 1, so that several groups start side by side).
+2. once all actors answer, rank 0 serves the group's rendezvous store on a port of its node (`rendezvous`: bound
+   before anyone is told it, so no other process can take it): MASTER_ADDR, MASTER_PORT, LOCAL_WORLD_SIZE (ranks
+   of this group on the same node) and `rendezvous.STORE_ENV` are then set in every actor before any user method
+   runs (`connect`; with `wait=False` the constructor stops after step 1, so that several groups start side by
+   side).
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from openppo.distributed.logs import format_log_tail, read_log_tail
 from openppo.distributed.placement import make_placement_group
+from openppo.distributed.rendezvous import STORE_ENV
 from openppo.distributed.worker import GROUP_NAME_ENV, BaseWorker
 from openppo.errors import RunFailure
 
@@ -187,7 +190,8 @@ class WorkerGroup:
         self._infos = self._wait(self._submit("ping"), self.timeout_s, during="start-up")
         rank0 = self._infos[0]
         self.master_addr = rank0["node_ip"]
-        self.master_port = self._wait(self._submit("free_port", ranks=[0]), self.timeout_s, during="start-up")[0]
+        serve = self._submit("serve_rendezvous", args=(self.master_addr, self.timeout_s), ranks=[0])
+        self.master_port = self._wait(serve, self.timeout_s, during="start-up")[0]
         per_node: dict[str, int] = {}
         for info in self._infos:
             per_node[info["node_id"]] = per_node.get(info["node_id"], 0) + 1
@@ -197,6 +201,7 @@ class WorkerGroup:
                 "MASTER_ADDR": self.master_addr,
                 "MASTER_PORT": str(self.master_port),
                 "LOCAL_WORLD_SIZE": str(per_node[self._infos[rank]["node_id"]]),
+                STORE_ENV: "1",
             }
             refs.append(self._track(actor.set_dist_env.remote(dist_env), rank, "set_dist_env"))
         self._wait(refs, self.timeout_s, during="start-up")

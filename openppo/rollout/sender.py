@@ -39,11 +39,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from openppo.distributed.rendezvous import serve_store
 from openppo.errors import UserError
 from openppo.rollout import transport as tr
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layer_key
 from openppo.rollout.delta import DeltaEncoder
-from openppo.rollout.sync_group import SyncGroup, create_sync_group, serve_store
+from openppo.rollout.sync_group import SyncGroup, create_sync_group
 from openppo.rollout.transport import SyncPlan
 from openppo.rollout.weight_transfer import BucketUpdate, GroupInit, plain
 

@@ -18,6 +18,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+from openppo.distributed.rendezvous import join_store, serve_store
 from openppo.errors import UserError
 
 logger = logging.getLogger(__name__)
@@ -79,20 +80,6 @@ class SyncGroup:
         self._store = None
 
 
-def serve_store(master_addr: str, master_port: int, world_size: int, timeout_s: float) -> dist.TCPStore:
-    """Rank 0's store, listening from now on. Port 0 takes one the OS picks and keeps it: a port probed free and
-    bound later can be taken in between (an outgoing connection's ephemeral port on a busy node), which failed a
-    run with EADDRINUSE when two runs shared a 2-core box."""
-    return dist.TCPStore(
-        master_addr,
-        master_port,
-        world_size,
-        is_master=True,
-        timeout=timedelta(seconds=timeout_s),
-        wait_for_workers=False,
-    )
-
-
 def create_sync_group(
     backend: str,
     master_addr: str,
@@ -119,7 +106,7 @@ def create_sync_group(
     if store is None and rank == 0:
         store = serve_store(master_addr, master_port, world_size, timeout_s)
     elif store is None:
-        store = dist.TCPStore(master_addr, master_port, world_size, is_master=False, timeout=timeout)
+        store = join_store(master_addr, master_port, world_size, timeout_s)
     # A prefix keeps our keys apart should the same store ever serve something else.
     prefixed = dist.PrefixStore(f"openppo_weight_sync/{backend}/", store)
     if backend == "gloo":

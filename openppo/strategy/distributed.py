@@ -9,6 +9,8 @@ from datetime import timedelta
 
 import torch
 
+from openppo.distributed.rendezvous import group_store
+
 logger = logging.getLogger(__name__)
 
 if not torch.cuda.is_available():
@@ -69,7 +71,14 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
         _disable_cpu_shm_comm()
         _cpu_thread_budget()
     if not torch.distributed.is_initialized():
-        deepspeed.init_distributed(
-            dist_backend="nccl" if on_gpu else "gloo", timeout=timedelta(seconds=timeout_s), verbose=False
-        )
+        backend, timeout = "nccl" if on_gpu else "gloo", timedelta(seconds=timeout_s)
+        store = group_store(timeout_s)
+        if store is not None:  # a WorkerGroup's rank: its rank 0 serves the store already (DeepSpeed adopts the group)
+            rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+            # bound to its GPU as DeepSpeed's own start-up binds it (NCCL then knows each rank's device up front)
+            device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if on_gpu and world > 1 else {}
+            torch.distributed.init_process_group(
+                backend, store=store, rank=rank, world_size=world, timeout=timeout, **device
+            )
+        deepspeed.init_distributed(dist_backend=backend, timeout=timeout, verbose=False)
     return torch.distributed.get_rank(), torch.distributed.get_world_size()

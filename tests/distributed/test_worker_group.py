@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import socket
 import time
 
 import pytest
@@ -17,6 +18,7 @@ from openppo.distributed.placement import (
     make_placement_group,
     strategy_fits,
 )
+from openppo.distributed.rendezvous import STORE_ENV
 from openppo.distributed.worker_group import WorkerGroup, WorkerGroupError
 from tests.distributed.workers import BrokenWorker, ProbeWorker
 
@@ -41,14 +43,17 @@ def test_device_resources_on_cpu(ray_cpu):
 
 
 def test_torch_distributed_env(probes):
-    envs = probes.run("env", ("OPENPPO_TEST_FLAG",))
+    envs = probes.run("env", ("OPENPPO_TEST_FLAG", STORE_ENV))
     assert [e["RANK"] for e in envs] == ["0", "1"]
     for e in envs:
         assert e["WORLD_SIZE"] == "2" and e["LOCAL_RANK"] == "0" and e["LOCAL_WORLD_SIZE"] == "2"
         assert e["OMP_NUM_THREADS"] == "1"  # from num_cpus_per_worker=1
         assert e["OPENPPO_TEST_FLAG"] == "on"
         assert e["MASTER_ADDR"] == probes.worker_infos[0]["node_ip"] == probes.master_addr
-        assert e["MASTER_PORT"] == str(probes.master_port)
+        assert e["MASTER_PORT"] == str(probes.master_port) and e[STORE_ENV] == "1"
+    # rank 0 serves the rendezvous store on that port from before the ranks were told it: nothing else can take it
+    with socket.socket() as probe, pytest.raises(OSError, match="in use"):
+        probe.bind((probes.master_addr, probes.master_port))
     assert probes.run("placement_group_id") == [probes.placement_group.id.hex()] * 2  # its own PACK group
 
 

@@ -9,8 +9,9 @@ import pytest
 import torch
 import torch.distributed as dist
 
+from openppo.distributed.rendezvous import serve_store
 from openppo.errors import UserError
-from openppo.rollout.sync_group import create_sync_group, free_port, serve_store
+from openppo.rollout.sync_group import create_sync_group, free_port
 
 
 def _run_ranks(world_size: int, fn, timeout_s: float = 30.0) -> list:
