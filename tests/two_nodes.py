@@ -109,7 +109,9 @@ def two_nodes(env: dict[str, str], *, head_cpus: int, worker_cpus: int) -> Itera
         port = _free_port(head_ip)
         dashboard_port = _free_port(head_ip)
         head = ["--head", "--port", str(port), "--temp-dir", str(temp), "--dashboard-host", head_ip]
-        head += ["--dashboard-port", str(dashboard_port)]
+        # the head's agent, which starts a job's driver, listens on all interfaces, by default on port 52365: the
+        # agent of any other Ray cluster on the box (a test worker's) holds that one, and the head then takes no job
+        head += ["--dashboard-port", str(dashboard_port), "--dashboard-agent-listen-port", str(_free_port(""))]
         for where, ip, cpus, dev, role in (
             ([], head_ip, head_cpus, head_dev, head),
             (["ip", "netns", "exec", netns], worker_ip, worker_cpus, worker_dev, ["--address", f"{head_ip}:{port}"]),
