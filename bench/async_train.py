@@ -20,17 +20,14 @@ the GPU name; `bench/record.py`).
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import add_dtype_option, emit, resolve_dtype  # noqa: E402 (after the path set-up)
+from bench.record import add_dtype_option, emit, resolve_dtype, run_train_ppo  # noqa: E402 (after the path set-up)
 
 SLOW_REWARD = """import time
 
@@ -47,20 +44,7 @@ def reward_func(queries, prompts, labels, **kwargs):
 def run(name: str, flags: list[str], threads: int, workdir: Path) -> dict:
     save = workdir / name
     env = {**os.environ, "OMP_NUM_THREADS": str(threads), "RAY_AUTH_MODE": "disabled", "HF_HUB_OFFLINE": "1"}
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"{name}: train_ppo_ray exited with {proc.returncode}")
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    _, records, wall = run_train_ppo(name, flags, save, env)
     later = records[1:]
 
     def mean(key: str) -> float:

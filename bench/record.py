@@ -6,6 +6,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
@@ -56,3 +59,23 @@ def timing_engine(strategy, model, lr: float = 1e-7):
     from tests.ppo.rank_helpers import train_engine
 
     return train_engine(strategy, model, lr=lr, steps=1000)
+
+
+def run_train_ppo(name: str, flags: list[str], save: Path, env: dict[str, str]) -> tuple[str, list[dict], float]:
+    """`python -m openppo.cli.train_ppo_ray flags --save_path save` in `env`: its stdout, its metrics.jsonl rows and its
+    wall seconds. A failed run prints the end of its output and stops the bench, naming run `name`."""
+    start = time.perf_counter()
+    proc = subprocess.run(
+        [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
+        cwd=REPO,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=3600,
+    )
+    wall = time.perf_counter() - start
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
+        raise SystemExit(f"{name}: train_ppo_ray exited with {proc.returncode}")
+    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    return proc.stdout, records, wall

@@ -18,16 +18,13 @@ the ratios and the device it ran on (`bench/record.py`).
 from __future__ import annotations
 
 import argparse
-import json
-import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
-from bench.record import emit  # noqa: E402 (after the path set-up)
+from bench.record import emit, run_train_ppo  # noqa: E402 (after the path set-up)
 
 STAGES = ("step", "generate", "reward", "actor_train", "weight_sync")
 
@@ -40,24 +37,11 @@ def run(name: str, flags: list[str], workdir: Path, ray_address: str | None) -> 
     env["RAY_AUTH_MODE"] = "disabled"
     if ray_address:
         env["RAY_ADDRESS"] = ray_address
-    start = time.perf_counter()
-    proc = subprocess.run(
-        [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)],
-        cwd=REPO,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=3600,
-    )
-    wall = time.perf_counter() - start
-    if proc.returncode != 0:
-        sys.stderr.write(proc.stdout[-4000:] + proc.stderr[-4000:])
-        raise SystemExit(f"{name}: train_ppo_ray exited with {proc.returncode}")
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    stdout, records, wall = run_train_ppo(name, flags, save, env)
     later = records[1:]
     out = {f"{stage}_s": round(sum(r[f"timing/{stage}"] for r in later) / len(later), 3) for stage in STAGES}
     out["process_wall_s"] = round(wall, 1)
-    placed = [line.split("placement ", 1)[1] for line in proc.stdout.splitlines() if "placement (" in line]
+    placed = [line.split("placement ", 1)[1] for line in stdout.splitlines() if "placement (" in line]
     out["placement"] = placed[0] if placed else None
     print(f"{name}: {out}", flush=True)
     return out
