@@ -19,11 +19,11 @@ LONGEST_FIRST = (
     "tests/ppo/test_train_ppo_ray.py",  # 304
     "tests/ppo/test_golden_trace.py",  # 143
     "tests/ppo/test_train_ppo_features.py",  # 132
-    "tests/ppo/test_two_nodes.py",  # 120
+    "tests/ppo/test_two_nodes.py",  # 150
+    "tests/ppo/test_engine_death.py",  # 126
     "tests/ppo/test_crash_resume.py",  # 95
     "tests/cli/test_supervised_parallel.py",  # 65
     "tests/cli/test_lora_and_packing.py",  # 55
-    "tests/ppo/test_engine_death.py",  # 46
     "tests/ppo/test_memory_plan.py",  # 44
     "tests/agents/test_agent_rollout.py",  # 43
     "tests/ppo/test_learning.py",  # 42

@@ -131,24 +131,35 @@ def find_dead(
 
     `kind` names them in the message ("vLLM engine"); `infos` come from `actor_infos`.
     """
-    probes = [a.ready.remote() for a in actors]
-    ray.wait(probes, num_returns=len(probes), timeout=probe_timeout_s)
-    for index, (probe, info) in enumerate(zip(probes, infos)):
-        try:
-            ray.get(probe, timeout=0)
-        except ray.exceptions.RayActorError as died:
-            return _died(kind, index, info, died)
-        except Exception:  # still busy (GetTimeoutError) or raised: alive
-            continue
+    for index, died in dead_actors(actors, probe_timeout_s).items():
+        return died_error(kind, index, infos[index], died)
     return None
 
 
-def _died(kind: str, index: int, info: dict[str, Any], error: Exception) -> ActorDiedError:
+def dead_actors(actors: Sequence[Any], probe_timeout_s: float = PROBE_TIMEOUT_S) -> dict[int, Exception]:
+    """{index: Ray's error} of the `actors` that are dead, asked all at once with their `ready()` and waited for at
+    most `probe_timeout_s` (an actor still busy after that counts as alive)."""
+    probes = [a.ready.remote() for a in actors]
+    ray.wait(probes, num_returns=len(probes), timeout=probe_timeout_s)
+    dead = {}
+    for index, probe in enumerate(probes):
+        try:
+            ray.get(probe, timeout=0)
+        except ray.exceptions.RayActorError as died:
+            dead[index] = died
+        except Exception:  # still busy (GetTimeoutError) or raised: alive
+            continue
+    return dead
+
+
+def died_error(kind: str, index: int, info: dict[str, Any], error: Exception, why: str = "") -> ActorDiedError:
+    """The error that stops the run for a dead actor: what it was, where, Ray's cause, its last log lines; `why`
+    says why the run stops rather than replacing it (when it could)."""
     tails = read_log_tail(info.get("log_files", []), info.get("node_id"), LOG_TAIL_LINES, PROBE_TIMEOUT_S)
     tail = format_log_tail(tails) or "(its log files could not be read)"
     cause = (str(error).strip().splitlines() or ["no details"])[0]
     return ActorDiedError(
         f"{kind} {index} (actor {info.get('actor_id')}, pid {info.get('pid')} on {info.get('node_ip')}) died; "
-        f"the run was stopped. Ray says: {cause}\n{tail}\n"
+        f"the run was stopped{why}. Ray says: {cause}\n{tail}\n"
         f"Checkpoints already committed in --ckpt_path are intact: resume with --load_checkpoint."
     )

@@ -177,42 +177,30 @@ class SingleTurn(RolloutSource):
         max_new_tokens: Sequence[int] | None = None,
     ) -> list[Sample]:
         """`VLLMEngine.generate` of the items' `prompt_ids`, one request per engine (prompt i goes to engine
-        i mod E), waiting at most the pool's timeout. `max_new_tokens`: a budget per item (default: what
-        --generate_max_len and --max_len leave after the prompt). With a `seed`, engine e reseeds with
-        `seed + 1000 e` (--full_determinism). Under the pool's lock, so no weight sync lands mid-generation;
-        with --partial_rollout the engines are advanced a few steps a call outside it (`EnginePool.advance`)."""
-        import ray
-
+        i mod E), through `EnginePool.run`: waiting at most the pool's timeout, under the pool's lock so that no weight
+        sync lands mid-generation (with --partial_rollout the engines are advanced a few steps a call outside it),
+        and sending a dead engine's prompts again to its replacement. `max_new_tokens`: a budget per item (default:
+        what --generate_max_len and --max_len leave after the prompt). With a `seed`, engine e reseeds with
+        `seed + 1000 e` (--full_determinism), its replacement too."""
         r, d, pool = self.cfg.rollout, self.cfg.data, self.engines
         if max_new_tokens is None:
             max_new_tokens = [d.response_budget(len(it["prompt_ids"])) for it in items]
         sampling = dict(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k)
-        refs, slots, used = [], [], []
-        with pool.turn:  # one generation at a time: an evaluation waits for the producer's partial rollout
-            with pool.lock:
-                for e, engine in enumerate(pool.engines):
-                    chunk = list(range(e, len(items), len(pool.engines)))
-                    if not chunk:
-                        continue
-                    call = engine.submit if pool.partial else engine.generate
-                    refs.append(
-                        call.remote(
-                            [items[i]["prompt_ids"] for i in chunk],
-                            max_new_tokens=[max_new_tokens[i] for i in chunk],
-                            seed=None if seed is None else seed + 1_000 * e,
-                            **sampling,
-                        )
-                    )
-                    slots.append(chunk)
-                    used.append(engine)
-                if not pool.partial:
-                    results = ray.get(refs, timeout=pool.timeout_s)
-            if pool.partial:  # outside the lock: a weight sync may land between two advances
-                ray.get(refs, timeout=pool.timeout_s)
-                results = pool.advance(used)
+        slots = {e: list(range(e, len(items), len(pool))) for e in range(min(len(pool), len(items)))}
+        results = pool.run(
+            {
+                e: dict(
+                    prompt_token_ids=[items[i]["prompt_ids"] for i in chunk],
+                    max_new_tokens=[max_new_tokens[i] for i in chunk],
+                    seed=None if seed is None else seed + 1_000 * e,
+                    **sampling,
+                )
+                for e, chunk in slots.items()
+            }
+        )
         completions: list = [None] * len(items)
-        for chunk, out in zip(slots, results):
-            for i, result in zip(chunk, out):
+        for e, chunk in slots.items():
+            for i, result in zip(chunk, results[e]):
                 completions[i] = result
         return [
             Sample(

@@ -94,6 +94,12 @@ class VLLMConfig:
     """Rollout engines (vLLM) and the trainer -> engine weight sync."""
 
     vllm_num_engines: int = opt(1, "vLLM engines generating rollouts")
+    max_engine_restarts: int = opt(
+        3,
+        "dead vLLM engines (process killed, vLLM's engine core lost) replaced in a run: a new engine starts on the "
+        "same resources, gets the current weights and generates the lost prompts again (logged, counted in "
+        "rollout/engine_restarts); past it the run stops naming the engine. 0: stop at the first death",
+    )
     vllm_tensor_parallel_size: int = opt(
         1,
         "tensor-parallel size of each engine: its workers split every layer "

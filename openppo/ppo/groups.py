@@ -90,6 +90,13 @@ class TrainedGroup(ModelGroup):
 
 
 class ActorGroup(TrainedGroup):
+    def __init__(self, workers: WorkerGroup, **kwargs):
+        super().__init__(workers, **kwargs)
+        # Held by the trainer from its first actor call of a step to the step's weight sync, and for checkpoints:
+        # a replaced engine's sync from the rollout thread (--async_train) waits for it, so that it neither
+        # interleaves its collectives with the step's nor sends weights that are newer than the version it names.
+        self.lock = threading.RLock()
+
     def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
         """log pi(token t+1 | tokens <= t) [B, T-1] at the rollout temperature."""
         return self.forward(ActorWorker.log_probs, data)
@@ -125,11 +132,15 @@ class ActorGroup(TrainedGroup):
             delta,
         )
 
-    def sync_weights(self, engines: EnginePool, version: int) -> dict[str, float]:
+    def sync_weights(self, engines: EnginePool, version: int) -> dict[str, Any]:
         """Every engine gets the current weights, as weight version `version`; no engine takes a decoding step
-        meanwhile (a partial rollout's steps wait in the engine). Rank 0's sync statistics."""
+        meanwhile (a partial rollout's steps wait in the engine). Rank 0's sync statistics, or `{"failed":
+        traceback}` when the sync failed on rank 0 (`ActorWorker.sync_weights`; `Groups.sync_engines` decides)."""
         with engines.lock:
-            return self.workers.run(ActorWorker.sync_weights, version)[0]
+            stats = self.workers.run(ActorWorker.sync_weights, version)[0]
+            if "failed" not in stats:
+                engines.stale.clear()
+            return stats
 
     def check_engine_weights(self, engines: EnginePool) -> list[tuple[bool, str]]:
         """Per engine (equal, summary): the weights it computes with against the actor's (`rollout.readback`)."""
@@ -180,6 +191,25 @@ class Groups:
     reference: ReferenceGroup | None = None
     reward: RewardGroup | None = None
     reward_source: Any = None  # a RewardSource when scoring is not done by a reward model
+    link: Any = None  # the actor's connection to the engines (`launch.EngineLink`), rebuilt after a replacement
+
+    def sync_engines(self, version: int) -> dict[str, float]:
+        """Every engine gets the actor's current weights as weight version `version` (`ActorGroup.sync_weights`).
+        An engine found dead before or during the sync is replaced (`EnginePool.replace_dead`, bounded by
+        --max_engine_restarts), and the engines are connected anew after any replacement."""
+        pool = self.engines
+        with pool.lock:
+            pool.replace_dead("idle, before a weight sync")
+            if self.link is not None:
+                self.link.ensure()
+            stats = self.actor.sync_weights(pool, version)
+            if "failed" in stats and self.link is not None and pool.replace_dead("receiving a weight sync"):
+                # an engine died during the sync: the new one joins, and everyone gets the weights once more
+                self.link.ensure()
+                stats = self.actor.sync_weights(pool, version)
+            if "failed" in stats:  # no engine died: the sync itself failed
+                raise RuntimeError(f"the weight sync failed on actor rank 0:\n{stats['failed']}")
+            return stats
 
     def trained(self) -> list[TrainedGroup]:
         return [g for g in (self.actor, self.critic) if g is not None]

@@ -322,25 +322,26 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     # Everything is asked for before anything is waited for, the engines first (the longest start: vLLM's client,
     # then its engine core process, each importing vLLM): the groups' processes start and load side by side.
     engine_cls = ray.remote(VLLMEngine)
-    engines = []
-    for i in range(cfg.vllm.vllm_num_engines):
+
+    def start_engine(i: int):
+        """Engine i's actor: also what replaces it when it dies (`EnginePool.replace`), on the same resources."""
         options, place = engine_options(cfg, i, shared, env, on_gpu)
-        engines.append(
-            engine_cls.options(**options).remote(
-                cfg.model.pretrain,
-                dtype=plan.engine_dtype,
-                seed=cfg.train.seed + i,
-                max_model_len=cfg.data.total_len(),
-                enforce_eager=cfg.vllm.enforce_eager or not on_gpu,
-                enable_prefix_caching=cfg.vllm.enable_prefix_caching,
-                gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization,
-                kv_cache_bytes=kv_bytes,
-                tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size,
-                enable_sleep=cfg.vllm.vllm_enable_sleep,
-                executor=place.executor,
-                partial_rollout=cfg.rollout.partial_rollout,
-            )
+        return engine_cls.options(**options).remote(
+            cfg.model.pretrain,
+            dtype=plan.engine_dtype,
+            seed=cfg.train.seed + i,
+            max_model_len=cfg.data.total_len(),
+            enforce_eager=cfg.vllm.enforce_eager or not on_gpu,
+            enable_prefix_caching=cfg.vllm.enable_prefix_caching,
+            gpu_memory_utilization=cfg.vllm.vllm_gpu_memory_utilization,
+            kv_cache_bytes=kv_bytes,
+            tensor_parallel_size=cfg.vllm.vllm_tensor_parallel_size,
+            enable_sleep=cfg.vllm.vllm_enable_sleep,
+            executor=place.executor,
+            partial_rollout=cfg.rollout.partial_rollout,
         )
+
+    engines = [start_engine(i) for i in range(cfg.vllm.vllm_num_engines)]
     handles = {
         "actor": (ActorGroup, ActorWorker),
         "reference": (ReferenceGroup, ReferenceWorker),
@@ -370,7 +371,14 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         started[name] = (group, workers.run_async(handles[name][1].setup, cfg, role))
     groups = {name: group for name, (group, _) in started.items()}
     ray.get([e.ready.remote() for e in engines], timeout=timeout)
-    pool = EnginePool(engines, actor_infos(engines, timeout), timeout_s=timeout, partial=cfg.rollout.partial_rollout)
+    pool = EnginePool(
+        engines,
+        actor_infos(engines, timeout),
+        timeout_s=timeout,
+        partial=cfg.rollout.partial_rollout,
+        start=start_engine,
+        max_restarts=cfg.vllm.max_engine_restarts,
+    )
     for i, info in enumerate(pool.infos):
         logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
     nodes = {name: [info["node_ip"] for info in group.workers.worker_infos] for name, group in groups.items()}
@@ -379,19 +387,9 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     results = {name: group.workers.get(setups) for name, (group, setups) in started.items()}
     if "reward" in groups:
         groups["reward"].normalization = check_reward_normalization(cfg, results["reward"][0])
-    backend = "nccl" if on_gpu and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
     actor = groups["actor"]
-    workers = ray.get([e.worker_locations.remote() for e in engines], timeout=timeout)
-    transports = sync_plan(cfg, actor.worker_infos, workers, backend, on_gpu=on_gpu)
-    actor.connect_engines(
-        pool,
-        transports,
-        backend,
-        cfg.vllm.vllm_tensor_parallel_size,
-        bucket_bytes=cfg.vllm.vllm_sync_bucket_mb * 2**20,
-        engine_dtype=plan.engine_dtype,
-        delta=cfg.vllm.vllm_sync_delta,
-    )
+    link = EngineLink(cfg, actor, pool, plan.engine_dtype, on_gpu)
+    link.connect()
     return Groups(
         actor=actor,
         engines=pool,
@@ -399,7 +397,43 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         reference=groups.get("reference"),
         reward=groups.get("reward"),
         reward_source=reward_source,
+        link=link,
     )
+
+
+class EngineLink:
+    """How the actor ranks reach the engines for the weight sync: the sync plan (`sync_plan`) and, for engines on
+    devices of their own, the broadcast group. Made at start-up, and made anew once a dead engine was replaced
+    (`ensure`, when the pool's `epoch` moved): the new engine's workers may sit elsewhere, and a broadcast group's
+    size is fixed when it forms."""
+
+    def __init__(self, cfg: PPOConfig, actor, pool, engine_dtype: str, on_gpu: bool):
+        self.cfg, self.actor, self.pool, self.engine_dtype, self.on_gpu = cfg, actor, pool, engine_dtype, on_gpu
+        self.backend = "nccl" if on_gpu and cfg.vllm.vllm_sync_backend == "nccl" else "gloo"
+        self.epoch = -1  # the pool's epoch at the last connect
+
+    def connect(self) -> None:
+        import ray
+
+        v, pool = self.cfg.vllm, self.pool
+        with pool.lock:
+            workers = ray.get([e.worker_locations.remote() for e in pool.engines], timeout=pool.timeout_s)
+            transports = sync_plan(self.cfg, self.actor.worker_infos, workers, self.backend, on_gpu=self.on_gpu)
+            self.actor.connect_engines(
+                pool,
+                transports,
+                self.backend,
+                v.vllm_tensor_parallel_size,
+                bucket_bytes=v.vllm_sync_bucket_mb * 2**20,
+                engine_dtype=self.engine_dtype,
+                delta=v.vllm_sync_delta,
+            )
+            self.epoch = pool.epoch
+
+    def ensure(self) -> None:
+        """Connect anew if an engine was replaced since the last connect (call under the pool's lock)."""
+        if self.epoch != self.pool.epoch:
+            self.connect()
 
 
 def shared_placement_groups(cfg: PPOConfig, roles: set[str], on_gpu: bool, timeout_s: float) -> dict[str, tuple]:
@@ -498,8 +532,10 @@ def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_workers: list[list[
 
 def raise_if_an_engine_died(groups: Groups | None, error: BaseException) -> None:
     """After `error` stopped the run: if a vLLM engine is dead, raise the error naming it (the root cause)."""
-    from openppo.distributed.logs import find_dead
+    from openppo.distributed.logs import ActorDiedError, find_dead
 
+    if isinstance(error, ActorDiedError):  # the engine pool named it already (past --max_engine_restarts)
+        return
     if groups is not None and len(groups.engines):
         dead = find_dead(groups.engines.engines, groups.engines.infos, "vLLM engine")
         if dead is not None:

@@ -103,6 +103,7 @@ class PPOTrainer:
                 "log-probs are the old log-probs (no separate old-log-prob pass)"
             )
         self.swap = MemorySwap(cfg, groups, self.timer)
+        groups.engines.on_replace = self._engines_replaced
         Path(cfg.ckpt.save_path).mkdir(parents=True, exist_ok=True)
         self._rollout_log = open(Path(cfg.ckpt.save_path) / "rollouts.jsonl", "a", buffering=1)
 
@@ -157,13 +158,19 @@ class PPOTrainer:
 
     def step(self) -> dict[str, float] | None:
         """One RL step on the next rollout batch; None when the prompts ran out before the batch was full."""
-        cfg, g = self.cfg, self.groups
+        g = self.groups
         start = time.perf_counter()
         # generate + score: n responses per prompt from the engines, rewards from the reward source or model
         # (--async_train: generated ahead by older weights while the last step trained)
         rollout = self.collector.collect() if self._producer is None else self._rollout_ahead()
         if rollout is None:
             return None
+        with g.actor.lock:  # the step's actor calls, up to its weight sync (`ActorGroup.lock`)
+            return self._train_on(rollout, start)
+
+    def _train_on(self, rollout: Rollout, start: float) -> dict[str, float]:
+        """The step after its rollout batch: forwards, advantages, updates, weight sync, metrics."""
+        cfg, g = self.cfg, self.groups
         self._timing = dict(rollout.timing)
         self._data_position = rollout.stream_state
         self.swap.to_trainer()
@@ -224,7 +231,7 @@ class PPOTrainer:
             # sync: the engines generate the next batch with the weights just trained
             self.swap.engine_weights()
             with self.timer("weight_sync"):
-                stats = g.actor.sync_weights(g.engines, version=self.policy_version + 1)
+                stats = g.sync_engines(version=self.policy_version + 1)
             metrics["perf/weight_sync_mb"] = stats["num_bytes"] / 2**20
             if "full_bytes" in stats:  # --vllm_sync_delta
                 metrics["perf/weight_sync_changed"] = stats["changed"]
@@ -279,6 +286,7 @@ class PPOTrainer:
             )
         )
         metrics["perf/driver_rss_gib"] = rss_gib()
+        metrics["rollout/engine_restarts"] = self.groups.engines.restarts
         return metrics
 
     def _profile(self, action: str) -> None:
@@ -294,6 +302,25 @@ class PPOTrainer:
         for g in self.groups.models():
             g.stop_profile(str(out))
         logger.info("profile of step %d: Chrome traces in %s", self.global_step, out)
+
+    def _engines_replaced(self) -> None:
+        """`EnginePool.on_replace`: dead engines were replaced while generating (on the rollout thread with
+        --async_train): once the actor is between steps, bring every engine to its weights as the current version
+        (unless a step's sync got there first). The swap makes room as a step's sync does."""
+        g = self.groups
+        with g.actor.lock:
+            if not g.engines.stale:
+                return
+            self.swap.to_trainer()
+            self.swap.engine_weights()
+            began = time.perf_counter()
+            g.sync_engines(version=self.policy_version)
+            self.swap.to_engines()
+            logger.info(
+                "vLLM engines re-synced to weight version %d in %.1f s after a restart",
+                self.policy_version,
+                time.perf_counter() - began,
+            )
 
     # ------------------------------------------------------------------------------------------------ eval
     def evaluate(self) -> dict[str, float]:
@@ -318,7 +345,8 @@ class PPOTrainer:
         record = json.loads((best / "best.json").read_text()) if (best / "best.json").is_file() else None
         if record is not None and record["metric"] == key and evaluation[key] <= record["value"]:
             return
-        self.groups.actor.save_hf(str(best), self.cfg.model.pretrain)
+        with self.groups.actor.lock:
+            self.groups.actor.save_hf(str(best), self.cfg.model.pretrain)
         ckpt.write_json_atomic(best / "best.json", {"metric": key, "value": evaluation[key], "step": self.global_step})
         logger.info(
             "best %s so far (%.4g) at step %d: the actor is in %s", key, evaluation[key], self.global_step, best
@@ -342,6 +370,10 @@ class PPOTrainer:
     def save_checkpoint(self) -> None:
         """Every trained model saves its part of this step, then the controller commits the step (see
         `openppo.strategy.checkpoint`): a crash before the commit leaves the previous step the one to resume."""
+        with self.groups.actor.lock:  # no engine re-sync in between (`ActorGroup.lock`)
+            self._save_checkpoint()
+
+    def _save_checkpoint(self) -> None:
         c = self.cfg.ckpt
         if c.save_hf_ckpt:
             hf_dir = ckpt.hf_export_dir(self.ckpt_dir, self.global_step)
@@ -400,7 +432,7 @@ class PPOTrainer:
         for log in ("metrics.jsonl", "rollouts.jsonl"):
             set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, self.global_step)
         self.policy_version = self.global_step - 1  # the engines get the checkpoint's weights as its version
-        self.groups.actor.sync_weights(self.groups.engines, version=self.global_step)
+        self.groups.sync_engines(version=self.global_step)
         self._synced()
         logger.info(
             "resumed from %s at step %d (prompt %d of %d); engines re-synced",
@@ -446,10 +478,12 @@ class PPOTrainer:
             episode = self._episode()
             traced = self.global_step + 1 in traced_steps
             if traced:
-                self._profile("start")
+                with self.groups.actor.lock:
+                    self._profile("start")
             metrics = self.step()
             if traced:
-                self._profile("stop")
+                with self.groups.actor.lock:
+                    self._profile("stop")
             if metrics is None:
                 logger.info(
                     "every prompt of the %d episode(s) was drawn by step %d (dynamic filtering draws more "

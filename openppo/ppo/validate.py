@@ -310,6 +310,10 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
         _positive(getattr(res, f"{flag}_num_gpus_per_node"), f"--{flag}_num_gpus_per_node")
     _positive(v.vllm_tensor_parallel_size, "--vllm_tensor_parallel_size")
     _positive(v.vllm_sync_bucket_mb, "--vllm_sync_bucket_mb")
+    require(
+        v.max_engine_restarts >= 0,
+        f"--max_engine_restarts must be >= 0 (0 stops the run at the first dead engine), got {v.max_engine_restarts}",
+    )
     if v.vllm_kv_cache_bytes is not None:
         _positive(v.vllm_kv_cache_bytes, "--vllm_kv_cache_bytes")
     validate_ds_settings(ds)

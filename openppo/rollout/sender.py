@@ -407,14 +407,19 @@ class TrainerTransfer:
         num_buckets = num_bytes = num_tensors = 0
 
         failed = True
+        buckets = iter_buckets(named, bucket_bytes, dtype=dtype, device=device)
+        meets = bool(local and plan.exchange_ranks)  # rank 0 meets the other exporting ranks once per bucket
+        owed = False  # a bucket was drawn whose meeting rank 0 has not entered yet
         try:
-            for bucket in iter_buckets(named, bucket_bytes, dtype=dtype, device=device):
+            for bucket in buckets:
+                owed = meets
                 meta = bucket.meta.to_plain()
                 if local:
                     while len(in_flight) >= tr.IN_FLIGHT:  # bounds the buffers the exporting ranks keep valid
                         ray.get(in_flight.popleft(), timeout=timeout_s)
                     handle = exporter.export(num_buckets, bucket.buffer) if exporter is not None else None
                     handles = exchange.gather(handle) if plan.exchange_ranks else {0: handle}
+                    owed = False
                     in_flight.append(
                         [
                             engines[i].update_weights.remote(
@@ -443,6 +448,18 @@ class TrainerTransfer:
             while in_flight:
                 ray.get(in_flight.popleft(), timeout=timeout_s)
             failed = False
+        except Exception:
+            # An engine failed (it died, say): the other actor ranks still gather every layer (ZeRO-3) and meet
+            # rank 0 once per bucket; go through the rest with them, sending nothing, so that the failure reaches
+            # the driver instead of leaving those ranks in a collective
+            if owed:
+                exchange.gather(None)
+            for _ in buckets:
+                if meets:
+                    exchange.gather(None)
+            if plan.exchange_ranks:
+                exchange.barrier()
+            raise
         finally:
             if exporter is not None:  # a failed sync leaves no shared memory behind
                 exporter.close(failed)

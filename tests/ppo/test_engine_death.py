@@ -1,11 +1,11 @@
-"""A vLLM engine killed mid-run stops the run within 2 minutes with an error that names the engine, its process
-and its last log lines, and leaves the committed checkpoint intact. Real Ray + DeepSpeed + vLLM CPU, tiny model."""
+"""A vLLM engine that dies mid-generation is replaced and the run goes on; past --max_engine_restarts the run stops
+within 2 minutes with an error that names the engine, its process and its last log lines, and leaves the committed
+checkpoint intact. Real Ray + DeepSpeed + vLLM CPU, tiny model; the faults are SIGKILLs of the engine's actor
+process or of vLLM's engine core under it, sent while the engine generates (tests/engine_kills.py)."""
 
 from __future__ import annotations
 
-import os
-import re
-import signal
+import json
 import subprocess
 import sys
 import time
@@ -17,16 +17,18 @@ import torch
 
 from openppo.strategy import checkpoint as ckpt
 from openppo.tasks.arithmetic import make_rows, write_jsonl
-from tests.cli.helpers import REPO, cli_env
+from tests.cli.helpers import REPO, cli_env, read_metrics
+from tests.engine_kills import engine_pid, engine_pids, kill_while_generating
 from tests.model_cache import tiny_model_dir
 from tests.processes import kill_tree
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
 STOP_WITHIN_S = 120
+WAIT_S = 600
 
 
-def _args(prompts: Path, save: Path, ckpt_dir: Path) -> list[str]:
+def _args(prompts: Path, save: Path, *extra: str) -> list[str]:
     return [
         "--pretrain",
         str(tiny_model_dir()),
@@ -34,79 +36,144 @@ def _args(prompts: Path, save: Path, ckpt_dir: Path) -> list[str]:
         str(HERE / "label_reward.py"),
         "--prompt_data",
         str(prompts),
-        "--input_key",
-        "input",
-        "--label_key",
-        "label",
-        "--apply_chat_template",
-        "--advantage_estimator",
-        "group_norm",
-        "--n_samples_per_prompt",
-        "2",
-        "--rollout_batch_size",
-        "2",
-        "--train_batch_size",
-        "4",
-        "--micro_train_batch_size",
-        "2",
-        "--vllm_kv_cache_bytes",
-        str(128 * 2**20),
-        "--init_kl_coef",
-        "0",
-        "--generate_max_len",
-        "8",
-        "--prompt_max_len",
-        "64",
-        "--param_dtype",
-        "fp32",
-        "--zero_stage",
-        "0",
-        "--max_steps",
-        "100",
-        "--actor_learning_rate",
-        "1e-4",
-        "--save_steps",
-        "1",
         "--save_path",
         str(save),
-        "--ckpt_path",
-        str(ckpt_dir),
+        # 48 new tokens per sample (a random tiny model seldom stops early): generation is most of a step, so a
+        # kill that waits for the engine to be busy lands mid-generation
+        *(
+            "--input_key input --label_key label --apply_chat_template --advantage_estimator group_norm "
+            "--n_samples_per_prompt 2 --rollout_batch_size 2 --train_batch_size 4 --micro_train_batch_size 2 "
+            f"--vllm_kv_cache_bytes {128 * 2**20} --init_kl_coef 0 --generate_max_len 48 --prompt_max_len 64 "
+            "--param_dtype fp32 --zero_stage 0 --actor_learning_rate 1e-3"
+        ).split(),
+        *extra,
     ]
 
 
-def test_killed_engine_stops_the_run_and_names_it(tmp_path):
-    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(64, seed=3)], tmp_path / "prompts.jsonl")
-    ckpt_dir, log = tmp_path / "ckpt", tmp_path / "driver.log"
-    tag = f"OPENPPO_ENGINE_DEATH_TEST={uuid.uuid4().hex}"
-    env = {**cli_env(), tag.split("=")[0]: tag.split("=")[1]}
-    cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *_args(prompts, tmp_path / "save", ckpt_dir)]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True)
-    try:
-        deadline = time.monotonic() + 600
-        while ckpt.resolve(ckpt_dir) is None:  # a committed checkpoint first: it must survive the failure
-            assert proc.poll() is None, log.read_text()[-6000:]
-            assert time.monotonic() < deadline, log.read_text()[-6000:]
+class _Run:
+    """train_ppo_ray in its own session, its output in a file, every process it starts tagged for the clean-up."""
+
+    def __init__(self, tmp_path: Path, args: list[str]):
+        self.log = tmp_path / "driver.log"
+        self.save = tmp_path / "out"
+        self.tag = f"OPENPPO_ENGINE_DEATH_TEST={uuid.uuid4().hex}"
+        env = {**cli_env(), self.tag.split("=")[0]: self.tag.split("=")[1]}
+        cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *args]
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
+            )
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def steps(self) -> int:
+        path = self.save / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    def wait_for(self, what: str, done) -> None:
+        deadline = time.monotonic() + WAIT_S
+        while not done():
+            assert self.proc.poll() is None, f"the run ended while waiting for {what}:\n{self.text()[-6000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {WAIT_S} s:\n{self.text()[-6000:]}"
             time.sleep(0.05)
-        engine_pid = int(re.search(r"vLLM engine 0: pid (\d+)", log.read_text()).group(1))
-        os.kill(engine_pid, signal.SIGKILL)
+
+    def restarts(self) -> int:
+        return self.text().count("vLLM engine 0: restarted in")
+
+    def kill_engine(self, *, core: bool = False) -> int:
+        return kill_while_generating(engine_pid(self.text()), core=core)
+
+    def close(self) -> None:
+        kill_tree(self.proc, self.tag)
+
+
+def _trained_batches(save: Path) -> list[tuple[int, int]]:
+    """(step, prompts trained) of every line of rollouts.jsonl."""
+    rows = [json.loads(line) for line in (save / "rollouts.jsonl").read_text().splitlines()]
+    return [(row["step"], len(row["prompts"])) for row in rows]
+
+
+def test_dead_engines_are_replaced_until_the_bound_then_the_run_stops(tmp_path):
+    """The hybrid engine (--colocate_all_models: the engine on the actor rank's device, weights by shared memory),
+    synchronous steps, --max_engine_restarts 2. Kill 1, its actor process: a new engine starts on the same bundle, is
+    synced to the current weights and generates the lost prompts, and the steps go on. Kill 2, vLLM's engine core
+    under the new engine (an error inside vLLM: the engine notices and exits): the same. Kill 3: past the bound, the
+    run stops naming the engine; the committed checkpoint loads. Every step trains one whole batch, once, on samples
+    whose log-probs are the trainer's (fp32): the replacements generate with the current weights."""
+    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(64, seed=3)], tmp_path / "prompts.jsonl")
+    ckpt_dir = tmp_path / "ckpt"
+    args = _args(prompts, tmp_path / "out", "--colocate_all_models", "--max_engine_restarts", "2", "--max_steps")
+    run = _Run(tmp_path, args + ["100", "--save_steps", "1", "--ckpt_path", str(ckpt_dir)])
+    try:
+        run.wait_for("step 1", lambda: run.steps() >= 1)
+        actor = run.kill_engine()
+        run.wait_for("the first restart and 2 more steps", lambda: run.restarts() == 1 and run.steps() >= 3)
+        core = run.kill_engine(core=True)
+        at = run.steps()
+        run.wait_for("the second restart and 2 more steps", lambda: run.restarts() == 2 and run.steps() >= at + 2)
+        last = engine_pid(run.text())
+        kill_while_generating(last)
         killed_at = time.monotonic()
         try:
-            code = proc.wait(timeout=STOP_WITHIN_S + 60)
+            code = run.proc.wait(timeout=STOP_WITHIN_S + 60)
         except subprocess.TimeoutExpired:
-            pytest.fail(f"the run did not stop after its engine died:\n{log.read_text()[-6000:]}")
+            pytest.fail(f"the run did not stop after its engine died past the bound:\n{run.text()[-6000:]}")
         stopped_after = time.monotonic() - killed_at
     finally:
-        kill_tree(proc, tag)
-    text = log.read_text()
+        run.close()
+    text = run.text()
     assert code == 1, text[-6000:]
+    pids = engine_pids(text)
+    assert pids[0] == actor and pids[2] == last, (pids, actor, last)
+    for n, pid in ((1, actor), (2, pids[1])):
+        warning = next(line for line in text.splitlines() if f"(restart {n} of at most 2)" in line)
+        assert f"vLLM engine 0 (pid {pid} " in warning and "died while generating" in warning, warning
+    # the engine core's death, as the engine itself reported it before it exited
+    assert f"vLLM's process VLLM::EngineCore (pid {core}) exited" in text, text[-6000:]
+    assert text.count("vLLM engines re-synced to weight version") == 2, text[-6000:]
     assert stopped_after <= STOP_WITHIN_S, (stopped_after, text[-6000:])
     error = text[text.index("error: vLLM engine 0 (") :]
-    assert f"pid {engine_pid}" in error.splitlines()[0] and "died" in error.splitlines()[0], error
+    first = error.splitlines()[0]
+    assert f"pid {last}" in first and "died; the run was stopped (--max_engine_restarts 2: 2 restart(s)" in first
     assert "--- last" in error and "lines of std" in error, error  # the engine's own last log lines
     assert "Traceback" not in error, error  # the diagnosis, not the driver's stack
+
+    records = read_metrics(run.save)
+    steps = [r["step"] for r in records]
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5, steps
+    assert records[0]["rollout/engine_restarts"] == 0 and records[-1]["rollout/engine_restarts"] == 2, records
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), [r["rollout/logprob_diff"] for r in records]
+    assert _trained_batches(run.save)[: len(steps)] == [(s, 2) for s in steps]
     committed = ckpt.resolve(ckpt_dir)
-    assert committed is not None and committed.step >= 1
+    assert committed is not None and committed.step >= len(steps) - 1
     states = ckpt_dir / "actor" / ckpt.tag_for_step(committed.step) / "mp_rank_00_model_states.pt"
     assert "module" in torch.load(states, map_location="cpu", weights_only=False)  # loadable, not torn
-    print(f"engine killed after step {committed.step} was committed; the run stopped {stopped_after:.1f} s later")
+    print(f"{len(steps)} steps, 2 restarts; the third death stopped the run {stopped_after:.1f} s later")
+
+
+def test_async_partial_rollout_outlives_a_dead_engine(tmp_path):
+    """--async_train --partial_rollout with an engine of its own (weights by a gloo broadcast group): the engine
+    is killed while it generates a batch ahead on the rollout thread. Its replacement joins a new broadcast group,
+    is synced once the actor is between steps, and generates the lost prompts again; the run ends at --max_steps
+    with each step once, a whole batch each, and no sample older than --async_queue_size 1 allows (a replacement
+    that had missed the sync would tag its tokens with version 0)."""
+    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(32, seed=4)], tmp_path / "prompts.jsonl")
+    args = _args(prompts, tmp_path / "out", "--async_train", "--async_queue_size", "1", "--partial_rollout")
+    run = _Run(tmp_path, args + ["--max_steps", "7", "--vllm_sync_backend", "gloo"])
+    try:
+        run.wait_for("step 2", lambda: run.steps() >= 2)
+        killed = run.kill_engine()
+        code = run.proc.wait(timeout=WAIT_S)
+    finally:
+        run.close()
+    text = run.text()
+    assert code == 0, text[-6000:]
+    warning = next(line for line in text.splitlines() if "(restart 1 of at most 3)" in line)
+    assert f"vLLM engine 0 (pid {killed} " in warning and "died while generating" in warning, warning
+    assert text.count("weight sync group ready: gloo rank 0/2") == 2, text[-6000:]  # a new group with the new engine
+    records = read_metrics(run.save)
+    assert [r["step"] for r in records] == list(range(1, 8))
+    assert records[0]["rollout/engine_restarts"] == 0 and records[-1]["rollout/engine_restarts"] == 1
+    assert all(r["rollout/staleness_max"] <= 1 for r in records), [r["rollout/staleness_max"] for r in records]
+    assert _trained_batches(run.save) == [(s, 2) for s in range(1, 8)]

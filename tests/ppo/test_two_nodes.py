@@ -18,6 +18,7 @@ from openppo.strategy import checkpoint as ckpt
 from openppo.tasks.arithmetic import make_rows, write_jsonl
 from tests import two_nodes
 from tests.cli.helpers import REPO, cli_env, read_metrics, series
+from tests.engine_kills import engine_pid, kill_while_generating
 from tests.model_cache import tiny_model_dir
 
 pytestmark = [pytest.mark.slow, pytest.mark.skipif(two_nodes.why_not() is not None, reason=str(two_nodes.why_not()))]
@@ -69,8 +70,9 @@ def _submit(cluster, args: list[str], *options: str) -> str:
 
 def test_grpo_with_a_rank_on_each_node_killed_then_resumed(cluster, tmp_path):
     """A job submitted with `ray job submit` runs steps with --vllm_sync_check and a checkpoint after each in a folder
-    both nodes see; it is stopped (`ray job stop`: SIGTERM, then SIGKILL) once step 2 is committed, and a second job
-    resumes from the checkpoint to step 4: the metrics hold each step once."""
+    both nodes see. After step 1 the engine on the worker node is killed and replaced. The job is stopped (`ray job
+    stop`: SIGTERM, then SIGKILL) once step 2 is committed, and a second job resumes from the checkpoint to step 4:
+    the metrics hold each step once, and every step's samples have the trainer's log-probs."""
     from ray.job_submission import JobStatus, JobSubmissionClient
 
     prompts = write_jsonl(make_rows(16, seed=1), tmp_path / "prompts.jsonl")
@@ -79,7 +81,19 @@ def test_grpo_with_a_rank_on_each_node_killed_then_resumed(cluster, tmp_path):
     _submit(cluster, _args(prompts, save, ckpt_dir, 4, "--vllm_sync_check"), "--no-wait", "--submission-id", job)
     client = JobSubmissionClient(cluster.dashboard)
     deadline = time.monotonic() + 600
-    while not ckpt.marker_path(ckpt_dir, 2).exists():
+    while not ckpt.marker_path(ckpt_dir, 1).exists():
+        assert not client.get_job_status(job).is_terminal(), client.get_job_logs(job)[-6000:]
+        assert time.monotonic() < deadline, client.get_job_logs(job)[-6000:]
+        time.sleep(0.2)
+    # the engine on the worker node dies (its process killed, as soon as it is busy: generating 8 tokens, or
+    # receiving a weight sync): a new one takes its place, joins a new broadcast group across the link and gets the
+    # current weights
+    where = dict(re.findall(r"vLLM engine (\d): pid \d+ on (\S+)", client.get_job_logs(job)))
+    remote = next(int(i) for i, ip in where.items() if ip == cluster.worker_ip)
+    killed = kill_while_generating(engine_pid(client.get_job_logs(job), remote), busy_s=0.02)
+    while not ckpt.marker_path(ckpt_dir, 2).exists() or f"vLLM engine {remote}: restarted" not in (
+        logs := client.get_job_logs(job)
+    ):
         status = client.get_job_status(job)
         assert not status.is_terminal(), f"{status}: {client.get_job_logs(job)[-6000:]}"
         assert time.monotonic() < deadline, client.get_job_logs(job)[-6000:]
@@ -90,6 +104,10 @@ def test_grpo_with_a_rank_on_each_node_killed_then_resumed(cluster, tmp_path):
         time.sleep(1)
     assert client.get_job_status(job) == JobStatus.STOPPED
     logs = client.get_job_logs(job)
+    restart = next(line for line in logs.splitlines() if "(restart 1 of at most 3)" in line)
+    assert f"vLLM engine {remote} (pid {killed} on {cluster.worker_ip})" in restart, restart
+    # (the driver's own lines: Ray folds an actor's repeated lines into one)
+    assert logs.count("weight sync: engine(s) 0,1 via gloo broadcast") == 2, logs[-6000:]
     placed = re.search(r"placement \(STRICT_SPREAD\): actor (.*?); engines (.*)", logs)
     assert placed, logs[-3000:]
     head, worker = cluster.head_ip, cluster.worker_ip
@@ -97,7 +115,6 @@ def test_grpo_with_a_rank_on_each_node_killed_then_resumed(cluster, tmp_path):
     # an engine on the other node
     assert placed.group(1) in (f"{head} [0], {worker} [1]", f"{worker} [0], {head} [1]"), placed.group(0)
     assert placed.group(2) in (f"{head} [0], {worker} [1]", f"{worker} [0], {head} [1]"), placed.group(0)
-    assert "engine(s) 0,1 via gloo broadcast" in logs
     assert logs.count(SYNC_CHECKED) == 1
     committed = ckpt.resolve(ckpt_dir)
     assert committed is not None and committed.step in (2, 3), committed

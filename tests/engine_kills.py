@@ -1,0 +1,64 @@
+"""Killing a run's vLLM engine while it generates: the faults the engine-restart tests inject (a SIGKILL of the
+engine's actor process, or of vLLM's engine core under it), read from the driver's log and /proc."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import time
+
+import psutil
+
+# the driver's lines naming each engine's process: at start-up, and after each restart
+_PID_LINES = re.compile(r"vLLM engine (\d+): (?:restarted in [\d.]+ s, )?pid (\d+)")
+BUSY_SHARE = 0.5  # of one core over a sampling interval: the engine is generating
+_SAMPLE_S = 0.02
+
+
+def engine_pids(log: str, index: int = 0) -> list[int]:
+    """The pids of engine `index`'s actor processes, in the order the driver's log names them: the first engine's,
+    then each replacement's."""
+    return [int(pid) for i, pid in _PID_LINES.findall(log) if int(i) == index]
+
+
+def engine_pid(log: str, index: int = 0) -> int:
+    """The pid of engine `index`'s actor process now: the last one the driver's log names."""
+    pids = engine_pids(log, index)
+    assert pids, f"the log names no pid of vLLM engine {index}"
+    return pids[-1]
+
+
+def engine_core(actor_pid: int) -> psutil.Process | None:
+    """vLLM's engine core process under an engine's actor (None when the core runs in the actor: partial rollouts)."""
+    cores = [p for p in psutil.Process(actor_pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    return cores[0] if cores else None
+
+
+def _cpu_seconds(proc: psutil.Process) -> float:
+    times = proc.cpu_times()
+    return times.user + times.system
+
+
+def kill_while_generating(actor_pid: int, *, core: bool = False, busy_s: float = 0.06, timeout_s: float = 300.0) -> int:
+    """SIGKILL an engine once it is generating: its actor process, or with `core` vLLM's engine core process under
+    it. Generating is told by the process that decodes (the engine core, else the actor) using more than BUSY_SHARE
+    of a core in each 20 ms for `busy_s`: longer than the tiny model's weight sync keeps the engine busy, shorter
+    than the generation the caller makes long enough for it. Returns the pid killed."""
+    worker = engine_core(actor_pid) or psutil.Process(actor_pid)
+    victim = worker.pid if core else actor_pid
+    assert not core or worker.pid != actor_pid, "this engine runs its engine core in its actor process"
+    deadline = time.monotonic() + timeout_s
+    last, busy_since = _cpu_seconds(worker), None
+    while time.monotonic() < deadline:
+        time.sleep(_SAMPLE_S)
+        now = _cpu_seconds(worker)
+        if now - last <= BUSY_SHARE * _SAMPLE_S:
+            busy_since = None
+        elif busy_since is None:
+            busy_since = time.monotonic() - _SAMPLE_S
+        if busy_since is not None and time.monotonic() - busy_since >= busy_s:
+            os.kill(victim, signal.SIGKILL)
+            return victim
+        last = now
+    raise AssertionError(f"vLLM engine process {worker.pid} did not generate within {timeout_s:.0f} s")
