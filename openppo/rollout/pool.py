@@ -105,13 +105,22 @@ class EnginePool:
         that dies meanwhile is replaced (`recover`) and gets its requests again."""
         results: dict[int, list] = {}
         todo = dict(requests)
+        noticed: dict[int, float] = {}  # engine -> when its death was noticed
         with self.turn:
             while todo:
                 done, dead = self._run_once(todo)
                 results.update(done)
+                for e in sorted(noticed.keys() & done.keys()):
+                    logger.info(
+                        "vLLM engine %d: the prompts it lost were generated again, %.1f s after its death was noticed",
+                        e,
+                        time.monotonic() - noticed.pop(e),
+                    )
                 todo = {e: todo[e] for e in dead}
                 if dead:
-                    self.recover(dead, "generating")
+                    for e in dead:
+                        noticed.setdefault(e, time.monotonic())
+                    self.recover(dead, "by a generation")
         return results
 
     def _run_once(self, requests: dict[int, dict[str, Any]]) -> tuple[dict[int, Any], dict[int, Exception]]:
@@ -173,64 +182,77 @@ class EnginePool:
         """Replace the engines that are dead now (asked all at once, bounded); whether there were any."""
         from openppo.distributed.logs import dead_actors
 
-        dead = dead_actors(self.engines)
-        if dead:
-            self.replace(dead, during)
+        with self.lock:
+            dead = dead_actors(self.engines)
+            if dead:
+                self.replace(dead, during)
         return bool(dead)
 
     def replace(self, dead: dict[int, Exception], during: str) -> None:
         """Start a new engine in place of each dead one, with its options and resources, and wait until it is
         ready. Past --max_engine_restarts, without a way to start engines, or when the new engine cannot start: the
-        error that stops the run, naming the dead engine."""
+        error that stops the run, naming the dead engine.
+
+        Under `lock`, and only for the engines still dead once it is held: the rollout thread (--async_train) and
+        the trainer's probe before a sync can find the same death, and it is replaced once."""
+        from openppo.distributed.logs import dead_actors
+
+        with self.lock:
+            still = dead_actors([self.engines[e] for e in sorted(dead)])
+            for i, e in enumerate(sorted(dead)):
+                if i in still:
+                    self._replace_one(e, dead[e], during)
+                else:
+                    logger.debug("vLLM engine %d was replaced already", e)
+
+    def _replace_one(self, e: int, error: Exception, during: str) -> None:
         import ray
 
         from openppo.distributed.logs import actor_infos, died_error
 
-        for e, error in sorted(dead.items()):
-            info = self.infos[e] if e < len(self.infos) else {}
-            if self.start is None or self.restarts >= self.max_restarts:
-                why = f" (--max_engine_restarts {self.max_restarts}: {self.restarts} restart(s) used)"
-                raise died_error("vLLM engine", e, info, error, why if self.start is not None else "")
-            self.restarts += 1
-            cause = (str(error).strip().splitlines() or ["no details"])[0]
-            logger.warning(
-                "vLLM engine %d (pid %s on %s) died while %s (%s); starting a new one on the same resources "
-                "(restart %d of at most %d)",
+        info = self.infos[e] if e < len(self.infos) else {}
+        if self.start is None or self.restarts >= self.max_restarts:
+            why = f" (--max_engine_restarts {self.max_restarts}: {self.restarts} restart(s) used)"
+            raise died_error("vLLM engine", e, info, error, why if self.start is not None else "")
+        self.restarts += 1
+        cause = (str(error).strip().splitlines() or ["no details"])[0]
+        logger.warning(
+            "vLLM engine %d (pid %s on %s) died (noticed %s: %s); starting a new one on the same resources "
+            "(restart %d of at most %d)",
+            e,
+            info.get("pid"),
+            info.get("node_ip"),
+            during,
+            cause,
+            self.restarts,
+            self.max_restarts,
+        )
+        ray.kill(self.engines[e], no_restart=True)  # (dead already: frees its resources for the new one now)
+        began = time.monotonic()
+        try:
+            engine = self.start(e)
+            ray.get(engine.ready.remote(), timeout=self.timeout_s)
+            (new_info,) = actor_infos([engine], self.timeout_s)
+        except Exception as failed:
+            raise died_error(
+                "vLLM engine",
                 e,
-                info.get("pid"),
-                info.get("node_ip"),
-                during,
-                cause,
-                self.restarts,
-                self.max_restarts,
-            )
-            ray.kill(self.engines[e], no_restart=True)  # (dead already: frees its resources for the new one now)
-            began = time.monotonic()
-            try:
-                engine = self.start(e)
-                ray.get(engine.ready.remote(), timeout=self.timeout_s)
-                (new_info,) = actor_infos([engine], self.timeout_s)
-            except Exception as failed:
-                raise died_error(
-                    "vLLM engine",
-                    e,
-                    info,
-                    error,
-                    f" (its replacement did not start: {type(failed).__name__}: "
-                    f"{(str(failed).strip().splitlines() or [''])[0]})",
-                ) from failed
-            with self.lock:
-                self.engines[e], self.infos[e] = engine, new_info
-                self.stale.add(e)
-                self.epoch += 1
-            logger.warning(
-                "vLLM engine %d: restarted in %.1f s, pid %s on %s (actor %s)",
-                e,
-                time.monotonic() - began,
-                new_info["pid"],
-                new_info["node_ip"],
-                new_info["actor_id"],
-            )
+                info,
+                error,
+                f" (its replacement did not start: {type(failed).__name__}: "
+                f"{(str(failed).strip().splitlines() or [''])[0]})",
+            ) from failed
+        self.engines[e], self.infos[e] = engine, new_info
+        self.stale.add(e)
+        self.epoch += 1
+        logger.warning(
+            "vLLM engine %d: restarted in %.1f s, pid %s on %s (actor %s)",
+            e,
+            time.monotonic() - began,
+            new_info["pid"],
+            new_info["node_ip"],
+            new_info["actor_id"],
+        )
 
     # -- memory ------------------------------------------------------------------------------------------------------
 

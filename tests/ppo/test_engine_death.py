@@ -94,24 +94,24 @@ def _trained_batches(save: Path) -> list[tuple[int, int]]:
     return [(row["step"], len(row["prompts"])) for row in rows]
 
 
-def test_dead_engines_are_replaced_until_the_bound_then_the_run_stops(tmp_path):
+def test_a_dead_engine_is_replaced_until_the_bound_then_the_run_stops(tmp_path):
     """The hybrid engine (--colocate_all_models: the engine on the actor rank's device, weights by shared memory),
-    synchronous steps, --max_engine_restarts 2. Kill 1, its actor process: a new engine starts on the same bundle, is
-    synced to the current weights and generates the lost prompts, and the steps go on. Kill 2, vLLM's engine core
-    under the new engine (an error inside vLLM: the engine notices and exits): the same. Kill 3: past the bound, the
-    run stops naming the engine; the committed checkpoint loads. Every step trains one whole batch, once, on samples
-    whose log-probs are the trainer's (fp32): the replacements generate with the current weights."""
+    synchronous steps, --max_engine_restarts 1. Kill 1, vLLM's engine core under the engine (an error inside vLLM:
+    the engine notices and exits): a new engine starts on the same bundle, is synced to the current weights and
+    generates the lost prompts, and the steps go on. Kill 2, the new engine's actor process: past the bound, the run
+    stops naming the engine; the committed checkpoint loads. Every step trains one whole batch, once, on samples whose
+    log-probs are the trainer's (fp32): the replacement generates with the current weights. (A killed actor process
+    is replaced in the next test and in tests/ppo/test_two_nodes.py.)"""
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(64, seed=3)], tmp_path / "prompts.jsonl")
     ckpt_dir = tmp_path / "ckpt"
-    args = _args(prompts, tmp_path / "out", "--colocate_all_models", "--max_engine_restarts", "2", "--max_steps")
+    args = _args(prompts, tmp_path / "out", "--colocate_all_models", "--max_engine_restarts", "1", "--max_steps")
     run = _Run(tmp_path, args + ["100", "--save_steps", "1", "--ckpt_path", str(ckpt_dir)])
     try:
         run.wait_for("step 1", lambda: run.steps() >= 1)
-        actor = run.kill_engine()
-        run.wait_for("the first restart and 2 more steps", lambda: run.restarts() == 1 and run.steps() >= 3)
+        first = engine_pid(run.text())
         core = run.kill_engine(core=True)
         at = run.steps()
-        run.wait_for("the second restart and 2 more steps", lambda: run.restarts() == 2 and run.steps() >= at + 2)
+        run.wait_for("the restart and 2 more steps", lambda: run.restarts() == 1 and run.steps() >= at + 2)
         last = engine_pid(run.text())
         kill_while_generating(last)
         killed_at = time.monotonic()
@@ -124,32 +124,31 @@ def test_dead_engines_are_replaced_until_the_bound_then_the_run_stops(tmp_path):
         run.close()
     text = run.text()
     assert code == 1, text[-6000:]
-    pids = engine_pids(text)
-    assert pids[0] == actor and pids[2] == last, (pids, actor, last)
-    for n, pid in ((1, actor), (2, pids[1])):
-        warning = next(line for line in text.splitlines() if f"(restart {n} of at most 2)" in line)
-        assert f"vLLM engine 0 (pid {pid} " in warning and "died while generating" in warning, warning
+    assert engine_pids(text) == [first, last], (engine_pids(text), first, last)
+    warning = next(line for line in text.splitlines() if "(restart 1 of at most 1)" in line)
+    assert f"vLLM engine 0 (pid {first} " in warning and "died (noticed by a generation" in warning, warning
     # the engine core's death, as the engine itself reported it before it exited
     assert f"vLLM's process VLLM::EngineCore (pid {core}) exited" in text, text[-6000:]
-    assert text.count("vLLM engines re-synced to weight version") == 2, text[-6000:]
+    assert text.count("vLLM engines re-synced to weight version") == 1, text[-6000:]
+    assert "vLLM engine 0: the prompts it lost were generated again" in text, text[-6000:]
     assert stopped_after <= STOP_WITHIN_S, (stopped_after, text[-6000:])
     error = text[text.index("error: vLLM engine 0 (") :]
-    first = error.splitlines()[0]
-    assert f"pid {last}" in first and "died; the run was stopped (--max_engine_restarts 2: 2 restart(s)" in first
+    headline = error.splitlines()[0]
+    assert f"pid {last}" in headline and "died; the run was stopped (--max_engine_restarts 1: 1 restart(s)" in headline
     assert "--- last" in error and "lines of std" in error, error  # the engine's own last log lines
     assert "Traceback" not in error, error  # the diagnosis, not the driver's stack
 
     records = read_metrics(run.save)
     steps = [r["step"] for r in records]
-    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 5, steps
-    assert records[0]["rollout/engine_restarts"] == 0 and records[-1]["rollout/engine_restarts"] == 2, records
+    assert steps == list(range(1, len(steps) + 1)) and len(steps) >= 3, steps
+    assert records[0]["rollout/engine_restarts"] == 0 and records[-1]["rollout/engine_restarts"] == 1, records
     assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), [r["rollout/logprob_diff"] for r in records]
     assert _trained_batches(run.save)[: len(steps)] == [(s, 2) for s in steps]
     committed = ckpt.resolve(ckpt_dir)
     assert committed is not None and committed.step >= len(steps) - 1
     states = ckpt_dir / "actor" / ckpt.tag_for_step(committed.step) / "mp_rank_00_model_states.pt"
     assert "module" in torch.load(states, map_location="cpu", weights_only=False)  # loadable, not torn
-    print(f"{len(steps)} steps, 2 restarts; the third death stopped the run {stopped_after:.1f} s later")
+    print(f"{len(steps)} steps, 1 restart; the second death stopped the run {stopped_after:.1f} s later")
 
 
 def test_async_partial_rollout_outlives_a_dead_engine(tmp_path):
@@ -170,8 +169,11 @@ def test_async_partial_rollout_outlives_a_dead_engine(tmp_path):
     text = run.text()
     assert code == 0, text[-6000:]
     warning = next(line for line in text.splitlines() if "(restart 1 of at most 3)" in line)
-    assert f"vLLM engine 0 (pid {killed} " in warning and "died while generating" in warning, warning
-    assert text.count("weight sync group ready: gloo rank 0/2") == 2, text[-6000:]  # a new group with the new engine
+    # killed while it generated ahead; the trainer's check before its weight sync may notice first
+    assert f"vLLM engine 0 (pid {killed} " in warning, warning
+    assert "died (noticed by a generation" in warning or "died (noticed before a weight sync" in warning, warning
+    # a new broadcast group with the new engine (the driver's own lines: Ray folds an actor's repeated ones)
+    assert text.count("weight sync: engine(s) 0 via gloo broadcast") == 2, text[-6000:]
     records = read_metrics(run.save)
     assert [r["step"] for r in records] == list(range(1, 8))
     assert records[0]["rollout/engine_restarts"] == 0 and records[-1]["rollout/engine_restarts"] == 1
