@@ -21,8 +21,11 @@
 # Tested: this script has not run on GPUs. Its multi-node path (a job joining a Ray cluster of two nodes, with ranks,
 # engines, the ZeRO-3 collectives and the weight sync spanning them, and a checkpoint resumed from shared storage)
 # runs in CI on two Ray nodes of one CPU box, each with an IP address of its own (tests/ppo/test_two_nodes.py,
-# docs/platform.md "Several nodes"). If the nodes' hostnames do not resolve to their addresses on the link between
-# them, start each node's Ray with NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME set to that link's interface.
+# docs/platform.md "Several nodes"), and so does its fault handling: the same test kills an engine (replaced in the
+# run, --max_engine_restarts, default 3) and an actor rank (the job resumes from its last checkpoint by itself,
+# --max_rank_restarts 2 here) on the second node (docs/reliability.md). If the nodes' hostnames do not resolve to
+# their addresses on the link between them, start each node's Ray with NCCL_SOCKET_IFNAME / GLOO_SOCKET_IFNAME set
+# to that link's interface.
 set -euo pipefail
 cd "$(dirname "$0")/../.."
 RAY_DASHBOARD=${RAY_DASHBOARD:-http://127.0.0.1:8265}
@@ -54,5 +57,5 @@ ray job submit --address "$RAY_DASHBOARD" --working-dir . -- \
    --train_batch_size 128 --micro_train_batch_size 4 --max_epochs 1 --num_episodes 1 \
    --actor_learning_rate 5e-7 --critic_learning_rate 9e-6 --lr_warmup_ratio 0.03 \
    --zero_stage 3 --param_dtype bf16 --attn_implementation flash_attention_2 --gradient_checkpointing \
-   --save_path "$SAVE" --save_steps 50 --max_ckpt_num 2 --load_checkpoint \
+   --save_path "$SAVE" --save_steps 50 --max_ckpt_num 2 --load_checkpoint --max_rank_restarts 2 \
    --logging_steps 1 --use_tensorboard "$SAVE/tensorboard"

@@ -59,16 +59,32 @@ def train(cfg: PPOConfig) -> None:
         logger.info("shared prompts (--share_prompt_in_group): %s", plan.shared_prompts)
         tracker = MetricsTracker.for_run(cfg, config, "ppo")
         try:
-            groups = launch.build_groups(cfg, plan, reward_source, kv_bytes, devices.on_gpu)
-            source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)
-            trainer = PPOTrainer(
-                cfg, plan, groups, tokenizer, prompts, tracker, source, scorer, eval_prompts=eval_prompts
-            )
-            try:
-                history = trainer.fit()
-            except Exception as exc:
-                launch.raise_if_an_engine_died(groups, exc)  # the root cause, whatever failed first
-                raise
+            restarts = engine_restarts = 0
+            while True:
+                groups = launch.build_groups(cfg, plan, reward_source, kv_bytes, devices.on_gpu)
+                groups.engines.restarts = engine_restarts  # the run's count and bound go on over a restart
+                source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)
+                trainer = PPOTrainer(
+                    cfg, plan, groups, tokenizer, prompts, tracker, source, scorer, eval_prompts=eval_prompts
+                )
+                try:
+                    history = trainer.fit(restarted=restarts > 0)
+                    break
+                except Exception as exc:
+                    if not launch.restartable(cfg, exc, restarts):
+                        launch.raise_if_an_engine_died(groups, exc)  # the root cause, whatever failed first
+                        raise
+                    restarts += 1
+                    logger.warning(
+                        "%s; every group and engine starts again from the last committed checkpoint "
+                        "(--max_rank_restarts: restart %d of at most %d)",
+                        str(exc).splitlines()[0],
+                        restarts,
+                        cfg.train.max_rank_restarts,
+                    )
+                    engine_restarts = groups.engines.restarts
+                    launch.teardown(groups)
+                    groups = None
             groups.actor.save_hf(cfg.ckpt.save_path, cfg.model.pretrain)
             critic_dir = launch.critic_export_dir(cfg) if groups.critic is not None else None
             if critic_dir is not None:

@@ -52,12 +52,13 @@ _ROOT_CAUSE_GRACE_S = 2.0
 class WorkerGroupError(RunFailure):
     """A rank of a worker group raised, died or did not answer in time; the group has been shut down."""
 
-    def __init__(self, message: str, *, group: str, rank: int, actor: str, log_tail: str):
+    def __init__(self, message: str, *, group: str, rank: int, actor: str, log_tail: str, died: bool = False):
         super().__init__(message)
         self.group = group
         self.rank = rank
         self.actor = actor
         self.log_tail = log_tail
+        self.died = died  # the rank's process is gone (killed, its node lost), rather than raised or stuck
 
 
 class WorkerGroup:
@@ -393,7 +394,7 @@ class WorkerGroup:
             f"worker group {self.name!r} rank {rank} ({self._describe_actor(rank)}) {what} in "
             f"{method!r}{where}" + (f" {note}" if note else "")
         )
-        self._raise(headline, error, rank, idle=not died)
+        self._raise(headline, error, rank, idle=not died, died=died)
 
     def _fail_timeout(self, pending_hex: list[str], timeout_s: float, during: str | None) -> None:
         ranks = sorted({self._pending.get(h, (-1, "?"))[0] for h in pending_hex})
@@ -408,9 +409,9 @@ class WorkerGroup:
         )
         self._raise(headline, None, rank, idle=False)
 
-    def _raise(self, headline: str, error: Exception | None, rank: int, idle: bool) -> None:
+    def _raise(self, headline: str, error: Exception | None, rank: int, idle: bool, died: bool = False) -> None:
         tail = self._log_tail(rank, idle)
         actor = self._describe_actor(rank)
         self.shutdown()
         message = headline + (f":\n{error}" if error is not None else "") + f"\n{tail}\nThe group was shut down."
-        raise WorkerGroupError(message, group=self.name, rank=rank, actor=actor, log_tail=tail) from error
+        raise WorkerGroupError(message, group=self.name, rank=rank, actor=actor, log_tail=tail, died=died) from error

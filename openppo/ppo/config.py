@@ -317,6 +317,12 @@ class PPOTrainConfig:
     )
     ema_beta: float = opt(0.992, "--enable_ema: e <- beta e + (1 - beta) w after each actor optimizer step")
     seed: int = opt(42, "random seed")
+    max_rank_restarts: int = opt(
+        0,
+        "when a rank of the actor, critic, reference or reward model dies (its process killed, its node lost), tear "
+        "every group and engine down and start them again from the last committed checkpoint (--save_steps) in "
+        "the same job, up to this many times; 0: stop the run instead",
+    )
     full_determinism: bool = opt(
         False,
         "reseed the engines' sampling at every generation round from --seed and "

@@ -13,7 +13,7 @@ receive its shard; forward passes keep one result per such group.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -192,6 +192,7 @@ class Groups:
     reward: RewardGroup | None = None
     reward_source: Any = None  # a RewardSource when scoring is not done by a reward model
     link: Any = None  # the actor's connection to the engines (`launch.EngineLink`), rebuilt after a replacement
+    placement_groups: list = field(default_factory=list)  # the shared ones the run made (removed at teardown)
 
     def sync_engines(self, version: int) -> dict[str, float]:
         """Every engine gets the actor's current weights as weight version `version` (`ActorGroup.sync_weights`).
@@ -199,11 +200,11 @@ class Groups:
         --max_engine_restarts), and the engines are connected anew after any replacement."""
         pool = self.engines
         with pool.lock:
-            pool.replace_dead("idle, before a weight sync")
+            pool.replace_dead("before a weight sync")
             if self.link is not None:
                 self.link.ensure()
             stats = self.actor.sync_weights(pool, version)
-            if "failed" in stats and self.link is not None and pool.replace_dead("receiving a weight sync"):
+            if "failed" in stats and self.link is not None and pool.replace_dead("by a weight sync"):
                 # an engine died during the sync: the new one joins, and everyone gets the weights once more
                 self.link.ensure()
                 stats = self.actor.sync_weights(pool, version)

@@ -381,6 +381,9 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     )
     for i, info in enumerate(pool.infos):
         logger.info("vLLM engine %d: pid %s on %s (actor %s)", i, info["pid"], info["node_ip"], info["actor_id"])
+    for name, group in groups.items():  # (what a failure report names, and what an operator kills to test one)
+        where = ", ".join(f"{r} pid {i['pid']} on {i['node_ip']}" for r, i in enumerate(group.workers.worker_infos))
+        logger.info("%s ranks: %s", name, where)
     nodes = {name: [info["node_ip"] for info in group.workers.worker_infos] for name, group in groups.items()}
     nodes["engines"] = [info["node_ip"] for info in pool.infos]
     logger.info("placement (%s): %s", cfg.resources.placement_strategy, describe_nodes(nodes))
@@ -398,6 +401,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         reward=groups.get("reward"),
         reward_source=reward_source,
         link=link,
+        placement_groups=list({id(pg): pg for pg, _ in shared.values()}.values()),
     )
 
 
@@ -542,12 +546,40 @@ def raise_if_an_engine_died(groups: Groups | None, error: BaseException) -> None
             raise dead from error
 
 
+def teardown(groups: Groups | None) -> None:
+    """Stop the engines' vLLM processes, kill every group's ranks and engine actors, and free the shared placement
+    groups: what a restart from the checkpoint (--max_rank_restarts) starts again. Ray stays up."""
+    import ray
+    from ray.util.placement_group import remove_placement_group
+
+    if groups is None:
+        return
+    groups.engines.shutdown()
+    for engine in groups.engines.engines:
+        try:
+            ray.kill(engine, no_restart=True)
+        except Exception as e:  # gone already
+            logger.debug("killing a vLLM engine failed: %s", e)
+    for g in groups.models():
+        g.shutdown()
+    for pg in groups.placement_groups:
+        try:
+            remove_placement_group(pg)
+        except Exception as e:
+            logger.debug("removing a placement group failed: %s", e)
+
+
+def restartable(cfg: PPOConfig, error: BaseException, restarts: int) -> bool:
+    """Whether `error` is a rank that died (not one that raised or hung: that would most likely happen again) and
+    --max_rank_restarts leaves a restart from the checkpoint."""
+    from openppo.distributed.worker_group import WorkerGroupError
+
+    return isinstance(error, WorkerGroupError) and error.died and restarts < cfg.train.max_rank_restarts
+
+
 def shutdown(groups: Groups | None) -> None:
     import ray
 
-    if groups is not None:
-        groups.engines.shutdown()
-        for g in groups.models():
-            g.shutdown()
+    teardown(groups)
     if ray.is_initialized():
         ray.shutdown()

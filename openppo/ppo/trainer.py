@@ -412,7 +412,9 @@ class PPOTrainer:
         """Restore actor, critic and controller state from the newest committed step and re-sync the engines."""
         commit = ckpt.resolve(self.ckpt_dir)
         if commit is None:
-            logger.info("--load_checkpoint: no checkpoint in %s yet; starting fresh", self.ckpt_dir)
+            logger.info("no checkpoint in %s yet: starting at step 0", self.ckpt_dir)
+            for log in ("metrics.jsonl", "rollouts.jsonl"):  # rows of an attempt that died before its first commit
+                set_aside_rows_after(Path(self.cfg.ckpt.save_path) / log, 0)
             return False
         parts = self._ckpt_parts()
         missing = [name for name in parts if name not in commit.parts]
@@ -448,9 +450,11 @@ class PPOTrainer:
         """The episode of the prompts trained so far (the stream itself runs ahead with --async_train)."""
         return self._data_position["cursor"] // self.stream.per_episode
 
-    def fit(self) -> RunHistory:
+    def fit(self, restarted: bool = False) -> RunHistory:
+        """Train to the last step. `restarted`: this run's groups died and were started again in the same job
+        (--max_rank_restarts): go on from the last committed checkpoint, as --load_checkpoint does."""
         cfg = self.cfg
-        if cfg.ckpt.load_checkpoint:
+        if cfg.ckpt.load_checkpoint or restarted:
             self.resume()
         self.swap.start()
         if cfg.rollout.async_train:

@@ -311,6 +311,14 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
     _positive(v.vllm_tensor_parallel_size, "--vllm_tensor_parallel_size")
     _positive(v.vllm_sync_bucket_mb, "--vllm_sync_bucket_mb")
     require(
+        cfg.train.max_rank_restarts >= 0,
+        f"--max_rank_restarts must be >= 0 (0 stops the run when a rank dies), got {cfg.train.max_rank_restarts}",
+    )
+    if cfg.train.max_rank_restarts and cfg.ckpt.save_steps <= 0:
+        notices.append(
+            "--max_rank_restarts without --save_steps: no checkpoint is committed, so a restart starts at step 0"
+        )
+    require(
         v.max_engine_restarts >= 0,
         f"--max_engine_restarts must be >= 0 (0 stops the run at the first dead engine), got {v.max_engine_restarts}",
     )

@@ -96,6 +96,7 @@ CASES = [
     ("train_ppo_ray", ["--remote_rm_timeout", "0"], "--remote_rm_timeout"),
     ("train_ppo_ray", ["--remote_rm_retries", "-1"], "--remote_rm_retries"),
     ("train_ppo_ray", ["--max_engine_restarts", "-1"], "--max_engine_restarts must be >= 0"),
+    ("train_ppo_ray", ["--max_rank_restarts", "-2"], "--max_rank_restarts must be >= 0"),
     ("train_ppo_ray", ["--n_samples_per_prompt", "1", "--train_batch_size", "4"], "--n_samples_per_prompt"),
     ("train_ppo_ray", ["--generate_max_len", "-1"], "--generate_max_len"),
     ("train_ppo_ray", ["--prompt_max_len", "-5"], "--prompt_max_len"),
