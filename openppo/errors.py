@@ -22,3 +22,10 @@ def require(condition: bool, message: str) -> None:
 
 class RunFailure(RuntimeError):
     """A rank or an engine of the run raised, died or hung; the message names it and shows its last log lines."""
+
+
+def headline(error: BaseException | str, default: str = "no details") -> str:
+    """The first line of an error's message, without the colon that introduces the details below it (`default`
+    when the message is empty): what a one-line warning or report quotes of a longer diagnosis."""
+    lines = str(error).strip().splitlines()
+    return lines[0].rstrip(":").rstrip() if lines else default

@@ -9,6 +9,7 @@ from pathlib import Path
 
 from openppo.cli.runner import run_cli
 from openppo.config.schema import to_dict
+from openppo.errors import headline
 from openppo.models.hf import load_tokenizer
 from openppo.ppo import launch
 from openppo.ppo.config import PPOConfig
@@ -78,7 +79,7 @@ def train(cfg: PPOConfig) -> None:
                     logger.warning(
                         "%s; every group and engine starts again from the last committed checkpoint "
                         "(--max_rank_restarts: restart %d of at most %d)",
-                        str(exc).splitlines()[0],
+                        headline(exc),
                         restarts,
                         cfg.train.max_rank_restarts,
                     )

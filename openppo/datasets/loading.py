@@ -26,7 +26,7 @@ from pathlib import Path
 
 import datasets
 
-from openppo.errors import UserError, require
+from openppo.errors import UserError, headline, require
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +97,8 @@ def _read_files(files: list[Path], *, source: str, flag: str) -> datasets.Datase
         # `datasets` reports a file without rows (a JSON `[]`, a parquet of 0 rows) as a split with no data.
         if "corresponds to no data" in str(err):
             raise UserError(f"{flag}: '{source}' has no rows; pass a source with data") from err
-        reason = _first_line(_root_cause(err))
+        cause = _root_cause(err)
+        reason = headline(cause, type(cause).__name__)
         raise UserError(f"{flag}: cannot read '{source}' as {builder} ({reason}); fix the file or its suffix") from err
     finally:
         library_logger.setLevel(level)
@@ -108,11 +109,6 @@ def _root_cause(err: BaseException) -> BaseException:
     while err.__cause__ is not None:
         err = err.__cause__
     return err
-
-
-def _first_line(err: BaseException) -> str:
-    text = str(err).strip()
-    return text.splitlines()[0] if text else type(err).__name__
 
 
 # -- mixing -----------------------------------------------------------------------------------------------------------

@@ -25,7 +25,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from openppo.errors import RunFailure
+from openppo.errors import RunFailure, headline
 
 # Ray writes marker lines (`:job_id:01000000`, `:actor_name:Foo`) into the files to route them to the driver.
 _RAY_MARKER = re.compile(r"^:\w+:")
@@ -157,7 +157,7 @@ def died_error(kind: str, index: int, info: dict[str, Any], error: Exception, wh
     says why the run stops rather than replacing it (when it could)."""
     tails = read_log_tail(info.get("log_files", []), info.get("node_id"), LOG_TAIL_LINES, PROBE_TIMEOUT_S)
     tail = format_log_tail(tails) or "(its log files could not be read)"
-    cause = (str(error).strip().splitlines() or ["no details"])[0]
+    cause = headline(error)
     return ActorDiedError(
         f"{kind} {index} (actor {info.get('actor_id')}, pid {info.get('pid')} on {info.get('node_ip')}) died; "
         f"the run was stopped{why}. Ray says: {cause}\n{tail}\n"
