@@ -31,6 +31,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from openppo.errors import headline
+
 logger = logging.getLogger(__name__)
 
 # Decoding steps per engine call in a partial rollout: the most a weight sync waits for the steps in flight (a
@@ -182,10 +184,10 @@ class EnginePool:
         """Replace the engines that are dead now (asked all at once, bounded); whether there were any."""
         from openppo.distributed.logs import dead_actors
 
-        with self.lock:
+        with self.lock:  # (probed under the lock: what it finds dead is dead still)
             dead = dead_actors(self.engines)
-            if dead:
-                self.replace(dead, during)
+            for e in sorted(dead):
+                self._replace_one(e, dead[e], during)
         return bool(dead)
 
     def replace(self, dead: dict[int, Exception], during: str) -> None:
@@ -215,7 +217,7 @@ class EnginePool:
             why = f" (--max_engine_restarts {self.max_restarts}: {self.restarts} restart(s) used)"
             raise died_error("vLLM engine", e, info, error, why if self.start is not None else "")
         self.restarts += 1
-        cause = (str(error).strip().splitlines() or ["no details"])[0]
+        cause = headline(error)
         logger.warning(
             "vLLM engine %d (pid %s on %s) died (noticed %s: %s); starting a new one on the same resources "
             "(restart %d of at most %d)",
@@ -239,8 +241,7 @@ class EnginePool:
                 e,
                 info,
                 error,
-                f" (its replacement did not start: {type(failed).__name__}: "
-                f"{(str(failed).strip().splitlines() or [''])[0]})",
+                f" (its replacement did not start: {type(failed).__name__}: {headline(failed, '')})",
             ) from failed
         self.engines[e], self.infos[e] = engine, new_info
         self.stale.add(e)
