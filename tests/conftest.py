@@ -17,7 +17,7 @@ os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_exten
 # long ones start early and the short ones fill the end, instead of one long file running alone at the end.
 LONGEST_FIRST = (
     "tests/ppo/test_train_ppo_ray.py",  # 304
-    "tests/ppo/test_golden_trace.py",  # 143
+    "tests/ppo/test_golden_trace.py",  # 191: 143, and 48 for the PPO run's restart
     "tests/ppo/test_train_ppo_features.py",  # 132
     "tests/ppo/test_two_nodes.py",  # 150
     "tests/ppo/test_engine_death.py",  # 126

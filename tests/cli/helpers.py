@@ -72,6 +72,64 @@ def run_cli(
     return proc
 
 
+class BackgroundRun:
+    """`python -m openppo.cli.<module> args` in its own session, its output in `log`, every process it starts tagged
+    (`tag`) for tests/processes.py's clean-up: the runs a test or a bench kills parts of while they go on.
+    `ray_address`: a Ray CLI joins that cluster (its workers are then the cluster's, not tagged); by default it starts
+    its own. `env`: variables over cli_env()'s."""
+
+    def __init__(
+        self,
+        module: str,
+        args: list[str],
+        log: Path,
+        *,
+        save: Path,
+        ray_address: str | None = None,
+        env: dict[str, str] | None = None,
+    ):
+        import uuid
+
+        self.log, self.save = Path(log), Path(save)
+        self.tag = f"OPENPPO_BACKGROUND_RUN={uuid.uuid4().hex}"
+        env = {**cli_env(), **(env or {}), "OPENPPO_BACKGROUND_RUN": self.tag.split("=")[1]}
+        env.pop("RAY_ADDRESS", None)
+        if ray_address:
+            env["RAY_ADDRESS"] = ray_address
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", f"openppo.cli.{module}", *args],
+                stdout=out,
+                stderr=subprocess.STDOUT,
+                env=env,
+                cwd=REPO,
+                start_new_session=True,
+            )
+
+    def text(self) -> str:
+        return self.log.read_text()
+
+    def steps(self) -> int:
+        """Rows in metrics.jsonl: the steps logged so far."""
+        path = self.save / "metrics.jsonl"
+        return len(path.read_text().splitlines()) if path.is_file() else 0
+
+    def wait_for(self, what: str, done, timeout_s: float = 600) -> None:
+        """Poll until `done()`; the run must keep going meanwhile."""
+        import time
+
+        deadline = time.monotonic() + timeout_s
+        while not done():
+            assert self.proc.poll() is None, f"the run ended while waiting for {what}:\n{self.text()[-6000:]}"
+            assert time.monotonic() < deadline, f"no {what} within {timeout_s} s:\n{self.text()[-6000:]}"
+            time.sleep(0.05)
+
+    def close(self) -> None:
+        from tests.processes import kill_tree
+
+        kill_tree(self.proc, self.tag)
+
+
 _NON_FINITE = {"nan", "inf", "-inf"}
 
 

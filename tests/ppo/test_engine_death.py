@@ -7,9 +7,7 @@ from __future__ import annotations
 
 import json
 import subprocess
-import sys
 import time
-import uuid
 from pathlib import Path
 
 import pytest
@@ -17,10 +15,9 @@ import torch
 
 from openppo.strategy import checkpoint as ckpt
 from openppo.tasks.arithmetic import make_rows, write_jsonl
-from tests.cli.helpers import REPO, cli_env, read_metrics
+from tests.cli.helpers import BackgroundRun, read_metrics
 from tests.engine_kills import engine_pid, engine_pids, kill_while_generating
 from tests.model_cache import tiny_model_dir
-from tests.processes import kill_tree
 
 pytestmark = pytest.mark.slow
 HERE = Path(__file__).parent
@@ -50,42 +47,17 @@ def _args(prompts: Path, save: Path, *extra: str) -> list[str]:
     ]
 
 
-class _Run:
-    """train_ppo_ray in its own session, its output in a file, every process it starts tagged for the clean-up."""
+class _Run(BackgroundRun):
+    """train_ppo_ray with one engine, on its own Ray cluster."""
 
     def __init__(self, tmp_path: Path, args: list[str]):
-        self.log = tmp_path / "driver.log"
-        self.save = tmp_path / "out"
-        self.tag = f"OPENPPO_ENGINE_DEATH_TEST={uuid.uuid4().hex}"
-        env = {**cli_env(), self.tag.split("=")[0]: self.tag.split("=")[1]}
-        cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *args]
-        with open(self.log, "w") as out:
-            self.proc = subprocess.Popen(
-                cmd, stdout=out, stderr=subprocess.STDOUT, env=env, cwd=REPO, start_new_session=True
-            )
-
-    def text(self) -> str:
-        return self.log.read_text()
-
-    def steps(self) -> int:
-        path = self.save / "metrics.jsonl"
-        return len(path.read_text().splitlines()) if path.is_file() else 0
-
-    def wait_for(self, what: str, done) -> None:
-        deadline = time.monotonic() + WAIT_S
-        while not done():
-            assert self.proc.poll() is None, f"the run ended while waiting for {what}:\n{self.text()[-6000:]}"
-            assert time.monotonic() < deadline, f"no {what} within {WAIT_S} s:\n{self.text()[-6000:]}"
-            time.sleep(0.05)
+        super().__init__("train_ppo_ray", args, tmp_path / "driver.log", save=tmp_path / "out")
 
     def restarts(self) -> int:
         return self.text().count("vLLM engine 0: restarted in")
 
     def kill_engine(self, *, core: bool = False) -> int:
         return kill_while_generating(engine_pid(self.text()), core=core)
-
-    def close(self) -> None:
-        kill_tree(self.proc, self.tag)
 
 
 def _trained_batches(save: Path) -> list[tuple[int, int]]:

@@ -10,6 +10,9 @@ prompt position), so the same code gives the same samples and numbers on every r
   step (--kl_target), 2 optimizer steps per batch (the second off-policy: clip ratio and approx KL move), a
   parity reward (tests/ppo/label_reward.py). It saves every step, for the resume test.
 - PPO: gae with a critic, a reward model and a reference (KL penalty in the reward), 2 optimizer steps per batch.
+  It saves every step and, after step 1, loses the ranks of its critic, reference and reward model at once
+  (SIGKILL): with --max_rank_restarts the job resumes from its checkpoint by itself, so its trace is also the proof
+  that such a resume neither loses nor repeats anything.
 
 Tolerance (`TOLERANCE`), from measurements on an AMD EPYC (AVX512_BF16): repeated runs differ by 0; the same runs
 with AVX2 kernels (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 MKL_ENABLE_INSTRUCTIONS=AVX2, other fp32
@@ -26,14 +29,16 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
+import signal
 from pathlib import Path
 
 import pytest
 
 from openppo.strategy import checkpoint as ckpt
 from openppo.tasks.arithmetic import make_rows, write_jsonl
-from tests.cli.helpers import REPO, read_metrics, run_cli
+from tests.cli.helpers import REPO, BackgroundRun, read_metrics, run_cli
 from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
@@ -147,10 +152,45 @@ def _run(algo: str, tmp: Path, extra: list[str] = ()) -> tuple[Path, str]:
     return save, proc.stdout + proc.stderr
 
 
+# The PPO run loses a rank of each of these groups at once, as when the node that holds them is lost
+LOST = ("critic", "reference", "reward")
+
+
+def _run_losing_ranks(tmp: Path) -> Path:
+    """The PPO golden run with a checkpoint after every step and --max_rank_restarts 1. Once step 1 is committed, its
+    critic, reference and reward model ranks are SIGKILLed together: the first of them that step 2 calls is noticed,
+    and the job resumes from step 1's checkpoint by itself. Its log is driver.log beside the save folder. (One
+    restart: each costs what a start costs, about 48 s of this run on a 2-core box.)"""
+    from tests import ray_cluster
+
+    prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(12, seed=21)], tmp / "prompts.jsonl")
+    save, ckpt_dir = tmp / "out", tmp / "ckpt"
+    args = ["--pretrain", str(tiny_model_dir()), "--prompt_data", str(prompts), "--save_path", str(save)]
+    args += COMMON + RUNS["ppo"] + ["--save_steps", "1", "--ckpt_path", str(ckpt_dir), "--max_rank_restarts", "1"]
+    run = BackgroundRun("train_ppo_ray", args, tmp / "driver.log", save=save, ray_address=ray_cluster.address())
+    try:
+        run.wait_for("step 1's checkpoint", lambda: ckpt.marker_path(ckpt_dir, 1).exists())
+        for group in LOST:
+            os.kill(_rank_pid(run.text(), group), signal.SIGKILL)
+        code = run.proc.wait(timeout=600)
+    finally:
+        run.close()
+    assert code == 0, run.text()[-6000:]
+    return save
+
+
+def _rank_pid(log: str, group: str) -> int:
+    """The process of rank 0 of `group` in the run's first start."""
+    return int(re.search(rf"{group} ranks: 0 pid (\d+) ", log).group(1))
+
+
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory) -> dict[str, Path]:
     """The save folder of each golden run (run once for the module)."""
-    return {algo: _run(algo, tmp_path_factory.mktemp(algo))[0] for algo in RUNS}
+    return {
+        "grpo": _run("grpo", tmp_path_factory.mktemp("grpo"))[0],
+        "ppo": _run_losing_ranks(tmp_path_factory.mktemp("ppo")),
+    }
 
 
 def _trace(records: list[dict]) -> list[dict[str, float]]:
@@ -193,3 +233,19 @@ def test_resume_with_full_determinism_repeats_step_3(runs, tmp_path):
     assert [r["step"] for r in again] == [3]
     compared = [metric for metric in TRACED.values() if metric in whole[2]]
     assert {k: whole[2][k] for k in compared} == {k: again[0][k] for k in compared}, (whole[2], again[0])
+
+
+def test_ppo_outlives_its_lost_critic_reference_and_reward_ranks(runs):
+    """--max_rank_restarts: the lost ranks stop the step they were in, every group and engine starts again and the
+    job resumes from the last committed checkpoint by itself, with one warning naming the group, rank and process
+    that was noticed first. The metrics hold each step once, and (test_steps_repeat_the_golden_trace) their numbers
+    are the unbroken run's."""
+    log = (runs["ppo"].parent / "driver.log").read_text()
+    [lost] = [line for line in log.splitlines() if "(--max_rank_restarts: restart" in line]
+    group = re.search(r"worker group '(\w+)' rank 0 ", lost).group(1)
+    assert group in LOST, lost
+    assert f"pid {_rank_pid(log, group)} on " in lost, lost
+    assert re.search(r"\) died in '\w+'; every group and engine starts again", lost), lost  # the headline only
+    assert "(--max_rank_restarts: restart 1 of at most 1)" in lost, lost
+    assert re.findall(r"resumed from \S+ at step (\d+)", log) == ["1"], log[-6000:]
+    assert [r["step"] for r in read_metrics(runs["ppo"])] == [1, 2, 3]
