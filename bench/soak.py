@@ -14,7 +14,8 @@ vLLM engines, the same prompts and seed. In the faulty run, each time the step c
 - memory and descriptors: every 2 s, the RSS and open file descriptors of the driver, the actor ranks, the engines and
   vLLM's engine cores; per process, the change from the first sample after warm-up (`--warmup` of the steps, or of
   the process's life for an engine started later) to its last sample before the last step (then the run shuts
-  down);
+  down), and the least-squares slope over those samples per 100 steps, over the whole window and over its second
+  half, for windows of at least 100 steps (`MIN_SLOPE_STEPS`);
 - leftovers: the processes of the run (actor ranks, engines, engine cores) still alive 30 s after it ended.
 The last line printed is one JSON object with both runs' numbers and the device (`bench/record.py`).
 """
@@ -23,7 +24,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import subprocess
 import sys
 import tempfile
 import threading
@@ -86,9 +86,25 @@ class Sampler(threading.Thread):
                     continue
 
 
+def slope_per_100_steps(samples: list[tuple], column: int) -> float:
+    """The least-squares slope of one column of `samples` against their step, per 100 steps: a leak grows with the
+    steps, where the two ends alone also catch a passing peak (a batch being scored, a sync in flight)."""
+    steps = [s[1] for s in samples]
+    values = [s[column] for s in samples]
+    mean_step, mean_value = sum(steps) / len(steps), sum(values) / len(values)
+    spread = sum((x - mean_step) ** 2 for x in steps)
+    if spread == 0:
+        return 0.0
+    return 100 * sum((x - mean_step) * (y - mean_value) for x, y in zip(steps, values)) / spread
+
+
+MIN_SLOPE_STEPS = 100  # a slope over fewer steps mostly measures the process's own warm-up
+
+
 def drift(rows: list[tuple], steps: int, warmup: float) -> dict:
-    """Per process, RSS and descriptors at the first sample after warm-up and at its last sample; per role, the
-    largest changes."""
+    """Per process, RSS and descriptors at the first sample after warm-up and at its last sample, and the slope of
+    each over the steps between (over the whole window and over its second half: a leak keeps its slope, a heap
+    that settles loses it), for windows of at least MIN_SLOPE_STEPS steps; per role, the largest of each."""
     by_pid: dict[int, list[tuple]] = {}
     for row in rows:
         by_pid.setdefault(row[2], []).append(row)
@@ -102,6 +118,16 @@ def drift(rows: list[tuple], steps: int, warmup: float) -> dict:
         start, end = settled[0], settled[-1]
         entry = per_role.setdefault(role, {"processes": 0, "rss_change_mib_max": 0.0, "fds_change_max": 0})
         entry["processes"] += 1
+        if end[1] - start[1] >= MIN_SLOPE_STEPS:
+            middle = start[1] + (end[1] - start[1]) / 2
+            late = [s for s in settled if s[1] >= middle]
+            slopes = {
+                "rss_mib_per_100_steps_max": slope_per_100_steps(settled, 4),
+                "rss_mib_per_100_steps_late_max": slope_per_100_steps(late, 4),
+                "fds_per_100_steps_max": slope_per_100_steps(settled, 5),
+            }
+            for key, value in slopes.items():
+                entry[key] = round(max(value, entry.get(key, 0.0), key=abs), 2)
         rss_change, fds_change = end[4] - start[4], end[5] - start[5]
         if abs(rss_change) >= abs(entry["rss_change_mib_max"]):
             entry["rss_change_mib_max"] = round(rss_change, 1)
@@ -114,17 +140,20 @@ def drift(rows: list[tuple], steps: int, warmup: float) -> dict:
 
 
 def soak(name: str, flags: list[str], workdir: Path, nodes, steps: int, kill_every: int, warmup: float) -> dict:
-    from tests.cli.helpers import cli_env
+    from tests.cli.helpers import BackgroundRun
     from tests.engine_kills import engine_pid, kill_while_generating
 
-    save = workdir / name
-    env = {**{k: v for k, v in cli_env().items() if k != "RAY_ADDRESS"}, "RAY_AUTH_MODE": "disabled"}
-    env["RAY_ADDRESS"] = nodes.address
-    log = workdir / f"{name}.log"
-    cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags, "--save_path", str(save)]
+    save, log = workdir / name, workdir / f"{name}.log"
     began = time.monotonic()
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
+    run = BackgroundRun(
+        "train_ppo_ray",
+        [*flags, "--save_path", str(save)],
+        log,
+        save=save,
+        ray_address=nodes.address,
+        env={"RAY_AUTH_MODE": "disabled"},
+    )
+    proc = run.proc
     sampler = Sampler(proc.pid, (nodes.head_ip, nodes.worker_ip), save / "metrics.jsonl")
     sampler.start()
     kills = []
@@ -140,7 +169,7 @@ def soak(name: str, flags: list[str], workdir: Path, nodes, steps: int, kill_eve
     finally:
         sampler.stop.set()
         if proc.poll() is None:
-            proc.kill()
+            run.close()
     wall = time.monotonic() - began
     if proc.returncode != 0:
         raise SystemExit(f"{name}: train_ppo_ray exited {proc.returncode}:\n{log.read_text()[-4000:]}")

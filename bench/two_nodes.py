@@ -27,7 +27,6 @@ numbers, the ratios and the device it ran on (`bench/record.py`).
 from __future__ import annotations
 
 import argparse
-import subprocess
 import sys
 import tempfile
 import time
@@ -74,7 +73,7 @@ def engine_restart(model: str, workdir: Path) -> dict:
     import statistics
 
     from openppo.tasks.arithmetic import make_rows, write_jsonl
-    from tests.cli.helpers import cli_env
+    from tests.cli.helpers import BackgroundRun
     from tests.engine_kills import engine_pid, kill_while_generating
 
     save = workdir / "engine_restart"
@@ -96,15 +95,11 @@ def engine_restart(model: str, workdir: Path) -> dict:
         *"--init_kl_coef 0 --vllm_num_engines 1 --actor_num_gpus_per_node 1".split(),
         *(demo if model == "smollm2" else tiny).split(),
     ]
-    env = {k: v for k, v in cli_env().items() if k != "RAY_ADDRESS"}
-    env["RAY_AUTH_MODE"] = "disabled"
     log = workdir / "engine_restart.log"
-    cmd = [sys.executable, "-m", "openppo.cli.train_ppo_ray", *flags]
-    with open(log, "w") as out:
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, cwd=REPO, env=env)
-    metrics = save / "metrics.jsonl"
+    run = BackgroundRun("train_ppo_ray", flags, log, save=save, env={"RAY_AUTH_MODE": "disabled"})
+    proc, metrics = run.proc, save / "metrics.jsonl"
     try:
-        while not (metrics.is_file() and metrics.read_text().strip()):
+        while not run.steps():
             if proc.poll() is not None:
                 raise SystemExit(f"engine_restart: the run ended before step 1:\n{log.read_text()[-4000:]}")
             time.sleep(0.1)
@@ -120,7 +115,7 @@ def engine_restart(model: str, workdir: Path) -> dict:
         code = proc.wait(timeout=3600)
     finally:
         if proc.poll() is None:
-            proc.kill()
+            run.close()
     if code != 0 or len(seen) < len(RESTART_EVENTS):
         raise SystemExit(f"engine_restart: exit {code}, events seen {seen}:\n{log.read_text()[-4000:]}")
     records = [json.loads(line) for line in metrics.read_text().splitlines() if line.strip()]
