@@ -31,6 +31,9 @@ pytestmark = [pytest.mark.slow, pytest.mark.skipif(two_nodes.why_not() is not No
 
 SYNC_CHECKED = "--vllm_sync_check: 2 engine(s) compute with the trainer's weights: "
 STEPS = 6
+# Bounds on a job that hangs, not on speed: a whole first job (three starts, a restarted engine, a restart of every
+# group) took 443 s alone on a 2-core AVX2 box and over 600 s there beside the suite's other worker
+JOB_BOUND_S = 1500
 
 
 @pytest.fixture(scope="module")
@@ -72,17 +75,18 @@ def _submit(cluster, args: list[str], *options: str) -> str:
     ray = str(Path(sys.executable).parent / "ray")
     cmd = [ray, "job", "submit", "--address", cluster.dashboard, *options, "--", sys.executable, "-m"]
     cmd += ["openppo.cli.train_ppo_ray", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, env=cli_env(), cwd=REPO)
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=JOB_BOUND_S, env=cli_env(), cwd=REPO)
     assert proc.returncode == 0, f"{proc.stdout[-6000:]}\n{proc.stderr[-3000:]}"
     return proc.stdout
 
 
 def _wait(client, job: str, deadline: float, done) -> str:
-    """Poll the job's logs until `done(logs)`; the job must keep running meanwhile. Returns the logs."""
+    """Poll the job's logs until `done(logs)`; the job must keep running meanwhile. Returns the logs. (Twice a second:
+    the dashboard sends the whole log, megabytes of it, each time.)"""
     while not done(logs := client.get_job_logs(job)):
         assert not client.get_job_status(job).is_terminal(), logs[-6000:]
         assert time.monotonic() < deadline, logs[-6000:]
-        time.sleep(0.2)
+        time.sleep(0.5)
     return logs
 
 
@@ -93,6 +97,7 @@ def _reward_server(request, port: int = 0) -> Server:
     return wait_ready(server)
 
 
+@pytest.mark.timeout(2 * JOB_BOUND_S)
 def test_grpo_with_a_rank_on_each_node_killed_then_resumed(cluster, tmp_path, request):
     """A job submitted with `ray job submit` runs steps with --vllm_sync_check and a checkpoint after each in a folder
     both nodes see, scored by an HTTP reward server. Faults:
@@ -114,7 +119,7 @@ def test_grpo_with_a_rank_on_each_node_killed_then_resumed(cluster, tmp_path, re
     first = _args(prompts, save, ckpt_dir, STEPS, server.url, "--vllm_sync_check", "--max_rank_restarts", "1")
     _submit(cluster, first, "--no-wait", "--submission-id", job)
     client = JobSubmissionClient(cluster.dashboard)
-    deadline = time.monotonic() + 600
+    deadline = time.monotonic() + JOB_BOUND_S
     logs = _wait(client, job, deadline, lambda _: ckpt.marker_path(ckpt_dir, 1).exists())
     # the engine on the worker node dies (its process killed, as soon as it is busy: generating 8 tokens, or
     # receiving a weight sync): a new one takes its place, joins a new broadcast group across the link and gets the
