@@ -26,6 +26,7 @@ from openppo.algorithms.advantages import (
     whiten_advantages,
     whitens_by_default,
 )
+from openppo.algorithms.distill import distillation_advantages, teacher_kl
 from openppo.algorithms.entropy import entropy_from_logits, log_probs_and_entropy, log_probs_from_logits
 from openppo.algorithms.kl import (
     KL_ESTIMATORS,
@@ -71,6 +72,8 @@ __all__ = [
     "LOSS_AGG_MODES",
     "GRPO_STD_EPS",
     "compute_approx_kl",
+    "distillation_advantages",
+    "teacher_kl",
     "kl_loss",
     "sequence_kl",
     "FixedKLController",
