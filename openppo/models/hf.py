@@ -97,6 +97,23 @@ def load_tokenizer(path: str, padding_side: str = "right", chat_template: str | 
     return tokenizer
 
 
+def vocabulary_difference(ours, theirs) -> str | None:
+    """Where two tokenizers give a token id different meanings, in a few words (None when every id, added tokens
+    included, is the same string in both and the end-of-sequence id agrees). A model that scores another model's
+    token ids (a distillation teacher) must read them as that model wrote them. Chat templates may differ: the ids
+    are scored as they were sampled, whatever template made the prompt."""
+    mine, other = ours.get_vocab(), theirs.get_vocab()
+    if len(mine) != len(other):
+        return f"{len(other)} tokens against {len(mine)}"
+    by_id, other_by_id = {i: t for t, i in mine.items()}, {i: t for t, i in other.items()}
+    for i in sorted(by_id):
+        if other_by_id.get(i) != by_id[i]:
+            return f"token id {i} is {other_by_id.get(i)!r} there and {by_id[i]!r} here"
+    if ours.eos_token_id != theirs.eos_token_id:
+        return f"end-of-sequence id {theirs.eos_token_id} there and {ours.eos_token_id} here"
+    return None
+
+
 def torch_dtype(name: str) -> torch.dtype:
     return {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[name]
 
