@@ -294,6 +294,15 @@ class HandleExchange:
 
         dist.barrier(group=self._group)
 
+    def destroy(self) -> None:
+        """Leave the group (every actor rank calls this, members or not): connecting anew after an engine was
+        replaced makes a new exchange, and each left behind would keep its sockets and threads."""
+        import torch.distributed as dist
+
+        group, self._group = self._group, None
+        if group is not None and group is not dist.GroupMember.NON_GROUP_MEMBER:
+            dist.destroy_process_group(group)
+
 
 @dataclass
 class TrainerInit:
@@ -491,10 +500,13 @@ class TrainerTransfer:
         return stats
 
     def shutdown(self) -> None:
-        """Leave the sync group (rank 0); the engines keep their weights."""
+        """Leave the sync group (rank 0) and the handle exchange (every rank); the engines keep their weights."""
         group, self.group = self.group, None
         if group is not None:
             group.destroy()
+        exchange, self.exchange = self.exchange, None
+        if exchange is not None:
+            exchange.destroy()
 
 
 def _as_plan(plan: SyncPlan | Sequence[str] | None, group: SyncGroup | None, num_engines: int) -> SyncPlan:

@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -89,3 +90,43 @@ def test_zero3_parameters_are_gathered_per_layer():
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     result = json.loads(proc.stdout.strip().splitlines()[-1])
     assert result == {"partitioned": True, "names_match": True, "values_match": True, "released_after": True}
+
+
+def _exchange_rank(rank: int, init_file: str, out: str) -> None:
+    """One of two gloo ranks: an exchange of rank 0 and 1 gathers, is destroyed, and a new one takes its place."""
+    import torch.distributed as dist
+
+    from openppo.rollout.sender import HandleExchange
+
+    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=2)
+    try:
+        first = HandleExchange([0, 1], timeout_s=60)
+        gathered = first.gather(f"handle of {rank}")
+        group = first._group
+        first.destroy()
+        try:
+            dist.get_process_group_ranks(group)
+            left = False
+        except KeyError:  # no longer one of this process's groups
+            left = True
+        second = HandleExchange([0, 1], timeout_s=60)
+        again = second.gather(rank * 10)
+        second.destroy()
+        lonely = HandleExchange([0], timeout_s=60)  # rank 1 is no member of this one, and leaves it all the same
+        lonely.destroy()
+        Path(out.format(rank)).write_text(json.dumps({"gathered": gathered, "left": left, "again": again}))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_a_destroyed_handle_exchange_leaves_its_group_and_a_new_one_works(tmp_path):
+    """TrainerTransfer.shutdown (connecting anew after an engine was replaced) destroys the exchange on every
+    rank; before, each reconnect left a gloo group behind."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_exchange_rank, args=(str(tmp_path / "init"), str(tmp_path / "rank{}.json")), nprocs=2)
+    for rank in (0, 1):
+        result = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        assert result["gathered"] == {"0": "handle of 0", "1": "handle of 1"}
+        assert result["left"], f"rank {rank} still holds the destroyed exchange's group"
+        assert result["again"] == {"0": 0, "1": 10}
