@@ -14,9 +14,9 @@ PYTEST_ARGS ?=
 install: $(VENV)/.installed
 
 # Re-runs only when the pins or the packaging change; otherwise `make install` is instant. uv installs the stack
-# (pinned in requirements/uv.txt): 1 min where pip took 4 min 48 s on a 2-core AMD box. It reads its own variables,
-# not pip's: PIP_FIND_LINKS (where a machine keeps local wheels, torch's +cpu build among them) is handed over, and
-# UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu gives that torch on a machine without them.
+# (pinned in requirements/uv.txt): 1 min 39 s where pip took 4 min 48 s on a 2-core AMD box, fresh clone. It reads
+# its own variables, not pip's: PIP_FIND_LINKS (where a machine keeps local wheels, torch's +cpu build among them) is
+# handed over, and UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu gives that torch on a machine without them.
 UV := $(VENV)/bin/uv
 $(VENV)/.installed: requirements/cpu.txt requirements/cpu-excludes.txt requirements/uv.txt setup.py
 	test -x $(PY) || python3 -m venv $(VENV)

@@ -82,7 +82,7 @@ def _submit(cluster, args: list[str], *options: str) -> str:
 
 def _wait(client, job: str, deadline: float, done) -> str:
     """Poll the job's logs until `done(logs)`; the job must keep running meanwhile. Returns the logs. (Twice a second:
-    the dashboard sends the whole log, megabytes of it, each time.)"""
+    the dashboard sends the whole log each time.)"""
     while not done(logs := client.get_job_logs(job)):
         assert not client.get_job_status(job).is_terminal(), logs[-6000:]
         assert time.monotonic() < deadline, logs[-6000:]
