@@ -37,6 +37,7 @@ def train(cfg: PPOConfig) -> None:
         max_retries=m.remote_rm_retries,
     )
     rows = launch.load_prompt_rows(cfg)
+    routes = launch.teacher_routes(cfg, rows)
     eval_rows = launch.load_prompt_rows(cfg, eval=True) if cfg.data.eval_dataset else None
     tokenizer = load_tokenizer(cfg.model.pretrain, use_fast=not cfg.data.disable_fast_tokenizer)
     prompts = launch.load_prompts(cfg, tokenizer, rows)
@@ -66,7 +67,16 @@ def train(cfg: PPOConfig) -> None:
                 groups.engines.restarts = engine_restarts  # the run's count and bound go on over a restart
                 source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)
                 trainer = PPOTrainer(
-                    cfg, plan, groups, tokenizer, prompts, tracker, source, scorer, eval_prompts=eval_prompts
+                    cfg,
+                    plan,
+                    groups,
+                    tokenizer,
+                    prompts,
+                    tracker,
+                    source,
+                    scorer,
+                    eval_prompts=eval_prompts,
+                    teacher_routes=routes,
                 )
                 try:
                     history = trainer.fit(restarted=restarts > 0)

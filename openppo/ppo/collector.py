@@ -141,6 +141,14 @@ class Scorer(Protocol):
     def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]: ...
 
 
+class NoReward:
+    """Distillation alone (--teacher_pretrain without a reward source): every sample's task reward is 0, and the
+    teachers' log-probs are the whole signal."""
+
+    def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
+        return torch.zeros(len(samples), dtype=torch.float32), {}
+
+
 class TextRewards:
     """Rewards of the decoded prompt + response texts from a `RewardSource` (--remote_rm_url: a Python file or an
     HTTP server), with each sample's label."""

@@ -6,8 +6,8 @@ A pool is one placement group of `bundles` bundles (one device each: a GPU, or o
 every member group runs in bundle i and asks for `fraction` of it, so the members of a pool share each device.
 Groups in no pool get a placement group of their own.
 
-- `--colocate_all_models` (hybrid engine): actor, reference, critic, reward model and the vLLM engines in one pool
-  of the actor's size (validation checks every member has that size).
+- `--colocate_all_models` (hybrid engine): actor, reference, critic, reward model, teachers and the vLLM engines in
+  one pool of the actor's size (validation checks every member has that size).
 - `--colocate_actor_ref`: actor + reference; `--colocate_critic_reward`: critic + reward model.
 
 In the hybrid engine an engine of tensor-parallel size tp takes tp consecutive bundles: worker w of engine i shares
@@ -52,12 +52,13 @@ class Pool:
 def colocation_pools(cfg: PPOConfig, present: set[str]) -> list[Pool]:
     """The pools for the groups in `present` (a subset of ROLES); pools of one member are left out."""
     res = cfg.resources
-    unknown = present - set(ROLES)
+    teachers = sorted(r for r in present if r.startswith("teacher"))
+    unknown = present - set(ROLES) - set(teachers)
     if unknown:
         raise ValueError(f"unknown roles {sorted(unknown)}")
     actor_size = res.actor_num_nodes * res.actor_num_gpus_per_node
     if res.colocate_all_models:
-        return [Pool("hybrid", actor_size, tuple(r for r in ROLES if r in present))]
+        return [Pool("hybrid", actor_size, tuple(r for r in ROLES if r in present) + tuple(teachers))]
     pools = []
     if res.colocate_actor_ref and "reference" in present:
         pools.append(Pool("actor_ref", actor_size, ("actor", "reference")))
@@ -132,7 +133,7 @@ def device_demand(cfg: PPOConfig, ranks: dict[str, int], on_gpu: bool) -> list[D
     ]
     for role, count in ranks.items():
         if role not in pooled:
-            prefix = _FLAG_PREFIX[role]
+            prefix = "teacher" if role.startswith("teacher") else _FLAG_PREFIX[role]
             demand.append(Demand(f"{role} (--{prefix}_num_nodes x --{prefix}_num_gpus_per_node)", count))
     if "engines" not in pooled:
         demand.append(

@@ -58,7 +58,16 @@ class PPOModelConfig(ModelBuildConfig):
         "whose reward_func raises), with a warning; default: stop the run "
         "with an error that shows the sample",
     )
-    ref_reward_offload: bool = opt(False, "offload reference and reward model weights to CPU (ZeRO-3 param offload)")
+    ref_reward_offload: bool = opt(
+        False, "offload reference, reward and teacher model weights to CPU (ZeRO-3 param offload)"
+    )
+    teacher_pretrain: list[str] = opt(
+        help="on-policy distillation: teacher model folder(s), NAME=PATH or PATH (named by its folder); each runs as a "
+        "forward-only group and scores the student's sampled tokens (docs/algorithms.md). Its tokenizer must be the "
+        "student's",
+        factory=list,
+        metavar="[NAME=]PATH",
+    )
     value_head_prefix: str = value_head_prefix_opt()
     save_value_network: bool = opt(False, "also save the trained critic as an HF folder, <save_path>_critic (gae)")
 
@@ -75,6 +84,8 @@ class ResourceConfig:
     ref_num_gpus_per_node: int = opt(1, "reference ranks per node")
     reward_num_nodes: int = opt(1, "nodes for the reward model")
     reward_num_gpus_per_node: int = opt(1, "reward-model ranks per node")
+    teacher_num_nodes: int = opt(1, "nodes for each teacher model (--teacher_pretrain)")
+    teacher_num_gpus_per_node: int = opt(1, "ranks per node of each teacher model")
     colocate_actor_ref: bool = opt(False, "actor and reference share devices")
     colocate_critic_reward: bool = opt(False, "critic and reward model share devices")
     colocate_all_models: bool = opt(False, "hybrid engine: every model and the vLLM engines share the actor's devices")
@@ -209,6 +220,11 @@ class PromptDataConfig:
         "tokens per sample, prompt + response (OpenRLHF's total limit): a response may use what its prompt leaves "
         "of it, and at most --generate_max_len; prompts that leave no room are dropped. "
         "Default: --prompt_max_len + --generate_max_len",
+    )
+    teacher_key: str = opt(
+        None,
+        "with several --teacher_pretrain: the column naming each prompt's teacher (its NAME, folder name or "
+        "position from 0)",
     )
     eval_dataset: str = opt(None, "prompts for evaluation (pass@1 and pass@k with the reward source)", metavar="PATHS")
     prompt_split: str = opt("train", "split of --prompt_data sources that are save_to_disk DatasetDict folders")
@@ -371,6 +387,11 @@ class AlgoConfig:
     overlong_buffer_len: int = opt(None, "DAPO overlong penalty buffer (tokens before --generate_max_len)")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the end of the buffer")
     stop_properly_penalty_coef: float = opt(None, "truncated responses: reward x coef (0..1) or := coef (< 0)")
+    distill_task_coef: float = opt(
+        0.0,
+        "with --teacher_pretrain: the advantage is log pi_teacher - log pi_student per token plus this times the "
+        "task reward's advantage (--advantage_estimator); 0 = distillation alone, which needs no reward source",
+    )
 
 
 @dataclass

@@ -22,7 +22,14 @@ from openppo.distributed.worker import BaseWorker
 from openppo.distributed.worker_group import Method, WorkerGroup
 from openppo.ppo.batching import in_batch_order, replicated, shard_rows, shards
 from openppo.ppo.experience import collate_samples
-from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, _TrainedWorker
+from openppo.ppo.workers import (
+    ActorWorker,
+    CriticWorker,
+    ReferenceWorker,
+    RewardWorker,
+    TeacherWorker,
+    _TrainedWorker,
+)
 from openppo.rollout.pool import EnginePool, Sample
 
 # -- the handles ------------------------------------------------------------------------------------------------------
@@ -162,6 +169,11 @@ class ReferenceGroup(ModelGroup):
         return self.forward(ReferenceWorker.log_probs, data)
 
 
+class TeacherGroup(ModelGroup):
+    def log_probs(self, data: dict[str, torch.Tensor]) -> torch.Tensor:
+        return self.forward(TeacherWorker.log_probs, data)
+
+
 class RewardGroup(ModelGroup):
     """The reward model's ranks, and the run's scorer when it has no reward function (`collector.Scorer`)."""
 
@@ -193,6 +205,7 @@ class Groups:
     reward_source: Any = None  # a RewardSource when scoring is not done by a reward model
     link: Any = None  # the actor's connection to the engines (`launch.EngineLink`), rebuilt after a replacement
     placement_groups: list = field(default_factory=list)  # the shared ones the run made (removed at teardown)
+    teachers: list[TeacherGroup] = field(default_factory=list)  # --teacher_pretrain, in its order
 
     def sync_engines(self, version: int) -> dict[str, float]:
         """Every engine gets the actor's current weights as weight version `version` (`ActorGroup.sync_weights`).
@@ -216,4 +229,4 @@ class Groups:
         return [g for g in (self.actor, self.critic) if g is not None]
 
     def models(self) -> list[ModelGroup]:
-        return [g for g in (self.actor, self.critic, self.reference, self.reward) if g is not None]
+        return [g for g in (self.actor, self.critic, self.reference, self.reward) if g is not None] + self.teachers

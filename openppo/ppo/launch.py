@@ -50,10 +50,21 @@ def load_prompt_rows(cfg: PPOConfig, *, eval: bool = False) -> datasets.Dataset:
             split=d.prompt_split,
             split_flag="--prompt_split",
         )
-    require_columns(
-        raw, {"--input_key": d.input_key, "--label_key": d.label_key}, d.eval_dataset if eval else d.prompt_data
-    )
+    keys = {"--input_key": d.input_key, "--label_key": d.label_key}
+    if not eval and len(cfg.model.teacher_pretrain) > 1:
+        keys["--teacher_key"] = d.teacher_key
+    require_columns(raw, keys, d.eval_dataset if eval else d.prompt_data)
     return raw
+
+
+def teacher_routes(cfg: PPOConfig, raw: datasets.Dataset) -> list[int] | None:
+    """Each training row's teacher (`teachers.route`; None with one teacher or none)."""
+    from openppo.ppo.teachers import parse_teachers, route
+
+    teachers, key = parse_teachers(cfg.model.teacher_pretrain), cfg.data.teacher_key
+    if len(teachers) < 2:
+        return None
+    return route(raw[key] if key else None, teachers, key)
 
 
 def critic_export_dir(cfg: PPOConfig) -> str | None:
@@ -78,8 +89,9 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
 def rollout_parts(cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=None) -> tuple[RolloutSource, Scorer]:
     """The run's rollout source and scorer, chosen once: the agent's episodes for both (`agent_episodes(cfg,
     tokenizer)`, built before Ray starts so that a broken agent file fails first), or single-turn generation scored
-    by the reward source (--remote_rm_url) or else the reward model's ranks."""
-    from openppo.ppo.collector import AgentEpisodes, SingleTurn, TextRewards
+    by the reward source (--remote_rm_url), else the reward model's ranks, else (a teacher's distillation alone) by
+    no one: every reward 0."""
+    from openppo.ppo.collector import AgentEpisodes, NoReward, SingleTurn, TextRewards
 
     single = SingleTurn(groups.engines, cfg)
     if agent_episodes is not None:
@@ -87,7 +99,8 @@ def rollout_parts(cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=None
         return agent, agent
     if groups.reward_source is not None:
         return single, TextRewards(groups.reward_source, tokenizer)
-    assert groups.reward is not None, "validation requires a reward model or a reward source"
+    if groups.reward is None:  # validation allows it with teachers only: distillation alone
+        return single, NoReward()
     groups.reward.pad_token_id = tokenizer.pad_token_id
     return single, groups.reward
 
@@ -310,8 +323,8 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     from openppo.distributed.logs import actor_infos
     from openppo.distributed.placement import describe_nodes
     from openppo.distributed.worker_group import WorkerGroup
-    from openppo.ppo.groups import ActorGroup, CriticGroup, ReferenceGroup, RewardGroup
-    from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker
+    from openppo.ppo.groups import ActorGroup, CriticGroup, ReferenceGroup, RewardGroup, TeacherGroup
+    from openppo.ppo.workers import ActorWorker, CriticWorker, ReferenceWorker, RewardWorker, TeacherWorker
     from openppo.rollout import VLLMEngine
     from openppo.rollout.pool import EnginePool
 
@@ -348,6 +361,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         "critic": (CriticGroup, CriticWorker),
         "reward": (RewardGroup, RewardWorker),
     }
+    handles.update({name: (TeacherGroup, TeacherWorker) for name in plan.roles if name.startswith("teacher")})
     launched = {}
     for name, role in plan.roles.items():
         pg, share = shared.get(name, (None, 1.0))
@@ -402,6 +416,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         reward_source=reward_source,
         link=link,
         placement_groups=list({id(pg): pg for pg, _ in shared.values()}.values()),
+        teachers=[groups[name] for name in plan.roles if name.startswith("teacher")],
     )
 
 

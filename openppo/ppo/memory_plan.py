@@ -413,6 +413,13 @@ def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape]) -> float:
     }
     workers = v.vllm_num_engines * v.vllm_tensor_parallel_size
     total = (sum(ranks.values()) + workers) * PROCESS_OVERHEAD_BYTES
+    # teachers (--teacher_pretrain): forward-only ranks holding their weights, ZeRO-3 sharded over each group
+    from openppo.ppo.teachers import parse_teachers
+
+    teacher_ranks = res.teacher_num_nodes * res.teacher_num_gpus_per_node
+    for t in parse_teachers(cfg.model.teacher_pretrain):
+        weights = model_shape(t.path, "--teacher_pretrain").num_params * dtype_bytes(cfg.ds.param_dtype)
+        total += teacher_ranks * PROCESS_OVERHEAD_BYTES + weights * (1 if cfg.ds.zero_stage == 3 else teacher_ranks)
     # device_bytes 0: the planned KV cache is then 0 (it is what is being sized); on CPU nothing sleeps
     for plan in plan_devices(cfg, shapes, 0.0, on_gpu=False):
         held = sum(

@@ -11,6 +11,7 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass
 
 from openppo.ppo.config import PPOConfig
+from openppo.ppo.teachers import Teacher, parse_teachers
 from openppo.ppo.validate import needs_critic_group, needs_reference, role_ranks
 
 # vLLM's name for the trainer's (resolved) dtype: engine and trainer log-probs then compare
@@ -21,13 +22,14 @@ ENGINE_DTYPES = {"fp32": "float32", "bf16": "bfloat16", "fp16": "float16"}
 class RolePlan:
     """One model group's share of the plan."""
 
-    name: str  # actor, critic, reference, reward
+    name: str  # actor, critic, reference, reward, teacher0, teacher1, ...
     ranks: int  # --<role>_num_nodes x --<role>_num_gpus_per_node
     ring: int  # --ring_attn_size: consecutive ranks that split each packed row
     tensor_parallel: int  # --ds_tensor_parallel_size (actor only): consecutive ranks that split the weights
     rows_per_step: int  # rows of one optimizer step on one rank; 0 for a frozen model
     optimizer_steps: int  # optimizer steps over the run (the LR schedule's length); 0 for a frozen model
     share_prompts: bool = False  # --share_prompt_in_group: each group's prompt computed once
+    model: str = ""  # the folder it loads, where the role does not say (a teacher's)
 
     @property
     def replicas(self) -> int:
@@ -82,7 +84,7 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
 
     share, why = shares_prompts(cfg)
 
-    def role(name: str, flag: str, trained: bool) -> RolePlan:
+    def role(name: str, flag: str, trained: bool, model: str = "") -> RolePlan:
         ranks = role_ranks(cfg, flag)
         tp = cfg.ds.ds_tensor_parallel_size if name == "actor" else 1
         data_parallel = ranks // (r.ring_attn_size * tp)
@@ -94,6 +96,7 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
             rows_per_step=t.train_batch_size // data_parallel if trained else 0,
             optimizer_steps=max(1, rl_steps * samples * t.max_epochs // t.train_batch_size) if trained else 0,
             share_prompts=share,
+            model=model,
         )
 
     roles = {"actor": role("actor", "actor", True)}
@@ -103,11 +106,15 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
         roles["critic"] = role("critic", "critic", True)
     if cfg.model.reward_pretrain:
         roles["reward"] = role("reward", "reward", False)
+    teachers = parse_teachers(cfg.model.teacher_pretrain)
+    for i, teacher in enumerate(teachers):
+        roles[Teacher.role(i)] = role(Teacher.role(i), "teacher", False, teacher.path)
     return RunPlan(
         rl_steps=rl_steps,
         steps_per_episode=steps_per_episode,
         engine_dtype=ENGINE_DTYPES[cfg.ds.param_dtype],
-        old_logprob_pass=not one_step or needs_reference(cfg),
+        # a teacher's advantage is log pi_T - log pi_S with the trainer's pi_S, as exact as the teacher's log-probs
+        old_logprob_pass=not one_step or needs_reference(cfg) or bool(teachers),
         balance=r.packing_samples or r.use_dynamic_batch,
         roles=roles,
         shared_prompts=f"{'on' if share else 'off'} ({why})",

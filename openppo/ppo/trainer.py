@@ -51,6 +51,7 @@ from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups import Groups, TrainedGroup
 from openppo.ppo.plan import RunPlan
 from openppo.ppo.reporting import RunHistory, idle_seconds, step_throughput, timed
+from openppo.ppo.teachers import distill_step, parse_teachers, teacher_rows
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.hardware import rss_gib
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
@@ -73,8 +74,12 @@ class PPOTrainer:
         source: RolloutSource,
         scorer: Scorer,
         eval_prompts=None,
+        teacher_routes: list[int] | None = None,
     ):
         self.cfg, self.plan = cfg, plan
+        # --teacher_pretrain: the teachers' names (metrics) and each dataset row's teacher (`teachers.route`)
+        self.teacher_names = [t.name for t in parse_teachers(cfg.model.teacher_pretrain)]
+        self.teacher_routes = teacher_routes
         self.groups = groups
         self.tokenizer = tokenizer
         self.eval_prompts = eval_prompts
@@ -193,6 +198,10 @@ class PPOTrainer:
         if g.critic is not None:
             with self.timer("values"):
                 values = g.critic.values(model_in)
+        teacher_lp = None
+        if g.teachers:
+            with self.timer("teacher_logprob"):
+                teacher_lp, teacher_of = self._teacher_log_probs(rollout, model_in)
 
         # advantages: rewards (KL-penalised where the KL is not a loss term) -> per-token advantages and returns
         with self.timer("advantages"):
@@ -208,12 +217,27 @@ class PPOTrainer:
                 values=values,
                 reward_mean_std=g.reward.normalization if g.reward else None,
             )
+            distilled = {}
+            if teacher_lp is not None:
+                # on-policy distillation: log pi_T - log pi_S per sampled token (pi_S the trainer's pi_old), plus
+                # --distill_task_coef x the task advantage just computed
+                student = old if old is not None else batch["rollout_log_probs"]
+                adv["advantages"], distilled = distill_step(
+                    teacher_lp,
+                    student,
+                    batch["action_mask"],
+                    adv["advantages"],
+                    cfg.algo.distill_task_coef,
+                    teacher_of,
+                    self.teacher_names,
+                )
         self.global_step += 1
         self._log_rollout(rollout)
 
         # update: the critic first (it needs the old values, not the new policy), then the actor
         # versions behind the weights being trained
         metrics = staleness(rollout.samples, self.policy_version, cfg.rollout.partial_rollout)
+        metrics.update(distilled)
         if g.critic is not None:
             critic_data = {**model_in, "old_values": values, "returns": adv["returns"]}
             with self.timer("critic_train"):
@@ -240,6 +264,21 @@ class PPOTrainer:
             self.swap.engine_weights()
         self.swap.to_engines()
         return self._step_metrics(rollout, batch, adv, old_sampling, metrics, start)
+
+    def _teacher_log_probs(
+        self, rollout: Rollout, model_in: dict[str, torch.Tensor]
+    ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+        """Each teacher's log-probs of its rows' sampled tokens [B, T-1] (every teacher forwards only the rows routed
+        to it), and the rows of each teacher."""
+        groups = torch.tensor([s.group for s in rollout.samples], dtype=torch.long)
+        rows = teacher_rows(groups, self.teacher_routes, len(self.groups.teachers))
+        out = torch.zeros(model_in["action_mask"].shape, dtype=torch.float32)
+        for teacher, r in zip(self.groups.teachers, rows):
+            if len(r) == len(groups):
+                out = teacher.log_probs(model_in)
+            elif len(r):
+                out[r] = teacher.log_probs({k: v[r] for k, v in model_in.items()})
+        return out, rows
 
     def _step_metrics(
         self,

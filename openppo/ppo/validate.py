@@ -16,6 +16,7 @@ from openppo.config.common import validate_build, validate_outputs, validate_sch
 from openppo.errors import UserError, require
 from openppo.models.hf import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
 from openppo.ppo.config import PPOConfig, ranks_per_shard
+from openppo.ppo.teachers import check_teacher_tokenizers, parse_teachers
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
 from openppo.utils.profiling import parse_profile_steps
@@ -48,6 +49,7 @@ def used_roles(cfg: PPOConfig) -> list[str]:
         "ref": needs_reference(cfg),
         "critic": needs_critic_group(cfg),
         "reward": bool(cfg.model.reward_pretrain),
+        "teacher": bool(cfg.model.teacher_pretrain),
     }
     return [role for role, present in used.items() if present]
 
@@ -79,11 +81,22 @@ def _models(cfg: PPOConfig) -> None:
             f"--agent_func_path {agent}: the agent's environment gives the reward; drop "
             f"{'--reward_pretrain' if m.reward_pretrain else '--remote_rm_url'}"
         )
-    if not agent and not m.reward_pretrain and not m.remote_rm_url:
+    teachers = parse_teachers(m.teacher_pretrain)
+    rewarded = bool(agent or m.reward_pretrain or m.remote_rm_url)
+    if not rewarded and not teachers:
         raise UserError(
             "a reward source is required: --reward_pretrain DIR, --remote_rm_url URL[,URL] / FILE.py, "
-            "or --agent_func_path FILE.py"
+            "or --agent_func_path FILE.py (or a teacher to distill from: --teacher_pretrain DIR)"
         )
+    if teachers and algo.distill_task_coef and not rewarded:
+        raise UserError(
+            f"--distill_task_coef {algo.distill_task_coef} weighs the task reward's advantage, and the run has no "
+            f"reward source: add --remote_rm_url / --reward_pretrain / --agent_func_path, or set --distill_task_coef 0"
+        )
+    for t in teachers:
+        resolve_model_path(t.path, f"--teacher_pretrain {t.name}")
+    if teachers:
+        check_teacher_tokenizers(m.pretrain, teachers)
     if m.reward_pretrain:
         resolve_model_path(m.reward_pretrain, "--reward_pretrain")
     if m.critic_pretrain:
@@ -270,6 +283,7 @@ def _sequence_parallel(cfg: PPOConfig) -> None:
             )
     m, stride = cfg.model, r.ring_head_stride
     models = {"--pretrain": m.pretrain, "--critic_pretrain": m.critic_pretrain, "--reward_pretrain": m.reward_pretrain}
+    models.update({f"--teacher_pretrain {t.name}": t.path for t in parse_teachers(m.teacher_pretrain)})
     for flag, path in models.items() if stride else ():
         heads = kv_heads(path) if path else 0
         require(heads % stride == 0, f"--ring_head_stride {stride} must divide the KV heads of {flag} ({heads})")
@@ -305,7 +319,7 @@ def _tensor_parallel(cfg: PPOConfig) -> None:
 
 def _resources(cfg: PPOConfig, notices: list[str]) -> None:
     res, v, ds = cfg.resources, cfg.vllm, cfg.ds
-    for flag in ("actor", "critic", "ref", "reward"):
+    for flag in ("actor", "critic", "ref", "reward", "teacher"):
         _positive(getattr(res, f"{flag}_num_nodes"), f"--{flag}_num_nodes")
         _positive(getattr(res, f"{flag}_num_gpus_per_node"), f"--{flag}_num_gpus_per_node")
     _positive(v.vllm_tensor_parallel_size, "--vllm_tensor_parallel_size")
@@ -341,6 +355,7 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
             ("ref", needs_reference(cfg)),
             ("critic", needs_critic_group(cfg)),
             ("reward", bool(cfg.model.reward_pretrain)),
+            ("teacher", bool(cfg.model.teacher_pretrain)),
         ):
             size = (getattr(res, f"{role}_num_nodes"), getattr(res, f"{role}_num_gpus_per_node"))
             if used and size != (res.actor_num_nodes, res.actor_num_gpus_per_node):
@@ -490,6 +505,23 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
         notices.append(
             f"--kl_target {algo.kl_target} is in nats per response (the KL summed over a response, as in Ziegler "
             f"et al.); OpenRLHF's is the per-token mean: multiply an OpenRLHF value by the mean response length"
+        )
+    teachers = len(m.teacher_pretrain)
+    if not teachers and (algo.distill_task_coef or cfg.data.teacher_key):
+        flag = "--distill_task_coef" if algo.distill_task_coef else "--teacher_key"
+        notices.append(f"{flag} has no effect without --teacher_pretrain: nothing is distilled")
+    rewarded = m.reward_pretrain or m.remote_rm_url or cfg.rollout.agent_func_path
+    if teachers and not rewarded and cfg.data.eval_dataset:
+        notices.append(
+            "--eval_dataset: pass@k counts rewards, and this run has no reward source (distillation alone): every "
+            "eval reward is 0; add --remote_rm_url to evaluate"
+        )
+    if teachers == 1 and cfg.data.teacher_key:
+        notices.append("--teacher_key has no effect with one --teacher_pretrain: every prompt goes to it")
+    if teachers and not algo.distill_task_coef and rewarded:
+        notices.append(
+            "--distill_task_coef 0: the task reward is logged (train/reward) but not trained on; the advantage is "
+            "the teacher's alone"
         )
     if algo.kl_estimator != "k1" and not algo.use_kl_loss and needs_reference(cfg):
         notices.append(

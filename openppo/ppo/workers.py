@@ -6,6 +6,7 @@ typed handles are in `openppo.ppo.groups`):
 - `CriticWorker`: the trained value model (gae only); values, value update.
 - `ReferenceWorker`: frozen actor copy; reference log-probs for the KL term.
 - `RewardWorker`: frozen reward model; one score per sequence.
+- `TeacherWorker`: a frozen distillation teacher; its log-probs of the student's samples.
 `setup(cfg, role)` builds the model, with the role's slice of the run plan (`openppo.ppo.plan`), once the group's
 process group can form (the driver calls it on every rank at once); a
 worker also runs in-process, without Ray (tests), by calling `setup` itself. Calls take and return CPU tensors.
@@ -409,6 +410,21 @@ class ReferenceWorker(_FrozenWorker):
             role,
             lambda dtype: Actor.from_pretrained(
                 cfg.model.pretrain, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+            ),
+        )
+
+    log_probs = ActorWorker.log_probs
+
+
+class TeacherWorker(_FrozenWorker):
+    """A distillation teacher (--teacher_pretrain): the reference's forward on the teacher's weights (`role.model`)."""
+
+    def setup(self, cfg: PPOConfig, role: RolePlan) -> None:
+        self._build(
+            cfg,
+            role,
+            lambda dtype: Actor.from_pretrained(
+                role.model, dtype=dtype, attn_implementation=cfg.model.attn_implementation
             ),
         )
 

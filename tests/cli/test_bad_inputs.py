@@ -36,6 +36,11 @@ def files(tmp_path_factory):
         "bad_json": tmp / "bad.jsonl",
         "file": tmp / "a_file",
         "adapter": tmp / "adapter",
+        # a teacher on another tokenizer (Qwen3's whole one: 151,669 tokens against the student's 8192)
+        "other_tokenizer": tiny_model_dir(tokenizer="qwen3", num_layers=1),
+        "routed": write_jsonl(
+            tmp / "routed.jsonl", [{**row, "teacher": "a" if i else "c"} for i, row in enumerate(make_rows(8, seed=1))]
+        ),
     }
 
 
@@ -85,6 +90,20 @@ CASES = [
     ("train_ppo_ray", ["--remote_rm_url", "reward.txt"], "--remote_rm_url"),
     ("train_ppo_ray", ["--remote_rm_url_off"], "--remote_rm_url"),  # no reward source at all
     ("train_ppo_ray", ["--agent_func_path", "/nonexistent/agent.py", "--remote_rm_url_off"], "--agent_func_path"),
+    ("train_ppo_ray", ["--teacher_pretrain", "/nonexistent/teacher"], "--teacher_pretrain"),
+    ("train_ppo_ray", ["--teacher_pretrain", "{other_tokenizer}"], "--teacher_pretrain"),  # another tokenizer
+    (
+        "train_ppo_ray",
+        ["--teacher_pretrain", "{model}", "--remote_rm_url_off", "--distill_task_coef", "1"],
+        "--distill_task_coef",
+    ),  # no reward to weigh in
+    ("train_ppo_ray", ["--teacher_pretrain", "a={model}", "b={model}"], "--teacher_key"),  # two teachers, no route
+    (
+        "train_ppo_ray",
+        ["--teacher_pretrain", "a={model}", "b={model}", "--teacher_key", "teacher", "--prompt_data", "{routed}"],
+        "--teacher_key",
+    ),  # row 0 names teacher "c"
+    ("train_ppo_ray", ["--teacher_pretrain", "a={model}", "a={model}"], "--teacher_pretrain"),  # one name twice
     ("train_ppo_ray", ["--save_path", "{file}"], "--save_path"),
     ("train_ppo_ray", ["--use_tensorboard", "{file}"], "--use_tensorboard"),
     # train_ppo_ray: batch arithmetic, devices, algorithm, lengths
