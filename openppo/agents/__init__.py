@@ -2,17 +2,22 @@
 
 `AgentEnv` / `StepResult` (base.py) are what a user's `--agent_func_path` file implements; `load_agent_env`
 imports it. `run_agent_episodes` (rollout.py) plays the episodes against a generation engine, batching every
-turn, and returns `openppo.ppo.experience.Sample`s whose feedback tokens carry `action_mask` 0.
+turn, and returns `openppo.ppo.experience.Sample`s whose feedback tokens carry `action_mask` 0. `Transcript`
+(transcript.py) turns the calls an agent makes through an OpenAI-compatible endpoint into training segments.
 """
 
 from openppo.agents.base import AgentEnv, AgentError, StepResult, load_agent_env
 from openppo.agents.rollout import GenerateFn, engine_generate_fn, run_agent_episodes
+from openppo.agents.transcript import Call, Segment, Transcript
 
 __all__ = [
     "AgentEnv",
     "AgentError",
+    "Call",
     "GenerateFn",
+    "Segment",
     "StepResult",
+    "Transcript",
     "engine_generate_fn",
     "load_agent_env",
     "run_agent_episodes",
