@@ -93,6 +93,11 @@ def _models(cfg: PPOConfig) -> None:
             f"--distill_task_coef {algo.distill_task_coef} weighs the task reward's advantage, and the run has no "
             f"reward source: add --remote_rm_url / --reward_pretrain / --agent_func_path, or set --distill_task_coef 0"
         )
+    if teachers and not rewarded and cfg.rollout.dynamic_filtering:
+        raise UserError(
+            "--dynamic_filtering drops groups whose rewards are all equal, and distillation without a reward source "
+            "gives every sample 0: drop --dynamic_filtering or add a reward source"
+        )
     for t in teachers:
         resolve_model_path(t.path, f"--teacher_pretrain {t.name}")
     if teachers:

@@ -104,6 +104,11 @@ CASES = [
         "--teacher_key",
     ),  # row 0 names teacher "c"
     ("train_ppo_ray", ["--teacher_pretrain", "a={model}", "a={model}"], "--teacher_pretrain"),  # one name twice
+    (
+        "train_ppo_ray",
+        ["--teacher_pretrain", "{model}", "--remote_rm_url_off", "--dynamic_filtering"],
+        "--dynamic_filtering",
+    ),
     ("train_ppo_ray", ["--save_path", "{file}"], "--save_path"),
     ("train_ppo_ray", ["--use_tensorboard", "{file}"], "--use_tensorboard"),
     # train_ppo_ray: batch arithmetic, devices, algorithm, lengths
