@@ -3,7 +3,8 @@
 `AgentEnv` / `StepResult` (base.py) are what a user's `--agent_func_path` file implements; `load_agent_env`
 imports it. `run_agent_episodes` (rollout.py) plays the episodes against a generation engine, batching every
 turn, and returns `openppo.ppo.experience.Sample`s whose feedback tokens carry `action_mask` 0. `Transcript`
-(transcript.py) turns the calls an agent makes through an OpenAI-compatible endpoint into training segments.
+(transcript.py) turns the calls an agent makes through the OpenAI-compatible endpoint (endpoint.py) into training
+segments.
 """
 
 from openppo.agents.base import AgentEnv, AgentError, StepResult, load_agent_env

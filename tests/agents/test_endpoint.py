@@ -1,0 +1,140 @@
+"""The OpenAI-compatible agent endpoint (openppo/agents/endpoint.py) over a real vLLM engine of the tiny model, used
+by the `openai` package as an agent would: every token it trains on is one the engine generated, with the engine's
+log-prob (checked against an independent HF forward), template and environment tokens masked; its errors reach the
+client in OpenAI's shape; 32 sessions at once are batched into few engine calls."""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from openppo.agents.endpoint import Batcher, EndpointServer, Generated, Sessions, create_app
+from tests.engines import tiny_engine_actor
+from tests.model_cache import tiny_model_dir
+
+pytestmark = pytest.mark.slow
+MODEL = "tiny-policy"
+
+
+@pytest.fixture(scope="module")
+def served():
+    """(base_url, sessions, engine calls made) of an endpoint over one engine actor."""
+    import ray
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    calls = []
+    with tiny_engine_actor() as engine:
+
+        def generate(prompts: list[list[int]], sampling: dict) -> list[Generated]:
+            calls.append(len(prompts))
+            out = ray.get(engine.generate.remote(prompts, n=1, **sampling), timeout=120)
+            return [
+                Generated(c["token_ids"], c["logprobs"], c["finish_reason"], min(c.get("versions") or [0]))
+                for (c,) in out
+            ]
+
+        batcher = Batcher(generate)
+        sessions = Sessions()
+        server = EndpointServer(create_app(batcher, tok, sessions, model_name=MODEL, max_tokens_limit=16))
+        try:
+            yield server.base_url, sessions, calls
+        finally:
+            server.stop()
+            batcher.stop()
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
+
+
+def _client(base_url):
+    from openai import OpenAI
+
+    return OpenAI(base_url=base_url, api_key="unused", max_retries=0, timeout=120)
+
+
+def _agent(base_url: str, session: str, task: str) -> str:
+    """A two-turn agent written against the openai package only: it asks, then answers with a tool's result."""
+    client = _client(base_url)
+    messages = [{"role": "user", "content": task}]
+    first = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, user=session)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+    messages += [{"role": "user", "content": "calculator: 5"}]
+    second = client.chat.completions.create(model=MODEL, messages=messages, max_tokens=8, user=session)
+    return second.choices[0].message.content
+
+
+def test_every_trained_token_is_the_engines_with_its_log_prob(served, hf_model):
+    base_url, sessions, _ = served
+    _agent(base_url, "episode-1", "What is 2 + 3?")
+    transcript = sessions.close("episode-1")
+    segments = transcript.segments
+    # two calls: one row, or two when the template's rendering of the first answer is not the ids sampled
+    assert len(segments) == 1 + transcript.sealed and transcript.sealed <= 1
+    assert sum(segment.action_mask.count(1) for segment in segments) > 0
+    for segment in segments:
+        tokens = segment.prompt_ids + segment.response_ids
+        with torch.no_grad():
+            logits = hf_model(torch.tensor([tokens])).logits[0, len(segment.prompt_ids) - 1 : -1]
+        expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(segment.response_ids)[:, None])[:, 0]
+        trained = torch.tensor(segment.action_mask, dtype=torch.bool)
+        recorded = torch.tensor(segment.log_probs)
+        assert (recorded[trained] - expected[trained]).abs().max() < 1e-4
+        assert (recorded[~trained] == 0).all()
+    if transcript.sealed == 0:  # the second prompt extended the first: the tool's text is in the row, masked
+        masked = [t for t, m in zip(segments[0].response_ids, segments[0].action_mask) if not m]
+        from transformers import AutoTokenizer
+
+        assert "calculator: 5" in AutoTokenizer.from_pretrained(tiny_model_dir()).decode(masked)
+
+
+def test_completions_take_text_or_token_ids(served):
+    base_url, sessions, _ = served
+    client = _client(base_url)
+    headers = {"X-Session-Id": "episode-2"}
+    text = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, extra_headers=headers)
+    ids = client.completions.create(model=MODEL, prompt=[785, 1284, 374], max_tokens=4, extra_headers=headers)
+    assert text.usage.completion_tokens >= 1 and ids.usage.prompt_tokens == 3
+    transcript = sessions.close("episode-2")
+    assert transcript.segments[-1].prompt_ids == [785, 1284, 374]
+
+
+def test_errors_reach_the_client_in_openai_shape(served):
+    import openai
+
+    base_url, _, _ = served
+    client = _client(base_url)
+    chat = [{"role": "user", "content": "hi"}]
+    with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' is not served here; this endpoint serves"):
+        client.chat.completions.create(model="gpt-4o", messages=chat, user="s")
+    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
+        client.chat.completions.create(model=MODEL, messages=chat, user="s", stream=True)
+    with pytest.raises(openai.BadRequestError, match="no session: name the episode in the X-Session-Id header"):
+        client.chat.completions.create(model=MODEL, messages=chat)
+    with pytest.raises(openai.BadRequestError, match="token id 9000 is outside the vocabulary"):
+        client.completions.create(model=MODEL, prompt=[1, 9000], extra_headers={"X-Session-Id": "s"})
+    assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_32_sessions_at_once_are_batched(served):
+    base_url, sessions, calls = served
+    before = len(calls)
+    start = threading.Barrier(32)
+
+    def episode(i: int) -> None:
+        start.wait(timeout=60)
+        _agent(base_url, f"concurrent-{i}", f"What is {i} + 1?")
+
+    with ThreadPoolExecutor(32) as pool:
+        list(pool.map(episode, range(32)))
+    transcripts = [sessions.close(f"concurrent-{i}") for i in range(32)]
+    assert all(sum(len(s.versions) for s in t.segments) > 0 for t in transcripts)
+    made = len(calls) - before
+    assert sum(calls[before:]) == 64 and made < 64, calls[before:]  # 64 requests in fewer engine calls
