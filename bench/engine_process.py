@@ -28,21 +28,18 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from bench.record import REPO, add_dtype_option, emit, model_path, resolve_dtype  # noqa: E402
+from bench.record import (  # noqa: E402
+    REPO,
+    add_dtype_option,
+    demo_flags,
+    demo_prompts,
+    emit,
+    model_path,
+    resolve_dtype,
+    steady_means,
+)
 
 STAGES = ("timing/step", "timing/generate", "timing/weight_sync", "timing/actor_train", "timing/reward")
-
-
-def _demo_flags(model: str, prompts: Path, save: Path, steps: int, dtype: str) -> list[str]:
-    return (
-        f"--pretrain {model} --remote_rm_url {REPO / 'examples/reward_funcs/arithmetic.py'} --prompt_data {prompts} "
-        "--input_key input --label_key label --apply_chat_template --advantage_estimator group_norm "
-        "--n_samples_per_prompt 8 --init_kl_coef 0 --rollout_batch_size 8 --train_batch_size 64 "
-        "--micro_train_batch_size 8 --micro_rollout_batch_size 16 --prompt_max_len 128 --generate_max_len 32 "
-        "--temperature 1.0 --actor_num_gpus_per_node 1 --vllm_num_engines 1 --vllm_kv_cache_bytes 1073741824 "
-        "--zero_stage 2 --actor_learning_rate 2e-5 --lr_warmup_ratio 0 --lr_scheduler constant --packing_samples "
-        f"--enable_prefix_caching --param_dtype {dtype} --max_steps {steps} --save_path {save}"
-    ).split()
 
 
 def _tree_rss(pid: int) -> int:
@@ -90,12 +87,8 @@ def run(mode: str, flags: list[str]) -> dict:
     sampler.join()
     if proc.returncode != 0:
         raise RuntimeError(f"{mode} run failed:\n{''.join(tail)}")
-    save = Path(flags[flags.index("--save_path") + 1])
-    records = [json.loads(line) for line in (save / "metrics.jsonl").read_text().splitlines()]
-    steady = records[1:] or records
-    out = {key: sum(r[key] for r in steady) / len(steady) for key in STAGES if all(key in r for r in steady)}
+    _, out = steady_means(Path(flags[flags.index("--save_path") + 1]), STAGES)
     out["engine_peak_rss_gib"] = peak["rss"] / 2**30
-    out["steps_averaged"] = len(steady)
     return out
 
 
@@ -108,16 +101,10 @@ def main() -> None:
     model = model_path("smollm2")
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        prompts = Path(tmp) / "arithmetic.jsonl"
-        subprocess.run(
-            [sys.executable, "-m", "openppo.cli.make_task", "--task", "arithmetic", "--out", str(prompts)]
-            + ["--num_samples", "512", "--seed", "0"],
-            check=True,
-            cwd=REPO,
-        )
+        prompts = demo_prompts(Path(tmp))
         for mode in ("in-process", "own-process"):
             start = time.perf_counter()
-            results[mode] = run(mode, _demo_flags(model, prompts, Path(tmp) / mode, args.steps, dtype))
+            results[mode] = run(mode, demo_flags(model, prompts, Path(tmp) / mode, args.steps, dtype))
             results[mode]["wall_s"] = time.perf_counter() - start
             print(mode, json.dumps(results[mode]), flush=True)
     before, after = results["in-process"], results["own-process"]

@@ -45,6 +45,41 @@ def model_path(name: str) -> str:
     return str(smollm2_dir() if name == "smollm2" else tiny_model_dir())
 
 
+def demo_flags(model: str, prompts: Path, save: Path, steps: int, dtype: str) -> list[str]:
+    """The `train_ppo_ray` flags of examples/scripts/demo_cpu.sh (GRPO, 8 prompts x 8 samples of up to 32 tokens, one
+    actor rank, one engine) for `steps` steps."""
+    return (
+        f"--pretrain {model} --remote_rm_url {REPO / 'examples/reward_funcs/arithmetic.py'} --prompt_data {prompts} "
+        "--input_key input --label_key label --apply_chat_template --advantage_estimator group_norm "
+        "--n_samples_per_prompt 8 --init_kl_coef 0 --rollout_batch_size 8 --train_batch_size 64 "
+        "--micro_train_batch_size 8 --micro_rollout_batch_size 16 --prompt_max_len 128 --generate_max_len 32 "
+        "--temperature 1.0 --actor_num_gpus_per_node 1 --vllm_num_engines 1 --vllm_kv_cache_bytes 1073741824 "
+        "--zero_stage 2 --actor_learning_rate 2e-5 --lr_warmup_ratio 0 --lr_scheduler constant --packing_samples "
+        f"--enable_prefix_caching --param_dtype {dtype} --max_steps {steps} --save_path {save}"
+    ).split()
+
+
+def demo_prompts(folder: Path) -> Path:
+    """The demo's prompts (512 arithmetic tasks, seed 0) written by `make_task` into `folder`."""
+    prompts = Path(folder) / "arithmetic.jsonl"
+    subprocess.run(
+        [sys.executable, "-m", "openppo.cli.make_task", "--task", "arithmetic", "--out", str(prompts)]
+        + ["--num_samples", "512", "--seed", "0"],
+        check=True,
+        cwd=REPO,
+    )
+    return prompts
+
+
+def steady_means(save: Path, keys: tuple[str, ...]) -> tuple[list[dict], dict[str, float]]:
+    """A run's metrics.jsonl rows, and the mean of each of `keys` over its steps 2.. (step 1 warms caches; all steps
+    when there is one), with `steps_averaged`."""
+    records = [json.loads(line) for line in (Path(save) / "metrics.jsonl").read_text().splitlines() if line.strip()]
+    steady = records[1:] or records
+    means = {key: sum(r[key] for r in steady) / len(steady) for key in keys if all(key in r for r in steady)}
+    return records, {**means, "steps_averaged": len(steady)}
+
+
 def emit(record: dict, prefix: str = "") -> None:
     """Print the bench's record as one JSON line, with the device it ran on."""
     from openppo.utils.hardware import device_record
