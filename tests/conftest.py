@@ -21,8 +21,10 @@ LONGEST_FIRST = (
     "tests/ppo/test_train_ppo_features.py",  # 132
     "tests/ppo/test_two_nodes.py",  # 150
     "tests/ppo/test_engine_death.py",  # 126
+    "tests/ppo/test_distillation.py",  # 159 alone on a 2-core AMD EPYC (AVX2), which takes ~1.6x this list's box
     "tests/ppo/test_crash_resume.py",  # 95
     "tests/cli/test_supervised_parallel.py",  # 65
+    "tests/agents/test_endpoint.py",  # 94 alone on the AMD EPYC
     "tests/cli/test_lora_and_packing.py",  # 55
     "tests/ppo/test_memory_plan.py",  # 44
     "tests/agents/test_agent_rollout.py",  # 43
