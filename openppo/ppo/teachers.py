@@ -88,6 +88,12 @@ def teacher_rows(groups: torch.Tensor, routes: Sequence[int] | None, teachers: i
     return [torch.nonzero(of_row == i).flatten() for i in range(teachers)]
 
 
+def rows_for_ranks(rows: torch.Tensor, ranks: int) -> torch.Tensor:
+    """`rows`, repeated until each of `ranks` data-parallel ranks gets one: validation makes the whole batch feed
+    every rank, but one teacher's share of it may not. The forward's first len(rows) results are the rows'."""
+    return rows.repeat(-(-ranks // len(rows)))[: max(len(rows), ranks)]
+
+
 def distill_step(
     teacher_lp: torch.Tensor,
     student_lp: torch.Tensor,

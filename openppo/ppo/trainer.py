@@ -51,7 +51,7 @@ from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
 from openppo.ppo.groups import Groups, TrainedGroup
 from openppo.ppo.plan import RunPlan
 from openppo.ppo.reporting import RunHistory, idle_seconds, step_throughput, timed
-from openppo.ppo.teachers import distill_step, parse_teachers, teacher_rows
+from openppo.ppo.teachers import distill_step, parse_teachers, rows_for_ranks, teacher_rows
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.hardware import rss_gib
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
@@ -277,7 +277,8 @@ class PPOTrainer:
             if len(r) == len(groups):
                 out = teacher.log_probs(model_in)
             elif len(r):
-                out[r] = teacher.log_probs({k: v[r] for k, v in model_in.items()})
+                padded = rows_for_ranks(r, teacher.num_workers // teacher.replicas)
+                out[r] = teacher.log_probs({k: v[padded] for k, v in model_in.items()})[: len(r)]
         return out, rows
 
     def _step_metrics(

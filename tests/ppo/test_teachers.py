@@ -13,7 +13,7 @@ from openppo.errors import UserError
 from openppo.ppo.colocation import colocation_pools, device_demand
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.plan import make_plan
-from openppo.ppo.teachers import Teacher, distill_step, parse_teachers, route, teacher_rows
+from openppo.ppo.teachers import Teacher, distill_step, parse_teachers, route, rows_for_ranks, teacher_rows
 from tests.cli.helpers import REPO
 from tests.model_cache import tiny_model_dir
 
@@ -40,6 +40,10 @@ def test_rows_are_routed_by_name_or_position():
     rows = teacher_rows(torch.tensor([3, 3, 0, 1]), [1, 0, 1, 0], 2)
     assert [r.tolist() for r in rows] == [[0, 1, 3], [2]]
     assert [r.tolist() for r in teacher_rows(torch.tensor([5, 2]), None, 1)] == [[0, 1]]
+    # a teacher's share smaller than its ranks: repeated so that each rank gets a row, its own rows first
+    assert rows_for_ranks(torch.tensor([7]), 4).tolist() == [7, 7, 7, 7]
+    assert rows_for_ranks(torch.tensor([2, 5]), 3).tolist() == [2, 5, 2]
+    assert rows_for_ranks(torch.tensor([1, 2, 3]), 2).tolist() == [1, 2, 3]
 
 
 def test_step_advantage_and_metrics_by_hand():
