@@ -134,8 +134,8 @@ def _sampling(body: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or max_tokens_limit
     return {
         "max_new_tokens": min(int(max_tokens), max_tokens_limit),
-        "temperature": float(body.get("temperature", 1.0) if body.get("temperature") is not None else 1.0),
-        "top_p": float(body.get("top_p", 1.0) if body.get("top_p") is not None else 1.0),
+        # an explicit null means the default, as in OpenAI's API
+        **{key: 1.0 if body.get(key) is None else float(body[key]) for key in ("temperature", "top_p")},
     }
 
 
@@ -192,9 +192,21 @@ def create_app(
         sessions.record(session, Call(prompt_ids, out.token_ids, out.log_probs, out.version, out.finish_reason))
         return out, tokenizer.decode(out.token_ids, skip_special_tokens=True)
 
-    def usage(prompt_ids: Sequence[int], out: Generated) -> dict[str, int]:
+    def completion(kind: str, choice: dict[str, Any], prompt_ids: Sequence[int], out: Generated) -> Response:
+        """OpenAI's response around one choice: `kind` "chat.completion" or "text_completion"."""
         n, m = len(prompt_ids), len(out.token_ids)
-        return {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m}
+        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
+        choice = {"index": 0, **choice, "finish_reason": out.finish_reason, "logprobs": None}
+        return reply(
+            {
+                "id": f"{prefix}-{uuid.uuid4().hex}",
+                "object": kind,
+                "created": int(time.time()),
+                "model": model_name,
+                "choices": [choice],
+                "usage": {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m},
+            }
+        )
 
     @app.get("/v1/models")
     async def models():
@@ -220,17 +232,7 @@ def create_app(
             out, content = await run_in_threadpool(complete, session, prompt_ids, sampling)
         except EndpointError as exc:
             return error(exc)
-        message = {"role": "assistant", "content": content}
-        return reply(
-            {
-                "id": f"chatcmpl-{uuid.uuid4().hex}",
-                "object": "chat.completion",
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": [{"index": 0, "message": message, "finish_reason": out.finish_reason, "logprobs": None}],
-                "usage": usage(prompt_ids, out),
-            }
-        )
+        return completion("chat.completion", {"message": {"role": "assistant", "content": content}}, prompt_ids, out)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
@@ -255,17 +257,7 @@ def create_app(
             out, text = await run_in_threadpool(complete, session, prompt_ids, sampling)
         except EndpointError as exc:
             return error(exc)
-        choice = {"index": 0, "text": text, "finish_reason": out.finish_reason, "logprobs": None}
-        return reply(
-            {
-                "id": f"cmpl-{uuid.uuid4().hex}",
-                "object": "text_completion",
-                "created": int(time.time()),
-                "model": model_name,
-                "choices": [choice],
-                "usage": usage(prompt_ids, out),
-            }
-        )
+        return completion("text_completion", {"text": text}, prompt_ids, out)
 
     return app
 
