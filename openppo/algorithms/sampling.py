@@ -108,13 +108,15 @@ def engine_gap(
     rollout_log_probs: torch.Tensor, comparable_log_probs: torch.Tensor, mask: torch.Tensor
 ) -> dict[str, float]:
     """How far the engine's log-probs are from the trainer's under the same distribution, over the masked tokens:
-    `logprob_diff`, the mean |difference| over the tokens inside the trainer's support, and `outside_support`, the
-    share of tokens the engine sampled that the trainer's truncation excludes (log-prob -inf)."""
+    `logprob_diff`, the mean |difference| over the tokens inside the trainer's support, `logprob_diff_max` the
+    largest, and `outside_support`, the share of tokens the engine sampled that the trainer's truncation excludes
+    (log-prob -inf)."""
     keep = mask.bool()
     outside = torch.isneginf(comparable_log_probs) & keep
     inside = keep & ~outside
-    diff = (rollout_log_probs - comparable_log_probs).abs()
+    diff = torch.where(inside, (rollout_log_probs - comparable_log_probs).abs(), 0.0)
     return {
-        "logprob_diff": (torch.where(inside, diff, 0.0).sum() / inside.sum().clamp(min=1)).item(),
+        "logprob_diff": (diff.sum() / inside.sum().clamp(min=1)).item(),
+        "logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
         "outside_support": (outside.sum() / keep.sum().clamp(min=1)).item(),
     }

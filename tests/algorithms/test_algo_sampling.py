@@ -141,7 +141,10 @@ def test_importance_weights_compare_one_distribution():
     assert weights[0, 0] < 1e-8 and torch.isfinite(weights).all()
     gap = engine_gap(engine, moved, mask)
     assert gap["outside_support"] == pytest.approx(1 / mask.sum().item())
-    assert gap["logprob_diff"] == pytest.approx(0.0, abs=1e-12)
+    assert gap["logprob_diff"] == pytest.approx(0.0, abs=1e-12) and gap["logprob_diff_max"] == 0.0
+    far = engine.clone()
+    far[0, 1] += 0.3
+    assert engine_gap(far, truncated, mask)["logprob_diff_max"] == pytest.approx(0.3, abs=1e-6)
 
 
 def test_a_token_outside_the_trainers_support_under_each_correction():
