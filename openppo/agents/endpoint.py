@@ -6,13 +6,20 @@ Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver), 
   template; `max_tokens` or `max_completion_tokens`, `temperature`, `top_p`; `n` 1;
 - `POST /v1/completions`: `prompt` as text (tokenized without special tokens) or token ids;
 - `GET /v1/models`: the one model served.
-Every completion request names its episode, by the `X-Session-Id` header or else the OpenAI `user` field; the
-server records the call in that session's `Transcript`. A request for another model gets a 404, `stream: true` or
+Every completion request names its episode: by its path (`/sessions/<id>/v1/...`: the base URL a training run
+hands each episode's agent, so an unmodified OpenAI client needs nothing else), else the `X-Session-Id` header, else
+the OpenAI `user` field; the server records the call in that session's `Transcript`, and a session that has ended
+(its episode was collected, or ran out of time) gets a 409. A request for another model gets a 404, `stream: true` or
 `n` > 1 a 400, a request without a session a 400, each with OpenAI's error shape ({"error": {"message", "type",
 "code"}}), so an `openai` client raises with the message. The server takes no files or code from requests.
 
-Concurrent requests are batched (`Batcher`): what arrives within a few milliseconds goes to the engines as one
-generate call per distinct sampling setting, as the rollout's own batches do.
+In a training run the run's sampling settings (--temperature, --top_p, --top_k) apply to every request: the trainer
+recomputes the sampled tokens' log-probs under them, so a request's own temperature or top_p is ignored (logged once).
+With a tool parser (vLLM's, for the model family) a chat reply's tool calls come back as OpenAI `tool_calls`, with
+finish reason "tool_calls".
+
+Concurrent requests are batched (`Batcher`): what arrives together goes to the engines as one generate call per
+distinct sampling setting, as the rollout's own batches do.
 """
 
 from __future__ import annotations
@@ -52,11 +59,23 @@ GenerateBatch = Callable[[list[list[int]], dict[str, Any]], list[Generated]]
 
 
 class Batcher:
-    """Gathers concurrent requests for `window_s` after the first and generates them in one call per sampling
-    setting, on one thread; `submit` blocks until its own result is back (or raises what the call raised)."""
+    """Gathers concurrent requests and generates them in one call per sampling setting, on one thread; `submit`
+    blocks until its own result is back (or raises what the call raised).
 
-    def __init__(self, generate: GenerateBatch, window_s: float = 0.005):
-        self.generate, self.window_s = generate, window_s
+    A batch closes when it holds a request of every session that can send one (`expected()`, when given: the
+    episodes being played), or once no request has arrived for `gap_s`, or `max_wait_s` after its first. The agents
+    of a round send their calls close together but not at once (each builds its client and renders its messages
+    first), and a batch cut a few milliseconds after its first request went out nearly alone, making the rest wait
+    a whole generation (measured: 32 sessions' first calls went out as 1 + 31 or 7 + 25; bench/agent_endpoint.py)."""
+
+    def __init__(
+        self,
+        generate: GenerateBatch,
+        gap_s: float = 0.2,
+        max_wait_s: float = 1.0,
+        expected: Callable[[], int] | None = None,
+    ):
+        self.generate, self.gap_s, self.max_wait_s, self.expected = generate, gap_s, max_wait_s, expected
         self._queue: queue.Queue = queue.Queue()
         self._thread = threading.Thread(target=self._loop, name="endpoint-batcher", daemon=True)
         self._stopped = False
@@ -77,10 +96,10 @@ class Batcher:
             first = self._queue.get()
             if first is None:
                 return
-            items, deadline = [first], time.monotonic() + self.window_s
-            while (left := deadline - time.monotonic()) > 0:
+            items, deadline = [first], time.monotonic() + self.max_wait_s
+            while (left := deadline - time.monotonic()) > 0 and (self.expected is None or len(items) < self.expected()):
                 try:
-                    item = self._queue.get(timeout=left)
+                    item = self._queue.get(timeout=min(self.gap_s, left))
                 except queue.Empty:
                     break
                 if item is None:
@@ -107,14 +126,21 @@ class Sessions:
     def __init__(self):
         self._lock = threading.Lock()
         self._transcripts: dict[str, Transcript] = {}
+        self._closed: set[str] = set()
+
+    def check_open(self, session: str) -> None:
+        if session in self._closed:
+            raise EndpointError(409, f"session {session} has ended: its episode is over", "session_closed")
 
     def record(self, session: str, call: Call) -> None:
         with self._lock:
+            self.check_open(session)  # a late call of an agent whose episode ran out of time is not recorded
             self._transcripts.setdefault(session, Transcript()).add(call)
 
     def close(self, session: str) -> Transcript:
-        """The session's transcript (empty if it made no call); the session is forgotten."""
+        """The session's transcript (empty if it made no call); later calls in it are refused."""
         with self._lock:
+            self._closed.add(session)
             return self._transcripts.pop(session, Transcript())
 
 
@@ -124,7 +150,7 @@ class EndpointError(Exception):
         self.status, self.code, self.param = status, code, param
 
 
-def _sampling(body: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
+def _sampling(body: dict[str, Any], max_tokens_limit: int, fixed: dict[str, float] | None) -> dict[str, Any]:
     if body.get("stream"):
         raise EndpointError(
             400, "streaming is not supported by this endpoint: send stream=false", "unsupported", "stream"
@@ -132,11 +158,82 @@ def _sampling(body: dict[str, Any], max_tokens_limit: int) -> dict[str, Any]:
     if body.get("n", 1) != 1:
         raise EndpointError(400, "n must be 1 (one completion per request)", "unsupported", "n")
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or max_tokens_limit
-    return {
-        "max_new_tokens": min(int(max_tokens), max_tokens_limit),
+    out: dict[str, Any] = {"max_new_tokens": min(int(max_tokens), max_tokens_limit)}
+    if fixed is None:
         # an explicit null means the default, as in OpenAI's API
-        **{key: 1.0 if body.get(key) is None else float(body[key]) for key in ("temperature", "top_p")},
-    }
+        out.update({key: 1.0 if body.get(key) is None else float(body[key]) for key in ("temperature", "top_p")})
+    return out
+
+
+def tool_parser_factory(name: str, tokenizer) -> Callable[[list | None], Any]:
+    """`tools -> parser` for vLLM's tool-call parser `name` (a KeyError names the ones it has)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    try:
+        parser_cls = ToolParserManager.get_tool_parser(name)
+    except KeyError:
+        known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+        raise KeyError(f"vLLM has no tool parser {name!r}; it has: {', '.join(known)}") from None
+    quiet = _OneParserError()
+    logging.getLogger(parser_cls.__module__).addFilter(quiet)
+    return lambda tools: parser_cls(tokenizer, tools)
+
+
+def assistant_message(text: str, body: dict[str, Any], parser) -> tuple[dict[str, Any], bool]:
+    """The reply's message: its text, or with `parser` (made for the request's tools) the text before the tool calls
+    and the calls in OpenAI's shape; and whether it called a tool."""
+    if parser is None or not body.get("tools"):
+        return {"role": "assistant", "content": text}, False
+    from vllm.entrypoints.openai.chat_completion.protocol import ChatCompletionRequest
+
+    info = parser.extract_tool_calls(text, ChatCompletionRequest.model_validate(body))
+    if not info.tools_called:
+        return {"role": "assistant", "content": text}, False
+    calls = [call.model_dump(exclude_none=True) for call in info.tool_calls]
+    return {"role": "assistant", "content": info.content, "tool_calls": calls}, True
+
+
+def template_messages(messages: list) -> list[dict[str, Any]]:
+    """The request's messages as chat templates expect them (as vLLM's server passes them): a missing or null
+    `content` (an assistant turn that only calls tools) is "", and a tool call's `arguments`, a JSON string in
+    OpenAI's API, is the object it encodes, so that a template renders the call as the model wrote it."""
+    out = []
+    for message in messages:
+        if not isinstance(message, dict):
+            raise EndpointError(400, "each of 'messages' must be an object", "invalid_messages", "messages")
+        message = {**message, "content": "" if message.get("content") is None else message["content"]}
+        if message.get("tool_calls"):
+            message["tool_calls"] = [_decoded_arguments(call) for call in message["tool_calls"]]
+        out.append(message)
+    return out
+
+
+def _decoded_arguments(call: Any) -> Any:
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except ValueError:
+        return call  # left as the text it is
+    return {**call, "function": {**function, "arguments": arguments}}
+
+
+class _OneParserError(logging.Filter):
+    """vLLM's tool parsers log every reply whose tool call does not parse with a traceback; the reply goes back as
+    text, which is the agent's to handle, so after the first such log each is counted instead."""
+
+    def __init__(self):
+        super().__init__()
+        self.count = 0
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if record.levelno < logging.ERROR:
+            return True
+        self.count += 1
+        if self.count == 1:
+            record.msg = f"{record.msg} (the reply goes back as text; later ones are not logged)"
+        return self.count == 1
 
 
 def create_app(
@@ -147,9 +244,15 @@ def create_app(
     model_name: str,
     max_tokens_limit: int,
     timeout_s: float = 600.0,
+    sampling: dict[str, float] | None = None,
+    max_context: int | None = None,
+    tool_parser: Callable[[list | None], Any] | None = None,
 ):
-    """The FastAPI app: completions from `batcher`, rendered and decoded with `tokenizer`, recorded in `sessions`."""
+    """The FastAPI app: completions from `batcher`, rendered and decoded with `tokenizer`, recorded in `sessions`.
+    `sampling`: the run's settings, which every request gets (module doc); `max_context`: prompt and completion
+    tokens at most (the engines' context), a longer prompt is refused; `tool_parser`: `tool_parser_factory`'s."""
     app = FastAPI(title="openppo agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
+    ignored: set[str] = set()  # request settings that the run's override, logged once each
 
     def reply(data: Any, status: int = 200) -> Response:
         return Response(content=json.dumps(data), status_code=status, media_type="application/json")
@@ -159,7 +262,7 @@ def create_app(
         body = {"error": {"message": str(exc), "type": kind, "code": exc.code, "param": exc.param}}
         return reply(body, exc.status)
 
-    async def parse(request: Request) -> tuple[dict, str]:
+    async def parse(request: Request, path_session: str | None) -> tuple[dict, str, dict]:
         try:
             body = json.loads(await request.body())
         except ValueError as exc:
@@ -173,30 +276,55 @@ def create_app(
                 "model_not_found",
                 "model",
             )
-        session = request.headers.get(SESSION_HEADER) or body.get("user")
+        session = path_session or request.headers.get(SESSION_HEADER) or body.get("user")
         if not session:
             raise EndpointError(
                 400,
-                f"no session: name the episode in the {SESSION_HEADER} header or the 'user' field",
+                f"no session: name the episode in the path (/sessions/<id>/v1), the {SESSION_HEADER} header or "
+                f"the 'user' field",
                 "missing_session",
                 "user",
             )
-        return body, str(session)
+        sessions.check_open(str(session))
+        if sampling is not None:
+            for key, value in sampling.items():
+                if body.get(key) is not None and float(body[key]) != value and key not in ignored:
+                    ignored.add(key)
+                    logger.info(
+                        "agent endpoint: a request asked for %s=%s; the run samples with %s=%s (--%s), which the "
+                        "trainer's log-probs assume (logged once)",
+                        key,
+                        body[key],
+                        key,
+                        value,
+                        key,
+                    )
+        return body, str(session), _sampling(body, max_tokens_limit, sampling)
 
-    def complete(session: str, prompt_ids: list[int], sampling: dict) -> tuple[Generated, str]:
+    def complete(session: str, prompt_ids: list[int], params: dict) -> Generated:
+        if max_context is not None:
+            if len(prompt_ids) >= max_context:
+                raise EndpointError(
+                    400,
+                    f"the prompt has {len(prompt_ids)} tokens and leaves no room in the context of {max_context} "
+                    f"(--max_len)",
+                    "context_length_exceeded",
+                    "messages",
+                )
+            params = {**params, "max_new_tokens": min(params["max_new_tokens"], max_context - len(prompt_ids))}
         try:
-            out = batcher.submit(prompt_ids, sampling, timeout_s)
+            out = batcher.submit(prompt_ids, params, timeout_s)
         except Exception as exc:  # the engines' error, for the client to see; the server goes on
             logger.warning("agent endpoint: a generation for session %s failed: %s", session, exc)
             raise EndpointError(500, f"generation failed: {exc}", "generation_failed") from exc
         sessions.record(session, Call(prompt_ids, out.token_ids, out.log_probs, out.version, out.finish_reason))
-        return out, tokenizer.decode(out.token_ids, skip_special_tokens=True)
+        return out
 
     def completion(kind: str, choice: dict[str, Any], prompt_ids: Sequence[int], out: Generated) -> Response:
         """OpenAI's response around one choice: `kind` "chat.completion" or "text_completion"."""
         n, m = len(prompt_ids), len(out.token_ids)
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-        choice = {"index": 0, **choice, "finish_reason": out.finish_reason, "logprobs": None}
+        choice = {"index": 0, "finish_reason": out.finish_reason, **choice, "logprobs": None}
         return reply(
             {
                 "id": f"{prefix}-{uuid.uuid4().hex}",
@@ -208,37 +336,41 @@ def create_app(
             }
         )
 
-    @app.get("/v1/models")
+    def text_of(out: Generated, keep_special: bool) -> str:
+        ids = list(out.token_ids)
+        if keep_special and ids and ids[-1] == tokenizer.eos_token_id:
+            ids = ids[:-1]  # the end of turn, not text; other special tokens may mark tool calls
+        return tokenizer.decode(ids, skip_special_tokens=not keep_special)
+
     async def models():
         return reply({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "openppo"}]})
 
-    @app.post("/v1/chat/completions")
-    async def chat(request: Request):
+    async def chat(request: Request, session: str | None = None):
         try:
-            body, session = await parse(request)
-            sampling = _sampling(body, max_tokens_limit)
+            body, session, params = await parse(request, session)
             messages = body.get("messages")
             if not isinstance(messages, list) or not messages:
                 raise EndpointError(400, "'messages' must be a non-empty list", "invalid_messages", "messages")
             try:
                 text = tokenizer.apply_chat_template(
-                    messages, tools=body.get("tools"), add_generation_prompt=True, tokenize=False
+                    template_messages(messages), tools=body.get("tools"), add_generation_prompt=True, tokenize=False
                 )
             except Exception as exc:  # the template's own complaint (a role it does not know, ...)
                 raise EndpointError(
                     400, f"the chat template cannot render the messages: {exc}", "bad_messages"
                 ) from exc
             prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-            out, content = await run_in_threadpool(complete, session, prompt_ids, sampling)
+            out = await run_in_threadpool(complete, session, prompt_ids, params)
+            parser = tool_parser(body.get("tools")) if tool_parser is not None and body.get("tools") else None
+            message, called = assistant_message(text_of(out, parser is not None), body, parser)
         except EndpointError as exc:
             return error(exc)
-        return completion("chat.completion", {"message": {"role": "assistant", "content": content}}, prompt_ids, out)
+        choice = {"message": message, **({"finish_reason": "tool_calls"} if called else {})}
+        return completion("chat.completion", choice, prompt_ids, out)
 
-    @app.post("/v1/completions")
-    async def completions(request: Request):
+    async def completions(request: Request, session: str | None = None):
         try:
-            body, session = await parse(request)
-            sampling = _sampling(body, max_tokens_limit)
+            body, session, params = await parse(request, session)
             prompt = body.get("prompt")
             if isinstance(prompt, str):
                 prompt_ids = tokenizer.encode(prompt, add_special_tokens=False)
@@ -254,11 +386,16 @@ def create_app(
                     )
             else:
                 raise EndpointError(400, "'prompt' must be a string or a list of token ids", "invalid_prompt", "prompt")
-            out, text = await run_in_threadpool(complete, session, prompt_ids, sampling)
+            out = await run_in_threadpool(complete, session, prompt_ids, params)
         except EndpointError as exc:
             return error(exc)
-        return completion("text_completion", {"text": text}, prompt_ids, out)
+        return completion("text_completion", {"text": text_of(out, False)}, prompt_ids, out)
 
+    # the same routes under each episode's base URL (/sessions/<id>/v1)
+    for prefix in ("/v1", "/sessions/{session}/v1"):
+        app.add_api_route(f"{prefix}/models", models, methods=["GET"])
+        app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
+        app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
     return app
 
 

@@ -116,11 +116,25 @@ def test_errors_reach_the_client_in_openai_shape(served):
         client.chat.completions.create(model="gpt-4o", messages=chat, user="s")
     with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
         client.chat.completions.create(model=MODEL, messages=chat, user="s", stream=True)
-    with pytest.raises(openai.BadRequestError, match="no session: name the episode in the X-Session-Id header"):
+    with pytest.raises(openai.BadRequestError, match="no session: name the episode in the path"):
         client.chat.completions.create(model=MODEL, messages=chat)
     with pytest.raises(openai.BadRequestError, match="token id 9000 is outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[1, 9000], extra_headers={"X-Session-Id": "s"})
     assert [m.id for m in client.models.list().data] == [MODEL]
+
+
+def test_a_session_named_by_the_path_ends_when_collected(served):
+    """The base URL a run hands each episode's agent names the session: an unmodified client needs nothing else.
+    Once the episode is collected, a late call in it is refused (409), not recorded."""
+    import openai
+
+    base_url, sessions, _ = served
+    client = _client(base_url.removesuffix("/v1") + "/sessions/episode-9/v1")
+    client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert sessions.close("episode-9").calls == 1
+    with pytest.raises(openai.ConflictError, match="session episode-9 has ended"):
+        client.chat.completions.create(model=MODEL, messages=[{"role": "user", "content": "hi"}], max_tokens=4)
+    assert sessions.close("episode-9").calls == 0
 
 
 def test_32_sessions_at_once_are_batched(served):
