@@ -22,6 +22,7 @@ LONGEST_FIRST = (
     "tests/ppo/test_two_nodes.py",  # 150
     "tests/ppo/test_engine_death.py",  # 126
     "tests/ppo/test_distillation.py",  # 159 alone on a 2-core AMD EPYC (AVX2), which takes ~1.6x this list's box
+    "tests/agents/test_served_agents.py",  # 115 alone on the AMD EPYC, building its tool-calling model (~50 s)
     "tests/ppo/test_crash_resume.py",  # 95
     "tests/cli/test_supervised_parallel.py",  # 65
     "tests/agents/test_endpoint.py",  # 94 alone on the AMD EPYC

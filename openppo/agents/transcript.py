@@ -86,8 +86,11 @@ class Transcript:
 
     segments: list[Segment] = field(default_factory=list)
     sealed: int = 0  # calls whose prompt did not extend the open segment
+    last: Call | None = None  # the latest call (its prompt is the whole conversation, its output the final answer)
+    calls: int = 0
 
     def add(self, call: Call) -> None:
+        self.last, self.calls = call, self.calls + 1
         if self.segments and self.segments[-1].extend(call):
             return
         if self.segments:

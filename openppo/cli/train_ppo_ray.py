@@ -7,6 +7,7 @@ import logging
 import sys
 from pathlib import Path
 
+from openppo.agents.program import load_agent_program
 from openppo.cli.runner import run_cli
 from openppo.config.schema import to_dict
 from openppo.errors import headline
@@ -43,6 +44,7 @@ def train(cfg: PPOConfig) -> None:
     prompts = launch.load_prompts(cfg, tokenizer, rows)
     eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
     agent_episodes = launch.agent_episodes(cfg, tokenizer) if cfg.rollout.agent_func_path else None
+    agent_program = load_agent_program(cfg.rollout.agent_program) if cfg.rollout.agent_program else None
     groups = None
     try:
         # The cluster's devices decide the run's, not this process's (a GPU-less head node under `ray job submit`)
@@ -65,7 +67,7 @@ def train(cfg: PPOConfig) -> None:
             while True:
                 groups = launch.build_groups(cfg, plan, reward_source, kv_bytes, devices.on_gpu)
                 groups.engines.restarts = engine_restarts  # the run's count and bound go on over a restart
-                source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes)
+                source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes, agent_program)
                 trainer = PPOTrainer(
                     cfg,
                     plan,

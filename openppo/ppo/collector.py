@@ -125,6 +125,8 @@ class RolloutSource:
     (--full_determinism) reseeds the engines' sampling; `version` is the weight version at the start of the
     generation (the oldest that can have produced a sample)."""
 
+    drops_episodes = False  # some samples may come back `dropped` (their groups leave the batch)
+
     def __init__(self, cfg: PPOConfig):
         self.cfg = cfg
 
@@ -132,6 +134,9 @@ class RolloutSource:
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
         raise NotImplementedError
+
+    def close(self) -> None:
+        """Release what the source holds (the agent endpoint's server); the run is over."""
 
 
 class Scorer(Protocol):
@@ -317,9 +322,9 @@ class Collector:
         n, want = r.n_samples_per_prompt, r.rollout_batch_size
         timing: dict[str, float] = {}
         generated: list[torch.Tensor] = []
-        logs: dict[str, float] = {}
+        scored: list[tuple[int, dict[str, float]]] = []  # each round's samples and the scorer's metrics of them
         taken: list[int] = []
-        kept = 0
+        kept = dropped_episodes = 0
         while len(self.ahead) < want:
             # --full_determinism: the round's seed follows from the prompt position, which a resume restores
             seed = self.round_seed(self.stream.cursor) if self.cfg.train.full_determinism else None
@@ -332,17 +337,25 @@ class Collector:
             with timed(timing, "generate"):
                 new = self.source.generate(items, n=n, temperature=r.temperature, seed=seed, version=self.version())
             with timed(timing, "reward"):
-                new_scores, logs = self.scorer.score(new)
+                new_scores, round_logs = self.scorer.score(new)
+            scored.append((len(new), round_logs))
             generated.append(new_scores)
             groups = [
                 _Group(new[g * n : (g + 1) * n], new_scores[g * n : (g + 1) * n], first + g) for g in range(len(items))
             ]
-            if r.dynamic_filtering:
-                keep = keep_groups(new_scores, n, tuple(r.dynamic_filtering_reward_range)).tolist()
-                groups = [group for group, k in zip(groups, keep) if k]
+            dropped = sum(1 for s in new if s.dropped)
+            if dropped:  # an --agent_program episode failed: its group leaves (served_agents.py), more are drawn
+                if dropped == len(new):
+                    raise RuntimeError(f"every agent episode of the round failed; the first: {new[0].dropped}")
+                dropped_episodes += dropped
+                groups = [group for group in groups if not any(s.dropped for s in group.samples)]
+            if r.dynamic_filtering and groups:
+                keep = keep_groups(torch.cat([g.scores for g in groups]), n, tuple(r.dynamic_filtering_reward_range))
+                groups = [group for group, k in zip(groups, keep.tolist()) if k]
             kept += len(groups)
             self.ahead += groups
         batch, self.ahead = self.ahead[:want], self.ahead[want:]
+        logs = _weighted_means(scored)
         if r.dynamic_filtering and generated:
             drawn = torch.cat(generated)
             logs.update(
@@ -354,6 +367,8 @@ class Collector:
             )
         if self.surplus:
             logs["rollout/groups_ahead"] = len(self.ahead)
+        if self.source.drops_episodes:
+            logs["rollout/agent_dropped"] = float(dropped_episodes)
         # a checkpoint after this batch resumes at the first group generated ahead: a resume generates it again
         stream_state = self.stream.state_dict()
         if self.ahead:
@@ -371,6 +386,17 @@ class Collector:
             [it.get("datasource", "default") for it in items],
             torch.tensor([len(s.response_ids) for s in samples]),
         )
+
+
+def _weighted_means(rounds: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """The scorer's metrics of a batch's generation rounds, each a mean over its samples: per metric, the mean over
+    the samples of the rounds that logged it."""
+    totals: dict[str, list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for count, logs in rounds:
+        for key, value in logs.items():
+            totals[key][0] += count * value
+            totals[key][1] += count
+    return {key: total / count for key, (total, count) in totals.items()}
 
 
 # -- generating ahead (--async_train) ------------------------------------------------------------------------------

@@ -303,6 +303,23 @@ class RolloutConfig:
         metavar="FILE",
     )
     agent_max_turns: int = opt(4, "most model turns per agent episode")
+    agent_program: str = opt(
+        None,
+        "an agent that speaks the OpenAI API, served by the rollout engines through a local endpoint: "
+        "FILE.py[:NAME] (a Python callable NAME(base_url, task), default name `agent`) or a command run once per "
+        "episode (OPENAI_BASE_URL and OPENPPO_TASK in its environment); it returns the reward (a number; a "
+        "command prints it last) or None for the reward function to score (docs/agents.md)",
+        metavar="SPEC",
+    )
+    agent_timeout: float = opt(600.0, "--agent_program: seconds an episode may take; a late one is dropped")
+    agent_concurrency: int = opt(0, "--agent_program: episodes running at once (0: every episode of the batch)")
+    agent_tool_parser: str = opt(
+        None,
+        "--agent_program: vLLM's tool-call parser for the model family (hermes for Qwen2.5/Qwen3, llama3_json, "
+        "mistral, ...): replies carry OpenAI `tool_calls`; without it, tool calls stay in the text",
+        metavar="NAME",
+    )
+    agent_host: str = opt("127.0.0.1", "--agent_program: the address the endpoint listens on (local by default)")
 
     @property
     def sampling(self) -> SamplingFilter:

@@ -8,6 +8,8 @@ Environment feedback inside a multi-turn response is kept in the sequence with `
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from openppo.algorithms import compute_advantages, compute_approx_kl, shape_sequence_rewards, token_level_rewards
@@ -43,6 +45,30 @@ def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch
     }
 
 
+def training_rows(samples: list[Sample], multiple: int = 1) -> tuple[list[Sample], torch.Tensor]:
+    """The rows a batch trains on, and the sample (episode) each row belongs to [R]: one row per sample, or per
+    segment of an agent episode served through the OpenAI endpoint (`Sample.segments`). When segments make the row
+    count no multiple of `multiple` (the data-parallel ranks' number), rows that train nothing are added (a copy of
+    the last row with an all-zero action mask), belonging to episode -1."""
+    rows, episode = [], []
+    for i, s in enumerate(samples):
+        for row in s.segments or [s]:
+            rows.append(row)
+            episode.append(i)
+    while len(rows) % multiple:
+        last = rows[-1]
+        rows.append(replace(last, action_mask=[0] * len(last.response_ids), segments=None))
+        episode.append(-1)
+    return rows, torch.tensor(episode, dtype=torch.long)
+
+
+def per_episode(values: torch.Tensor, episode: torch.Tensor, num_episodes: int, reduce: str) -> torch.Tensor:
+    """Row values [R] gathered per episode [num_episodes] ("sum" or "amax"); rows of episode -1 left out."""
+    keep = episode >= 0
+    out = torch.zeros(num_episodes, dtype=values.dtype)
+    return out.scatter_reduce(0, episode[keep], values[keep], reduce=reduce, include_self=False)
+
+
 def kl_coef_in_reward(algo: AlgoConfig, kl_coef: float) -> float:
     """The KL is a per-token reward penalty unless --use_kl_loss moves it into the loss."""
     return 0.0 if algo.use_kl_loss else kl_coef
@@ -60,26 +86,39 @@ def compute_advantages_for_batch(
     ref_log_probs: torch.Tensor | None = None,
     values: torch.Tensor | None = None,
     reward_mean_std: tuple[float, float] | None = None,
+    episode: torch.Tensor | None = None,
 ) -> dict[str, torch.Tensor]:
     """Shaped rewards -> token rewards (with the KL penalty) -> advantages and returns, all on the [B, T-1] grid.
 
     `scores` [B] are raw rewards in group order (n consecutive samples per prompt). Returns the tensors the
     training step needs: advantages, returns, token_rewards, kl (zeros without a reference), shaped_rewards.
+
+    `episode` [R] (`training_rows`): when the batch's R rows are the segments of B agent episodes, the rewards are
+    shaped per episode (the group baseline over the n episodes of a prompt; an episode's length is its segments'
+    generated tokens together, truncated when one of them is) and every segment of an episode gets its shaped reward,
+    so all of them share its advantage; rows of episode -1 get none.
     """
     mask = batch["action_mask"]
+    lengths, truncated = batch["response_length"], batch["truncated"]
+    if episode is not None:
+        generated = mask.sum(dim=-1)
+        lengths = per_episode(generated, episode, len(scores), "sum")
+        truncated = per_episode(truncated.long(), episode, len(scores), "amax").bool()
     shaped = shape_sequence_rewards(
         scores.float(),
         estimator=algo.advantage_estimator,
         n_samples_per_prompt=n_samples_per_prompt,
         reward_mean_std=reward_mean_std if algo.normalize_reward else None,
         reward_clip_range=tuple(algo.reward_clip_range),
-        response_lengths=batch["response_length"],
+        response_lengths=lengths,
         max_new_tokens=generate_max_len,
         overlong_buffer_len=algo.overlong_buffer_len,
         overlong_penalty_factor=algo.overlong_penalty_factor,
-        truncated=batch["truncated"],
+        truncated=truncated,
         stop_properly_penalty_coef=algo.stop_properly_penalty_coef,
     )
+    if episode is not None:
+        shaped = torch.where(episode >= 0, shaped[episode.clamp(min=0)], torch.zeros((), dtype=shaped.dtype))
     if ref_log_probs is not None and log_probs is not None:
         kl = compute_approx_kl(log_probs, ref_log_probs, algo.kl_estimator, mask=mask)
     else:

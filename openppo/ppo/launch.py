@@ -86,23 +86,32 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
     )
 
 
-def rollout_parts(cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=None) -> tuple[RolloutSource, Scorer]:
+def rollout_parts(
+    cfg: PPOConfig, groups: Groups, tokenizer, agent_episodes=None, agent_program=None
+) -> tuple[RolloutSource, Scorer]:
     """The run's rollout source and scorer, chosen once: the agent's episodes for both (`agent_episodes(cfg,
-    tokenizer)`, built before Ray starts so that a broken agent file fails first), or single-turn generation scored
-    by the reward source (--remote_rm_url), else the reward model's ranks, else (a teacher's distillation alone) by
-    no one: every reward 0."""
+    tokenizer)`, built before Ray starts so that a broken agent file fails first), or an --agent_program's episodes
+    through the endpoint (`load_agent_program`, also loaded first; scored by the agent, else as single turns are), or
+    single-turn generation scored by the reward source (--remote_rm_url), else the reward model's ranks, else (a
+    teacher's distillation alone) by no one: every reward 0."""
     from openppo.ppo.collector import AgentEpisodes, NoReward, SingleTurn, TextRewards
+    from openppo.ppo.served_agents import ServedAgents
 
     single = SingleTurn(groups.engines, cfg)
     if agent_episodes is not None:
         agent = AgentEpisodes(single, agent_episodes)
         return agent, agent
     if groups.reward_source is not None:
-        return single, TextRewards(groups.reward_source, tokenizer)
-    if groups.reward is None:  # validation allows it with teachers only: distillation alone
-        return single, NoReward()
-    groups.reward.pad_token_id = tokenizer.pad_token_id
-    return single, groups.reward
+        scorer = TextRewards(groups.reward_source, tokenizer)
+    elif groups.reward is not None:
+        groups.reward.pad_token_id = tokenizer.pad_token_id
+        scorer = groups.reward
+    else:  # validation allows it with teachers only (distillation alone), or an agent that returns rewards
+        scorer = None
+    if agent_program is not None:
+        served = ServedAgents(single, agent_program, tokenizer, scorer)
+        return served, served
+    return single, scorer or NoReward()
 
 
 def agent_episodes(cfg: PPOConfig, tokenizer):

@@ -114,7 +114,8 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
         steps_per_episode=steps_per_episode,
         engine_dtype=ENGINE_DTYPES[cfg.ds.param_dtype],
         # a teacher's advantage is log pi_T - log pi_S with the trainer's pi_S, as exact as the teacher's log-probs
-        old_logprob_pass=not one_step or needs_reference(cfg) or bool(teachers),
+        # (and an endpoint agent's sealed segments are extra rows: more than one optimizer step per batch)
+        old_logprob_pass=not one_step or needs_reference(cfg) or bool(teachers) or bool(r.agent_program),
         balance=r.packing_samples or r.use_dynamic_batch,
         roles=roles,
         shared_prompts=f"{'on' if share else 'off'} ({why})",

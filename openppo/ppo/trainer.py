@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import time
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -47,11 +48,12 @@ from openppo.ppo.collector import (
 )
 from openppo.ppo.colocation import MemorySwap
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
+from openppo.ppo.experience import collate_samples, compute_advantages_for_batch, training_rows
 from openppo.ppo.groups import Groups, TrainedGroup
 from openppo.ppo.plan import RunPlan
 from openppo.ppo.reporting import RunHistory, idle_seconds, step_throughput, timed
 from openppo.ppo.teachers import distill_step, parse_teachers, rows_for_ranks, teacher_rows
+from openppo.rollout.pool import Sample
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.hardware import rss_gib
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
@@ -81,6 +83,9 @@ class PPOTrainer:
         self.teacher_names = [t.name for t in parse_teachers(cfg.model.teacher_pretrain)]
         self.teacher_routes = teacher_routes
         self.groups = groups
+        # an agent episode's segments make the row count vary: it is padded to a multiple of every group's
+        # data-parallel ranks, which take equal shares (`training_rows`)
+        self._row_multiple = math.lcm(*(r.ranks // (r.ring * r.tensor_parallel) for r in plan.roles.values()))
         self.tokenizer = tokenizer
         self.eval_prompts = eval_prompts
         self.tracker = tracker
@@ -179,7 +184,10 @@ class PPOTrainer:
         self._timing = dict(rollout.timing)
         self._data_position = rollout.stream_state
         self.swap.to_trainer()
-        batch = collate_samples(rollout.samples, self.tokenizer.pad_token_id)
+        # an agent episode's segments are rows of their own, sharing its advantage (`training_rows`)
+        rows, episode = training_rows(rollout.samples, self._row_multiple)
+        segmented = any(s.segments for s in rollout.samples)
+        batch = collate_samples(rows, self.tokenizer.pad_token_id)
         model_in = {k: batch[k] for k in ("sequences", "attention_mask", "action_mask")}
 
         # forwards: pi_old for the PPO ratio (none when the update is a single on-policy step), with --top_k/--top_p
@@ -201,7 +209,7 @@ class PPOTrainer:
         teacher_lp = None
         if g.teachers:
             with self.timer("teacher_logprob"):
-                teacher_lp, teacher_of = self._teacher_log_probs(rollout, model_in)
+                teacher_lp, teacher_of = self._teacher_log_probs(rows, model_in)
 
         # advantages: rewards (KL-penalised where the KL is not a loss term) -> per-token advantages and returns
         with self.timer("advantages"):
@@ -216,6 +224,7 @@ class PPOTrainer:
                 ref_log_probs=ref,
                 values=values,
                 reward_mean_std=g.reward.normalization if g.reward else None,
+                episode=episode if segmented else None,
             )
             distilled = {}
             if teacher_lp is not None:
@@ -266,11 +275,11 @@ class PPOTrainer:
         return self._step_metrics(rollout, batch, adv, old_sampling, metrics, start)
 
     def _teacher_log_probs(
-        self, rollout: Rollout, model_in: dict[str, torch.Tensor]
+        self, rows: list[Sample], model_in: dict[str, torch.Tensor]
     ) -> tuple[torch.Tensor, list[torch.Tensor]]:
         """Each teacher's log-probs of its rows' sampled tokens [B, T-1] (every teacher forwards only the rows routed
         to it), and the rows of each teacher."""
-        groups = torch.tensor([s.group for s in rollout.samples], dtype=torch.long)
+        groups = torch.tensor([s.group for s in rows], dtype=torch.long)
         rows = teacher_rows(groups, self.teacher_routes, len(self.groups.teachers))
         out = torch.zeros(model_in["action_mask"].shape, dtype=torch.float32)
         for teacher, r in zip(self.groups.teachers, rows):
@@ -510,6 +519,7 @@ class PPOTrainer:
         finally:
             if self._producer is not None:
                 self._producer.stop()
+            self.collector.source.close()
             self._rollout_log.close()
 
     def _loop(self) -> RunHistory:

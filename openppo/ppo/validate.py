@@ -82,11 +82,12 @@ def _models(cfg: PPOConfig) -> None:
             f"{'--reward_pretrain' if m.reward_pretrain else '--remote_rm_url'}"
         )
     teachers = parse_teachers(m.teacher_pretrain)
-    rewarded = bool(agent or m.reward_pretrain or m.remote_rm_url)
+    # an --agent_program returns its rewards (or leaves them to a reward source: served_agents.py)
+    rewarded = bool(agent or m.reward_pretrain or m.remote_rm_url or cfg.rollout.agent_program)
     if not rewarded and not teachers:
         raise UserError(
             "a reward source is required: --reward_pretrain DIR, --remote_rm_url URL[,URL] / FILE.py, "
-            "or --agent_func_path FILE.py (or a teacher to distill from: --teacher_pretrain DIR)"
+            "--agent_func_path FILE.py or --agent_program SPEC (or a teacher to distill from: --teacher_pretrain DIR)"
         )
     if teachers and algo.distill_task_coef and not rewarded:
         raise UserError(
@@ -541,6 +542,39 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     return validate_flags(cfg) + validate_devices(cfg, on_gpu)
 
 
+def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
+    r = cfg.rollout
+    if not r.agent_program:
+        if r.agent_tool_parser:
+            notices.append(f"--agent_tool_parser {r.agent_tool_parser} has no effect without --agent_program")
+        return
+    if r.agent_func_path:
+        raise UserError(
+            "--agent_program and --agent_func_path both given: an agent is either an OpenAI-API program "
+            "(--agent_program) or an openppo AgentEnv file (--agent_func_path); pick one"
+        )
+    if cfg.data.apply_chat_template:
+        raise UserError(
+            "--apply_chat_template with --agent_program: the endpoint renders each of the agent's requests with the "
+            "chat template, and the agent gets the data set's text; drop --apply_chat_template"
+        )
+    require(r.agent_timeout > 0, f"--agent_timeout must be positive (seconds), got {r.agent_timeout}")
+    require(r.agent_concurrency >= 0, f"--agent_concurrency must be >= 0 (0: all at once), got {r.agent_concurrency}")
+    if r.agent_tool_parser:
+        from vllm.tool_parsers import ToolParserManager
+
+        known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+        require(
+            r.agent_tool_parser in known,
+            f"--agent_tool_parser {r.agent_tool_parser}: vLLM has no such tool parser; it has: {', '.join(known)}",
+        )
+    if r.agent_host not in ("127.0.0.1", "localhost", "::1"):
+        notices.append(
+            f"--agent_host {r.agent_host}: the agent endpoint is reachable from other machines (it takes no files "
+            f"or code from requests, and has no authentication)"
+        )
+
+
 def validate_flags(cfg: PPOConfig) -> list[str]:
     """The checks and notices that need no device: train_ppo_ray runs them before it connects to Ray, so that a
     wrong flag fails at once."""
@@ -557,6 +591,7 @@ def validate_flags(cfg: PPOConfig) -> list[str]:
     _batches(cfg)
     _resources(cfg, notices)
     _no_effect(cfg, notices)
+    _agent_program(cfg, notices)
     validate_outputs(cfg.ckpt, cfg.logging)
     return notices
 

@@ -61,6 +61,10 @@ class Sample:
     reward: float | None = None
     score: float | None = None
     extra: dict[str, float] = field(default_factory=dict)
+    # an agent episode served through the OpenAI endpoint: its training rows, one per segment of calls whose prompts
+    # extend each other (`openppo.agents.transcript`); prompt_ids/response_ids are then its last call's, for scoring
+    segments: list[Sample] | None = None
+    dropped: str | None = None  # why the episode cannot be trained on (its agent raised or ran out of time)
 
     @property
     def truncated(self) -> bool:

@@ -109,6 +109,33 @@ CASES = [
         ["--teacher_pretrain", "{model}", "--remote_rm_url_off", "--dynamic_filtering"],
         "--dynamic_filtering",
     ),
+    # (the base run renders its prompts with --apply_chat_template, which an --agent_program run refuses)
+    (
+        "train_ppo_ray",
+        ["--agent_program", "/nonexistent/agent.py", "--apply_chat_template_off"],
+        "--agent_program: agent file /nonexistent/agent.py not found",
+    ),
+    (
+        "train_ppo_ray",
+        ["--agent_program", "{no_func}", "--apply_chat_template_off"],
+        "defines no callable 'agent'",
+    ),
+    ("train_ppo_ray", ["--agent_program", "python agent.py"], "drop --apply_chat_template"),
+    (
+        "train_ppo_ray",
+        ["--agent_program", "python agent.py", "--agent_func_path", "{no_func}", "--remote_rm_url_off"],
+        "--agent_program and --agent_func_path",
+    ),
+    (
+        "train_ppo_ray",
+        ["--agent_program", "python agent.py", "--agent_tool_parser", "nope", "--apply_chat_template_off"],
+        "--agent_tool_parser nope: vLLM has no such tool parser",
+    ),
+    (
+        "train_ppo_ray",
+        ["--agent_program", "python agent.py", "--agent_timeout", "0", "--apply_chat_template_off"],
+        "--agent_timeout",
+    ),
     ("train_ppo_ray", ["--save_path", "{file}"], "--save_path"),
     ("train_ppo_ray", ["--use_tensorboard", "{file}"], "--use_tensorboard"),
     # train_ppo_ray: batch arithmetic, devices, algorithm, lengths

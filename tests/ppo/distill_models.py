@@ -11,13 +11,16 @@ The reverse KL is then ~0.25 nats per response at the start and the teacher's lo
 One word, not a longer pattern: measured, with three-word patterns the sampled-token advantages of the colour words
 also moved the end token (which both models score alike, advantage ~0), and at a learning rate that learns in a few
 steps the student stopped ending its answers at step 2 (the reverse KL went from 0.3 to 1.3 nats and stayed).
-Fine-tuning is a plain PyTorch loop on the response tokens (~7 s); the models are cached like the suite's others.
+Fine-tuning is a plain PyTorch loop on the response tokens (`sft_model_dir`, ~7 s); the models are cached like the
+suite's others.
 """
 
 from __future__ import annotations
 
 import random
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from tests.model_cache import cache_dir, tiny_model_dir
 
@@ -33,9 +36,31 @@ def teacher_patterns(colour: str) -> tuple[tuple[str, ...], ...]:
 def pattern_model_dir(name: str, patterns: tuple[tuple[str, ...], ...], prompts: list[str], steps: int = 120) -> Path:
     """The tiny model SFT-ed to answer each of `prompts` with one of `patterns` (drawn at random per example) and
     then the end token; cached as `<cache>/tiny-8k-distill-<name>`."""
-    from openppo.models.zoo import _cached_build
 
-    out = cache_dir() / f"tiny-8k-distill-{name}"
+    def examples(tok, rng: random.Random) -> list[tuple[list[int], list[int]]]:
+        words = {w: tok.encode(w, add_special_tokens=False) for w in COLOURS}
+        assert all(len(ids) == 1 for ids in words.values()), words
+        prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
+        return [
+            (ids, [words[w][0] for w in rng.choice(patterns)] + [tok.eos_token_id])
+            for ids in rng.sample(prompt_ids, min(16, len(prompt_ids)))
+        ]
+
+    build = {"kind": "distill-pattern", "patterns": [list(p) for p in patterns], "prompts": list(prompts)}
+    return sft_model_dir(f"tiny-8k-distill-{name}", build, examples, steps)
+
+
+def sft_model_dir(
+    name: str,
+    build: dict,
+    examples: Callable[[Any, random.Random], list[tuple[list[int], list[int]]]],
+    steps: int,
+    lr: float = 3e-3,
+) -> Path:
+    """The suite's tiny model fine-tuned in this process (AdamW at `lr`, `steps` steps, seeded) on the response tokens
+    of `examples(tokenizer, rng)`'s (prompt ids, answer ids) pairs, drawn anew each step; cached as `<cache>/<name>`
+    for `build` (JSON: lists, not tuples)."""
+    from openppo.models.zoo import _cached_build
 
     def make(tmp: Path) -> dict:
         import torch
@@ -46,16 +71,11 @@ def pattern_model_dir(name: str, patterns: tuple[tuple[str, ...], ...], prompts:
         base = tiny_model_dir()
         tok = AutoTokenizer.from_pretrained(base)
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32)
-        words = {w: tok.encode(w, add_special_tokens=False) for w in COLOURS}
-        assert all(len(ids) == 1 for ids in words.values()), words
-        prompt_ids = [tok.encode(p, add_special_tokens=False) for p in prompts]
-        optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
         for _ in range(steps):
-            rows, targets = [], []
-            for ids in rng.sample(prompt_ids, min(16, len(prompt_ids))):
-                answer = [words[w][0] for w in rng.choice(patterns)] + [tok.eos_token_id]
-                rows.append(ids + answer)
-                targets.append([-100] * len(ids) + answer)
+            pairs = examples(tok, rng)
+            rows = [ids + answer for ids, answer in pairs]
+            targets = [[-100] * len(ids) + answer for ids, answer in pairs]
             width = max(map(len, rows))
             x = torch.tensor([r + [tok.pad_token_id] * (width - len(r)) for r in rows])
             y = torch.tensor([t + [-100] * (width - len(t)) for t in targets])
@@ -66,9 +86,6 @@ def pattern_model_dir(name: str, patterns: tuple[tuple[str, ...], ...], prompts:
             optimizer.step()
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        return {"patterns": [list(p) for p in patterns], "steps": steps, "final_loss": loss.item()}
+        return {"steps": steps, "final_loss": loss.item()}
 
-    # (lists: the build is compared with its JSON record)
-    build = {"kind": "distill-pattern", "base": str(tiny_model_dir()), "patterns": [list(p) for p in patterns]}
-    build["prompts"] = list(prompts)
-    return _cached_build(out, {**build, "steps": steps}, make)
+    return _cached_build(cache_dir() / name, {**build, "base": str(tiny_model_dir()), "steps": steps}, make)

@@ -1,0 +1,104 @@
+"""--agent_program end to end (real Ray, DeepSpeed, two vLLM CPU engines; tests/agents/served_agent.py is the agent,
+written against the `openai` package only): 8 prompts x 4 episodes = 32 sessions at once on 2 engines, each a
+multi-turn episode with a tool call that vLLM's Hermes parser returns as OpenAI `tool_calls`
+(tests/agents/tool_model.py: a tiny model SFT-ed to call the tool).
+
+- Exact: every trained token's engine log-prob is within 1e-4 of the trainer's (fp32), at every step, in every row:
+  an episode whose second prompt extends the first (the template re-renders the tool call as sampled) is one row with
+  the tool's result masked inside it; one whose agent compacted its history is sealed into two rows.
+- Rewards: the agent's where it returns a number, the reward function's (tests/agents/judge_reward.py) where it
+  returns None, given the task and the last answer.
+- Failures: the episode whose agent raises is dropped and counted, its traceback is in the log; the episode that never
+  ends is stopped waiting for after --agent_timeout, named in the log; their groups are replaced by new prompts.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.agents.tool_model import question, tool_model_dir
+from tests.cli.helpers import REPO, read_metrics, run_cli, series
+
+pytestmark = pytest.mark.slow
+
+PAIRS = [(a, b) for a in range(1, 7) for b in range(1, 5)]  # 24 questions
+TIMEOUT_S = 30
+
+
+def test_an_openai_agent_with_a_tool_trains_exactly(tmp_path):
+    from openppo.tasks.arithmetic import write_jsonl
+
+    data = write_jsonl([{"input": question(a, b)} for a, b in PAIRS], tmp_path / "prompts.jsonl")
+    save = tmp_path / "out"
+    args = [
+        "--pretrain",
+        str(tool_model_dir(PAIRS)),
+        "--prompt_data",
+        str(data),
+        "--input_key",
+        "input",
+        "--agent_program",
+        str(REPO / "tests/agents/served_agent.py"),
+        "--agent_tool_parser",
+        "hermes",
+        "--agent_timeout",
+        str(TIMEOUT_S),
+        "--remote_rm_url",
+        str(REPO / "tests/agents/judge_reward.py"),
+        "--rollout_batch_size",
+        "8",
+        "--n_samples_per_prompt",
+        "4",
+        "--train_batch_size",
+        "32",
+        "--micro_train_batch_size",
+        "8",
+        "--micro_rollout_batch_size",
+        "16",
+        "--actor_num_gpus_per_node",
+        "1",
+        "--vllm_num_engines",
+        "2",
+        "--vllm_kv_cache_bytes",
+        str(64 * 2**20),
+        "--generate_max_len",
+        "32",
+        "--prompt_max_len",
+        "288",  # the context every call of an episode must fit in: 320 tokens
+        "--zero_stage",
+        "0",
+        "--param_dtype",
+        "fp32",
+        "--max_steps",
+        "2",
+        "--actor_learning_rate",
+        "1e-4",
+        "--init_kl_coef",
+        "0",
+        "--advantage_estimator",
+        "group_norm",
+        "--seed",
+        "5",
+        "--save_path",
+        str(save),
+    ]
+    proc = run_cli("train_ppo_ray", args, nproc=1, timeout=900)
+    log = proc.stdout + proc.stderr
+    records = read_metrics(save)
+    assert [r["step"] for r in records] == [1, 2]
+    # exact on every trained token, in every row (sealed segments included)
+    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in records), series(records, "rollout/logprob_diff_max")
+    assert all(r["rollout/outside_support"] == 0.0 for r in records)
+    # multi-turn with a tool call: the tool's result went back, and the re-rendered call sealed the segment
+    assert all(r["rollout/agent_calls"] > 1.5 for r in records), series(records, "rollout/agent_calls")
+    assert all(0.05 < r["rollout/agent_sealed"] < 0.5 for r in records), series(records, "rollout/agent_sealed")
+    assert all(r["rollout/agent_segments"] == 1 + r["rollout/agent_sealed"] for r in records)
+    # the reward function scored the episodes the agent left to it, given the task and the last answer
+    # (a batch's reward metrics are its last generation round's, and a refill round may hold no odd prompt)
+    judged = [r["reward/judged"] for r in records if "reward/judged" in r]
+    assert judged and all(j == 1.0 for j in judged), judged
+    # the agent that raised and the one that never ended: dropped, counted, in the log
+    assert [r["rollout/agent_dropped"] for r in records] == [2.0, 0.0]
+    assert "RuntimeError: the agent's tool server is down" in log and "Traceback" in log, log[-3000:]
+    assert f"did not finish within {TIMEOUT_S} s (--agent_timeout)" in log, log[-3000:]
+    assert "agent endpoint serving" in log
