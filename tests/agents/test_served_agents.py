@@ -1,6 +1,6 @@
 """--agent_program end to end (real Ray, DeepSpeed, two vLLM CPU engines; tests/agents/served_agent.py is the agent,
-written against the `openai` package only): 8 prompts x 4 episodes = 32 sessions at once on 2 engines, each a
-multi-turn episode with a tool call that vLLM's Hermes parser returns as OpenAI `tool_calls`
+written against the `openai` package only): 8 prompts x 4 episodes = 32 sessions at once on 2 engines, rows packed,
+each a multi-turn episode with a tool call that vLLM's Hermes parser returns as OpenAI `tool_calls`
 (tests/agents/tool_model.py: a tiny model SFT-ed to call the tool).
 
 - Exact: every trained token's engine log-prob is within 1e-4 of the trainer's (fp32), at every step, in every row:
@@ -55,6 +55,7 @@ def test_an_openai_agent_with_a_tool_trains_exactly(tmp_path):
         "8",
         "--micro_rollout_batch_size",
         "16",
+        "--packing_samples",  # the rows packed: a sealed episode's segments are sequences of their own
         "--actor_num_gpus_per_node",
         "1",
         "--vllm_num_engines",
