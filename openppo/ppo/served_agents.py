@@ -58,8 +58,9 @@ class ServedAgents(RolloutSource):
         if self.server is None:
             r, d = self.cfg.rollout, self.cfg.data
             parser = tool_parser_factory(r.agent_tool_parser, self.tokenizer) if r.agent_tool_parser else None
+            self._batcher = Batcher(self._generate_batch, expected=self._expected_requests)
             app = create_app(
-                Batcher(self._generate_batch, expected=self._expected_requests),
+                self._batcher,
                 self.tokenizer,
                 self.sessions,
                 model_name=self.model_name,
@@ -78,8 +79,10 @@ class ServedAgents(RolloutSource):
         return min(self._playing, self.cfg.rollout.agent_concurrency or self._playing)
 
     def close(self) -> None:
+        """Stop the server and its batcher (the run is over)."""
         if self.server is not None:
             self.server.stop()
+            self._batcher.stop()
             self.server = None
 
     def _generate_batch(self, prompts: list[list[int]], params: dict[str, Any]) -> list[Generated]:
