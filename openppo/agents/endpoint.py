@@ -165,6 +165,13 @@ def _sampling(body: dict[str, Any], max_tokens_limit: int, fixed: dict[str, floa
     return out
 
 
+def tool_parser_names() -> list[str]:
+    """The names of vLLM's tool-call parsers (--agent_tool_parser)."""
+    from vllm.tool_parsers import ToolParserManager
+
+    return sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+
+
 def tool_parser_factory(name: str, tokenizer) -> Callable[[list | None], Any]:
     """`tools -> parser` for vLLM's tool-call parser `name` (a KeyError names the ones it has)."""
     from vllm.tool_parsers import ToolParserManager
@@ -172,8 +179,7 @@ def tool_parser_factory(name: str, tokenizer) -> Callable[[list | None], Any]:
     try:
         parser_cls = ToolParserManager.get_tool_parser(name)
     except KeyError:
-        known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
-        raise KeyError(f"vLLM has no tool parser {name!r}; it has: {', '.join(known)}") from None
+        raise KeyError(f"vLLM has no tool parser {name!r}; it has: {', '.join(tool_parser_names())}") from None
     quiet = _OneParserError()
     logging.getLogger(parser_cls.__module__).addFilter(quiet)
     return lambda tools: parser_cls(tokenizer, tools)

@@ -269,9 +269,13 @@ class AgentEpisodes(RolloutSource):
         return samples
 
     def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
-        keys = sorted({k for s in samples for k in s.extra})
-        extra = {k: sum(s.extra.get(k, 0.0) for s in samples) / len(samples) for k in keys}
-        return torch.tensor([s.reward for s in samples], dtype=torch.float32), extra
+        return torch.tensor([s.reward for s in samples], dtype=torch.float32), mean_extra(samples)
+
+
+def mean_extra(samples: list[Sample]) -> dict[str, float]:
+    """The batch means of the samples' own metrics (`Sample.extra`; a sample without one counts 0)."""
+    keys = sorted({k for s in samples for k in s.extra})
+    return {k: sum(s.extra.get(k, 0.0) for s in samples) / len(samples) for k in keys}
 
 
 # -- one rollout batch -------------------------------------------------------------------------------------------

@@ -27,12 +27,10 @@ import torch
 from openppo.agents.endpoint import Batcher, EndpointServer, Generated, Sessions, create_app, tool_parser_factory
 from openppo.agents.program import AgentProgram, Outcome
 from openppo.agents.transcript import Transcript
-from openppo.ppo.collector import RolloutSource, Scorer, SingleTurn
+from openppo.ppo.collector import RolloutSource, Scorer, SingleTurn, mean_extra
 from openppo.rollout.pool import Sample
 
 logger = logging.getLogger(__name__)
-
-MODEL_NAME_FALLBACK = "policy"
 
 
 class ServedAgents(RolloutSource):
@@ -51,7 +49,7 @@ class ServedAgents(RolloutSource):
 
     @property
     def model_name(self) -> str:
-        return self.cfg.model.pretrain or MODEL_NAME_FALLBACK
+        return self.cfg.model.pretrain
 
     def start(self) -> str:
         """Serve the endpoint (once); returns its base URL."""
@@ -195,6 +193,4 @@ class ServedAgents(RolloutSource):
             if s.reward is not None:
                 scores[i] = s.reward
         kept = [s for s in samples if s.dropped is None]
-        keys = sorted({k for s in kept for k in s.extra})
-        extra.update({k: sum(s.extra.get(k, 0.0) for s in kept) / len(kept) for k in keys} if kept else {})
-        return scores, extra
+        return scores, {**extra, **(mean_extra(kept) if kept else {})}

@@ -561,9 +561,9 @@ def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
     require(r.agent_timeout > 0, f"--agent_timeout must be positive (seconds), got {r.agent_timeout}")
     require(r.agent_concurrency >= 0, f"--agent_concurrency must be >= 0 (0: all at once), got {r.agent_concurrency}")
     if r.agent_tool_parser:
-        from vllm.tool_parsers import ToolParserManager
+        from openppo.agents.endpoint import tool_parser_names
 
-        known = sorted({*ToolParserManager.tool_parsers, *ToolParserManager.lazy_parsers})
+        known = tool_parser_names()
         require(
             r.agent_tool_parser in known,
             f"--agent_tool_parser {r.agent_tool_parser}: vLLM has no such tool parser; it has: {', '.join(known)}",
