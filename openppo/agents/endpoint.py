@@ -337,6 +337,8 @@ def create_app(
                 "object": kind,
                 "created": int(time.time()),
                 "model": model_name,
+                # OpenAI's field for the backend that answered: here the weights version that generated the reply
+                "system_fingerprint": f"openppo-weights-v{out.version}",
                 "choices": [choice],
                 "usage": {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m},
             }

@@ -224,9 +224,10 @@ class SingleTurn(RolloutSource):
                 group=item["index"],
                 label=item.get("label"),
                 prompt_text=item.get("prompt", ""),
-                # the engine's tags (--partial_rollout: a sync may land mid-response; versions never decrease)
-                policy_version=c["versions"][0] if c.get("versions") else version,
-                token_versions=c.get("versions"),
+                # the engine's tags (--partial_rollout: a sync may land mid-response; versions never decrease), or
+                # the version the pool held through the generation
+                policy_version=c["versions"][0] if c.get("versions") else c.get("version", version),
+                token_versions=c.get("versions") or [c.get("version", version)] * len(c["token_ids"]),
             )
             for item, group in zip(items, completions)
             for c in group
@@ -246,6 +247,7 @@ class AgentEpisodes(RolloutSource):
         self, items: list[dict], *, n: int, temperature: float, seed: int | None, version: int
     ) -> list[Sample]:
         turn_numbers = itertools.count()  # each turn reseeds with its own number
+        versions: list[int] = []  # of every turn (--async_train: a sync may land between two turns)
 
         def one_turn(ids: list[list[int]], budgets: list[int]) -> list[dict]:
             turn = next(turn_numbers)
@@ -258,6 +260,7 @@ class AgentEpisodes(RolloutSource):
                 version=version,
                 max_new_tokens=budgets,
             )
+            versions.extend(s.policy_version for s in samples)
             return [
                 {"token_ids": s.response_ids, "logprobs": s.rollout_log_probs, "finish_reason": s.finish_reason}
                 for s in samples
@@ -265,7 +268,7 @@ class AgentEpisodes(RolloutSource):
 
         samples = self.episodes(one_turn, items, n)
         for s in samples:
-            s.policy_version = version
+            s.policy_version = min(versions, default=version)  # (the round's oldest: a bound on the episode's)
         return samples
 
     def score(self, samples: list[Sample]) -> tuple[torch.Tensor, dict[str, float]]:
@@ -420,7 +423,8 @@ class Rollout:
 
 def staleness(samples: list[Sample], version: int, partial: bool = False) -> dict[str, float]:
     """How many weight versions behind the trained policy the samples' oldest tokens were; with `partial`
-    (--partial_rollout) also the share of samples whose tokens come from more than one version."""
+    (--partial_rollout, or agent episodes, whose calls a sync can fall between) also the share of samples whose tokens
+    come from more than one version."""
     lags = [version - s.policy_version for s in samples]
     out = {"rollout/staleness_mean": sum(lags) / len(lags), "rollout/staleness_max": float(max(lags))}
     if partial:

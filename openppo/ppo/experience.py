@@ -18,7 +18,9 @@ from openppo.rollout.pool import Sample
 
 
 def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
-    """Right-padded tensors: sequences/attention_mask [B, T]; action_mask/rollout_log_probs [B, T-1]."""
+    """Right-padded tensors: sequences/attention_mask [B, T]; action_mask/rollout_log_probs [B, T-1]; versions
+    [B, T-1], the weight version that sampled each trained token (`Sample.token_versions`, else the sample's
+    `policy_version`), -1 where the action mask is 0."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     width = max(lengths)
     batch = len(samples)
@@ -26,6 +28,7 @@ def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch
     attention_mask = torch.zeros((batch, width), dtype=torch.long)
     action_mask = torch.zeros((batch, width - 1), dtype=torch.long)
     rollout_log_probs = torch.zeros((batch, width - 1), dtype=torch.float32)
+    versions = torch.full((batch, width - 1), -1, dtype=torch.long)
     for row, s in enumerate(samples):
         p, r = len(s.prompt_ids), len(s.response_ids)
         assert len(s.rollout_log_probs) == r, "one rollout log-prob per response token"
@@ -35,11 +38,16 @@ def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch
         mask = torch.ones(r, dtype=torch.long) if s.action_mask is None else torch.tensor(s.action_mask)
         action_mask[row, p - 1 : p - 1 + r] = mask
         rollout_log_probs[row, p - 1 : p - 1 + r] = torch.tensor(s.rollout_log_probs, dtype=torch.float32)
+        trained = mask.bool()
+        tags = s.token_versions if s.token_versions is not None else [s.policy_version] * int(trained.sum())
+        assert len(tags) == int(trained.sum()), "one weight version per trained token"
+        versions[row, p - 1 : p - 1 + r][trained] = torch.tensor(tags, dtype=torch.long)
     return {
         "sequences": sequences,
         "attention_mask": attention_mask,
         "action_mask": action_mask,
         "rollout_log_probs": rollout_log_probs,
+        "versions": versions,
         "response_length": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
         "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool),
     }
@@ -57,7 +65,7 @@ def training_rows(samples: list[Sample], multiple: int = 1) -> tuple[list[Sample
             episode.append(i)
     while len(rows) % multiple:
         last = rows[-1]
-        rows.append(replace(last, action_mask=[0] * len(last.response_ids), segments=None))
+        rows.append(replace(last, action_mask=[0] * len(last.response_ids), token_versions=[], segments=None))
         episode.append(-1)
     return rows, torch.tensor(episode, dtype=torch.long)
 

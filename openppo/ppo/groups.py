@@ -147,6 +147,7 @@ class ActorGroup(TrainedGroup):
             stats = self.workers.run(ActorWorker.sync_weights, version)[0]
             if "failed" not in stats:
                 engines.stale.clear()
+                engines.version = version
             return stats
 
     def check_engine_weights(self, engines: EnginePool) -> list[tuple[bool, str]]:

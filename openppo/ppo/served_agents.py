@@ -145,6 +145,7 @@ class ServedAgents(RolloutSource):
                 finish_reason=segment.finish_reason,
                 action_mask=segment.action_mask,
                 policy_version=min(segment.versions, default=version),
+                token_versions=list(segment.versions),
                 **base,
             )
             for segment in transcript.segments
@@ -155,6 +156,8 @@ class ServedAgents(RolloutSource):
             rollout_log_probs=[float(x) for x in last.log_probs],
             finish_reason=last.finish_reason,
             policy_version=min(row.policy_version for row in rows),
+            # every call's, in order (--async_train: a sync can land between two calls of an episode)
+            token_versions=[v for row in rows for v in row.token_versions],
             reward=outcome.reward,
             segments=rows,
             extra={

@@ -188,6 +188,8 @@ class PPOTrainer:
         rows, episode = training_rows(rollout.samples, self._row_multiple)
         segmented = any(s.segments for s in rollout.samples)
         batch = collate_samples(rows, self.tokenizer.pad_token_id)
+        # the trained tokens that the weights about to be trained sampled (all of them, unless --async_train)
+        batch["fresh"] = batch["action_mask"].bool() & (batch["versions"] == self.policy_version)
         model_in = {k: batch[k] for k in ("sequences", "attention_mask", "action_mask")}
 
         # forwards: pi_old for the PPO ratio (none when the update is a single on-policy step), with --top_k/--top_p
@@ -245,7 +247,7 @@ class PPOTrainer:
 
         # update: the critic first (it needs the old values, not the new policy), then the actor
         # versions behind the weights being trained
-        metrics = staleness(rollout.samples, self.policy_version, cfg.rollout.partial_rollout)
+        metrics = staleness(rollout.samples, self.policy_version, cfg.rollout.partial_rollout or segmented)
         metrics.update(distilled)
         if g.critic is not None:
             critic_data = {**model_in, "old_values": values, "returns": adv["returns"]}
@@ -322,6 +324,12 @@ class PPOTrainer:
             metrics.update(
                 {f"rollout/{k}": v for k, v in engine_gap(batch["rollout_log_probs"], old_sampling, mask).items()}
             )
+            fresh = batch["fresh"]
+            if fresh.any() and not torch.equal(fresh, mask.bool()):
+                # some tokens come from older weights (--async_train): on the rest, the engine must equal the trainer
+                gap = engine_gap(batch["rollout_log_probs"], old_sampling, fresh)
+                metrics["rollout/logprob_diff_fresh"] = gap["logprob_diff"]
+                metrics["rollout/logprob_diff_fresh_max"] = gap["logprob_diff_max"]
         timing = {**self._timing, "timing/step": time.perf_counter() - start}
         timing["timing/idle"] = idle_seconds(timing, timing["timing/step"])
         trained = int(batch["attention_mask"].sum()) * cfg.train.max_epochs

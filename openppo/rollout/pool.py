@@ -56,7 +56,9 @@ class Sample:
     prompt_text: str = ""
     response_text: str = ""
     policy_version: int = 0  # the oldest weight version that sampled a token of it (for async staleness)
-    token_versions: list[int] | None = None  # the weight version that sampled each response token
+    # the weight version that sampled each trained token (the action mask's 1s, in order), where known: the engine's
+    # tags (--partial_rollout), or the version the pool held through the generation (`EnginePool.run`)
+    token_versions: list[int] | None = None
     action_mask: list[int] | None = None  # per response token; None = all ones (single turn)
     reward: float | None = None
     score: float | None = None
@@ -97,6 +99,7 @@ class EnginePool:
         self.restarts = 0
         self.epoch = 0  # replacements so far: the weight-sync connection is rebuilt when it moves
         self.stale: set[int] = set()  # replaced engines that no weight sync has reached yet
+        self.version = 0  # the weight version the engines hold: set by each sync, under `lock`
         self.on_replace: Callable[[], None] | None = None  # connects and syncs replaced engines (the trainer)
 
     def __len__(self) -> int:
@@ -106,9 +109,11 @@ class EnginePool:
 
     def run(self, requests: dict[int, dict[str, Any]]) -> dict[int, list]:
         """Engine e's result of `VLLMEngine.generate(**requests[e])`, for each e, waiting at most `timeout_s` per
-        round. Under `turn`; without --partial_rollout under `lock` too, so no weight sync lands mid-generation;
-        with it, each engine gets its requests (`VLLMEngine.submit`) and is `advance`d outside the lock. An engine
-        that dies meanwhile is replaced (`recover`) and gets its requests again."""
+        round. Under `turn`; without --partial_rollout under `lock` too, so no weight sync lands mid-generation, and
+        each completion gets `version`, the weight version that generated it (with --partial_rollout the engine tags
+        every token instead: `versions`); with it, each engine gets its requests (`VLLMEngine.submit`) and is
+        `advance`d outside the lock. An engine that dies meanwhile is replaced (`recover`) and gets its requests
+        again."""
         results: dict[int, list] = {}
         todo = dict(requests)
         noticed: dict[int, float] = {}  # engine -> when its death was noticed
@@ -135,7 +140,13 @@ class EnginePool:
             call = "submit" if self.partial else "generate"
             refs = {e: getattr(self.engines[e], call).remote(**request) for e, request in requests.items()}
             if not self.partial:
-                return self._gather(refs, deadline)
+                done, dead = self._gather(refs, deadline)
+                # (read under the lock that kept every sync out: a multi-turn episode's calls can straddle syncs)
+                for prompts in done.values():
+                    for completions in prompts:
+                        for c in completions:
+                            c["version"] = self.version
+                return done, dead
         # --partial_rollout: outside the lock, a weight sync may land between two advances
         submitted, dead = self._gather(refs, deadline)
         done, died = self.advance(list(submitted))

@@ -1,8 +1,8 @@
 """The agent of the --agent_program run (tests/agents/test_served_agents.py), written against the `openai` package
 only, as any agent outside openppo would be: it asks the policy, runs the `add` tool when the reply calls it, sends
 the result back (the fourth episode of each prompt compacts its history first, as agents that summarise do, so its
-next prompt does not extend the last), and returns 1.0 when the policy called the tool (0.0 when it did not), or None
-on odd prompt indexes to leave the score to the run's reward function.
+next prompt does not extend the last; the third has a slow tool), and returns 1.0 when the policy called the tool
+(0.0 when it did not), or None on odd prompt indexes to leave the score to the run's reward function.
 
 Two episodes of the run misbehave on purpose, the first two to start on step 1: one raises (its traceback must reach
 the log and its group must not be trained on), one never ends (--agent_timeout must stop waiting for it).
@@ -31,6 +31,9 @@ TOOLS = [
     }
 ]
 HANG_S = 60  # longer than the run's --agent_timeout
+# the third episode of each prompt has a slow tool: on step 2 (generated while step 1 trains, --async_train) its
+# answer after the tool comes from the weights that step 1's sync brought, its tool call from the older ones
+SLOW_TOOL_S = 8  # (step 1's update and sync took 3 s on a 2-core CPU)
 
 _lock = threading.Lock()
 _started = 0
@@ -64,6 +67,8 @@ def agent(base_url: str, task: dict) -> float | None:
             except (ValueError, KeyError, TypeError) as exc:
                 result = f"error: {exc}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
+        if task["sample"] == 2:
+            time.sleep(SLOW_TOOL_S)
         if task["sample"] == 3:  # an agent that compacts its history: the next prompt does not extend the last
             messages = [{"role": "user", "content": f"{task['prompt']} The add tool said {result}."}]
         client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8)

@@ -17,6 +17,7 @@ from tests.model_cache import tiny_model_dir
 
 pytestmark = pytest.mark.slow
 MODEL = "tiny-policy"
+VERSION = 7  # the weights version the stand-in pool reports for every generation
 
 
 @pytest.fixture(scope="module")
@@ -32,10 +33,7 @@ def served():
         def generate(prompts: list[list[int]], sampling: dict) -> list[Generated]:
             calls.append(len(prompts))
             out = ray.get(engine.generate.remote(prompts, n=1, **sampling), timeout=120)
-            return [
-                Generated(c["token_ids"], c["logprobs"], c["finish_reason"], min(c.get("versions") or [0]))
-                for (c,) in out
-            ]
+            return [Generated(c["token_ids"], c["logprobs"], c["finish_reason"], VERSION) for (c,) in out]
 
         batcher = Batcher(generate)
         sessions = Sessions()
@@ -102,8 +100,11 @@ def test_completions_take_text_or_token_ids(served):
     text = client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, extra_headers=headers)
     ids = client.completions.create(model=MODEL, prompt=[785, 1284, 374], max_tokens=4, extra_headers=headers)
     assert text.usage.completion_tokens >= 1 and ids.usage.prompt_tokens == 3
+    # the reply names the weights that generated it, as the call's record does
+    assert text.system_fingerprint == ids.system_fingerprint == f"openppo-weights-v{VERSION}"
     transcript = sessions.close("episode-2")
     assert transcript.segments[-1].prompt_ids == [785, 1284, 374]
+    assert set(transcript.segments[-1].versions) == {VERSION}
 
 
 def test_errors_reach_the_client_in_openai_shape(served):

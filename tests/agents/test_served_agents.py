@@ -3,9 +3,13 @@ written against the `openai` package only): 8 prompts x 4 episodes = 32 sessions
 each a multi-turn episode with a tool call that vLLM's Hermes parser returns as OpenAI `tool_calls`
 (tests/agents/tool_model.py: a tiny model SFT-ed to call the tool).
 
-- Exact: every trained token's engine log-prob is within 1e-4 of the trainer's (fp32), at every step, in every row:
-  an episode whose second prompt extends the first (the template re-renders the tool call as sampled) is one row with
-  the tool's result masked inside it; one whose agent compacted its history is sealed into two rows.
+- Exact: every trained token's engine log-prob is within 1e-4 of the trainer's (fp32), in every row: an episode
+  whose second prompt extends the first (the template re-renders the tool call as sampled) is one row with the tool's
+  result masked inside it; one whose agent compacted its history is sealed into two rows.
+- With GRPO's machinery: LoRA (the engines get the merged weights), packed rows with the group's prompt shared, and
+  --async_train: step 2's episodes play while step 1 trains, so a weight sync lands between two calls of the episodes
+  with a slow tool. Every call is logged with the version that generated it: the tokens of the weights being trained
+  match them exactly, while the older ones do not (they are importance-weighted).
 - Rewards: the agent's where it returns a number, the reward function's (tests/agents/judge_reward.py) where it
   returns None, given the task and the last answer.
 - Failures: the episode whose agent raises is dropped and counted, its traceback is in the log; the episode that never
@@ -56,6 +60,11 @@ def test_an_openai_agent_with_a_tool_trains_exactly(tmp_path):
         "--micro_rollout_batch_size",
         "16",
         "--packing_samples",  # the rows packed: a sealed episode's segments are sequences of their own
+        "--async_train",
+        "--lora_rank",
+        "8",
+        "--lora_alpha",
+        "16",
         "--actor_num_gpus_per_node",
         "1",
         "--vllm_num_engines",
@@ -73,7 +82,7 @@ def test_an_openai_agent_with_a_tool_trains_exactly(tmp_path):
         "--max_steps",
         "2",
         "--actor_learning_rate",
-        "1e-4",
+        "1e-3",
         "--init_kl_coef",
         "0",
         "--advantage_estimator",
@@ -87,9 +96,20 @@ def test_an_openai_agent_with_a_tool_trains_exactly(tmp_path):
     log = proc.stdout + proc.stderr
     records = read_metrics(save)
     assert [r["step"] for r in records] == [1, 2]
-    # exact on every trained token, in every row (sealed segments included)
-    assert all(r["rollout/logprob_diff_max"] < 1e-4 for r in records), series(records, "rollout/logprob_diff_max")
+    first, second = records
+    # exact on every trained token, in every row (sealed segments included): step 1's batch is fresh
+    assert first["rollout/logprob_diff_max"] < 1e-4 and first["rollout/staleness_max"] == 0, first
+    # step 2's: generated while step 1 trained, some episodes' calls on both sides of its sync; the calls logged with
+    # the new version match the trainer exactly, the older ones differ by step 1's update
+    assert second["rollout/staleness_max"] == 1 and second["rollout/mixed_version_share"] > 0, second
+    assert second["rollout/logprob_diff_fresh_max"] < 1e-4, second
+    assert second["rollout/logprob_diff_max"] > 1e-3, second
     assert all(r["rollout/outside_support"] == 0.0 for r in records)
+    # LoRA adapters trained (and saved), and the group's prompt computed once for its packed rows
+    assert (save / "adapter_config.json").is_file()
+    assert all(r["perf/actor_shared_prompt_share"] > 0 for r in records), series(
+        records, "perf/actor_shared_prompt_share"
+    )
     # multi-turn with a tool call: the tool's result went back, and the re-rendered call sealed the segment
     assert all(r["rollout/agent_calls"] > 1.5 for r in records), series(records, "rollout/agent_calls")
     assert all(0.05 < r["rollout/agent_sealed"] < 0.5 for r in records), series(records, "rollout/agent_sealed")

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from openppo.ppo.config import AlgoConfig
-from openppo.ppo.experience import collate_samples, compute_advantages_for_batch
+from openppo.ppo.experience import collate_samples, compute_advantages_for_batch, training_rows
 from openppo.rollout.pool import Sample
 
 
@@ -35,6 +35,20 @@ def test_collate_aligns_action_mask_with_log_prob_grid():
 def test_env_feedback_tokens_are_masked_out():
     batch = collate_samples([_sample([1, 2], [3, 4, 5, 6], 0, action_mask=[1, 0, 0, 1])], pad_token_id=0)
     assert batch["action_mask"].tolist() == [[0, 1, 0, 0, 1]]
+
+
+def test_each_trained_token_carries_the_version_that_sampled_it():
+    tagged = _sample([1, 2], [3, 4, 5, 6], 0, action_mask=[1, 0, 0, 1])
+    tagged.token_versions = [4, 5]  # an agent row: a sync landed between its two calls
+    untagged = _sample([1], [7, 8], 0)
+    untagged.policy_version = 3
+    batch = collate_samples([tagged, untagged], pad_token_id=0)
+    assert batch["versions"].tolist() == [[-1, 4, -1, -1, 5], [3, 3, -1, -1, -1]]
+    rows, _ = training_rows([tagged], multiple=2)  # a padding row trains nothing, so it has no version
+    assert collate_samples(rows, pad_token_id=0)["versions"][1].tolist() == [-1] * 5
+    tagged.token_versions = [4]
+    with pytest.raises(AssertionError, match="one weight version per trained token"):
+        collate_samples([tagged], pad_token_id=0)
 
 
 def test_grpo_advantages_on_the_grid():

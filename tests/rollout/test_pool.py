@@ -75,8 +75,15 @@ def test_a_dead_engines_requests_go_to_its_replacement_and_the_others_are_kept(c
     results = pool.run({0: {"prompt_token_ids": [[1], [3]], "n": 2}, 1: {"prompt_token_ids": [[2]], "n": 2}})
     assert started == [1] and replaced == [{1}]  # one new engine, then one sync of it
     assert [r[0]["prompt"] for r in results[0]] == [[1], [3]] and results[0][0][0]["pid"] == survivor
-    assert results[1] == [[{"prompt": [2], "pid": pool.infos[1]["pid"], "n": 2}]]  # answered by the new engine
+    assert results[1] == [[{"prompt": [2], "pid": pool.infos[1]["pid"], "n": 2, "version": 0}]]  # by the new engine
     assert (pool.restarts, pool.epoch, pool.stale) == (1, 1, {1})
+
+
+def test_each_completion_carries_the_weights_version_held_through_its_generation(cluster):
+    pool, _ = _pool(2, max_restarts=0)
+    pool.version = 3  # as the actor group's sync sets it, under the lock
+    results = pool.run({0: {"prompt_token_ids": [[1], [3]], "n": 1}, 1: {"prompt_token_ids": [[2]], "n": 1}})
+    assert [c["version"] for e in (0, 1) for prompt in results[e] for c in prompt] == [3, 3, 3]
 
 
 def test_past_the_bound_the_run_stops_naming_the_engine(cluster):
