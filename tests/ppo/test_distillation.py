@@ -11,10 +11,14 @@ that say one colour ~0.93 of the time).
   "self" on half the prompts, the red teacher on the other half, and a reward that pays for " blue" (weighed in by
   --distill_task_coef). Routing is exact: on "self"'s rows teacher and student are the same model at step 1, so its
   teacher KL is 0 to rounding while the red teacher's is not. The reward is in the advantage: the red teacher alone
-  would move the student to red (as in the first run), and the reward rises instead.
+  would move the student to red (as in the first run), and the reward rises instead. It runs with GRPO's machinery:
+  LoRA adapters (the "self" teacher is the base model, which the adapters start equal to), packed rows with each
+  group's prompt shared, and --async_train (every batch after the first comes from the weights one sync older).
 """
 
 from __future__ import annotations
+
+from pathlib import Path
 
 import pytest
 import torch
@@ -37,7 +41,7 @@ def _red_teacher():
     return pattern_model_dir("teacher-red", teacher_patterns(" red"), PROMPTS)
 
 
-def _args(data, save, steps: int) -> list[str]:
+def _args(data, save, steps: int, lr: float = 1e-3) -> list[str]:
     # 16 prompts x 4 samples a step, 4 optimizer steps of 16 samples each (the first on-policy)
     return [
         "--pretrain",
@@ -73,7 +77,7 @@ def _args(data, save, steps: int) -> list[str]:
         "--num_episodes",
         str(steps),
         "--actor_learning_rate",
-        "1e-3",
+        str(lr),
         "--lr_warmup_ratio",
         "0",
         "--init_kl_coef",
@@ -94,7 +98,12 @@ def _answer_stats(student_dir, teacher_dir) -> tuple[float, float]:
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(student_dir)
-    student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    if (Path(student_dir) / "adapter_config.json").is_file():  # a LoRA run saves the adapters on the base model
+        from peft import AutoPeftModelForCausalLM
+
+        student = AutoPeftModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
+    else:
+        student = AutoModelForCausalLM.from_pretrained(student_dir, dtype=torch.float32).eval()
     teacher = AutoModelForCausalLM.from_pretrained(teacher_dir, dtype=torch.float32).eval()
     red = tok.encode(" red", add_special_tokens=False)[0]
     kls, reds = [], []
@@ -138,9 +147,12 @@ def test_two_routed_teachers_and_a_reward_in_one_run(tmp_path):
     save = tmp_path / "out"
     run_cli(
         "train_ppo_ray",
-        _args(data, save, 6)
+        _args(data, save, 6, lr=1.5e-3)  # (LoRA adapters: a larger step)
         + ["--teacher_pretrain", f"self={_student()}", f"red={_red_teacher()}", "--teacher_key", "teacher"]
-        + ["--remote_rm_url", str(REPO / "tests/ppo/colour_reward.py"), "--distill_task_coef", "3"],
+        + ["--remote_rm_url", str(REPO / "tests/ppo/colour_reward.py"), "--distill_task_coef", "3"]
+        # with GRPO's machinery: LoRA adapters, packed rows sharing each group's prompt, the next batch generated
+        # while this one trains
+        + ["--lora_rank", "16", "--lora_alpha", "32", "--packing_samples", "--async_train"],
         nproc=1,
         timeout=900,
     )
@@ -152,6 +164,10 @@ def test_two_routed_teachers_and_a_reward_in_one_run(tmp_path):
     assert first["train/teacher_kl"] == pytest.approx(
         (first["train/teacher_kl/self"] + first["train/teacher_kl/red"]) / 2, abs=0.05
     )
+    # LoRA, shared prompts, async
+    assert (save / "adapter_config.json").is_file()
+    assert all(r["perf/actor_shared_prompt_share"] > 0 for r in records)
+    assert [r["rollout/staleness_max"] for r in records] == [0] + [1] * (len(records) - 1)
     # the reward is part of the advantage: the student moves to " blue", against the red teacher
     rewards = [r["train/reward"] for r in records]
     assert sum(rewards[-2:]) / 2 > sum(rewards[:2]) / 2 + 0.15, rewards
