@@ -14,8 +14,13 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 # The benches' models: the real SmolLM2-135M, the suite's tiny random model, and random models of a real shape (the
 # Qwen3 tokenizer's 151k vocabulary), built once under .cache/bench/models.
-SHAPES = {"qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864}}
-MODELS = ("qwen0.5b", "smollm2", "tiny")
+# "qwen0.5b-2l" is its first 2 layers: the same embedding and head (what --lm_head_chunk_tokens changes), a twelfth
+# of the body's time.
+SHAPES = {
+    "qwen0.5b": {"num_layers": 24, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864},
+    "qwen0.5b-2l": {"num_layers": 2, "hidden_size": 896, "num_heads": 14, "intermediate_size": 4864},
+}
+MODELS = ("qwen0.5b", "qwen0.5b-2l", "smollm2", "tiny")
 
 
 def add_dtype_option(parser: argparse.ArgumentParser, what: str = "training precision") -> None:

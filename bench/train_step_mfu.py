@@ -4,6 +4,7 @@
     .venv/bin/python bench/train_step_mfu.py --model tiny --rows 8 --seq_len 128   # a quick look on CPU
     .venv/bin/python bench/train_step_mfu.py --model smollm2 --rows 16 --seq_len 96 --dtype fp32   # CPU, real model
     python bench/train_step_mfu.py --steps 4 --profile 25       # where a GPU step's time goes (last step profiled)
+    python bench/train_step_mfu.py --lm_head_chunk_tokens 4096  # the LM head in chunks (--lm_head_chunk_tokens)
 
 The update is the trainer's own: `Actor` (sdpa, varlen attention for packed rows) under `DeepSpeedStrategy`, the
 GRPO policy loss (`actor_loss`), micro-batches and optimizer steps by `fit_experience`, one rank. Rows are random
@@ -73,6 +74,9 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--gradient_checkpointing", action="store_true")
     parser.add_argument(
+        "--lm_head_chunk_tokens", type=int, default=0, metavar="N", help="the LM head in chunks of N positions (0: off)"
+    )
+    parser.add_argument(
         "--pack",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -122,6 +126,8 @@ def main() -> None:
     actor = Actor.from_pretrained(
         str(path), dtype=strategy.torch_dtype, gradient_checkpointing=args.gradient_checkpointing
     )
+    if why := actor.chunk_head(args.lm_head_chunk_tokens):
+        raise SystemExit(f"--lm_head_chunk_tokens: {why}")
     num_params = sum(p.numel() for p in actor.parameters())
     engine = timing_engine(strategy, actor, lr=1e-6)
     response = args.seq_len // 2
@@ -138,6 +144,8 @@ def main() -> None:
     actor.layout = RowLayout(packed=args.pack)
     gen = torch.Generator().manual_seed(0)
     times = []
+    if strategy.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
         seqs = torch.randint(100, vocab - 100, (args.rows, args.seq_len), generator=gen)
         mask = torch.zeros(args.rows, args.seq_len - 1)
@@ -193,6 +201,7 @@ def main() -> None:
             "micro": args.micro,
             "packed": args.pack,
             "gradient_checkpointing": args.gradient_checkpointing,
+            "lm_head_chunk_tokens": args.lm_head_chunk_tokens,
             "trim": args.trim,
             "step_times_s": [round(t, 3) for t in times],
             "step_s": round(step_s, 3),
@@ -201,6 +210,10 @@ def main() -> None:
             "matmul_peak_tflops": round(measured_peak / 1e12, 3),
             "mfu_datasheet": None if sheet is None else round(sheet, 3),
             "mfu_vs_matmul": round(flops / step_s / measured_peak, 3),
+            # the steps' peak of the device's allocator (weights, optimizer states and activations); GPU only
+            "peak_memory_gib": (
+                round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
+            ),
         }
     )
 

@@ -8,7 +8,7 @@ import sys
 from openppo.cli.runner import run_cli
 from openppo.datasets import SFTDataset, collate_packed, collate_padded
 from openppo.errors import require
-from openppo.models.actor import Actor
+from openppo.models.actor import Actor, use_chunked_head
 from openppo.models.hf import load_tokenizer
 from openppo.trainers import setup
 from openppo.trainers.configs import SFTConfig
@@ -54,6 +54,8 @@ def train(cfg: SFTConfig) -> None:
         actor = Actor.from_pretrained(cfg.model.pretrain, dtype=strategy.torch_dtype, **cfg.model.build_kwargs())
     if cfg.ds.ring_attn_size > 1:
         setup.set_layout(cfg, actor)
+    else:  # (a packed batch comes packed from the collator: the layout stays padded)
+        use_chunked_head(actor, cfg.model.lm_head_chunk_tokens)
     steps = SupervisedTrainer.num_training_steps(len(train_ds), cfg.optim)
     engine = strategy.prepare_train(actor, **setup.optimizer_kwargs(cfg, steps))
     tracker = setup.make_tracker(cfg, strategy, "train_sft")

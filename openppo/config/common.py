@@ -42,6 +42,12 @@ class ModelBuildConfig:
         "weight of a mixture-of-experts model's router load-balancing loss in the trained model's loss (PPO: the "
         "actor's); 0 = off",
     )
+    lm_head_chunk_tokens: int = opt(
+        0,
+        "score tokens through the LM head N positions at a time, from the decoder's hidden states, never making the "
+        "whole tokens x vocabulary logits (less memory; the head runs again in backward); 0 = the model's own logits",
+        metavar="N",
+    )
 
     def build_kwargs(self) -> dict:
         """Keyword arguments of `Actor.from_pretrained` / `ScalarModel.from_pretrained`."""
@@ -133,6 +139,10 @@ def validate_build(model: ModelBuildConfig) -> None:
         require(model.lora_alpha > 0, f"--lora_alpha must be positive, got {model.lora_alpha}")
         require(0.0 <= model.lora_dropout < 1.0, f"--lora_dropout must be in [0, 1), got {model.lora_dropout}")
     require(model.aux_loss_coef >= 0, f"--aux_loss_coef must be >= 0, got {model.aux_loss_coef}")
+    require(
+        model.lm_head_chunk_tokens >= 0,
+        f"--lm_head_chunk_tokens must be >= 0 (0 keeps the model's own logits), got {model.lm_head_chunk_tokens}",
+    )
 
 
 def validate_schedule(*, min_lr_ratio: float, max_norm: float) -> None:

@@ -9,6 +9,7 @@ attention mask (or a row packed by the caller: `position_ids` restarting at 0, n
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import NamedTuple
 
 import torch
@@ -22,8 +23,11 @@ from openppo.algorithms import (
     sampling_log_probs,
 )
 from openppo.models.hf import finish_model, resolve_model_path, router_aux_loss
+from openppo.models.lm_head import head_scores, unsupported_reason
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
+
+logger = logging.getLogger(__name__)
 
 
 class ActorOutput(NamedTuple):
@@ -42,6 +46,7 @@ class Actor(nn.Module):
     """Wraps an HF causal LM (optionally with LoRA adapters)."""
 
     layout = RowLayout()  # padded unless set up otherwise (--packing_samples, --ring_attn_size)
+    head_chunk_tokens = 0  # --lm_head_chunk_tokens: scored positions per chunk of the vocabulary projection; 0 = off
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -49,6 +54,18 @@ class Actor(nn.Module):
         # transformers' causal LMs take `logits_to_keep` (an index tensor since 4.50); remote-code models may not
         base = model.get_base_model() if hasattr(model, "get_base_model") else model
         self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(base.forward).parameters
+
+    @property
+    def hf_model(self) -> nn.Module:
+        """The transformers causal LM (under LoRA: the one the adapters were put into)."""
+        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+
+    def chunk_head(self, chunk_tokens: int) -> str | None:
+        """Score through the LM head `chunk_tokens` positions at a time (`openppo.models.lm_head`; 0: the model's
+        own full logits). Returns why it cannot for this model (the full logits are then kept), else None."""
+        why = unsupported_reason(self.hf_model) if chunk_tokens else None
+        self.head_chunk_tokens = 0 if why else chunk_tokens
+        return why
 
     @classmethod
     def from_pretrained(
@@ -123,45 +140,46 @@ class Actor(nn.Module):
         rows = self.layout.rows(input_ids, attention_mask, position_ids, prompt_lens)
         assert rows.ring is None or not return_logits, "ring attention returns per-token values, not logits"
         assert rows.shared is None or not return_logits, "a shared-prompt row returns per-token values, not logits"
+        chunked = self.head_chunk_tokens > 0 and not return_logits
+        takes_keep = self._takes_logits_to_keep or chunked
         keep = shared = None
         if rows.shared is not None:
             shared = SharedScoring(rows.shared.grid_index, input_ids, score_mask)
-            keep = shared.keep if self._takes_logits_to_keep else None
-        elif score_mask is not None and rows.ring is None and not return_logits and self._takes_logits_to_keep:
+            keep = shared.keep if takes_keep else None
+        elif score_mask is not None and rows.ring is None and not return_logits and takes_keep:
             keep = scored_positions(score_mask, rows.token_mask)
-        extra = {} if keep is None else {"logits_to_keep": keep}
-        if return_aux_loss:
-            extra["output_router_logits"] = True
-        out = self.model(
-            input_ids=rows.input_ids,
-            attention_mask=rows.attention_mask,
-            position_ids=rows.position_ids,
-            use_cache=False,
-            **extra,
-        )
+        inputs = dict(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
+        router = {"output_router_logits": True} if return_aux_loss else {}
+        if chunked:  # the decoder's hidden states, to go through the head chunk by chunk (`openppo.models.lm_head`)
+            out = self.hf_model.get_decoder()(**inputs, use_cache=False, **router)
+            scores = out.last_hidden_state
+            if keep is not None:
+                scores = scores[:, keep]
+        else:
+            out = self.model(**inputs, use_cache=False, **router, **({} if keep is None else {"logits_to_keep": keep}))
+            scores = out.logits
         # Position t scores token t + 1 (`rows.labels`; with a ring, this rank's chunk scores its own tokens'
         # successors, across into the next chunk). Every position is scored, the last one against a wrapped-around
         # label, and its value dropped afterwards: slicing the [B, T, V] logits instead would make autograd build a
         # zero-filled full-vocabulary gradient for the slice. The temperature is applied chunk by chunk, without a
         # divided copy.
-        logits = out.logits
         if shared is not None:  # every scored position of the grid, against its own row's next token
-            logits = (logits[0] if keep is not None else logits[0, shared.keep]).index_select(0, shared.expand)
-            logits, labels = logits.unsqueeze(0), shared.labels
+            scores = (scores[0] if keep is not None else scores[0, shared.keep]).index_select(0, shared.expand)
+            scores, labels = scores.unsqueeze(0), shared.labels
         else:
             labels = rows.labels if keep is None else rows.labels[:, keep]
-        entropy = None
-        if return_entropy == "log":  # for logging: from the same pass as the log-probs, no gradient
-            log_probs, entropy = log_probs_and_entropy(logits, labels, temperature)
+        if chunked:
+            log_probs, entropy, behaviour = head_scores(
+                scores,
+                self.hf_model.get_output_embeddings(),
+                labels,
+                temperature,
+                chunk_tokens=self.head_chunk_tokens,
+                entropy=return_entropy,
+                sampling=sampling,
+            )
         else:
-            log_probs = log_probs_from_logits(logits, labels, temperature)
-            if return_entropy:
-                entropy = entropy_from_logits(logits, temperature)
-        behaviour = (
-            sampling_log_probs(logits, labels, temperature, sampling)
-            if sampling is not None and sampling.active
-            else None
-        )
+            log_probs, entropy, behaviour = _logit_scores(scores, labels, temperature, return_entropy, sampling)
 
         def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
             """Values of the scored positions -> [B, T-1] on the caller's (padded) grid."""
@@ -182,10 +200,38 @@ class Actor(nn.Module):
         )
 
     def _aux_loss(self, out, rows) -> torch.Tensor:
-        """transformers' router loss, but over a shared-prompt row weighted as the rows it stands for."""
-        if rows.shared is None:
+        """transformers' router loss, but over a shared-prompt row weighted as the rows it stands for (and from the
+        decoder's router logits when the head is chunked: the causal LM's forward, which adds it, did not run)."""
+        if rows.shared is None and getattr(out, "aux_loss", None) is not None:
             return out.aux_loss
-        return router_aux_loss(self.model, out.router_logits, rows.router_weights())
+        weights = rows.attention_mask if rows.shared is None else rows.router_weights()
+        return router_aux_loss(self.hf_model, out.router_logits, weights)
+
+
+def use_chunked_head(model: nn.Module, chunk_tokens: int) -> None:
+    """--lm_head_chunk_tokens on a model of a run (`Actor.chunk_head`); one line (rank 0) where it has no effect."""
+    if not chunk_tokens:
+        return
+    why = model.chunk_head(chunk_tokens) if isinstance(model, Actor) else "a scalar-head model has no vocabulary head"
+    if why and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+        logger.warning("--lm_head_chunk_tokens has no effect on %s: %s", type(model).__name__, why)
+
+
+def _logit_scores(
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float,
+    entropy: bool | str,
+    sampling: SamplingFilter | None,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """`head_scores` from the model's own logits."""
+    if entropy == "log":  # for logging: from the same pass as the log-probs, no gradient
+        log_probs, ent = log_probs_and_entropy(logits, labels, temperature)
+    else:
+        log_probs = log_probs_from_logits(logits, labels, temperature)
+        ent = entropy_from_logits(logits, temperature) if entropy else None
+    active = sampling is not None and sampling.active
+    return log_probs, ent, sampling_log_probs(logits, labels, temperature, sampling) if active else None
 
 
 def prompt_lengths(score_mask: torch.Tensor) -> torch.Tensor:

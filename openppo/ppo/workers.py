@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from openppo.distributed.worker import BaseWorker
-from openppo.models.actor import Actor, prompt_lengths
+from openppo.models.actor import Actor, prompt_lengths, use_chunked_head
 from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.models.scalar import ScalarModel, last_token_index
 from openppo.ppo.batching import ForwardChunks, forward_batching, train_batching
@@ -72,6 +72,8 @@ def _set_layout(cfg: PPOConfig, role: RolePlan, model: Actor | ScalarModel) -> N
         model.layout = ring_layout(model.model, r.ring_attn_size, r.ring_head_stride)
     else:
         model.layout = RowLayout(packed=r.packing_samples, share_prompts=role.share_prompts)
+    if isinstance(model, Actor):  # (the critic and reward model have scalar heads)
+        use_chunked_head(model, cfg.model.lm_head_chunk_tokens)
 
 
 def _prompt_lens(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:

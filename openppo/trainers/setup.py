@@ -120,12 +120,15 @@ def make_strategy(cfg: Any) -> DeepSpeedStrategy:
 def set_layout(cfg: Any, *models) -> None:
     """Each model's row layout for the run: a ring over --ring_attn_size consecutive ranks (creating its groups is
     collective: every rank calls this), else packed (--packing_samples) or padded."""
+    from openppo.models.actor import use_chunked_head
+
     ds = cfg.ds
     for model in models:
         if ds.ring_attn_size > 1:
             model.layout = ring_layout(model.model, ds.ring_attn_size, ds.ring_head_stride)
         else:
             model.layout = RowLayout(packed=cfg.data.packing_samples)
+        use_chunked_head(model, cfg.model.lm_head_chunk_tokens)
     if ds.ring_attn_size > 1 and torch.distributed.get_rank() == 0:
         logger.info("ring attention: %d ranks share each packed row", ds.ring_attn_size)
 

@@ -134,14 +134,16 @@ def test_packed_sft_learns_and_matches_padded_loss(tmp_path):
             ["--packing_samples", "--zero_stage", "3", "--learning_rate", "5e-3", "--max_epochs", "4"],
         ),
     )
-    # The padded run also turns on checkpointing, optimizer offload and comm overlap: none may change the math.
+    # The padded run also turns on checkpointing, optimizer offload, comm overlap and the LM head in chunks (of 7
+    # positions, ZeRO-3 on 2 ranks): none may change the math.
     run_cli(
         "train_sft",
         _args(
             model_dir,
             data,
             padded,
-            ["--zero_stage", "3", "--max_epochs", "1", "--gradient_checkpointing", "--adam_offload", "--overlap_comm"],
+            ["--zero_stage", "3", "--max_epochs", "1", "--gradient_checkpointing", "--adam_offload", "--overlap_comm"]
+            + ["--lm_head_chunk_tokens", "7"],
         ),
     )
     packed_losses = [v for _, v in series(read_metrics(packed), "train/loss")]

@@ -12,6 +12,9 @@ The same comparison runs for a ring (`--ring_attn_size 2`, ZeRO-2): both ranks f
 each computes half of every packed row, and the normalisers, counted on both ranks, must be divided by the ring
 (the replicas) once. AutoTP, whose ranks also replicate rows, has its own check in test_tensor_parallel.py.
 
+The LM head in chunks (--lm_head_chunk_tokens 3, chunks that cut across rows) takes the same comparison under
+ZeRO-3, whose partitioned head each chunk gathers, and in the ring, for the actor's token-mean loss.
+
 The reference is independent of the code under test: one process, one padded forward of all 8 rows through a plain
 copy of the same weights, the per-token loss and its global reduction written out below from the papers' formulas,
 and `torch.autograd`. The learning rate is 0, so the engine's weights stay those of the reference throughout.
@@ -55,11 +58,19 @@ LAYOUTS = {
     "token_budget": dict(packed=True, rows=4, max_tokens=40),
     "shared": dict(packed=True, rows=2, share_prompts=True),
 }
-CONFIGS = [(2, 1), (3, 1), (2, 2)]  # (ZeRO stage, ring size): data-parallel ZeRO-2 and ZeRO-3, one ring of 2
+# (ZeRO stage, ring size, LM head chunk): data-parallel ZeRO-2 and ZeRO-3, one ring of 2; the chunked head
+CONFIGS = [(2, 1, 0), (3, 1, 0), (2, 2, 0), (3, 1, 3), (2, 2, 3)]
 
 
-def _config_name(zero: int, ring: int) -> str:
-    return f"zero{zero}" if ring == 1 else f"ring{ring}-zero{zero}"
+def _config_name(zero: int, ring: int, chunk: int = 0) -> str:
+    return (f"zero{zero}" if ring == 1 else f"ring{ring}-zero{zero}") + (f"-head{chunk}" if chunk else "")
+
+
+def _roles_and_modes(chunk: int) -> list[tuple[str, tuple[str, ...]]]:
+    """What a config trains: the chunked head is the actor's, checked with one loss mode."""
+    if chunk:
+        return [("actor", ("token-mean",))]
+    return [("actor", MODES), ("critic", ("token-mean",))]
 
 
 def _global_batch(vocab: int) -> dict[str, torch.Tensor]:
@@ -91,10 +102,12 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
 
     path = str(tiny_model_dir())
     results: dict[str, float] = {}
-    for zero, ring in CONFIGS:
+    for zero, ring, chunk in CONFIGS:
         strategy = fp32_strategy(zero, max_norm=0.0)
-        for role in ("actor", "critic"):
+        for role, modes in _roles_and_modes(chunk):
             model = load_model(role, path, strategy)
+            if chunk:
+                assert model.chunk_head(chunk) is None
             ring_rows = ring_layout(model.model, ring, head_stride=1) if ring > 1 else None
             engine = GradAtBoundary(
                 train_engine(strategy, model, lr=0.0, steps=64),
@@ -113,7 +126,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             # data-parallel: 4 rows a rank; one ring: every rank holds all 8 rows
             rows = slice(rank * 4, (rank + 1) * 4) if ring == 1 else slice(None)
             mine = {k: v[rows] for k, v in data.items() if k != "noise"}
-            for mode in MODES if role == "actor" else ("token-mean",):
+            for mode in modes:
                 # the reference: plain autograd over the whole step in one process
                 plain.zero_grad()
                 if role == "actor":
@@ -166,7 +179,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
                     )
                     assert len(engine.grads) == 1, len(engine.grads)
                     got = engine.grads[0]
-                    key = f"{_config_name(zero, ring)}/{role}/{mode}/{layout}"
+                    key = f"{_config_name(zero, ring, chunk)}/{role}/{mode}/{layout}"
                     results[key + "/grad"] = max(_rel(got[n], g) for n, g in expected.items())
                     results[key + "/untouched"] = float(all(got[n].abs().max() == 0 for n in got if n not in expected))
                     # the logged step loss: this rank's contributions, times the ranks, then averaged by the caller
@@ -187,10 +200,10 @@ def dp_results(tmp_path_factory) -> list[dict]:
 
 
 CASES = [
-    (_config_name(zero, ring), role, mode, layout)
-    for zero, ring in CONFIGS
-    for role in ("actor", "critic")
-    for mode in (MODES if role == "actor" else ("token-mean",))
+    (_config_name(zero, ring, chunk), role, mode, layout)
+    for zero, ring, chunk in CONFIGS
+    for role, modes in _roles_and_modes(chunk)
+    for mode in modes
     for layout, kwargs in LAYOUTS.items()
     if ring == 1 or (kwargs.get("packed") and not kwargs.get("share_prompts"))
 ]
