@@ -2,7 +2,9 @@
 only, as any agent outside openppo would be: it asks the policy, runs the `add` tool when the reply calls it, sends
 the result back (the fourth episode of each prompt compacts its history first, as agents that summarise do, so its
 next prompt does not extend the last; the third has a slow tool), and returns 1.0 when the policy called the tool
-(0.0 when it did not), or None on odd prompt indexes to leave the score to the run's reward function.
+(0.0 when it did not) plus a hundredth of the last answer's length in characters, or None on odd prompt indexes to
+leave the score to the run's reward function. The length term gives each group's episodes different rewards even when
+all of them call the tool (the SFT-ed model nearly always does), so step 1's update is never zero.
 
 Two episodes of the run misbehave on purpose, the first two to start on step 1: one raises (its traceback must reach
 the log and its group must not be trained on), one never ends (--agent_timeout must stop waiting for it).
@@ -71,7 +73,8 @@ def agent(base_url: str, task: dict) -> float | None:
             time.sleep(SLOW_TOOL_S)
         if task["sample"] == 3:  # an agent that compacts its history: the next prompt does not extend the last
             messages = [{"role": "user", "content": f"{task['prompt']} The add tool said {result}."}]
-        client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8)
+        last = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8)
+        message = last.choices[0].message
     if task["index"] % 2:
         return None
-    return 1.0 if called else 0.0
+    return (1.0 if called else 0.0) + len(message.content or "") / 100

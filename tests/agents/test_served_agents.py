@@ -101,6 +101,8 @@ def test_an_openai_agent_with_a_tool_trains_exactly(tmp_path):
     assert first["rollout/logprob_diff_max"] < 1e-4 and first["rollout/staleness_max"] == 0, first
     # step 2's: generated while step 1 trained, some episodes' calls on both sides of its sync; the calls logged with
     # the new version match the trainer exactly, the older ones differ by step 1's update
+    # (step 1 trained on a signal: the agent's rewards differ within a group, so its update moved the policy)
+    assert first["train/advantage_abs"] > 0.1, first
     assert second["rollout/staleness_max"] == 1 and second["rollout/mixed_version_share"] > 0, second
     assert second["rollout/logprob_diff_fresh_max"] < 1e-4, second
     assert second["rollout/logprob_diff_max"] > 1e-3, second
