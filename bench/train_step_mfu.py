@@ -5,6 +5,7 @@
     .venv/bin/python bench/train_step_mfu.py --model smollm2 --rows 16 --seq_len 96 --dtype fp32   # CPU, real model
     python bench/train_step_mfu.py --steps 4 --profile 25       # where a GPU step's time goes (last step profiled)
     python bench/train_step_mfu.py --lm_head_chunk_tokens 4096  # the LM head in chunks (--lm_head_chunk_tokens)
+    python bench/train_step_mfu.py --use_liger_kernel           # Liger's RMSNorm, RoPE, SwiGLU (--use_liger_kernel)
 
 The update is the trainer's own: `Actor` (sdpa, varlen attention for packed rows) under `DeepSpeedStrategy`, the
 GRPO policy loss (`actor_loss`), micro-batches and optimizer steps by `fit_experience`, one rank. Rows are random
@@ -76,6 +77,7 @@ def main() -> None:
     parser.add_argument(
         "--lm_head_chunk_tokens", type=int, default=0, metavar="N", help="the LM head in chunks of N positions (0: off)"
     )
+    parser.add_argument("--use_liger_kernel", action="store_true", help="Liger's kernels in the model (GPU)")
     parser.add_argument(
         "--pack",
         action=argparse.BooleanOptionalAction,
@@ -105,6 +107,7 @@ def main() -> None:
     import torch
 
     from openppo.models.actor import Actor
+    from openppo.models.liger import liger_notice
     from openppo.models.row_layout import RowLayout
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
@@ -124,8 +127,13 @@ def main() -> None:
     )
     strategy.setup_distributed()
     actor = Actor.from_pretrained(
-        str(path), dtype=strategy.torch_dtype, gradient_checkpointing=args.gradient_checkpointing
+        str(path),
+        dtype=strategy.torch_dtype,
+        gradient_checkpointing=args.gradient_checkpointing,
+        use_liger_kernel=args.use_liger_kernel,
     )
+    if args.use_liger_kernel and (why := liger_notice(True, strategy.device.type == "cuda")):
+        print(why, file=sys.stderr)
     if why := actor.chunk_head(args.lm_head_chunk_tokens):
         raise SystemExit(f"--lm_head_chunk_tokens: {why}")
     num_params = sum(p.numel() for p in actor.parameters())
@@ -202,6 +210,7 @@ def main() -> None:
             "packed": args.pack,
             "gradient_checkpointing": args.gradient_checkpointing,
             "lm_head_chunk_tokens": args.lm_head_chunk_tokens,
+            "use_liger_kernel": args.use_liger_kernel,
             "trim": args.trim,
             "step_times_s": [round(t, 3) for t in times],
             "step_s": round(step_s, 3),

@@ -48,6 +48,11 @@ class ModelBuildConfig:
         "whole tokens x vocabulary logits (less memory; the head runs again in backward); 0 = the model's own logits",
         metavar="N",
     )
+    use_liger_kernel: bool = opt(
+        False,
+        "GPU: Liger's fused Triton kernels for RMSNorm, RoPE and the SwiGLU MLP in every model the run builds "
+        "(needs the liger-kernel package); no effect on CPU",
+    )
 
     def build_kwargs(self) -> dict:
         """Keyword arguments of `Actor.from_pretrained` / `ScalarModel.from_pretrained`."""
@@ -59,6 +64,7 @@ class ModelBuildConfig:
             target_modules=self.target_modules,
             gradient_checkpointing=self.gradient_checkpointing,
             reentrant_checkpointing=self.gradient_checkpointing_use_reentrant,
+            use_liger_kernel=self.use_liger_kernel,
         )
 
 

@@ -257,8 +257,6 @@ _MUON = "openppo builds AdamW only (DeepSpeed's Muon is not wired in); drop the 
 REFUSED: dict[str, str] = {
     "load_in_4bit": "4-bit loading needs bitsandbytes on CUDA, which openppo does not use; drop it, or train LoRA "
     "(--lora_rank) on the full-precision model",
-    "use_liger_kernel": "Liger kernels are Triton/CUDA kernels openppo does not load; drop it (openppo's own "
-    "response-only scoring already skips the LM head on prompt tokens)",
     "use_ms": "openppo loads models from local folders (or the Hugging Face hub where reachable), not ModelScope; "
     "download the model and pass its folder",
     "deepcompile": "DeepSpeed's deepcompile needs CUDA; drop it",

@@ -81,6 +81,7 @@ class Actor(nn.Module):
         target_modules: list[str] | None = None,
         gradient_checkpointing: bool = False,
         reentrant_checkpointing: bool = False,
+        use_liger_kernel: bool = False,
     ) -> Actor:
         from transformers import AutoModelForCausalLM
 
@@ -100,6 +101,7 @@ class Actor(nn.Module):
                 target_modules=target_modules,
                 gradient_checkpointing=gradient_checkpointing,
                 reentrant_checkpointing=reentrant_checkpointing,
+                use_liger_kernel=use_liger_kernel,
             )
         )
 

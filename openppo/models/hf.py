@@ -146,8 +146,17 @@ def finish_model(
     target_modules: list[str] | None,
     gradient_checkpointing: bool,
     reentrant_checkpointing: bool = False,
+    use_liger_kernel: bool = False,
 ):
-    """Optional LoRA adapters and activation checkpointing, in that order (checkpointing must see the adapters)."""
+    """Optional Liger kernels, LoRA adapters and activation checkpointing, in that order (Liger patches the model's
+    own modules, which the adapters then wrap; checkpointing must see the adapters)."""
+    if use_liger_kernel:
+        from openppo.models.liger import apply_liger
+
+        why = apply_liger(model)
+        first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
+        if why and why != "no GPU" and first_rank:  # (no GPU: the run's own notice says so, once)
+            logger.warning("--use_liger_kernel has no effect on %s: %s", type(model).__name__, why)
     if lora_rank > 0:
         model = apply_lora(
             model,

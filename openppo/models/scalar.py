@@ -48,6 +48,7 @@ class ScalarModel(nn.Module):
         target_modules: list[str] | None = None,
         gradient_checkpointing: bool = False,
         reentrant_checkpointing: bool = False,
+        use_liger_kernel: bool = False,
     ) -> ScalarModel:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -72,6 +73,7 @@ class ScalarModel(nn.Module):
                 target_modules=target_modules,
                 gradient_checkpointing=gradient_checkpointing,
                 reentrant_checkpointing=reentrant_checkpointing,
+                use_liger_kernel=use_liger_kernel,
             )
         )
 

@@ -15,6 +15,7 @@ from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.hf import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
+from openppo.models.liger import liger_notice
 from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.ppo.teachers import check_teacher_tokenizers, parse_teachers
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
@@ -447,6 +448,8 @@ def validate_devices(cfg: PPOConfig, on_gpu: bool) -> list[str]:
         raise UserError("--deepcompile needs a GPU (DeepSpeed compiles CUDA graph passes): drop it on this machine")
     validate_precision(ds.param_dtype, on_gpu)
     notices.extend(ds_notices(ds, on_gpu))
+    if (notice := liger_notice(cfg.model.use_liger_kernel, on_gpu)) is not None:
+        notices.append(notice)
     if not on_gpu:
         notices.append(
             "no GPU: *_num_gpus_per_node count worker processes; vLLM runs eager (CUDA graphs and "

@@ -411,7 +411,10 @@ class ReferenceWorker(_FrozenWorker):
             cfg,
             role,
             lambda dtype: Actor.from_pretrained(
-                cfg.model.pretrain, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+                cfg.model.pretrain,
+                dtype=dtype,
+                attn_implementation=cfg.model.attn_implementation,
+                use_liger_kernel=cfg.model.use_liger_kernel,
             ),
         )
 
@@ -426,7 +429,10 @@ class TeacherWorker(_FrozenWorker):
             cfg,
             role,
             lambda dtype: Actor.from_pretrained(
-                role.model, dtype=dtype, attn_implementation=cfg.model.attn_implementation
+                role.model,
+                dtype=dtype,
+                attn_implementation=cfg.model.attn_implementation,
+                use_liger_kernel=cfg.model.use_liger_kernel,
             ),
         )
 
@@ -444,6 +450,7 @@ class RewardWorker(_FrozenWorker):
                 dtype=dtype,
                 flag="--reward_pretrain",
                 attn_implementation=cfg.model.attn_implementation,
+                use_liger_kernel=cfg.model.use_liger_kernel,
             ),
         )
         return self.model.normalization()

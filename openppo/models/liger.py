@@ -1,0 +1,47 @@
+"""Liger's fused GPU kernels in a loaded model (--use_liger_kernel): RMSNorm, RoPE and the SwiGLU MLP, put into the
+model's own modules by the `liger-kernel` package (`_apply_liger_kernel_to_instance`, the per-instance form of its
+`apply_liger_kernel_to_<model type>` patches), before LoRA adapters wrap the linear layers.
+
+Fewer, larger kernels: transformers' RMSNorm is five element-wise launches per call, its MLP three plus the matmuls.
+Liger's fused linear cross-entropy is not used: RL needs each token's log-prob and entropy, not a mean loss, and
+--lm_head_chunk_tokens (`openppo.models.lm_head`) already keeps the full logits from being made.
+
+Liger's kernels are Triton GPU kernels: on a machine without CUDA the model keeps transformers' modules, and the run
+says so in one line (`liger_notice`).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from openppo.errors import UserError
+
+# what Liger replaces: its patch function's flags (the ones a model type's function lacks are dropped by Liger)
+KERNELS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
+INSTALL = "pip install -r requirements/gpu.txt (it pins liger-kernel)"
+
+
+def liger_notice(use_liger_kernel: bool, on_gpu: bool) -> str | None:
+    """The run's line where --use_liger_kernel has no effect on its devices."""
+    if use_liger_kernel and not on_gpu:
+        return "--use_liger_kernel has no effect on CPU: Liger's kernels are Triton GPU kernels (transformers' own run)"
+    return None
+
+
+def apply_liger(model: torch.nn.Module, on_gpu: bool | None = None) -> str | None:
+    """Put Liger's kernels into the transformers model `model` in place. Returns why nothing was put (no GPU, a model
+    type Liger has no kernels for), else None. `on_gpu`: default, whether this process sees CUDA."""
+    if not (torch.cuda.is_available() if on_gpu is None else on_gpu):
+        return "no GPU"
+    try:
+        from liger_kernel.transformers.monkey_patch import (
+            MODEL_TYPE_TO_APPLY_LIGER_FN,
+            _apply_liger_kernel_to_instance,
+        )
+    except ImportError as exc:
+        raise UserError(f"--use_liger_kernel needs the liger-kernel package ({exc}): {INSTALL}") from exc
+    model_type = getattr(model.config, "model_type", None)
+    if model_type not in MODEL_TYPE_TO_APPLY_LIGER_FN:
+        return f"Liger has no kernels for model type {model_type!r}"
+    _apply_liger_kernel_to_instance(model=model, **KERNELS)
+    return None
