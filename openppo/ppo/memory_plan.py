@@ -14,6 +14,7 @@ Pure arithmetic on the model's shape and the flags. Per rank of each model group
 - the logits of a micro-batch: model-dtype logits, their fp32 log-softmax and its gradient (10 bytes per token per
   vocabulary entry in bf16), the largest single item for small models with a large vocabulary. Packed rows score
   only their response positions (--generate_max_len of each prompt + response); padded ones the whole row;
+  --lm_head_chunk_tokens N makes only N positions' logits at a time (`openppo.models.lm_head`);
 - each vLLM engine: weights (split by --vllm_tensor_parallel_size) and the KV cache (--vllm_kv_cache_bytes, or
   --vllm_gpu_memory_utilization of the device minus the weights).
 
@@ -200,17 +201,23 @@ def _scored_tokens(cfg, tokens: int) -> int:
     return -(-tokens * min(d.generate_max_len, d.total_len()) // d.total_len())
 
 
+def _logit_tokens(cfg, tokens: int) -> int:
+    """Of a micro-batch's tokens, those whose logits exist at once: the scored ones, or one chunk of them."""
+    scored, chunk = _scored_tokens(cfg, tokens), cfg.model.lm_head_chunk_tokens
+    return min(scored, chunk) if chunk else scored
+
+
 def _working_memory(role: str, shape: ModelShape, cfg, *, trained: bool, lm_head: bool) -> Item:
     """The larger of a training micro-batch's activations + logits and a forward-only micro-batch's logits."""
     dtype = cfg.ds.param_dtype
-    forward_tokens = _scored_tokens(cfg, _micro_tokens(cfg, train=False))
+    forward_tokens = _logit_tokens(cfg, _micro_tokens(cfg, train=False))
     forward = logits_bytes(shape, forward_tokens, param_dtype=dtype, backward=False) if lm_head else 0.0
     if not trained:
         return Item(f"{role} forward micro-batch", forward)
     tokens = _micro_tokens(cfg, train=True)
     train = activation_bytes(shape, tokens, param_dtype=dtype, checkpointing=cfg.model.gradient_checkpointing)
     if lm_head:
-        train += logits_bytes(shape, _scored_tokens(cfg, tokens), param_dtype=dtype, backward=True)
+        train += logits_bytes(shape, _logit_tokens(cfg, tokens), param_dtype=dtype, backward=True)
     return Item(f"{role} activations + logits of a micro-batch", max(train, forward))
 
 

@@ -180,3 +180,26 @@ def test_cpu_kv_cache_is_sized_from_the_rollouts_and_capped_by_what_the_trainers
         cpu_kv_cache_bytes(
             per_token=per_token, sequences=1, max_model_len=128, available=4 * GIB, others=5 * GIB, share=0.9, engines=1
         )
+
+
+def test_the_lm_head_in_chunks_plans_one_chunks_logits():
+    """--lm_head_chunk_tokens: the logits of one chunk exist at a time, not those of all the scored positions (packed
+    rows of 512 + 512 tokens, micro-batches of 8: 4096 scored positions, chunks of 1024)."""
+    from openppo.cli.plan import PlanConfig
+    from openppo.config.schema import parse_config
+    from openppo.ppo.memory_plan import plan_devices
+    from tests.model_cache import tiny_model_dir
+
+    shape = ModelShape(num_params=10**6, embedding_params=0, num_layers=2, hidden=64, intermediate=128, vocab=151_936)
+    flags = "--prompt_data p.jsonl --remote_rm_url r.py --advantage_estimator group_norm --n_samples_per_prompt 2 "
+    flags += "--init_kl_coef 0 --packing_samples --micro_train_batch_size 8 --train_batch_size 8 "
+    flags += "--rollout_batch_size 4 --prompt_max_len 512 --generate_max_len 512 --param_dtype bf16"
+
+    def planned(extra: str) -> float:
+        cfg = parse_config(PlanConfig, ["--pretrain", str(tiny_model_dir())] + (flags + extra).split(), "plan")
+        plans = plan_devices(cfg, {"actor": shape}, 80 * GIB, on_gpu=True)
+        return next(p for p in plans if p.name == "actor device").device_bytes
+
+    saved = planned("") - planned(" --lm_head_chunk_tokens 1024")
+    assert saved == logits_bytes(shape, 4096 - 1024, param_dtype="bf16", backward=True)
+    assert planned(" --lm_head_chunk_tokens 8192") == planned("")  # a chunk larger than the scored positions
