@@ -6,6 +6,7 @@
     python bench/train_step_mfu.py --steps 4 --profile 25       # where a GPU step's time goes (last step profiled)
     python bench/train_step_mfu.py --lm_head_chunk_tokens 4096  # the LM head in chunks (--lm_head_chunk_tokens)
     python bench/train_step_mfu.py --use_liger_kernel           # Liger's RMSNorm, RoPE, SwiGLU (--use_liger_kernel)
+    python bench/train_step_mfu.py --torch_compile              # the decoder layers compiled (--torch_compile)
 
 The update is the trainer's own: `Actor` (sdpa, varlen attention for packed rows) under `DeepSpeedStrategy`, the
 GRPO policy loss (`actor_loss`), micro-batches and optimizer steps by `fit_experience`, one rank. Rows are random
@@ -64,6 +65,27 @@ def profiler(device):
     return profile(activities=activities)
 
 
+def planned_gib(args, path: str) -> float:
+    """The memory planner's figure for this update's device (`openppo.ppo.memory_plan`, the one `python -m
+    openppo.cli.plan` prints): the actor's weights, gradients, optimizer states and working memory, with the flags of
+    a train_ppo_ray run whose micro-batches are this bench's."""
+    from openppo.cli.plan import PlanConfig
+    from openppo.config.schema import parse_config
+    from openppo.ppo.memory_plan import GIB, model_shape, plan_devices
+
+    response = args.seq_len // 2
+    flags = f"--pretrain {path} --prompt_data p.jsonl --remote_rm_url r.py --advantage_estimator reinforce "
+    flags += f"--n_samples_per_prompt 1 --init_kl_coef 0 --rollout_batch_size {args.rows} "
+    flags += f"--train_batch_size {args.rows} --micro_train_batch_size {args.micro} --micro_rollout_batch_size "
+    flags += f"{args.micro} --prompt_max_len {args.seq_len - response} --generate_max_len {response} --zero_stage "
+    flags += f"{args.zero_stage} --param_dtype {args.dtype} --lm_head_chunk_tokens {args.lm_head_chunk_tokens}"
+    flags += " --packing_samples" * args.pack + " --gradient_checkpointing" * args.gradient_checkpointing
+    cfg = parse_config(PlanConfig, flags.split(), "plan")
+    # (the device size sizes only engines' KV caches, which this plan has none of)
+    plans = plan_devices(cfg, {"actor": model_shape(path, "--pretrain")}, 80 * GIB, on_gpu=True)
+    return next(p for p in plans if p.name == "actor device").device_bytes / GIB
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", choices=MODELS, default="qwen0.5b")
@@ -78,6 +100,7 @@ def main() -> None:
         "--lm_head_chunk_tokens", type=int, default=0, metavar="N", help="the LM head in chunks of N positions (0: off)"
     )
     parser.add_argument("--use_liger_kernel", action="store_true", help="Liger's kernels in the model (GPU)")
+    parser.add_argument("--torch_compile", action="store_true", help="compile the decoder layers (step 1 compiles)")
     parser.add_argument(
         "--pack",
         action=argparse.BooleanOptionalAction,
@@ -107,7 +130,7 @@ def main() -> None:
     import torch
 
     from openppo.models.actor import Actor
-    from openppo.models.liger import liger_notice
+    from openppo.models.kernels import liger_notice
     from openppo.models.row_layout import RowLayout
     from openppo.ppo.batching import Batching
     from openppo.ppo.config import AlgoConfig
@@ -131,6 +154,7 @@ def main() -> None:
         dtype=strategy.torch_dtype,
         gradient_checkpointing=args.gradient_checkpointing,
         use_liger_kernel=args.use_liger_kernel,
+        torch_compile=args.torch_compile,
     )
     if args.use_liger_kernel and (why := liger_notice(True, strategy.device.type == "cuda")):
         print(why, file=sys.stderr)
@@ -211,6 +235,7 @@ def main() -> None:
             "gradient_checkpointing": args.gradient_checkpointing,
             "lm_head_chunk_tokens": args.lm_head_chunk_tokens,
             "use_liger_kernel": args.use_liger_kernel,
+            "torch_compile": args.torch_compile,
             "trim": args.trim,
             "step_times_s": [round(t, 3) for t in times],
             "step_s": round(step_s, 3),
@@ -223,6 +248,8 @@ def main() -> None:
             "peak_memory_gib": (
                 round(torch.cuda.max_memory_allocated(device) / 2**30, 2) if device.type == "cuda" else None
             ),
+            # the memory planner's figure for the same update (GPU arithmetic: FusedAdam; compare on a GPU)
+            "planned_gib": round(planned_gib(args, str(path)), 2),
         }
     )
 

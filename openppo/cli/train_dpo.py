@@ -44,7 +44,7 @@ def train(cfg: DPOConfig) -> None:
             dtype=strategy.torch_dtype,
             flag="--ref_pretrain",
             attn_implementation=cfg.model.attn_implementation,
-            use_liger_kernel=cfg.model.use_liger_kernel,
+            **cfg.model.kernel_kwargs(),
         )
     setup.set_layout(cfg, ref)
     ref_engine = strategy.prepare_eval(ref, offload=cfg.dpo.ref_offload)

@@ -53,6 +53,11 @@ class ModelBuildConfig:
         "GPU: Liger's fused Triton kernels for RMSNorm, RoPE and the SwiGLU MLP in every model the run builds "
         "(needs the liger-kernel package); no effect on CPU",
     )
+    torch_compile: bool = opt(
+        False,
+        "torch.compile each decoder layer of every model the run trains or scores (one compiled graph reused by "
+        "all layers; vLLM compiles its own unless --enforce_eager); the first step pays the compile",
+    )
 
     def build_kwargs(self) -> dict:
         """Keyword arguments of `Actor.from_pretrained` / `ScalarModel.from_pretrained`."""
@@ -64,8 +69,12 @@ class ModelBuildConfig:
             target_modules=self.target_modules,
             gradient_checkpointing=self.gradient_checkpointing,
             reentrant_checkpointing=self.gradient_checkpointing_use_reentrant,
-            use_liger_kernel=self.use_liger_kernel,
+            **self.kernel_kwargs(),
         )
+
+    def kernel_kwargs(self) -> dict:
+        """The kernel options of `Actor.from_pretrained` / `ScalarModel.from_pretrained`, for every model of a run."""
+        return dict(use_liger_kernel=self.use_liger_kernel, torch_compile=self.torch_compile)
 
 
 @dataclass

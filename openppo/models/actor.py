@@ -82,6 +82,7 @@ class Actor(nn.Module):
         gradient_checkpointing: bool = False,
         reentrant_checkpointing: bool = False,
         use_liger_kernel: bool = False,
+        torch_compile: bool = False,
     ) -> Actor:
         from transformers import AutoModelForCausalLM
 
@@ -102,6 +103,7 @@ class Actor(nn.Module):
                 gradient_checkpointing=gradient_checkpointing,
                 reentrant_checkpointing=reentrant_checkpointing,
                 use_liger_kernel=use_liger_kernel,
+                torch_compile=torch_compile,
             )
         )
 

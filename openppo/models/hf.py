@@ -147,15 +147,16 @@ def finish_model(
     gradient_checkpointing: bool,
     reentrant_checkpointing: bool = False,
     use_liger_kernel: bool = False,
+    torch_compile: bool = False,
 ):
-    """Optional Liger kernels, LoRA adapters and activation checkpointing, in that order (Liger patches the model's
-    own modules, which the adapters then wrap; checkpointing must see the adapters)."""
+    """Optional Liger kernels, LoRA adapters, activation checkpointing and compiled layers, in that order (Liger
+    patches the model's own modules, which the adapters then wrap; checkpointing must see the adapters; the compiled
+    layers hold all of it)."""
     if use_liger_kernel:
-        from openppo.models.liger import apply_liger
+        from openppo.models.kernels import apply_liger
 
         why = apply_liger(model)
-        first_rank = not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
-        if why and why != "no GPU" and first_rank:  # (no GPU: the run's own notice says so, once)
+        if why and why != "no GPU" and _first_rank():  # (no GPU: the run's own notice says so, once)
             logger.warning("--use_liger_kernel has no effect on %s: %s", type(model).__name__, why)
     if lora_rank > 0:
         model = apply_lora(
@@ -168,7 +169,16 @@ def finish_model(
         )
     if gradient_checkpointing:
         enable_gradient_checkpointing(model, reentrant_checkpointing)
+    if torch_compile:
+        from openppo.models.kernels import compile_layers
+
+        if not compile_layers(model) and _first_rank():
+            logger.warning("--torch_compile has no effect on %s: no decoder layers found", type(model).__name__)
     return model
+
+
+def _first_rank() -> bool:
+    return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 
 def enable_gradient_checkpointing(model, reentrant: bool = False) -> None:

@@ -1,4 +1,7 @@
-"""Liger's fused GPU kernels in a loaded model (--use_liger_kernel): RMSNorm, RoPE and the SwiGLU MLP, put into the
+"""Fewer, larger kernels in the models a run builds: Liger's fused kernels (--use_liger_kernel) and the decoder layers
+compiled (--torch_compile).
+
+Liger's fused GPU kernels in a loaded model (--use_liger_kernel): RMSNorm, RoPE and the SwiGLU MLP, put into the
 model's own modules by the `liger-kernel` package (`_apply_liger_kernel_to_instance`, the per-instance form of its
 `apply_liger_kernel_to_<model type>` patches), before LoRA adapters wrap the linear layers.
 
@@ -8,11 +11,19 @@ Liger's fused linear cross-entropy is not used: RL needs each token's log-prob a
 
 Liger's kernels are Triton GPU kernels: on a machine without CUDA the model keeps transformers' modules, and the run
 says so in one line (`liger_notice`).
+
+--torch_compile compiles each decoder layer in place (`compile_layers`; regional compilation): the layers share
+their code, and torch.compile takes their weights as inputs, so one compiled graph serves them all (one compile, not
+one per layer; the whole model would be one large graph, slow to compile and recompiled on any change). It runs
+last, over the LoRA adapters and the activation checkpointing. On CPU it compiles too (Inductor's C++ backend); the
+first forward and backward of each new shape pay the compile (~30 s for a tiny model on a 2-core CPU), after which
+the sequence length is dynamic.
 """
 
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from openppo.errors import UserError
 
@@ -45,3 +56,31 @@ def apply_liger(model: torch.nn.Module, on_gpu: bool | None = None) -> str | Non
         return f"Liger has no kernels for model type {model_type!r}"
     _apply_liger_kernel_to_instance(model=model, **KERNELS)
     return None
+
+
+def compile_layers(model: nn.Module) -> int:
+    """torch.compile each decoder layer of the transformers (or PEFT) model `model` in place; returns how many."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    layers = getattr(getattr(base, getattr(base, "base_model_prefix", ""), base), "layers", None)
+    if not isinstance(layers, nn.ModuleList):
+        return 0
+    for layer in layers:
+        layer.compile()
+    return len(layers)
+
+
+def check_compile(torch_compile: bool, *, zero_stage: int, ring_attn_size: int, tensor_parallel_size: int) -> None:
+    """--torch_compile's settings; raise UserError naming the flags."""
+    if not torch_compile:
+        return
+    if zero_stage == 3:
+        raise UserError(
+            "--torch_compile with --zero_stage 3: ZeRO-3 gathers each layer's weights through hooks the compiled "
+            "layers would skip; use --zero_stage 2, or --deepcompile (DeepSpeed's own compiler, GPU)"
+        )
+    for size, flag in ((ring_attn_size, "--ring_attn_size"), (tensor_parallel_size, "--ds_tensor_parallel_size")):
+        if size > 1:
+            raise UserError(
+                f"--torch_compile with {flag} {size}: its collectives run inside each decoder layer, where the "
+                f"compiler would split the graph at every one; drop one of the two"
+            )

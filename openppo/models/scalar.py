@@ -49,6 +49,7 @@ class ScalarModel(nn.Module):
         gradient_checkpointing: bool = False,
         reentrant_checkpointing: bool = False,
         use_liger_kernel: bool = False,
+        torch_compile: bool = False,
     ) -> ScalarModel:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -74,6 +75,7 @@ class ScalarModel(nn.Module):
                 gradient_checkpointing=gradient_checkpointing,
                 reentrant_checkpointing=reentrant_checkpointing,
                 use_liger_kernel=use_liger_kernel,
+                torch_compile=torch_compile,
             )
         )
 

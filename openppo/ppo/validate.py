@@ -15,7 +15,7 @@ from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.hf import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
-from openppo.models.liger import liger_notice
+from openppo.models.kernels import check_compile, liger_notice
 from openppo.ppo.config import PPOConfig, ranks_per_shard
 from openppo.ppo.teachers import check_teacher_tokenizers, parse_teachers
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
@@ -425,6 +425,12 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
                 f"--async_train: samples from older weights are importance-weighted "
                 f"(--vllm_is_correction_type {v.vllm_is_correction_type})"
             )
+    check_compile(
+        cfg.model.torch_compile,
+        zero_stage=ds.zero_stage,
+        ring_attn_size=cfg.rollout.ring_attn_size,
+        tensor_parallel_size=ds.ds_tensor_parallel_size,
+    )
     if ds.deepcompile and ds.zero_stage == 0:
         notices.append("--deepcompile with --zero_stage 0: DeepSpeed falls back to plain torch.compile")
     if cfg.model.ref_reward_offload and ds.zero_stage != 3:

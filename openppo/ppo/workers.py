@@ -414,7 +414,7 @@ class ReferenceWorker(_FrozenWorker):
                 cfg.model.pretrain,
                 dtype=dtype,
                 attn_implementation=cfg.model.attn_implementation,
-                use_liger_kernel=cfg.model.use_liger_kernel,
+                **cfg.model.kernel_kwargs(),
             ),
         )
 
@@ -432,7 +432,7 @@ class TeacherWorker(_FrozenWorker):
                 role.model,
                 dtype=dtype,
                 attn_implementation=cfg.model.attn_implementation,
-                use_liger_kernel=cfg.model.use_liger_kernel,
+                **cfg.model.kernel_kwargs(),
             ),
         )
 
@@ -450,7 +450,7 @@ class RewardWorker(_FrozenWorker):
                 dtype=dtype,
                 flag="--reward_pretrain",
                 attn_implementation=cfg.model.attn_implementation,
-                use_liger_kernel=cfg.model.use_liger_kernel,
+                **cfg.model.kernel_kwargs(),
             ),
         )
         return self.model.normalization()

@@ -17,7 +17,7 @@ from openppo.config.schema import to_dict
 from openppo.datasets import load_blended_dataset, require_columns
 from openppo.errors import UserError, require
 from openppo.models.hf import aux_loss_notice, kv_heads, resolve_model_path
-from openppo.models.liger import liger_notice
+from openppo.models.kernels import check_compile, liger_notice
 from openppo.models.row_layout import RowLayout, ring_layout
 from openppo.strategy.config import ds_notices, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy, validate_batch_sizes, validate_precision
@@ -48,6 +48,12 @@ def validate_common(cfg: Any) -> None:
         0.0 <= cfg.optim.lr_warmup_ratio < 1.0, f"--lr_warmup_ratio must be in [0, 1), got {cfg.optim.lr_warmup_ratio}"
     )
     validate_build(cfg.model)
+    check_compile(
+        cfg.model.torch_compile,
+        zero_stage=cfg.ds.zero_stage,
+        ring_attn_size=cfg.ds.ring_attn_size,
+        tensor_parallel_size=cfg.ds.ds_tensor_parallel_size,
+    )
     if (notice := aux_loss_notice(cfg.model.aux_loss_coef, cfg.model.pretrain)) is not None:
         logger.info("note: %s", notice)
     validate_schedule(min_lr_ratio=cfg.optim.min_lr_ratio, max_norm=cfg.optim.max_norm)

@@ -1,6 +1,7 @@
-"""--use_liger_kernel on CUDA: the model with Liger's RMSNorm, RoPE and SwiGLU kernels (the real liger-kernel package,
-which tests/gpu/run.sh installs) gives the plain model's log-probs, entropy and gradients on packed rows, fp32 and
-bf16 (tests/models/test_liger.py checks the CPU side and where the kernels go)."""
+"""--use_liger_kernel and --torch_compile on CUDA: the model with Liger's RMSNorm, RoPE and SwiGLU kernels (the real
+liger-kernel package, which tests/gpu/run.sh installs), and with its decoder layers compiled on top, gives the plain
+model's log-probs, entropy and gradients on packed rows (tests/models/test_kernels.py checks the CPU side: the
+compiled layers against eager in fp32, and where Liger's kernels go)."""
 
 from __future__ import annotations
 
@@ -12,6 +13,11 @@ from tests.gpu.conftest import requires_cuda
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 GROUPS = [(37, [12, 5, 40, 21]), (90, [33, 8]), (11, [64, 3, 17])]  # (prompt tokens, response tokens of each row)
+CASES = [  # (dtype, atol, build options of the model checked against the plain one)
+    (torch.float32, 1e-4, {"use_liger_kernel": True}),
+    (torch.bfloat16, 3e-2, {"use_liger_kernel": True}),
+    (torch.bfloat16, 3e-2, {"use_liger_kernel": True, "torch_compile": True}),
+]
 
 
 def _scores(actor, batch):
@@ -24,8 +30,9 @@ def _scores(actor, batch):
     return (out.log_probs.float() * mask).detach(), (out.entropy.float() * mask).detach(), grads
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-4), (torch.bfloat16, 3e-2)], ids=["fp32", "bf16"])
-def test_liger_model_scores_as_the_plain_one(gpu_model_dir, monkeypatch, dtype, atol):
+@pytest.mark.parametrize("dtype,atol,options", CASES, ids=["liger-fp32", "liger-bf16", "liger-compile-bf16"])
+def test_fused_and_compiled_models_score_as_the_plain_one(gpu_model_dir, monkeypatch, dtype, atol, options):
+    import torch._dynamo
     from transformers.models.qwen2 import modeling_qwen2
 
     from openppo.models.actor import Actor
@@ -35,19 +42,22 @@ def test_liger_model_scores_as_the_plain_one(gpu_model_dir, monkeypatch, dtype, 
     # Liger replaces these in the transformers module itself (RoPE for every Qwen2 model of the process): put back after
     for name in ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP"):
         monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))
+    torch._dynamo.reset()
     batch = {k: v.cuda() for k, v in grouped_rows(GROUPS, seed=0).items()}
     results = []
-    for liger in (False, True):  # the plain model first: Liger's RoPE would reach it too
-        actor = Actor.from_pretrained(str(gpu_model_dir), dtype=dtype, use_liger_kernel=liger).cuda()
+    for build in ({}, options):  # the plain model first: Liger's RoPE would reach it too
+        actor = Actor.from_pretrained(str(gpu_model_dir), dtype=dtype, **build).cuda()
         actor.layout = RowLayout(packed=True)
         layer = actor.hf_model.model.layers[0]
+        liger = build.get("use_liger_kernel", False)
         assert (layer.mlp._get_name() == "LigerSwiGLUMLP") is liger, layer.mlp._get_name()
         assert ("forward" in vars(layer.input_layernorm)) is liger  # Liger's RMSNorm forward bound on the module
+        assert (layer._compiled_call_impl is not None) is build.get("torch_compile", False)
         results.append(_scores(actor, batch))
-    (lp, ent, grads), (l_lp, l_ent, l_grads) = results
+    (lp, ent, grads), (o_lp, o_ent, o_grads) = results
     assert modeling_qwen2.apply_rotary_pos_emb.__module__.startswith("liger_kernel")
-    torch.testing.assert_close(l_lp, lp, atol=atol, rtol=0)
-    torch.testing.assert_close(l_ent, ent, atol=atol, rtol=0)
+    torch.testing.assert_close(o_lp, lp, atol=atol, rtol=0)
+    torch.testing.assert_close(o_ent, ent, atol=atol, rtol=0)
     for name, grad in grads.items():
         scale = max(grad.abs().max().item(), 1e-6)
-        torch.testing.assert_close(l_grads[name] / scale, grad / scale, atol=10 * atol, rtol=0, msg=name)
+        torch.testing.assert_close(o_grads[name] / scale, grad / scale, atol=10 * atol, rtol=0, msg=name)

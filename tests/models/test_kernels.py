@@ -1,9 +1,9 @@
-"""--use_liger_kernel (`openppo.models.liger`): on CPU the model keeps transformers' modules and the run says so once;
+"""--use_liger_kernel (`openppo.models.kernels`): on CPU the model keeps transformers' modules and the run says so once;
 on a GPU the model's own modules get Liger's kernels before LoRA wraps them.
 
 Liger's patch functions import its Triton GPU kernels, which cannot load on a CPU-only machine: the GPU-side tests
 stand a recording module in for `liger_kernel.transformers.monkey_patch` (the one mock here; the real package is
-checked on CUDA by tests/gpu/test_liger_cuda.py, log-probs and gradients against the plain model)."""
+checked on CUDA by tests/gpu/test_kernels_cuda.py, log-probs and gradients against the plain model)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,10 @@ import torch
 
 from openppo.errors import UserError
 from openppo.models.actor import Actor
-from openppo.models.liger import KERNELS, apply_liger, liger_notice
+from openppo.models.kernels import KERNELS, apply_liger, compile_layers, liger_notice
 from tests.model_cache import tiny_model_dir
+
+GROUPS = [(37, [12, 5, 40, 21]), (90, [33, 8]), (11, [64, 3, 17])]  # (prompt tokens, response tokens of each row)
 
 
 def _stand_in(monkeypatch) -> list[dict]:
@@ -60,3 +62,88 @@ def test_a_model_type_liger_lacks_is_named_and_a_missing_package_is_a_one_line_e
     monkeypatch.setitem(sys.modules, "liger_kernel.transformers.monkey_patch", None)  # not installed
     with pytest.raises(UserError, match=r"--use_liger_kernel needs the liger-kernel package .*requirements/gpu.txt"):
         apply_liger(model, on_gpu=True)
+
+
+def test_compiled_layers_score_and_train_as_the_eager_ones():
+    """LoRA and activation checkpointing under the compiled layers, packed rows: log-probs and every gradient as eager
+    (fp32, 1e-5); all the layers run one compiled graph, with no graph break."""
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    from openppo.models.row_layout import RowLayout
+    from tests.ppo.rank_helpers import grouped_rows
+
+    batch = grouped_rows(GROUPS, seed=0)
+    results = []
+    for compiled in (False, True):
+        torch.manual_seed(0)  # (the same LoRA weights)
+        actor = Actor.from_pretrained(
+            str(tiny_model_dir()),
+            dtype=torch.float32,
+            lora_rank=4,
+            gradient_checkpointing=True,
+            torch_compile=compiled,
+        ).train()
+        actor.layout = RowLayout(packed=True)
+        layers = actor.hf_model.model.layers
+        assert all((layer._compiled_call_impl is not None) is compiled for layer in layers)
+        torch._dynamo.reset()
+        counters.clear()
+        out = actor(batch["sequences"], batch["attention_mask"], score_mask=batch["action_mask"])
+        (out.log_probs * batch["action_mask"]).sum().backward()
+        grads = {n: p.grad for n, p in actor.named_parameters() if p.grad is not None}
+        results.append((out.log_probs.detach(), grads))
+    assert counters["stats"]["unique_graphs"] == 1 and not counters["graph_break"], dict(counters)
+    (lp, grads), (c_lp, c_grads) = results
+    assert grads.keys() == c_grads.keys() and len(grads) == 2 * 7 * len(layers)  # A and B of 7 linears a layer
+    torch.testing.assert_close(c_lp, lp, atol=1e-5, rtol=0)
+    for name, grad in grads.items():
+        torch.testing.assert_close(c_grads[name], grad, atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_every_model_kind_has_its_decoder_layers_compiled():
+    from openppo.models.scalar import ScalarModel
+
+    critic = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--critic_pretrain")
+    assert compile_layers(critic.model) == critic.model.config.num_hidden_layers
+    assert compile_layers(torch.nn.Linear(2, 2)) == 0
+
+
+def test_a_zero2_step_of_the_compiled_layers_moves_the_weights_as_eager():
+    """Under a real DeepSpeed ZeRO-2 engine (its gradient hooks, reduction buckets and partitioned fp32 copy), the
+    compiled model's gradients are the eager model's (fp32, 1e-5), and so is its first optimizer step to a
+    twentieth of the learning rate (Adam's first step divides each gradient by its own size, so a rounding
+    difference in a near-zero gradient moves its weight by up to a few per cent of the rate)."""
+    from deepspeed.utils import safe_get_full_grad
+
+    from openppo.models.row_layout import RowLayout
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+    from tests.ppo.rank_helpers import grouped_rows, train_engine
+
+    batch = grouped_rows(GROUPS, seed=1)
+    weights, grads = [], []
+    for compiled in (False, True):
+        strategy = DeepSpeedStrategy(
+            DeepSpeedConfig(dist_timeout=120, zero_stage=2, param_dtype="fp32"),
+            train_batch_size=1,
+            micro_batch_size=1,
+            max_norm=1.0,
+            seed=0,
+        )
+        strategy.setup_distributed()
+        actor = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, torch_compile=compiled)
+        actor.layout = RowLayout(packed=True)
+        engine = train_engine(strategy, actor, lr=1e-3, steps=4)
+        out = engine(batch["sequences"], batch["attention_mask"], score_mask=batch["action_mask"])
+        engine.backward(-(out.log_probs * batch["action_mask"]).sum() / batch["action_mask"].sum())
+        grads.append({n: safe_get_full_grad(p).clone() for n, p in actor.named_parameters()})
+        engine.step()
+        weights.append({n: p.detach().clone() for n, p in actor.named_parameters()})
+    for name, grad in grads[0].items():
+        torch.testing.assert_close(grads[1][name], grad, atol=1e-5, rtol=1e-4, msg=name)
+    eager, compiled = weights
+    apart = max((compiled[n] - p).abs().max().item() for n, p in eager.items())
+    assert apart < 0.05 * 1e-3, apart  # measured 1.3e-5
+    start = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
+    assert max((eager[n] - p).abs().max().item() for n, p in start.named_parameters()) > 1e-4  # the step moved them
