@@ -1,0 +1,119 @@
+"""Benchmark: the training step's speed options side by side, in one sitting (issue 34's table).
+
+    python bench/train_step_table.py                          # GPU: the 0.5B shape, 1k and 4k rows, bf16
+    .venv/bin/python bench/train_step_table.py --model tiny --lengths 128,256 --micro_tokens 512 --dtype fp32  # CPU
+
+For each row length and each variant (the plain step; --lm_head_chunk_tokens; --use_liger_kernel; --torch_compile;
+all three) it runs `bench/train_step_mfu.py` in a process of its own (Liger patches transformers' modules, and each
+variant's peak memory must be its own), and prints one table: step time, tokens/s, MFU against the data sheet and
+against a matmul timed in the same process, the allocator's peak memory and the memory planner's figure for the
+same update with their ratio. Every micro-batch holds `--micro_tokens` tokens (8 rows of 1024, 2 of 4096), and a
+step `--micro_batches` of them.
+
+A fresh GPU box pays each variant's start (imports, model load) and the compiled variants their compile: the runs
+go in order of importance (the plain step and all options first, at each length, then each option alone), and the
+ones that would start after `--budget_s` are skipped and named, so that the call fits its lease. The last line
+printed is one JSON object with every row and the device.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+from bench.record import MODELS, add_dtype_option, emit  # noqa: E402
+
+VARIANTS = {  # name -> train_step_mfu.py flags ({chunk}: --chunk_tokens)
+    "plain": [],
+    "chunked head": ["--lm_head_chunk_tokens", "{chunk}"],
+    "Liger": ["--use_liger_kernel"],
+    "compile": ["--torch_compile"],
+    "all": ["--lm_head_chunk_tokens", "{chunk}", "--use_liger_kernel", "--torch_compile"],
+}
+ORDER = ("plain", "all", "chunked head", "Liger", "compile")  # what runs first when the budget is short
+COLUMNS = ("step_s", "tokens_per_s", "mfu_datasheet", "mfu_vs_matmul", "peak_memory_gib", "planned_gib")
+
+
+def runs(lengths: list[int]) -> list[tuple[str, int]]:
+    """(variant, row length) in the order they run: the plain step and all options at every length, then the rest."""
+    first = [(v, n) for v in ORDER[:2] for n in lengths]
+    return first + [(v, n) for v in ORDER[2:] for n in lengths]
+
+
+def table(rows: list[dict]) -> str:
+    head = ["variant", "row", *COLUMNS, "planned/peak"]
+    lines = [" | ".join(head), " | ".join("---" for _ in head)]
+    for r in rows:
+        peak, plan = r.get("peak_memory_gib"), r.get("planned_gib")
+        ratio = f"{plan / peak:.2f}" if peak and plan else "-"
+        cells = [r["variant"], str(r["seq_len"])] + [str(r.get(c, "-")) for c in COLUMNS] + [ratio]
+        lines.append(" | ".join(cells))
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", choices=MODELS, default="qwen0.5b")
+    add_dtype_option(parser)
+    parser.add_argument("--lengths", default="1024,4096", help="comma list of row lengths (tokens)")
+    parser.add_argument("--micro_tokens", type=int, default=8192, help="tokens per micro-batch (rows x length)")
+    parser.add_argument("--micro_batches", type=int, default=4, help="micro-batches per optimizer step")
+    parser.add_argument("--chunk_tokens", type=int, default=4096, help="--lm_head_chunk_tokens of the chunked rows")
+    parser.add_argument("--steps", type=int, default=3, help="steps per run (the first is left out of the mean)")
+    parser.add_argument("--budget_s", type=float, default=380, help="start no run after this many seconds")
+    parser.add_argument("--out", type=Path, default=None, help="also write each run's log here (a folder)")
+    args = parser.parse_args()
+    lengths = [int(n) for n in args.lengths.split(",")]
+    if any(args.micro_tokens % n for n in lengths):
+        raise SystemExit(f"--micro_tokens {args.micro_tokens} must be a multiple of every length in --lengths")
+    start, rows, skipped = time.monotonic(), [], []
+    for variant, length in runs(lengths):
+        elapsed = time.monotonic() - start
+        if elapsed > args.budget_s:
+            skipped.append(f"{variant} @ {length}")
+            continue
+        micro = args.micro_tokens // length
+        flags = [f.format(chunk=args.chunk_tokens) for f in VARIANTS[variant]]
+        cmd = [sys.executable, str(REPO / "bench" / "train_step_mfu.py"), "--model", args.model, "--dtype"]
+        cmd += [args.dtype, "--seq_len", str(length), "--micro", str(micro), "--rows", str(micro * args.micro_batches)]
+        cmd += ["--steps", str(args.steps), *flags]
+        began = time.monotonic()
+        proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True)
+        took = time.monotonic() - began
+        if args.out:
+            args.out.mkdir(parents=True, exist_ok=True)
+            (args.out / f"{variant.replace(' ', '_')}_{length}.log").write_text(proc.stdout + proc.stderr)
+        records = [line for line in proc.stdout.splitlines() if line.startswith("{")]
+        if proc.returncode or not records:
+            print(f"{variant} @ {length}: failed (exit {proc.returncode}):\n{proc.stderr[-2000:]}", file=sys.stderr)
+            rows.append({"variant": variant, "seq_len": length, "failed": proc.returncode, "run_s": round(took, 1)})
+            continue
+        record = json.loads(records[-1])
+        record.pop("device", None)
+        rows.append({"variant": variant, **record, "run_s": round(took, 1)})
+        print(f"{variant} @ {length}: {took:.0f} s", file=sys.stderr, flush=True)
+    rows.sort(key=lambda r: (r["seq_len"], list(VARIANTS).index(r["variant"])))
+    print(table(rows))
+    if skipped:
+        print(f"skipped (past --budget_s {args.budget_s:.0f} s): {', '.join(skipped)}")
+    emit(
+        {
+            "bench": "train_step_table",
+            "model": args.model,
+            "micro_tokens": args.micro_tokens,
+            "micro_batches": args.micro_batches,
+            "rows": rows,
+            "skipped": skipped,
+            "total_s": round(time.monotonic() - start, 1),
+        }
+    )
+
+
+if __name__ == "__main__":
+    main()
