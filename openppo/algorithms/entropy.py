@@ -58,7 +58,7 @@ def _scaled(chunk: torch.Tensor, dtype: torch.dtype, temperature: float) -> torc
     return z if temperature == 1.0 else z / temperature
 
 
-def _chunk_entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
+def chunk_entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     """H = lse - sum_v p_v z_v with p = exp(z - lse). A logit of -inf (a banned token) has p = 0 and adds nothing
     (its 0 * -inf = NaN is zeroed)."""
     pz = torch.exp(z - lse.unsqueeze(-1)).mul_(z)
@@ -80,7 +80,7 @@ class _LogProbs(torch.autograd.Function):
             lse = torch.logsumexp(z, dim=-1)
             out[rows, cols] = z.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1) - lse
             if with_entropy:
-                entropy[rows, cols] = _chunk_entropy(z, lse)
+                entropy[rows, cols] = chunk_entropy(z, lse)
         ctx.save_for_backward(logits, labels)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         ctx.mark_non_differentiable(entropy)
@@ -109,7 +109,7 @@ class _Entropy(torch.autograd.Function):
         out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], chunk_size):
             z = _scaled(logits[rows, cols], dtype, temperature)
-            out[rows, cols] = _chunk_entropy(z, torch.logsumexp(z, dim=-1))
+            out[rows, cols] = chunk_entropy(z, torch.logsumexp(z, dim=-1))
         ctx.save_for_backward(logits, out)
         ctx.temperature, ctx.chunk_size = temperature, chunk_size
         return out

@@ -22,7 +22,7 @@ from openppo.algorithms import (
     log_probs_from_logits,
     sampling_log_probs,
 )
-from openppo.models.hf import finish_model, resolve_model_path, router_aux_loss
+from openppo.models.hf import base_model, finish_model, resolve_model_path, router_aux_loss
 from openppo.models.lm_head import head_scores, unsupported_reason
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
@@ -52,13 +52,12 @@ class Actor(nn.Module):
         super().__init__()
         self.model = model
         # transformers' causal LMs take `logits_to_keep` (an index tensor since 4.50); remote-code models may not
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(base.forward).parameters
+        self._takes_logits_to_keep = "logits_to_keep" in inspect.signature(self.hf_model.forward).parameters
 
     @property
     def hf_model(self) -> nn.Module:
         """The transformers causal LM (under LoRA: the one the adapters were put into)."""
-        return self.model.get_base_model() if hasattr(self.model, "get_base_model") else self.model
+        return base_model(self.model)
 
     def chunk_head(self, chunk_tokens: int) -> str | None:
         """Score through the LM head `chunk_tokens` positions at a time (`openppo.models.lm_head`; 0: the model's

@@ -136,6 +136,11 @@ def apply_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: 
     return model
 
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The transformers model under PEFT's wrapper (the one the adapters were put into); any other model as is."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def finish_model(
     model,
     *,
@@ -224,7 +229,7 @@ def save_hf_folder(
     # Wrapper keys start with "model."; the HF model's own keys do not.
     if model is not module:
         state = _strip_prefix(state, "model.")
-    config = model.get_base_model().config if hasattr(model, "get_base_model") else model.config
+    config = base_model(model).config
     for key, value in (extra_config or {}).items():
         setattr(config, key, value)
     tmp = out_dir.with_name(out_dir.name + ".tmp")

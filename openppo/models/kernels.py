@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from openppo.errors import UserError
+from openppo.models.hf import base_model
 
 # what Liger replaces: its patch function's flags (the ones a model type's function lacks are dropped by Liger)
 KERNELS = dict(rope=True, rms_norm=True, swiglu=True, cross_entropy=False, fused_linear_cross_entropy=False)
@@ -60,7 +61,7 @@ def apply_liger(model: torch.nn.Module, on_gpu: bool | None = None) -> str | Non
 
 def compile_layers(model: nn.Module) -> int:
     """torch.compile each decoder layer of the transformers (or PEFT) model `model` in place; returns how many."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     layers = getattr(getattr(base, getattr(base, "base_model_prefix", ""), base), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         return 0

@@ -38,6 +38,7 @@ from openppo.algorithms import (
     log_probs_from_logits,
     sampling_log_probs,
 )
+from openppo.algorithms.entropy import chunk_entropy
 
 # config attributes of transformers models whose forward changes the logits after the head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -91,9 +92,8 @@ class _HeadLogProbs(torch.autograd.Function):
             z = _chunk_logits(hidden[c], weight, bias, temperature)
             lse[c] = torch.logsumexp(z, dim=-1)
             out[c] = z.gather(-1, labels[c].unsqueeze(-1)).squeeze(-1) - lse[c]
-            if with_entropy:  # H = lse - sum p z (a -inf logit has p = 0 and adds nothing)
-                pz = torch.exp(z - lse[c].unsqueeze(-1)).mul_(z)
-                entropy[c] = lse[c] - torch.nan_to_num_(pz, nan=0.0).sum(-1)
+            if with_entropy:
+                entropy[c] = chunk_entropy(z, lse[c])
         ctx.save_for_backward(hidden, weight, bias, labels, lse)
         ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
         ctx.mark_non_differentiable(entropy)
@@ -154,24 +154,16 @@ def head_scores(
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     shape = labels.shape
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
-    active = sampling is not None and sampling.active
+    n = flat_labels.numel()
     if torch.is_grad_enabled() and entropy is not True and _plain(head):
         log_probs, ent = _HeadLogProbs.apply(
             flat, head.weight, head.bias, flat_labels.long(), float(temperature), chunk_tokens, entropy == "log"
         )
-        behaviour = None
-        if active:  # (no gradient: the engine's truncated distribution, for comparisons)
-            with torch.no_grad():
-                pieces = zip(flat.split(chunk_tokens), flat_labels.split(chunk_tokens))
-                behaviour = torch.cat([sampling_log_probs(head(h), y, temperature, sampling) for h, y in pieces])
-        return (
-            log_probs.reshape(shape),
-            ent.reshape(shape) if entropy else None,
-            None if behaviour is None else behaviour.reshape(shape),
-        )
-    count = _chunk_count(flat_labels.numel(), chunk_tokens, head, flat.device)
+        beh = _sampling_scores(flat, flat_labels, head, temperature, sampling, math.ceil(n / chunk_tokens))
+        return log_probs.reshape(shape), ent.reshape(shape) if entropy else None, _shaped(beh, shape)
+    count = _chunk_count(n, chunk_tokens, head, flat.device)
     train = torch.is_grad_enabled()
-    log_probs, entropies, behaviour = [], [], []
+    log_probs, entropies = [], []
     for h, y in zip(flat.tensor_split(count), flat_labels.tensor_split(count)) if count else ():
         if train:  # the chunk's logits are made again in backward instead of kept
             lp, ent = checkpoint(_scores, head, h, y, temperature, entropy, use_reentrant=False)
@@ -179,10 +171,21 @@ def head_scores(
             lp, ent = _scores(head, h, y, temperature, entropy)
         log_probs.append(lp)
         entropies.append(ent)
-        if active:
-            with torch.no_grad():
-                behaviour.append(sampling_log_probs(head(h), y, temperature, sampling))
     out = torch.cat(log_probs).reshape(shape) if log_probs else hidden.new_zeros(shape, dtype=torch.float32)
     ent = torch.cat(entropies).reshape(shape) if entropy and entropies else None
-    beh = torch.cat(behaviour).reshape(shape) if behaviour else None
-    return out, ent, beh
+    return out, ent, _shaped(_sampling_scores(flat, flat_labels, head, temperature, sampling, count), shape)
+
+
+def _sampling_scores(flat, labels, head: nn.Module, temperature: float, sampling, count: int) -> torch.Tensor | None:
+    """The labels' log-probs under the engine's truncated distribution (an active `sampling` filter), in `count`
+    chunks, without gradient (for comparisons with the engine's); None without an active filter. Under ZeRO-3 every
+    rank calls the head `count` times (`_chunk_count`), so the gathers match."""
+    if sampling is None or not sampling.active or not count:
+        return None
+    with torch.no_grad():
+        pieces = zip(flat.tensor_split(count), labels.tensor_split(count))
+        return torch.cat([sampling_log_probs(head(h), y, temperature, sampling) for h, y in pieces])
+
+
+def _shaped(values: torch.Tensor | None, shape: torch.Size) -> torch.Tensor | None:
+    return None if values is None else values.reshape(shape)

@@ -58,6 +58,8 @@ from transformers import AttentionInterface
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from openppo.models.hf import base_model
+
 ATTN_IMPLEMENTATION = "ring_attention"
 """The name to pass as `attn_implementation` (registered by `register_ring_attention`)."""
 
@@ -484,7 +486,7 @@ def register_ring_attention() -> None:
 def enable_ring_attention(model: torch.nn.Module) -> None:
     """Switch a loaded HF model (PreTrainedModel, possibly PEFT-wrapped) to ring attention."""
     register_ring_attention()
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     base.set_attn_implementation(ATTN_IMPLEMENTATION)
     if base.config._attn_implementation != ATTN_IMPLEMENTATION:
         raise ValueError(

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openppo.models.hf import finish_model, resolve_model_path, router_aux_loss
+from openppo.models.hf import base_model, finish_model, resolve_model_path, router_aux_loss
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 
@@ -82,8 +82,7 @@ class ScalarModel(nn.Module):
     @property
     def hf_model(self) -> nn.Module:
         """The transformers model (under any PEFT wrapper)."""
-        model = self.model
-        return model.get_base_model() if hasattr(model, "get_base_model") else model
+        return base_model(self.model)
 
     @property
     def config(self):

@@ -27,6 +27,8 @@ from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
+from openppo.models.hf import base_model
+
 ATTN_IMPLEMENTATION = "openppo_varlen_sdpa"
 
 # On CPU, PyTorch's bf16/fp16 flash kernel is slower than its fp32 one up to about this many tokens per sequence
@@ -236,7 +238,7 @@ def _mask(*args, **kwargs) -> torch.Tensor | None:
 def enable_varlen_attention(model: torch.nn.Module) -> bool:
     """Switch a loaded HF model (possibly PEFT-wrapped) from sdpa to the varlen function; False if it was not on
     sdpa (eager, flash-attn or flex handle packed rows their own way) and is left alone."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    base = base_model(model)
     if base.config._attn_implementation != "sdpa":
         return False
     AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention_forward)
