@@ -15,9 +15,11 @@ says so in one line (`liger_notice`).
 --torch_compile compiles each decoder layer in place (`compile_layers`; regional compilation): the layers share
 their code, and torch.compile takes their weights as inputs, so one compiled graph serves them all (one compile, not
 one per layer; the whole model would be one large graph, slow to compile and recompiled on any change). It runs
-last, over the LoRA adapters and the activation checkpointing. On CPU it compiles too (Inductor's C++ backend); the
-first forward and backward of each new shape pay the compile (~30 s for a tiny model on a 2-core CPU), after which
-the sequence length is dynamic.
+last, over the LoRA adapters and the activation checkpointing. Packed rows' attention stays outside the graph
+(`varlen_attention_forward` is opaque to the compiler: its bounds are Python ints), so the layer breaks there once
+and its pieces take any row length. On CPU it compiles too (Inductor's C++ backend); the first forward and backward
+pay the compile (~30 s for a tiny model on a 2-core CPU), the second length a recompile with the length dynamic,
+then none.
 """
 
 from __future__ import annotations

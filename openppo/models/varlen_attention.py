@@ -187,6 +187,11 @@ def _sdpa(
     return out.to(dtype), weights
 
 
+# Opaque to torch.compile (--torch_compile): the packed rows' bounds are Python ints read from module state, on which
+# a traced layer would be specialised, so every new packing would compile it again (20-30 s each on a 2-core CPU)
+# until dynamo's recompile limit sent it back to eager. The layer's graph breaks around attention instead, and the
+# compiled pieces take any length (FlexAttention's own compiled kernel, on GPU, is still compiled inside).
+@torch.compiler.disable
 def varlen_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
