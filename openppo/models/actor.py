@@ -22,7 +22,7 @@ from openppo.algorithms import (
     log_probs_from_logits,
     sampling_log_probs,
 )
-from openppo.models.hf import base_model, finish_model, resolve_model_path, router_aux_loss
+from openppo.models.hf import base_model, finish_model, first_rank, resolve_model_path, router_aux_loss
 from openppo.models.lm_head import head_scores, unsupported_reason
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
@@ -216,7 +216,7 @@ def use_chunked_head(model: nn.Module, chunk_tokens: int) -> None:
     if not chunk_tokens:
         return
     why = model.chunk_head(chunk_tokens) if isinstance(model, Actor) else "a scalar-head model has no vocabulary head"
-    if why and (not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0):
+    if why and first_rank():
         logger.warning("--lm_head_chunk_tokens has no effect on %s: %s", type(model).__name__, why)
 
 

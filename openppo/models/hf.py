@@ -161,7 +161,7 @@ def finish_model(
         from openppo.models.kernels import apply_liger
 
         why = apply_liger(model)
-        if why and why != "no GPU" and _first_rank():  # (no GPU: the run's own notice says so, once)
+        if why and why != "no GPU" and first_rank():  # (no GPU: the run's own notice says so, once)
             logger.warning("--use_liger_kernel has no effect on %s: %s", type(model).__name__, why)
     if lora_rank > 0:
         model = apply_lora(
@@ -177,12 +177,13 @@ def finish_model(
     if torch_compile:
         from openppo.models.kernels import compile_layers
 
-        if not compile_layers(model) and _first_rank():
+        if not compile_layers(model) and first_rank():
             logger.warning("--torch_compile has no effect on %s: no decoder layers found", type(model).__name__)
     return model
 
 
-def _first_rank() -> bool:
+def first_rank() -> bool:
+    """Whether this process logs a model's one-line notices: rank 0, or a process outside torch.distributed."""
     return not torch.distributed.is_initialized() or torch.distributed.get_rank() == 0
 
 

@@ -1,13 +1,12 @@
 """Fewer, larger kernels in the models a run builds: Liger's fused kernels (--use_liger_kernel) and the decoder layers
 compiled (--torch_compile).
 
-Liger's fused GPU kernels in a loaded model (--use_liger_kernel): RMSNorm, RoPE and the SwiGLU MLP, put into the
-model's own modules by the `liger-kernel` package (`_apply_liger_kernel_to_instance`, the per-instance form of its
-`apply_liger_kernel_to_<model type>` patches), before LoRA adapters wrap the linear layers.
-
-Fewer, larger kernels: transformers' RMSNorm is five element-wise launches per call, its MLP three plus the matmuls.
-Liger's fused linear cross-entropy is not used: RL needs each token's log-prob and entropy, not a mean loss, and
---lm_head_chunk_tokens (`openppo.models.lm_head`) already keeps the full logits from being made.
+--use_liger_kernel puts Liger's GPU kernels for RMSNorm, RoPE and the SwiGLU MLP into the model's own modules
+(`_apply_liger_kernel_to_instance` of the `liger-kernel` package, the per-instance form of its
+`apply_liger_kernel_to_<model type>` patches), before LoRA adapters wrap the linear layers: transformers' RMSNorm is
+five element-wise launches per call, its MLP three plus the matmuls. Liger's fused linear cross-entropy is not used:
+RL needs each token's log-prob and entropy, not a mean loss, and --lm_head_chunk_tokens (`openppo.models.lm_head`)
+already keeps the full logits from being made.
 
 Liger's kernels are Triton GPU kernels: on a machine without CUDA the model keeps transformers' modules, and the run
 says so in one line (`liger_notice`).
