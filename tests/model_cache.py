@@ -30,6 +30,14 @@ def tiny_model_dir(**kwargs) -> Path:
     return build_tiny_model(cache_dir() / name, **{"tokenizer": TOKENIZER, **kwargs})
 
 
+def tiny_vlm_dir(**kwargs) -> Path:
+    """`<cache>/tiny-idefics3-8k` for the defaults: the tiny Idefics3 VLM with its processor (a few seconds)."""
+    from openppo.models.tiny_vlm import build_tiny_vlm
+
+    name = "tiny-idefics3-8k" + "".join(f"-{k}{v}" for k, v in sorted(kwargs.items()))
+    return build_tiny_vlm(cache_dir() / name, **{"tokenizer": TOKENIZER, **kwargs})
+
+
 def smollm2_dir() -> Path:
     """`<cache>/smollm2`: SmolLM2-135M-Instruct in bf16 (~40 s the first time, then instant)."""
     from openppo.models.zoo import materialize_smollm2
