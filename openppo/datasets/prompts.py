@@ -2,6 +2,10 @@
 
 `prompt_ids` are the tokens to hand to the generation engine (BOS included where the tokenizer defines one
 and no chat template is used); `prompt` is the same text for logs and for engines that take strings.
+
+Image prompts (`max_images > 0`): the row's images (the `image_key` column, see `openppo.datasets.images`) are
+checked once here and kept as references in `images`; their placeholders stay unexpanded in `prompt_ids`,
+which is what vLLM takes with the images beside it (it expands them itself, as the processor does).
 """
 
 from __future__ import annotations
@@ -13,6 +17,7 @@ import datasets
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, BadImage, check_row_images, no_rows_left
 from openppo.datasets.loading import require_columns
 from openppo.datasets.sft import PROGRESS_MIN_SAMPLES
 from openppo.datasets.templates import bos_ids, encode_segments, render_prompt, validate_template_options
@@ -27,7 +32,9 @@ DEFAULT_DATASOURCE = "default"
 class PromptDataset(Dataset):
     """Item = {"prompt": str, "prompt_ids": list[int], "label": Any | None, "datasource": str, "index": int}.
 
-    `index` is the row's position in `ds`, so it stays a stable id when rows are dropped for length.
+    `index` is the row's position in `ds`, so it stays a stable id when rows are dropped for length or for bad
+    images. With `max_images > 0` items also carry "images", the row's image references (possibly empty), and
+    the chat template is the one of `processor` (a VLM's processor renders image items; its tokenizer may not).
     """
 
     def __init__(
@@ -40,22 +47,46 @@ class PromptDataset(Dataset):
         apply_chat_template: bool,
         input_template: str | None,
         max_prompt_len: int | None = None,
+        image_key: str | None = None,
+        max_images: int = 0,
+        processor=None,
     ):
+        require(max_images >= 0, f"--max_images_per_prompt must be 0 (text only) or more, got {max_images}")
         require(
             max_prompt_len is None or max_prompt_len > 0, f"--prompt_max_len must be positive, got {max_prompt_len}"
         )
         validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
-        require_columns(ds, {"--input_key": input_key, "--label_key": label_key}, "the prompt data")
+        image_key = image_key if max_images > 0 else None
+        require(
+            image_key is None or apply_chat_template,
+            "--image_key: image prompts are chat messages with image items; pass --apply_chat_template",
+        )
+        require_columns(
+            ds, {"--input_key": input_key, "--label_key": label_key, "--image_key": image_key}, "the prompt data"
+        )
         prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
+        renderer = processor if image_key is not None and processor is not None else tokenizer
         has_source = DATASOURCE_COLUMN in ds.column_names
-        columns = [c for c in (input_key, label_key, DATASOURCE_COLUMN if has_source else None) if c is not None]
+        columns = [c for c in (input_key, label_key, image_key, DATASOURCE_COLUMN if has_source else None) if c]
         rows = ds.select_columns(list(dict.fromkeys(columns)))
 
         self.items: list[dict[str, Any]] = []
         too_long = 0
+        bad_images: list[str] = []
         for index, row in enumerate(tqdm(rows, desc="tokenizing prompts", disable=len(rows) <= PROGRESS_MIN_SAMPLES)):
+            extra: dict[str, Any] = {}
+            if image_key is not None:
+                try:
+                    extra["images"] = check_row_images(
+                        row[input_key], row[image_key], max_images=max_images, image_flag=f"--image_key {image_key!r}"
+                    )
+                except BadImage as err:
+                    bad_images.append(f"row {index}: {err}")
+                    if len(bad_images) <= MAX_BAD_ROWS_LOGGED:
+                        logger.warning("prompt data: skipping %s", bad_images[-1])
+                    continue
             prompt = render_prompt(
-                row[input_key], tokenizer, apply_chat_template=apply_chat_template, input_template=input_template
+                row[input_key], renderer, apply_chat_template=apply_chat_template, input_template=input_template
             )
             prompt_ids, _ = encode_segments(tokenizer, [(prompt, False)], prefix)
             if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
@@ -68,8 +99,18 @@ class PromptDataset(Dataset):
                     "label": row[label_key] if label_key is not None else None,
                     "datasource": _datasource(row) if has_source else DEFAULT_DATASOURCE,
                     "index": index,
+                    **extra,
                 }
             )
+        if bad_images:
+            logger.warning(
+                "prompt data: skipped %d of %d prompts with bad images (--image_key %s)",
+                len(bad_images),
+                len(rows),
+                image_key,
+            )
+            if len(bad_images) == len(rows):
+                raise no_rows_left(len(rows), bad_images[0])
         if too_long:
             logger.warning(
                 "prompt data: dropped %d of %d prompts longer than %d tokens (--prompt_max_len)",
