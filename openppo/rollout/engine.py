@@ -121,6 +121,7 @@ class _Batch:
     """The requests of one `submit`, in prompt order, and the finished outputs so far."""
 
     request_ids: list[str]
+    with_images: set[str] = field(default_factory=set)  # requests whose outputs return their expanded prompt
     finished: dict[str, Any] = field(default_factory=dict)
 
     @property
@@ -128,8 +129,9 @@ class _Batch:
         return len(self.finished) == len(self.request_ids)
 
 
-def _completion(completion) -> dict:
-    """One sampled response as `generate` returns it; `versions` when vLLM tagged the tokens with weight versions."""
+def _completion(completion, prompt_token_ids: Sequence[int] | None = None) -> dict:
+    """One sampled response as `generate` returns it; `versions` when vLLM tagged the tokens with weight versions,
+    `prompt_token_ids` when given (the prompt as vLLM expanded its images)."""
     token_ids = list(completion.token_ids)
     logprobs = [position[token].logprob for position, token in zip(completion.logprobs, token_ids)]
     assert completion.finish_reason in ("stop", "length"), completion.finish_reason
@@ -137,6 +139,8 @@ def _completion(completion) -> dict:
     spans = completion.weight_versions or []
     if spans and all(span.version.isdigit() for span in spans):
         out["versions"] = [int(span.version) for span in spans for _ in range(span.end - span.start)]
+    if prompt_token_ids is not None:
+        out["prompt_token_ids"] = list(prompt_token_ids)
     return out
 
 
@@ -166,6 +170,8 @@ class VLLMEngine:
             group's bundles, see `openppo.ppo.colocation.engine_placement`); None = vLLM's choice.
         partial_rollout: run vLLM's engine core in this process on every device, so that a weight sync can land
             between two `advance` calls of an unfinished batch (see the module docstring).
+        max_images_per_prompt: > 0 for a vision-language model given image prompts: vLLM's per-prompt image limit
+            (`limit_mm_per_prompt`), which also sizes its profiling of the vision encoder.
     """
 
     def __init__(
@@ -185,6 +191,7 @@ class VLLMEngine:
         max_num_seqs: int | None = None,
         executor: str | None = None,
         partial_rollout: bool = False,
+        max_images_per_prompt: int = 0,
     ):
         self.on_cpu = not torch.cuda.is_available()
         if tensor_parallel_size < 1:
@@ -224,6 +231,8 @@ class VLLMEngine:
         )
         if max_num_seqs is not None:
             kwargs["max_num_seqs"] = max_num_seqs
+        if max_images_per_prompt > 0:
+            kwargs["limit_mm_per_prompt"] = {"image": max_images_per_prompt}
         if executor is not None:
             kwargs["distributed_executor_backend"] = executor
         if partial_rollout:
@@ -352,6 +361,7 @@ class VLLMEngine:
         min_new_tokens: int = 0,
         stop_token_ids: Sequence[int] | None = None,
         seed: int | None = None,
+        images: Sequence[Sequence[Any]] | None = None,
     ) -> None:
         """Queue `n` samples per prompt, at most `max_new_tokens` each (one budget, or one per prompt), without
         stepping: `advance` runs them (`generate` does both).
@@ -363,6 +373,12 @@ class VLLMEngine:
 
         `seed`: reseed the workers' sampling RNG first (`--full_determinism`), so that the same prompts and weights
         draw the same samples whatever this engine generated before (a resumed run, an evaluation in between).
+
+        `images`: per prompt, its images (PIL images or the references `openppo.datasets.images` reads), in the order
+        of the prompt's image placeholders, which stay unexpanded in `prompt_token_ids`: vLLM's processor expands
+        each into the model's image tokens. The completions of a prompt with images then carry `prompt_token_ids`,
+        the expanded prompt, which is what the trainer scores. vLLM's prefix cache keys blocks by the images'
+        hashes too, so prompts that differ only in their images share no KV.
         """
         from vllm import SamplingParams
         from vllm.inputs import TokensPrompt
@@ -372,6 +388,8 @@ class VLLMEngine:
         require(self._batch is None, "submit: the previous batch is still running (advance it to the end first)")
         budgets = [max_new_tokens] * len(prompt_token_ids) if isinstance(max_new_tokens, int) else max_new_tokens
         require(len(budgets) == len(prompt_token_ids), "max_new_tokens: one budget, or one per prompt")
+        images = [()] * len(prompt_token_ids) if images is None else images
+        require(len(images) == len(prompt_token_ids), "images: one list per prompt")
         require(min(budgets, default=1) >= 1, f"max_new_tokens must be >= 1, got {min(budgets, default=1)}")
         engine = self.llm.llm_engine
         # A seeded batch must be scheduled as one: an engine core in its own process starts stepping as soon as its
@@ -383,7 +401,7 @@ class VLLMEngine:
         if hold:
             engine.engine_core.call_utility("pause_scheduler", "keep", False)
         request_ids = []
-        for ids, budget in zip(prompt_token_ids, budgets):
+        for ids, budget, prompt_images in zip(prompt_token_ids, budgets, images):
             params = SamplingParams(
                 n=n,
                 max_tokens=budget,
@@ -397,11 +415,16 @@ class VLLMEngine:
                 output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it is done
             )
             request_id = str(next(self._request_ids))  # outputs carry this id (vLLM adds a suffix inside)
-            engine.add_request(request_id, TokensPrompt(prompt_token_ids=list(ids)), params)
+            prompt = TokensPrompt(prompt_token_ids=list(ids))
+            if prompt_images:
+                from openppo.datasets.images import open_image
+
+                prompt["multi_modal_data"] = {"image": [open_image(image) for image in prompt_images]}
+            engine.add_request(request_id, prompt, params)
             request_ids.append(request_id)
         if hold:
             engine.engine_core.call_utility("resume_scheduler")
-        self._batch = _Batch(request_ids)
+        self._batch = _Batch(request_ids, {r for r, i in zip(request_ids, images) if i})
 
     def advance(self, max_steps: int | None = None) -> list[list[dict]] | None:
         """Run up to `max_steps` engine steps (None: until the batch is done) of the submitted batch; its results
@@ -418,7 +441,10 @@ class VLLMEngine:
             return None
         self._batch = None
         return [
-            [_completion(c) for c in sorted(batch.finished[i].outputs, key=lambda c: c.index)]
+            [
+                _completion(c, batch.finished[i].prompt_token_ids if i in batch.with_images else None)
+                for c in sorted(batch.finished[i].outputs, key=lambda c: c.index)
+            ]
             for i in batch.request_ids
         ]
 
