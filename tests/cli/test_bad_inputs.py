@@ -172,6 +172,8 @@ CASES = [
     ("make_task", ["--max_operand", "-1"], "--max_operand"),
     ("make_task", ["--out", "{file}/data.jsonl"], "--out"),
     ("make_task", ["--ops", "/"], "--ops"),
+    ("make_task", ["--task", "shapes", "--max_shapes", "10"], "--max_shapes"),
+    ("make_task", ["--task", "shapes", "--image_size", "5"], "--image_size"),
 ]
 
 
