@@ -26,6 +26,7 @@ from openppo.models.hf import base_model, finish_model, first_rank, resolve_mode
 from openppo.models.lm_head import head_scores, unsupported_reason
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
+from openppo.models.vision import freeze_vision_tower, is_vision_language
 
 logger = logging.getLogger(__name__)
 
@@ -82,15 +83,25 @@ class Actor(nn.Module):
         reentrant_checkpointing: bool = False,
         use_liger_kernel: bool = False,
         torch_compile: bool = False,
+        freeze_visual_encoder: bool = False,
     ) -> Actor:
-        from transformers import AutoModelForCausalLM
+        """A vision-language checkpoint loads as transformers' image-text-to-text model (the decoder, its vision
+        tower and connector); `freeze_visual_encoder` then freezes all but its language model
+        (`openppo.models.vision`). Its rows are never packed (image prompts refuse --packing_samples), so its
+        attention stays transformers' own."""
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         path = resolve_model_path(path, flag)
-        model = AutoModelForCausalLM.from_pretrained(
+        vision = is_vision_language(AutoConfig.from_pretrained(path, trust_remote_code=True))
+        model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
             path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True
         )
         model.config.use_cache = False
-        enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
+        if vision:
+            if freeze_visual_encoder:
+                freeze_vision_tower(model)
+        else:
+            enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
         return cls(
             finish_model(
                 model,
@@ -122,6 +133,7 @@ class Actor(nn.Module):
         score_mask: torch.Tensor | None = None,
         sampling: SamplingFilter | None = None,
         return_aux_loss: bool = False,
+        pixels: dict[str, torch.Tensor] | None = None,
     ) -> ActorOutput:
         """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
         (logging only: no graph is kept through the full-vocabulary softmax).
@@ -138,6 +150,9 @@ class Actor(nn.Module):
 
         With a shared-prompt layout the rows' prompts end where `score_mask` first selects a position; the scored
         positions are then read from the shared row (`SharedScoring`), each against its own row's next token.
+
+        `pixels` (a vision-language model; `openppo.models.vision.pixel_inputs` of the rows' images): the image
+        inputs, which the model encodes into its rows' image-token positions. Padded rows only.
         """
         prompt_lens = prompt_lengths(score_mask) if score_mask is not None and self.layout.share_prompts else None
         rows = self.layout.rows(input_ids, attention_mask, position_ids, prompt_lens)
@@ -152,9 +167,13 @@ class Actor(nn.Module):
         elif score_mask is not None and rows.ring is None and not return_logits and takes_keep:
             keep = scored_positions(score_mask, rows.token_mask)
         inputs = dict(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
+        assert not pixels or (rows.ring is None and rows.shared is None), "image rows are padded rows"
+        inputs.update(pixels or {})
         router = {"output_router_logits": True} if return_aux_loss else {}
         if chunked:  # the decoder's hidden states, to go through the head chunk by chunk (`openppo.models.lm_head`)
-            out = self.hf_model.get_decoder()(**inputs, use_cache=False, **router)
+            # (a vision-language model's own base model: it puts the image features into the decoder's input)
+            body = self.hf_model.model if pixels else self.hf_model.get_decoder()
+            out = body(**inputs, use_cache=False, **router)
             scores = out.last_hidden_state
             if keep is not None:
                 scores = scores[:, keep]

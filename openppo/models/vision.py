@@ -1,0 +1,54 @@
+"""Vision-language models: which models are, which of their parameters are the language model, the frozen vision
+tower, and the pixel inputs of a batch of image prompts.
+
+A vision-language checkpoint (transformers' `AutoModelForImageTextToText`: Idefics3/SmolVLM, Qwen2-VL, LLaVA...) has
+a `vision_config`. Its parameters split into the language model (the decoder the text flows through, with its
+embeddings, and the output head) and the rest: the vision tower and the connector that projects image features into
+the decoder's space. `--freeze_visual_encoder` freezes the rest, as OpenRLHF does (it keeps `language_model.*` and
+`lm_head` trainable; here the split is by the model's own `get_decoder()` and `get_output_embeddings()`, since the
+decoder's name differs between architectures: `text_model` in Idefics3, `language_model` in Qwen2-VL).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+from torch import nn
+
+
+def is_vision_language(config) -> bool:
+    """Whether a model config is a vision-language model's (it has a vision tower)."""
+    return getattr(config, "vision_config", None) is not None
+
+
+def language_parameter_names(model: nn.Module) -> set[str]:
+    """Names (in `model.named_parameters()`) of the language model's parameters: the decoder's and the head's."""
+    language = {id(p) for p in model.get_decoder().parameters()}
+    head = model.get_output_embeddings()
+    if head is not None:
+        language |= {id(p) for p in head.parameters()}
+    return {name for name, p in model.named_parameters() if id(p) in language}
+
+
+def freeze_vision_tower(model: nn.Module) -> list[str]:
+    """Freeze every parameter outside the language model (`--freeze_visual_encoder`); returns their names."""
+    keep = language_parameter_names(model)
+    frozen = [name for name, p in model.named_parameters() if name not in keep]
+    for name, p in model.named_parameters():
+        if name not in keep:
+            p.requires_grad_(False)
+    return frozen
+
+
+def pixel_inputs(processor, images: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
+    """The image processor's tensors (`pixel_values`, and the model's extra image inputs such as Idefics3's
+    `pixel_attention_mask` or Qwen2-VL's `image_grid_thw`) for rows of images, in row order; every row must hold
+    at least one image (rows without images are scored in a batch of their own)."""
+    from openppo.datasets.images import open_image
+
+    assert images and all(images), "pixel_inputs: every row needs an image"
+    decoded = [[open_image(image) for image in row] for row in images]
+    out = processor.image_processor(images=decoded, return_tensors="pt")
+    return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
