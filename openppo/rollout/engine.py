@@ -213,6 +213,7 @@ class VLLMEngine:
 
             setup_logging(rank=0)
         self.tensor_parallel_size = tensor_parallel_size
+        self.max_images_per_prompt = max_images_per_prompt
         _export_ray_node()
         self.sleep_enabled = enable_sleep and not self.on_cpu
         self._logged_sleep_noop = False
@@ -492,6 +493,10 @@ class VLLMEngine:
         rollout) go back to the queue, keep their tokens and recompute their KV cache with the new weights."""
         if not self.llm.reset_prefix_cache(reset_running_requests=True):
             raise RuntimeError("vLLM could not reset its prefix cache after a weight update")
+        if self.max_images_per_prompt > 0:
+            # the vision encoder's outputs cached per image were computed with the old weights too (both the
+            # scheduler's record and the worker's copy: vLLM's engine-level reset clears the two together)
+            self.llm.llm_engine.reset_encoder_cache()
         if version is not None:
             self.llm.llm_engine.set_weight_version(str(version))
         self._updating = False

@@ -15,7 +15,8 @@ through the same identity GEMM. Every shard is reported with the slice of the fu
 
     column-parallel (q/k/v, gate/up, LM head rows)  dim 0, from  worker's index x local size
     row-parallel (o_proj, down_proj)                dim 1, from  worker's index x local size
-    everything else (norms, row-parallel bias)      whole, on every worker
+    everything else (norms, row-parallel bias,      whole, on every worker
+    replicated linears)
 """
 
 from __future__ import annotations
@@ -52,7 +53,12 @@ def _device(module: torch.nn.Module) -> torch.device:
 @torch.no_grad()
 def worker_shards(model: torch.nn.Module, dtype: torch.dtype) -> list[Shard]:
     """Every weight of one vLLM worker's `model`, as `Shard`s under the checkpoint's (HF) names, on the CPU."""
-    from vllm.model_executor.layers.linear import LinearBase, QKVParallelLinear, RowParallelLinear
+    from vllm.model_executor.layers.linear import (
+        LinearBase,
+        QKVParallelLinear,
+        ReplicatedLinear,
+        RowParallelLinear,
+    )
     from vllm.model_executor.layers.vocab_parallel_embedding import VocabParallelEmbedding
 
     packed = getattr(model, "packed_modules_mapping", {})
@@ -73,6 +79,12 @@ def worker_shards(model: torch.nn.Module, dtype: torch.dtype) -> list[Shard]:
             else:  # the lookup table
                 shards.append(Shard(name, 0, start, module.weight[:rows].detach().cpu()))
             read.add(id(module.weight))
+        elif isinstance(module, ReplicatedLinear):  # whole on every worker (a VLM's connector, for one)
+            weight = _gemm_weight(module, module.input_size, dtype).cpu()
+            read.update(id(p) for p in module.parameters(recurse=False))
+            shards.append(Shard(f"{prefix}.weight", None, 0, weight))
+            if getattr(module, "bias", None) is not None:
+                shards.append(Shard(f"{prefix}.bias", None, 0, module.bias.detach().cpu()))
         elif isinstance(module, LinearBase):
             if not hasattr(module, "input_size_per_partition"):  # e.g. a mixture-of-experts router
                 raise ValueError(f"reading back {type(module).__name__} {prefix} is not supported (dense layers only)")

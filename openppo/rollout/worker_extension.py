@@ -139,12 +139,9 @@ class WorkerExtension:
         torch.manual_seed(seed)
 
     def openppo_after_weight_update(self) -> int:
-        """After `finish_weight_update`: drop what the model runner computed with the old weights besides the KV
-        cache, as vLLM's own `reload_weights` does (a no-op for text-only models); returns the number of vLLM
-        parameters the sync loaded."""
-        for reset in ("reset_encoder_cache", "reset_mm_cache"):
-            if hasattr(self.model_runner, reset):
-                getattr(self.model_runner, reset)()
+        """After `finish_weight_update`: the number of vLLM parameters the sync loaded. (The vision encoder's cached
+        outputs are dropped by the engine, `VLLMEngine._updated`: the scheduler tracks that cache too, and clearing
+        only this worker's copy made the next image prompt fail with "Encoder cache miss".)"""
         return len(self.weight_transfer_engine.loaded)
 
     def openppo_where(self) -> dict:

@@ -107,3 +107,63 @@ def test_image_prompts_match_hf_and_do_not_share_kv(engine, vlm):
     _, own = hf_logprobs(model, processor, texts[0], cases[0][1], first)
     _, other = hf_logprobs(model, processor, texts[0], cases[1][1], first)
     assert (own - other).abs().max().item() > 100 * TOL
+
+
+@pytest.mark.slow
+def test_weight_sync_covers_the_vision_tower(engine, vlm):
+    """Every tensor of the VLM, vision tower and connector included, lands in the engine exactly, and generation
+    with an image follows the new weights (no vision-encoder output cached under the old weights is reused); with the
+    tower frozen, a sync of the language model alone suffices."""
+    import ray
+
+    from openppo.models.vision import language_parameter_names
+    from openppo.rollout.readback import check_engine_weights
+    from openppo.rollout.sender import connect_engines, sync_weights
+
+    _, model, processor = vlm
+    original = {n: p.detach().clone() for n, p in model.named_parameters()}
+    text = processor.apply_chat_template(user("How many?", 1), add_generation_prompt=True)
+    ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+    image = picture(2, "purple")
+
+    def generate_and_check(what: str) -> None:
+        [[sample]] = ray.get(
+            engine.generate.remote([ids], n=1, max_new_tokens=8, temperature=1.0, top_p=1.0, images=[[image]]),
+            timeout=60,
+        )
+        _, expected = hf_logprobs(model, processor, text, [image], sample["token_ids"])
+        gap = (expected - torch.tensor(sample["logprobs"])).abs().max().item()
+        assert gap < TOL, f"{what}: engine vs HF log-prob gap {gap:.2e}"
+
+    def engine_check():
+        return check_engine_weights(model.named_parameters(), ray.get(engine.read_weights.remote(), timeout=60))
+
+    generate_and_check("before any sync")  # the image's encoder output is now cached (the old weights')
+    group = connect_engines([engine], backend="gloo", master_addr="127.0.0.1", timeout_s=60)
+    try:
+        g = torch.Generator().manual_seed(1)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(torch.randn(p.shape, generator=g) * 0.05)
+        stale = engine_check()
+        assert not stale.ok() and min(stale.rel_diff.values()) > 0, stale.summary()
+        sync_weights(model, group, [engine], bucket_bytes=64 << 10, timeout_s=60, verify=True)
+        synced = engine_check()
+        assert synced.ok() and max(synced.rel_diff.values()) == 0.0, synced.summary()
+        assert any(".vision_model." in n for n in synced.rel_diff) and any(".connector." in n for n in synced.rel_diff)
+        generate_and_check("after a full sync")
+        # Frozen tower: only the language model changes and is sent; the engine then matches the whole model.
+        language = language_parameter_names(model)
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n in language:
+                    p.copy_(original[n])
+        sent = [(n, p.detach()) for n, p in model.named_parameters() if n in language]
+        sync_weights(sent, None, [engine], bucket_bytes=1 << 20, timeout_s=60)
+        assert engine_check().ok()
+        generate_and_check("after a language-model-only sync")
+    finally:
+        group.destroy()
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                p.copy_(original[n])
