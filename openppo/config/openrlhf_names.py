@@ -250,7 +250,6 @@ DOTTED_SUPERVISED: dict[str, str | tuple[str, ...]] = {
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 
-_VLM = "openppo trains text models only; drop the flag (vision-language training is not implemented)"
 _MUON = "openppo builds AdamW only (DeepSpeed's Muon is not wired in); drop the Muon flags and keep --optim adam"
 
 # flat field name (or dotted-only name) -> why a CLI without that field stops, and what to do instead
@@ -260,9 +259,6 @@ REFUSED: dict[str, str] = {
     "use_ms": "openppo loads models from local folders (or the Hugging Face hub where reachable), not ModelScope; "
     "download the model and pass its folder",
     "deepcompile": "DeepSpeed's deepcompile needs CUDA; drop it",
-    "image_key": _VLM,
-    "max_images_per_prompt": _VLM,
-    "freeze_visual_encoder": _VLM,
     "muon_lr": _MUON,
     "muon_momentum": _MUON,
     "muon_nesterov": _MUON,

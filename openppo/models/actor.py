@@ -26,7 +26,8 @@ from openppo.models.hf import base_model, finish_model, first_rank, resolve_mode
 from openppo.models.lm_head import head_scores, unsupported_reason
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
-from openppo.models.vision import freeze_vision_tower, is_vision_language
+from openppo.models.vision import freeze_vision_tower, is_vision_language, pixel_inputs
+from openppo.utils.images import decode_image_rows
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +49,7 @@ class Actor(nn.Module):
 
     layout = RowLayout()  # padded unless set up otherwise (--packing_samples, --ring_attn_size)
     head_chunk_tokens = 0  # --lm_head_chunk_tokens: scored positions per chunk of the vocabulary projection; 0 = off
+    processor = None  # a vision-language model's processor: turns the rows' images into its pixel inputs
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -102,7 +104,7 @@ class Actor(nn.Module):
                 freeze_vision_tower(model)
         else:
             enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
-        return cls(
+        actor = cls(
             finish_model(
                 model,
                 task_type="CAUSAL_LM",
@@ -116,6 +118,11 @@ class Actor(nn.Module):
                 torch_compile=torch_compile,
             )
         )
+        if vision:
+            from transformers import AutoProcessor
+
+            actor.processor = AutoProcessor.from_pretrained(path, trust_remote_code=True)
+        return actor
 
     @property
     def config(self):
@@ -134,6 +141,7 @@ class Actor(nn.Module):
         sampling: SamplingFilter | None = None,
         return_aux_loss: bool = False,
         pixels: dict[str, torch.Tensor] | None = None,
+        images: torch.Tensor | None = None,
     ) -> ActorOutput:
         """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
         (logging only: no graph is kept through the full-vocabulary softmax).
@@ -152,8 +160,16 @@ class Actor(nn.Module):
         positions are then read from the shared row (`SharedScoring`), each against its own row's next token.
 
         `pixels` (a vision-language model; `openppo.models.vision.pixel_inputs` of the rows' images): the image
-        inputs, which the model encodes into its rows' image-token positions. Padded rows only.
+        inputs, which the model encodes into its rows' image-token positions. Padded rows only. `images` (a training
+        batch's `images`, `openppo.datasets.images.encode_image_rows`): the rows' images, which the model's processor
+        makes into `pixels` here.
         """
+        if images is not None and pixels is None:
+            pixels = self.pixels_of(images)
+        image_token = getattr(self.config, "image_token_id", None) if self.processor is not None else None
+        if not pixels and image_token is not None and bool((input_ids == image_token).any()):
+            # the image tokens would be scored as text: log-probs off by ~0.04 nats, with no error of its own
+            raise ValueError("rows with image tokens reached the model without their images")
         prompt_lens = prompt_lengths(score_mask) if score_mask is not None and self.layout.share_prompts else None
         rows = self.layout.rows(input_ids, attention_mask, position_ids, prompt_lens)
         assert rows.ring is None or not return_logits, "ring attention returns per-token values, not logits"
@@ -169,6 +185,10 @@ class Actor(nn.Module):
         inputs = dict(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
         assert not pixels or (rows.ring is None and rows.shared is None), "image rows are padded rows"
         inputs.update(pixels or {})
+        if self.processor is not None and rows.attention_mask is not None:
+            # a vision-language model places its positions itself (Qwen2-VL's 3-D M-RoPE over the image grid); on
+            # right-padded rows a 1-D model's own positions are the mask's
+            inputs["position_ids"] = None
         router = {"output_router_logits": True} if return_aux_loss else {}
         if chunked:  # the decoder's hidden states, to go through the head chunk by chunk (`openppo.models.lm_head`)
             # (a vision-language model's own base model: it puts the image features into the decoder's input)
@@ -220,6 +240,18 @@ class Actor(nn.Module):
             sampling_log_probs=per_token(behaviour),
             aux_loss=self._aux_loss(out, rows) if return_aux_loss else None,
         )
+
+    def pixels_of(self, images: torch.Tensor) -> dict[str, torch.Tensor] | None:
+        """The pixel inputs of a batch's encoded image rows (None when no row has an image)."""
+        rows = decode_image_rows(images)
+        if not any(rows):
+            return None
+        assert self.processor is not None, "image rows need a vision-language model"
+        param = next(p for p in self.model.parameters() if p.is_floating_point())
+        return {
+            k: v.to(device=param.device, dtype=param.dtype if v.is_floating_point() else v.dtype)
+            for k, v in pixel_inputs(self.processor, rows).items()
+        }
 
     def _aux_loss(self, out, rows) -> torch.Tensor:
         """transformers' router loss, but over a shared-prompt row weighted as the rows it stands for (and from the

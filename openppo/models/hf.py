@@ -119,17 +119,25 @@ def torch_dtype(name: str) -> torch.dtype:
 
 
 def apply_lora(model, *, rank: int, alpha: int, dropout: float, target_modules: list[str] | None, task_type: str):
-    """Wrap `model` with PEFT LoRA adapters; only the adapters (and a score head) stay trainable."""
+    """Wrap `model` with PEFT LoRA adapters; only the adapters (and a score head) stay trainable. A vision-language
+    model gets its adapters in its language model only (the decoder's linears among `target_modules`)."""
     from peft import LoraConfig, get_peft_model
 
-    config = LoraConfig(
-        r=rank,
-        lora_alpha=alpha,
-        lora_dropout=dropout,
+    every_linear = target_modules in (None, [], ["all-linear"])
+    from openppo.models.vision import decoder_linear_names, is_vision_language
+
+    if is_vision_language(model.config):
+        targets = decoder_linear_names(model, None if every_linear else target_modules)
+        if not targets:
+            raise UserError(
+                f"--target_modules {' '.join(target_modules or [])}: none of the language model's linear layers has "
+                f"such a name; pass names of its layers (e.g. q_proj v_proj) or all-linear"
+            )
+    else:
         # OpenRLHF recipes pass `--target_modules all-linear`: PEFT knows that shorthand only as a plain string
-        target_modules="all-linear" if target_modules in (None, [], ["all-linear"]) else target_modules,
-        task_type=task_type,
-        bias="none",
+        targets = "all-linear" if every_linear else target_modules
+    config = LoraConfig(
+        r=rank, lora_alpha=alpha, lora_dropout=dropout, target_modules=targets, task_type=task_type, bias="none"
     )
     model = get_peft_model(model, config)
     # peft keeps the adapters in the base dtype; fp32 adapters train more stably and are cast at sync/merge.

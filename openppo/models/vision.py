@@ -32,6 +32,19 @@ def language_parameter_names(model: nn.Module) -> set[str]:
     return {name for name, p in model.named_parameters() if id(p) in language}
 
 
+def decoder_linear_names(model: nn.Module, suffixes: Sequence[str] | None) -> list[str]:
+    """Full names of the decoder's linear layers (LoRA's targets in a vision-language model), those whose last name
+    part is in `suffixes` (None: all of them). The LM head is not among them, as PEFT's own `all-linear` leaves it."""
+    decoder = {id(m) for m in model.get_decoder().modules()}
+    return [
+        name
+        for name, module in model.named_modules()
+        if id(module) in decoder
+        and isinstance(module, nn.Linear)
+        and (suffixes is None or name.rpartition(".")[2] in suffixes)
+    ]
+
+
 def freeze_vision_tower(model: nn.Module) -> list[str]:
     """Freeze every parameter outside the language model (`--freeze_visual_encoder`); returns their names."""
     keep = language_parameter_names(model)
@@ -44,11 +57,11 @@ def freeze_vision_tower(model: nn.Module) -> list[str]:
 
 def pixel_inputs(processor, images: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:
     """The image processor's tensors (`pixel_values`, and the model's extra image inputs such as Idefics3's
-    `pixel_attention_mask` or Qwen2-VL's `image_grid_thw`) for rows of images, in row order; every row must hold
-    at least one image (rows without images are scored in a batch of their own)."""
-    from openppo.datasets.images import open_image
+    `pixel_attention_mask` or Qwen2-VL's `image_grid_thw`) for rows of images, in row order. A row may hold none
+    (the processor pads it, or has nothing of it to place), but not every row: there would be no pixel input."""
+    from openppo.utils.images import open_image
 
-    assert images and all(images), "pixel_inputs: every row needs an image"
+    assert any(images), "pixel_inputs: no row has an image"
     decoded = [[open_image(image) for image in row] for row in images]
     out = processor.image_processor(images=decoded, return_tensors="pt")
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}

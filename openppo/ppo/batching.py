@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from openppo.ppo.config import PPOConfig
+from openppo.utils.images import BATCH_KEY as IMAGES
 
 if TYPE_CHECKING:
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
@@ -235,7 +236,8 @@ def plan_on_all_ranks(
 def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """Drop the columns that are padding in every row of this micro-batch (it was padded to the whole batch).
 
-    Tensors [b, T] are cut to the longest row W, per-token tensors [b, T-1] to W-1; others are kept.
+    Tensors [b, T] are cut to the longest row W, per-token tensors [b, T-1] to W-1; others are kept, and so are the
+    rows' encoded images (`images`, per row, whatever their width).
     """
     width = batch["sequences"].size(1)
     keep = int(batch["attention_mask"].sum(-1).max())
@@ -243,7 +245,9 @@ def trim_padding(batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
         return batch
     out = {}
     for key, value in batch.items():
-        if value.dim() >= 2 and value.size(1) == width:
+        if key == IMAGES:
+            out[key] = value
+        elif value.dim() >= 2 and value.size(1) == width:
             out[key] = value[:, :keep]
         elif value.dim() >= 2 and value.size(1) == width - 1:
             out[key] = value[:, : keep - 1]

@@ -199,6 +199,8 @@ class SingleTurn(RolloutSource):
         if max_new_tokens is None:
             max_new_tokens = [d.response_budget(len(it["prompt_ids"])) for it in items]
         sampling = dict(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k)
+        # image prompts: each prompt's images go to its engine beside it (text runs send no images argument)
+        images = [it.get("images") or () for it in items] if any(it.get("images") for it in items) else None
         slots = {e: list(range(e, len(items), len(pool))) for e in range(min(len(pool), len(items)))}
         results = pool.run(
             {
@@ -207,6 +209,7 @@ class SingleTurn(RolloutSource):
                     max_new_tokens=[max_new_tokens[i] for i in chunk],
                     seed=None if seed is None else seed + 1_000 * e,
                     **sampling,
+                    **({} if images is None else {"images": [images[i] for i in chunk]}),
                 )
                 for e, chunk in slots.items()
             }
@@ -217,7 +220,8 @@ class SingleTurn(RolloutSource):
                 completions[i] = result
         return [
             Sample(
-                prompt_ids=list(item["prompt_ids"]),
+                # an image prompt's ids as the engine expanded its images (what the trainer scores)
+                prompt_ids=list(c.get("prompt_token_ids") or item["prompt_ids"]),
                 response_ids=c["token_ids"],
                 rollout_log_probs=c["logprobs"],
                 finish_reason=c["finish_reason"],
@@ -228,6 +232,7 @@ class SingleTurn(RolloutSource):
                 # the version the pool held through the generation
                 policy_version=c["versions"][0] if c.get("versions") else c.get("version", version),
                 token_versions=c.get("versions") or [c.get("version", version)] * len(c["token_ids"]),
+                images=list(item["images"]) if item.get("images") else None,
             )
             for item, group in zip(items, completions)
             for c in group

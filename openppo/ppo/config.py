@@ -68,6 +68,11 @@ class PPOModelConfig(ModelBuildConfig):
         factory=list,
         metavar="[NAME=]PATH",
     )
+    freeze_visual_encoder: bool = opt(
+        False,
+        "a vision-language actor: train its language model only; the vision tower and connector stay as loaded "
+        "(docs/vlm.md)",
+    )
     value_head_prefix: str = value_head_prefix_opt()
     save_value_network: bool = opt(False, "also save the trained critic as an HF folder, <save_path>_critic (gae)")
 
@@ -220,6 +225,14 @@ class PromptDataConfig:
         "tokens per sample, prompt + response (OpenRLHF's total limit): a response may use what its prompt leaves "
         "of it, and at most --generate_max_len; prompts that leave no room are dropped. "
         "Default: --prompt_max_len + --generate_max_len",
+    )
+    image_key: str = opt(
+        "images",
+        "column holding each prompt's images, in the order of its {'type': 'image'} items: paths, data: URIs or "
+        "base64 (docs/vlm.md); read when --max_images_per_prompt > 0",
+    )
+    max_images_per_prompt: int = opt(
+        0, "images one prompt may carry (0: text only); rows with more are skipped and counted (docs/vlm.md)"
     )
     teacher_key: str = opt(
         None,

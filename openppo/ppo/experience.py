@@ -15,12 +15,15 @@ import torch
 from openppo.algorithms import compute_advantages, compute_approx_kl, shape_sequence_rewards, token_level_rewards
 from openppo.ppo.config import AlgoConfig
 from openppo.rollout.pool import Sample
+from openppo.utils.images import BATCH_KEY as IMAGES
+from openppo.utils.images import encode_image_rows
 
 
 def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch.Tensor]:
     """Right-padded tensors: sequences/attention_mask [B, T]; action_mask/rollout_log_probs [B, T-1]; versions
     [B, T-1], the weight version that sampled each trained token (`Sample.token_versions`, else the sample's
-    `policy_version`), -1 where the action mask is 0."""
+    `policy_version`), -1 where the action mask is 0. With image prompts also `images` [B, N], the rows' images
+    (`openppo.datasets.images.encode_image_rows`)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     width = max(lengths)
     batch = len(samples)
@@ -42,7 +45,7 @@ def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch
         tags = s.token_versions if s.token_versions is not None else [s.policy_version] * int(trained.sum())
         assert len(tags) == int(trained.sum()), "one weight version per trained token"
         versions[row, p - 1 : p - 1 + r][trained] = torch.tensor(tags, dtype=torch.long)
-    return {
+    batch_tensors = {
         "sequences": sequences,
         "attention_mask": attention_mask,
         "action_mask": action_mask,
@@ -51,6 +54,9 @@ def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch
         "response_length": torch.tensor([len(s.response_ids) for s in samples], dtype=torch.long),
         "truncated": torch.tensor([s.truncated for s in samples], dtype=torch.bool),
     }
+    if any(s.images for s in samples):  # image prompts: every model that scores the rows needs their pixels
+        batch_tensors[IMAGES] = encode_image_rows([s.images or [] for s in samples])
+    return batch_tensors
 
 
 def training_rows(samples: list[Sample], multiple: int = 1) -> tuple[list[Sample], torch.Tensor]:

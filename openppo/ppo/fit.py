@@ -44,6 +44,7 @@ from openppo.ppo.batching import (
 )
 from openppo.ppo.config import AlgoConfig
 from openppo.strategy.step_guard import StepGuard
+from openppo.utils.images import BATCH_KEY as IMAGES
 
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
 
@@ -219,6 +220,7 @@ def actor_loss(
             score_mask=mask,
             sampling=sampling if on_policy and "rollout_log_probs" in batch else None,
             return_aux_loss=aux_loss_coef > 0,
+            images=batch.get(IMAGES),
         )
 
         def agg(per_token):

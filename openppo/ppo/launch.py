@@ -75,6 +75,11 @@ def critic_export_dir(cfg: PPOConfig) -> str | None:
 def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptDataset:
     """Rows of `load_prompt_rows` rendered and tokenized (prompts longer than --prompt_max_len dropped)."""
     d = cfg.data
+    processor = None
+    if d.max_images_per_prompt > 0:  # the image prompts' chat template is the processor's (docs/vlm.md)
+        from transformers import AutoProcessor
+
+        processor = AutoProcessor.from_pretrained(cfg.model.pretrain, trust_remote_code=True)
     return PromptDataset(
         raw,
         tokenizer,
@@ -83,6 +88,9 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
         apply_chat_template=d.apply_chat_template,
         input_template=d.input_template,
         max_prompt_len=d.prompt_limit(),
+        image_key=d.image_key,
+        max_images=d.max_images_per_prompt,
+        processor=processor,
     )
 
 
@@ -361,6 +369,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
             enable_sleep=cfg.vllm.vllm_enable_sleep,
             executor=place.executor,
             partial_rollout=cfg.rollout.partial_rollout,
+            max_images_per_prompt=cfg.data.max_images_per_prompt,
         )
 
     engines = [start_engine(i) for i in range(cfg.vllm.vllm_num_engines)]

@@ -360,15 +360,19 @@ def plan_text(plans: list[DevicePlan], device_bytes: float) -> tuple[str, bool]:
 
 
 def model_shape(path: str, flag: str, *, scalar: bool = False) -> ModelShape:
-    """Parameter counts from a meta-device build of the model (no weights are read)."""
+    """Parameter counts from a meta-device build of the model (no weights are read). A vision-language model counts
+    its vision tower too; its shape (layers, widths, vocabulary) is its decoder's."""
     import torch
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
     from openppo.models.hf import resolve_model_path
+    from openppo.models.vision import is_vision_language
 
-    config = AutoConfig.from_pretrained(resolve_model_path(path, flag), trust_remote_code=True)
+    full_config = AutoConfig.from_pretrained(resolve_model_path(path, flag), trust_remote_code=True)
+    auto = AutoModelForImageTextToText if is_vision_language(full_config) else AutoModelForCausalLM
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, trust_remote_code=True)
+        model = auto.from_config(full_config, trust_remote_code=True)
+    config = full_config.get_text_config()
     embed = model.get_input_embeddings().weight.numel()
     head = model.get_output_embeddings()
     tied = head is None or head.weight is model.get_input_embeddings().weight

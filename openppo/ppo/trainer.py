@@ -56,6 +56,7 @@ from openppo.ppo.teachers import distill_step, parse_teachers, rows_for_ranks, t
 from openppo.rollout.pool import Sample
 from openppo.strategy import checkpoint as ckpt
 from openppo.utils.hardware import rss_gib
+from openppo.utils.images import BATCH_KEY as IMAGES
 from openppo.utils.profiling import StepProfiler, parse_profile_steps
 from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
@@ -190,7 +191,8 @@ class PPOTrainer:
         batch = collate_samples(rows, self.tokenizer.pad_token_id)
         # the trained tokens that the weights about to be trained sampled (all of them, unless --async_train)
         batch["fresh"] = batch["action_mask"].bool() & (batch["versions"] == self.policy_version)
-        model_in = {k: batch[k] for k in ("sequences", "attention_mask", "action_mask")}
+        # (with image prompts, the rows' images too: every model that scores the rows needs their pixels)
+        model_in = {k: batch[k] for k in ("sequences", "attention_mask", "action_mask", IMAGES) if k in batch}
 
         # forwards: pi_old for the PPO ratio (none when the update is a single on-policy step), with --top_k/--top_p
         # also under the engines' truncation (the distribution their log-probs are of); pi_ref for the KL; V for GAE

@@ -584,6 +584,54 @@ def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
         )
 
 
+def _images(cfg: PPOConfig, notices: list[str]) -> None:
+    """Image prompts (--max_images_per_prompt > 0) take the padded, single-turn path of a vision-language actor
+    (docs/vlm.md); every model that scores their rows must see the images."""
+    d, r, m = cfg.data, cfg.rollout, cfg.model
+    require(d.max_images_per_prompt >= 0, f"--max_images_per_prompt must be >= 0, got {d.max_images_per_prompt}")
+    vision = bool(m.pretrain) and _is_vision_language(m.pretrain)
+    if d.max_images_per_prompt == 0:
+        if m.freeze_visual_encoder and not vision:
+            notices.append(f"--freeze_visual_encoder has no effect: {m.pretrain} has no vision tower")
+        return
+    require(
+        vision,
+        f"--max_images_per_prompt {d.max_images_per_prompt}: {m.pretrain} is a text model (its config has no "
+        "vision_config); pass a vision-language --pretrain or drop the image flags",
+    )
+    require(
+        d.apply_chat_template, "--max_images_per_prompt: image prompts are chat messages; add --apply_chat_template"
+    )
+    refused = {
+        "--packing_samples": r.packing_samples,
+        "--ring_attn_size > 1": r.ring_attn_size > 1,
+        "--share_prompt_in_group on": r.share_prompt_in_group == "on",
+        "--agent_func_path": bool(r.agent_func_path),
+        "--agent_program": bool(r.agent_program),
+        "--reward_pretrain": bool(m.reward_pretrain),
+        "--teacher_pretrain": bool(m.teacher_pretrain),
+        f"--advantage_estimator {cfg.algo.advantage_estimator} (a critic)": needs_critic_group(cfg),
+    }
+    for flag, given in refused.items():
+        if given:
+            raise UserError(
+                f"{flag} with image prompts (--max_images_per_prompt): image rows are scored padded, one prompt per "
+                "row, by the actor and the reference only (docs/vlm.md); drop one of the two"
+            )
+
+
+def _is_vision_language(path: str) -> bool:
+    from pathlib import Path
+
+    from openppo.models.vision import is_vision_language
+
+    if not (Path(path).expanduser() / "config.json").is_file():
+        return False  # a missing folder fails in _models with its own message
+    from transformers import AutoConfig
+
+    return is_vision_language(AutoConfig.from_pretrained(path, trust_remote_code=True))
+
+
 def validate_flags(cfg: PPOConfig) -> list[str]:
     """The checks and notices that need no device: train_ppo_ray runs them before it connects to Ray, so that a
     wrong flag fails at once."""
@@ -601,6 +649,7 @@ def validate_flags(cfg: PPOConfig) -> list[str]:
     _resources(cfg, notices)
     _no_effect(cfg, notices)
     _agent_program(cfg, notices)
+    _images(cfg, notices)
     validate_outputs(cfg.ckpt, cfg.logging)
     return notices
 

@@ -35,6 +35,7 @@ from openppo.strategy.checkpoint import tag_for_step
 from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.utils.hardware import device_name, device_stats, trim_host_heap
+from openppo.utils.images import BATCH_KEY as IMAGES
 
 logger = logging.getLogger(__name__)
 
@@ -169,7 +170,10 @@ class ActorWorker(_TrainedWorker):
         self.strategy.setup_distributed()
         with self.strategy.zero3_init():
             model = Actor.from_pretrained(
-                cfg.model.pretrain, dtype=self.strategy.torch_dtype, **cfg.model.build_kwargs()
+                cfg.model.pretrain,
+                dtype=self.strategy.torch_dtype,
+                freeze_visual_encoder=cfg.model.freeze_visual_encoder,
+                **cfg.model.build_kwargs(),
             )
         _set_layout(cfg, role, model)
         self.num_params = _num_params(model)
@@ -192,7 +196,11 @@ class ActorWorker(_TrainedWorker):
         chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg, self.role.share_prompts))
         for b in chunks:
             out = self.engine(
-                b["sequences"], b["attention_mask"], temperature=temperature, score_mask=b.get("action_mask")
+                b["sequences"],
+                b["attention_mask"],
+                temperature=temperature,
+                score_mask=b.get("action_mask"),
+                images=b.get(IMAGES),
             )
             chunks.add(out.log_probs)
         return chunks.result()
@@ -210,6 +218,7 @@ class ActorWorker(_TrainedWorker):
                 temperature=r.temperature,
                 score_mask=b.get("action_mask"),
                 sampling=r.sampling,
+                images=b.get(IMAGES),
             )
             chunks.add(torch.stack([out.log_probs, out.sampling_log_probs], dim=-1))
         return chunks.result()

@@ -418,7 +418,7 @@ class VLLMEngine:
             request_id = str(next(self._request_ids))  # outputs carry this id (vLLM adds a suffix inside)
             prompt = TokensPrompt(prompt_token_ids=list(ids))
             if prompt_images:
-                from openppo.datasets.images import open_image
+                from openppo.utils.images import open_image
 
                 prompt["multi_modal_data"] = {"image": [open_image(image) for image in prompt_images]}
             engine.add_request(request_id, prompt, params)

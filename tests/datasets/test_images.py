@@ -10,8 +10,9 @@ import pytest
 from PIL import Image
 
 from openppo.datasets import PromptDataset
-from openppo.datasets.images import BadImage, count_image_items, open_image
+from openppo.datasets.images import count_image_items
 from openppo.errors import UserError
+from openppo.utils.images import BadImage, open_image
 from tests.model_cache import tiny_vlm_dir
 
 

@@ -7,8 +7,8 @@ import sys
 import datasets
 
 from openppo.datasets import PromptDataset
-from openppo.datasets.images import open_image
 from openppo.tasks import shapes
+from openppo.utils.images import open_image
 from tests.model_cache import REPO, tiny_vlm_dir
 
 

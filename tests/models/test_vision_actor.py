@@ -7,8 +7,10 @@ import pytest
 import torch
 from PIL import Image
 
+from openppo.errors import UserError
 from openppo.models.actor import Actor
 from openppo.models.vision import freeze_vision_tower, is_vision_language, language_parameter_names, pixel_inputs
+from openppo.utils.images import decode_image_rows, encode_image_rows
 from tests.model_cache import tiny_model_dir, tiny_vlm_dir
 
 
@@ -28,7 +30,9 @@ def rows_of(processor, cases):
     seqs = []
     for text, images, response in cases:
         chat = processor.apply_chat_template(user(text, len(images)), add_generation_prompt=True)
-        prompt = processor(text=[chat], images=[images], return_tensors="pt")["input_ids"][0].tolist()
+        prompt = processor(text=[chat], images=[images] if images else None, return_tensors="pt")["input_ids"][
+            0
+        ].tolist()
         seqs.append((prompt, response))
     width = max(len(p) + len(r) for p, r in seqs)
     ids = torch.full((len(seqs), width), processor.tokenizer.pad_token_id)
@@ -62,10 +66,34 @@ def test_padded_image_rows_score_like_each_row_alone(processor, chunk_tokens):
         expected = hf_row_logprobs(actor.hf_model, processor, prompt, response, imgs)
         got = out.log_probs[row, len(prompt) - 1 : len(prompt) - 1 + len(response)]
         torch.testing.assert_close(got, expected, atol=1e-5, rtol=0)
+    # The batch's encoded image rows (how images ride a training batch to the ranks) give the same scores.
+    with torch.no_grad():
+        riding = actor(ids, mask, images=encode_image_rows(images)).log_probs
+    torch.testing.assert_close(riding, out.log_probs, atol=0, rtol=0)
     # The pixels reach the scores: rows 0 and 2 hold the same text and other images.
     with torch.no_grad():
         swapped = actor(ids, mask, pixels=pixel_inputs(processor, [[blue], [red, blue], [red]])).log_probs
     assert (swapped[0] - out.log_probs[0]).abs().max() > 1e-3
+
+
+def test_a_text_row_beside_image_rows(processor):
+    """A prompt without images in a batch of image prompts: scored as the text it is (the processor pads its image
+    slot with an empty image, which the model leaves out), and a batch without any image gets no pixel input."""
+    actor = Actor.from_pretrained(str(tiny_vlm_dir()), dtype=torch.float32).eval()
+    image = Image.new("RGB", (44, 44), "orange")
+    cases = [("Count.", [image], [3, 4, 5]), ("Just text.", [], [6, 7, 8, 9])]
+    seqs, ids, mask = rows_of(processor, cases)
+    with torch.no_grad():
+        out = actor(ids, mask, images=encode_image_rows([[image], []])).log_probs
+        text_only = actor(ids[1:], mask[1:]).log_probs[0]
+    prompt, response = seqs[1]
+    span = slice(len(prompt) - 1, len(prompt) - 1 + len(response))
+    torch.testing.assert_close(out[1, span], text_only[span], atol=1e-5, rtol=0)
+    assert actor.pixels_of(encode_image_rows([[], []])) is None
+    with pytest.raises(ValueError, match="rows with image tokens reached the model without their images"):
+        actor(ids, mask)
+    rows = [[image, "data:image/png;base64,AAAA"], [], [{"bytes": b"x", "path": None}]]
+    assert decode_image_rows(encode_image_rows(rows))[1:] == rows[1:]
 
 
 def test_freeze_visual_encoder_moves_only_the_language_model(processor):
@@ -100,5 +128,23 @@ def test_text_models_are_not_vision_language():
     from transformers import AutoConfig
 
     assert not is_vision_language(AutoConfig.from_pretrained(tiny_model_dir()))
-    with pytest.raises(AssertionError, match="every row needs an image"):
+    with pytest.raises(AssertionError, match="no row has an image"):
         pixel_inputs(None, [[]])
+
+
+def test_lora_adapts_the_language_model_only(processor):
+    actor = Actor.from_pretrained(str(tiny_vlm_dir()), dtype=torch.float32, lora_rank=4, lora_alpha=8)
+    adapted = {n for n, _ in actor.model.named_parameters() if "lora_" in n}
+    trainable = {n for n, p in actor.model.named_parameters() if p.requires_grad}
+    assert adapted and trainable == adapted
+    assert all(".text_model." in n for n in adapted)  # none in the vision tower or the connector
+    image = Image.new("RGB", (40, 40), "pink")
+    seqs, ids, mask = rows_of(processor, [("Count.", [image], [5, 6, 7])])
+    out = actor(ids, mask, images=encode_image_rows([[image]]))
+    (-out.log_probs[0].sum()).backward()
+    assert all(p.grad is not None for n, p in actor.model.named_parameters() if n in trainable)
+    only_q = Actor.from_pretrained(str(tiny_vlm_dir()), dtype=torch.float32, lora_rank=4, target_modules=["q_proj"])
+    names = {n.rpartition(".lora_")[0] for n, _ in only_q.model.named_parameters() if "lora_" in n}
+    assert names and all(n.endswith("self_attn.q_proj") and ".text_model." in n for n in names)
+    with pytest.raises(UserError, match="--target_modules fc1: none of the language model's linear layers"):
+        Actor.from_pretrained(str(tiny_vlm_dir()), dtype=torch.float32, lora_rank=4, target_modules=["fc1"])

@@ -10,7 +10,7 @@ from openppo.config.schema import parse_config
 from openppo.errors import UserError
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.validate import check_reward_normalization, validate
-from tests.model_cache import tiny_model_dir
+from tests.model_cache import tiny_model_dir, tiny_vlm_dir
 
 
 @pytest.fixture(scope="module")
@@ -120,12 +120,25 @@ BAD = [
         ["--vllm_generate_batch_size", "1", "--async_train", "--vllm_num_engines", "1"],
         ["--vllm_generate_batch_size", "--rollout_batch_size"],
     ),
+    # image prompts ({vlm}: the tiny vision-language model)
+    (["--max_images_per_prompt", "-1"], ["--max_images_per_prompt"]),
+    (["--max_images_per_prompt", "1", "--apply_chat_template"], ["--max_images_per_prompt", "--pretrain"]),
+    (["--pretrain", "{vlm}", "--max_images_per_prompt", "1"], ["--max_images_per_prompt", "--apply_chat_template"]),
+    (
+        ["--pretrain", "{vlm}", "--max_images_per_prompt", "1", "--apply_chat_template", "--packing_samples"],
+        ["--packing_samples", "--max_images_per_prompt"],
+    ),
+    (
+        ["--pretrain", "{vlm}", "--data.max_images_per_prompt", "1", "--apply_chat_template"]
+        + ["--advantage_estimator", "gae"],
+        ["--advantage_estimator", "--max_images_per_prompt"],
+    ),
 ]
 
 
 @pytest.mark.parametrize("extra,flags", BAD, ids=[" ".join(e[:2]) for e, _ in BAD])
 def test_bad_config_names_flags(base, extra, flags):
-    extra = [e.replace("{model}", base[1]) for e in extra]
+    extra = [e.replace("{model}", base[1]).replace("{vlm}", str(tiny_vlm_dir())) for e in extra]
     with pytest.raises(UserError) as err:
         validate(_cfg(base, extra), on_gpu=False)
     message = str(err.value)
@@ -242,6 +255,7 @@ NO_EFFECT = [
     (["--freezing_actor_steps", "3"], "--freezing_actor_steps has no effect with --advantage_estimator"),
     (["--lambd", "0.9", "--value_clip", "0.1"], "--lambd, --value_clip have no effect with --advantage_estimator"),
     (["--kl_horizon", "500"], "--kl_horizon has no effect without --kl_target"),
+    (["--freeze_visual_encoder"], "--freeze_visual_encoder has no effect:"),
     (
         ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "1", "--train_batch_size", "4"]
         + ["--packing_samples", "--share_prompt_in_group", "on"],

@@ -1,0 +1,107 @@
+"""GRPO on image prompts end to end (real Ray, DeepSpeed on 2 actor ranks, a vLLM CPU engine, the tiny Idefics3 VLM
+in fp32): the built-in shapes task's pictures reach the engine, the actor and the reference; the engine's and the
+trainer's log-probs agree; the reward function sees each prompt's count; the synced engine computes with the
+trainer's weights. Two runs: ZeRO-2 with the vision tower frozen (it does not move, every language-model tensor
+does), flags in OpenRLHF >= 0.10's dotted names; ZeRO-3 with LoRA on the language model (the adapters sit in the
+decoder only, merged into the engine's weights), flags in the flat names."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from openppo.tasks.arithmetic import write_jsonl
+from openppo.tasks.shapes import make_rows
+from tests.cli.helpers import REPO, read_metrics, run_cli, series
+from tests.model_cache import tiny_vlm_dir
+
+pytestmark = pytest.mark.slow
+
+SYNC_CHECKED = "--vllm_sync_check: 1 engine(s) compute with the trainer's weights: "
+
+
+FROZEN_TOWER = ["--data.image_key", "images", "--data.max_images_per_prompt", "1", "--actor.freeze_visual_encoder"]
+FROZEN_TOWER += ["--zero_stage", "2"]
+LORA = ["--image_key", "images", "--max_images_per_prompt", "1", "--lora_rank", "4", "--lora_alpha", "8"]
+LORA += ["--target_modules", "all-linear", "--zero_stage", "3"]
+
+
+@pytest.mark.parametrize("variant", [FROZEN_TOWER, LORA], ids=["zero2-frozen-tower-dotted", "zero3-lora-flat"])
+def test_grpo_on_image_prompts(tmp_path, variant):
+    from safetensors.torch import load_file
+
+    model = tiny_vlm_dir()
+    prompts = write_jsonl(make_rows(8, seed=2), tmp_path / "shapes.jsonl")
+    save = tmp_path / "out"
+    proc = run_cli(
+        "train_ppo_ray",
+        [
+            "--pretrain",
+            str(model),
+            "--prompt_data",
+            str(prompts),
+            "--input_key",
+            "prompt",
+            "--label_key",
+            "label",
+            *variant,
+            "--apply_chat_template",
+            "--remote_rm_url",
+            str(REPO / "tests/ppo/shapes_reward.py"),
+            "--advantage_estimator",
+            "group_norm",
+            "--n_samples_per_prompt",
+            "4",
+            "--rollout_batch_size",
+            "4",
+            "--train_batch_size",
+            "8",
+            "--micro_train_batch_size",
+            "2",
+            "--micro_rollout_batch_size",
+            "4",
+            "--actor_num_gpus_per_node",
+            "2",
+            "--vllm_num_engines",
+            "1",
+            "--param_dtype",
+            "fp32",
+            "--init_kl_coef",
+            "0.01",
+            "--use_kl_loss",
+            "--generate_max_len",
+            "8",
+            "--prompt_max_len",
+            "64",
+            "--max_steps",
+            "2",
+            "--actor_learning_rate",
+            "1e-3",
+            "--lr_warmup_ratio",
+            "0",
+            "--vllm_sync_check",
+            "--save_path",
+            str(save),
+        ],
+        nproc=1,
+        timeout=600,
+    )
+    assert proc.stdout.count(SYNC_CHECKED) == 1, proc.stdout[-3000:]
+    records = read_metrics(save)
+    assert [r["step"] for r in records] == [1, 2]
+    print("logprob_diff_max per step:", series(records, "rollout/logprob_diff_max"))
+    # the images reached both sides: the trainer scores what the engine sampled, image tokens and all
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
+    assert all(1.0 <= r["reward/label"] <= 4.0 for r in records), series(records, "reward/label")
+    assert all(r["train/advantage_abs"] > 0.1 for r in records), series(records, "train/advantage_abs")
+    before = load_file(model / "model.safetensors")
+    if variant is LORA:
+        adapter = load_file(save / "adapter_model.safetensors")
+        assert adapter and all(".text_model." in k and "lora_" in k for k in adapter), sorted(adapter)[:4]
+        return
+    after = load_file(save / "model.safetensors")
+    assert before.keys() == after.keys()
+    tower = {k for k in before if ".vision_model." in k or ".connector." in k}
+    assert tower and all(torch.equal(before[k], after[k]) for k in tower)
+    moved = {k for k in before if not torch.equal(before[k], after[k])}
+    assert moved == set(before) - tower
