@@ -17,6 +17,9 @@ from typing import Any
 import torch
 from torch import nn
 
+# The attribute of a model holding the names of the parameters `freeze_vision_tower` froze.
+FROZEN_PARAMETERS = "openppo_frozen_parameters"
+
 
 def is_vision_language(config) -> bool:
     """Whether a model config is a vision-language model's (it has a vision tower)."""
@@ -46,12 +49,15 @@ def decoder_linear_names(model: nn.Module, suffixes: Sequence[str] | None) -> li
 
 
 def freeze_vision_tower(model: nn.Module) -> list[str]:
-    """Freeze every parameter outside the language model (`--freeze_visual_encoder`); returns their names."""
+    """Freeze every parameter outside the language model (`--freeze_visual_encoder`); returns their names, which the
+    model also keeps as `FROZEN_PARAMETERS`: the weight sync leaves them out, since the engines loaded the same
+    tensors from the same checkpoint and nothing changes them."""
     keep = language_parameter_names(model)
     frozen = [name for name, p in model.named_parameters() if name not in keep]
     for name, p in model.named_parameters():
         if name not in keep:
             p.requires_grad_(False)
+    setattr(model, FROZEN_PARAMETERS, frozenset(frozen))
     return frozen
 
 

@@ -216,7 +216,7 @@ def engine_weight_checks(model: torch.nn.Module, engines: list, rank: int, timeo
     checks = []
     for engine in engines:
         shards = ray.get(engine.read_weights.remote(), timeout=timeout_s) if rank == 0 else []
-        named = iter_full_weights(model, rank=rank)
+        named = iter_full_weights(model, rank=rank, frozen=True)
         if rank == 0:
             checks.append(check_engine_weights(named, shards))
         else:

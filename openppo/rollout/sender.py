@@ -41,6 +41,7 @@ from torch import nn
 
 from openppo.distributed.rendezvous import serve_store
 from openppo.errors import UserError
+from openppo.models.vision import FROZEN_PARAMETERS
 from openppo.rollout import transport as tr
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layer_key
 from openppo.rollout.delta import DeltaEncoder
@@ -161,7 +162,7 @@ def _merged_lora_weight(model: nn.Module, name: str, base: torch.Tensor) -> torc
 
 
 def iter_full_weights(
-    model: nn.Module, *, rank: int | None = None, emit: bool | None = None
+    model: nn.Module, *, rank: int | None = None, emit: bool | None = None, frozen: bool = False
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield (hf_name, full tensor) for every parameter of `model`, layer by layer, where `emit` (default: on rank 0).
 
@@ -174,8 +175,10 @@ def iter_full_weights(
     holds in another layout than its checkpoints (a mixture of experts' fused `experts.gate_up_proj`, saved one
     `experts.<e>.gate_proj.weight` per expert) come in the checkpoint's layout, by transformers' own
     `revert_weight_conversion`, one layer at a time: vLLM loads checkpoint tensors. Tied parameters come once, as in
-    a checkpoint; buffers are not sent. Yielded tensors are detached and owned by the caller when gathered (clones),
-    else views of the live parameters: consume them before the next optimizer step.
+    a checkpoint; buffers are not sent, nor (unless `frozen`) is a vision tower frozen by `freeze_visual_encoder` (the
+    engines loaded it from the same checkpoint, and nothing changes it). Yielded tensors are detached and owned by
+    the caller when gathered (clones), else views of the live parameters: consume them before the next optimizer
+    step.
     """
     rank = _default_rank() if rank is None else rank
     emit = rank == 0 if emit is None else emit
@@ -183,6 +186,8 @@ def iter_full_weights(
     peft = _is_peft(hf)
     base = hf.get_base_model() if peft else hf
     converts = _has_weight_conversions(base)
+    # a frozen vision tower: the engines hold it already (a check of their weights still compares it)
+    left_out = frozenset() if frozen else getattr(base, FROZEN_PARAMETERS, frozenset())
     for group in _layer_groups(hf):
         gather, gathers = _gathered(hf, group)
         with gather, torch.no_grad():
@@ -191,7 +196,7 @@ def iter_full_weights(
             layer = {}
             for name, param in group:
                 hf_name = _hf_name(name, peft)
-                if hf_name is None:
+                if hf_name is None or hf_name in left_out:
                     continue
                 tensor = _merged_lora_weight(hf, name, param.detach()) if peft else param.detach()
                 # A gathered parameter is released when the context exits: hand out a copy.

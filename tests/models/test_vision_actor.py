@@ -122,6 +122,11 @@ def test_freeze_visual_encoder_moves_only_the_language_model(processor):
         p.grad is not None and p.grad.abs().sum() > 0 for n, p in full.hf_model.named_parameters() if n in frozen
     )
     assert sorted(freeze_vision_tower(full.hf_model)) == sorted(frozen)
+    # the weight sync leaves the frozen tower out (the engines loaded it from the same checkpoint)
+    from openppo.rollout.sender import iter_full_weights
+
+    sent = {name for name, _ in iter_full_weights(actor, rank=0)}
+    assert sent == {n for n in language if n != "lm_head.weight"}  # (the tied head is the embedding, sent once)
 
 
 def test_text_models_are_not_vision_language():

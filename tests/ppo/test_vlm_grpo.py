@@ -102,6 +102,7 @@ def test_grpo_on_image_prompts(tmp_path, variant):
     after = load_file(save / "model.safetensors")
     assert before.keys() == after.keys()
     tower = {k for k in before if ".vision_model." in k or ".connector." in k}
+    assert f"weight sync: {len(before) - len(tower)} tensors" in proc.stdout  # the frozen tower is not sent
     assert tower and all(torch.equal(before[k], after[k]) for k in tower)
     moved = {k for k in before if not torch.equal(before[k], after[k])}
     assert moved == set(before) - tower
