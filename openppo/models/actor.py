@@ -161,7 +161,7 @@ class Actor(nn.Module):
 
         `pixels` (a vision-language model; `openppo.models.vision.pixel_inputs` of the rows' images): the image
         inputs, which the model encodes into its rows' image-token positions. Padded rows only. `images` (a training
-        batch's `images`, `openppo.datasets.images.encode_image_rows`): the rows' images, which the model's processor
+        batch's `images`, `openppo.utils.images.encode_image_rows`): the rows' images, which the model's processor
         makes into `pixels` here.
         """
         if images is not None and pixels is None:

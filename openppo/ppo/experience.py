@@ -23,7 +23,7 @@ def collate_samples(samples: list[Sample], pad_token_id: int) -> dict[str, torch
     """Right-padded tensors: sequences/attention_mask [B, T]; action_mask/rollout_log_probs [B, T-1]; versions
     [B, T-1], the weight version that sampled each trained token (`Sample.token_versions`, else the sample's
     `policy_version`), -1 where the action mask is 0. With image prompts also `images` [B, N], the rows' images
-    (`openppo.datasets.images.encode_image_rows`)."""
+    (`openppo.utils.images.encode_image_rows`)."""
     lengths = [len(s.prompt_ids) + len(s.response_ids) for s in samples]
     width = max(lengths)
     batch = len(samples)

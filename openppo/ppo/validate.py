@@ -589,13 +589,13 @@ def _images(cfg: PPOConfig, notices: list[str]) -> None:
     (docs/vlm.md); every model that scores their rows must see the images."""
     d, r, m = cfg.data, cfg.rollout, cfg.model
     require(d.max_images_per_prompt >= 0, f"--max_images_per_prompt must be >= 0, got {d.max_images_per_prompt}")
-    vision = bool(m.pretrain) and _is_vision_language(m.pretrain)
-    if d.max_images_per_prompt == 0:
-        if m.freeze_visual_encoder and not vision:
+    if d.max_images_per_prompt == 0:  # (a text run reads no model config here)
+        if m.freeze_visual_encoder and m.pretrain and _is_vision_language(m.pretrain) is False:
             notices.append(f"--freeze_visual_encoder has no effect: {m.pretrain} has no vision tower")
         return
+    vision = _is_vision_language(m.pretrain) if m.pretrain else None
     require(
-        vision,
+        vision is not False,
         f"--max_images_per_prompt {d.max_images_per_prompt}: {m.pretrain} is a text model (its config has no "
         "vision_config); pass a vision-language --pretrain or drop the image flags",
     )
@@ -620,16 +620,17 @@ def _images(cfg: PPOConfig, notices: list[str]) -> None:
             )
 
 
-def _is_vision_language(path: str) -> bool:
-    from pathlib import Path
+def _is_vision_language(path: str) -> bool | None:
+    """Whether the model's config has a vision tower; None when the config cannot be read here (a missing folder
+    fails in `_models` with its own message; a hub id is read where the run loads it)."""
+    from transformers import AutoConfig
 
     from openppo.models.vision import is_vision_language
 
-    if not (Path(path).expanduser() / "config.json").is_file():
-        return False  # a missing folder fails in _models with its own message
-    from transformers import AutoConfig
-
-    return is_vision_language(AutoConfig.from_pretrained(path, trust_remote_code=True))
+    try:
+        return is_vision_language(AutoConfig.from_pretrained(path, trust_remote_code=True))
+    except (OSError, ValueError):
+        return None
 
 
 def validate_flags(cfg: PPOConfig) -> list[str]:
