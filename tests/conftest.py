@@ -24,8 +24,10 @@ LONGEST_FIRST = (
     "tests/ppo/test_distillation.py",  # 159 alone on a 2-core AMD EPYC (AVX2), which takes ~1.6x this list's box
     "tests/agents/test_served_agents.py",  # 115 alone on the AMD EPYC, building its tool-calling model (~50 s)
     "tests/ppo/test_crash_resume.py",  # 95
+    "tests/ppo/test_vlm_grpo.py",  # 247 alone on the AMD EPYC (two runs)
     "tests/cli/test_supervised_parallel.py",  # 65
     "tests/agents/test_endpoint.py",  # 94 alone on the AMD EPYC
+    "tests/rollout/test_engine_images.py",  # 125 alone on the AMD EPYC
     "tests/cli/test_lora_and_packing.py",  # 55
     "tests/ppo/test_memory_plan.py",  # 44
     "tests/agents/test_agent_rollout.py",  # 43
