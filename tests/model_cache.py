@@ -48,12 +48,10 @@ def smollm2_dir() -> Path:
 def favoured_word_model_dir(word: str = " world", scale: float = 2.5) -> Path:
     """The default tiny model edited so that it already says `word` (one token) in many positions.
 
-    A random tiny model spreads its probability over its 8k-token vocabulary (any given token ~1.2e-4), so a
-    "say the target word" reward never fires and there is nothing to learn from. Setting the token's (tied)
-    embedding to `scale` x the unit mean of the final hidden states gives it a large logit in most contexts:
-    a policy with a learnable start, for tests where the reward must rise. Cached like the other test models.
+    For tests where the reward must rise: a random tiny model never says the target word, so a "say the word"
+    reward would never fire (`openppo.models.zoo.favour_tokens`). Cached like the other test models.
     """
-    from openppo.models.zoo import _cached_build
+    from openppo.models.zoo import _cached_build, favour_tokens
 
     base = tiny_model_dir()
     out = cache_dir() / f"tiny-qwen2-8k-favour{word.strip()}-{scale:g}"
@@ -66,11 +64,7 @@ def favoured_word_model_dir(word: str = " world", scale: float = 2.5) -> Path:
         ids = tok.encode(word, add_special_tokens=False)
         assert len(ids) == 1, f"{word!r} is {len(ids)} tokens; pick a one-token word"
         model = AutoModelForCausalLM.from_pretrained(base, dtype=torch.float32).eval()
-        contexts = torch.randint(0, len(tok) - 1000, (64, 20), generator=torch.Generator().manual_seed(0))
-        with torch.no_grad():
-            hidden = model.model(contexts).last_hidden_state.reshape(-1, model.config.hidden_size)
-            direction = hidden.mean(0)
-            model.get_input_embeddings().weight[ids[0]] = scale * direction / direction.norm()
+        favour_tokens(model, ids, scale)
         model.save_pretrained(tmp)
         tok.save_pretrained(tmp)
         return {"token_id": ids[0]}

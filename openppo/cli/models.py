@@ -60,6 +60,16 @@ def build_parser() -> argparse.ArgumentParser:
         "--tokenizer", default="qwen3", choices=("qwen3", "qwen3-8k"), help="Qwen3's vocabulary, or its 8k cut"
     )
     vlm.add_argument("--dtype", default="float32", choices=zoo.TINY_DTYPES, help="weights dtype (default: float32)")
+    vlm.add_argument(
+        "--answers",
+        default="",
+        metavar="A,B,...",
+        help="comma-separated one-token answers the fresh model already says, uniformly among them, at most "
+        "positions: a start RL can learn from (the VLM demo: 1,2,3,4) (default: none)",
+    )
+    vlm.add_argument(
+        "--answer_scale", type=float, default=3.0, help="how strongly --answers are favoured (default: 3.0)"
+    )
     return parser
 
 
@@ -82,6 +92,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                     seed=args.seed,
                     tokenizer=args.tokenizer,
                     dtype=args.dtype,
+                    answers=tuple(a for a in args.answers.split(",") if a),
+                    answer_scale=args.answer_scale,
                 )
             else:
                 path = zoo.build_tiny_model(

@@ -353,6 +353,34 @@ def build_tiny_model(
     return _cached_build(out_dir, build, make)
 
 
+def favour_tokens(model, token_ids: list[int], scale: float, hidden=None) -> None:
+    """Give `token_ids` a large logit in most contexts of a random model: a policy with a learnable start.
+
+    A random tiny model spreads its probability over its whole vocabulary (any one token of the 8k cut ~1.2e-4),
+    so a reward that asks for particular words never fires and RL has nothing to learn from. Setting each token's
+    tied embedding to `scale` x the unit mean final hidden state gives the tokens a large logit wherever the hidden
+    state points the usual way; tokens given together get equal logits, so the model starts out choosing among them
+    uniformly. `hidden`: final hidden states (N x hidden size) of the positions that matter, else those of 64 random
+    20-token contexts of the decoder (seeded). Edits `model` in place.
+    """
+    import torch
+
+    embeddings = model.get_input_embeddings().weight
+    require(
+        model.get_output_embeddings().weight is embeddings,
+        "favouring tokens needs tied input and output embeddings (the zoo's tiny models have them)",
+    )
+    with torch.no_grad():
+        if hidden is None:
+            # The last 1000 ids are left out: special and added tokens (image placeholders) sit there.
+            seeded = torch.Generator().manual_seed(0)
+            contexts = torch.randint(0, embeddings.shape[0] - 1000, (64, 20), generator=seeded)
+            hidden = model.get_decoder()(contexts).last_hidden_state
+        direction = hidden.reshape(-1, embeddings.shape[1]).mean(0)
+        for token_id in token_ids:
+            embeddings[token_id] = scale * direction / direction.norm()
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # SmolLM2-135M-Instruct.
 
