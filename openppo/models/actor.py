@@ -26,7 +26,13 @@ from openppo.models.hf import base_model, finish_model, first_rank, resolve_mode
 from openppo.models.lm_head import head_scores, unsupported_reason
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
-from openppo.models.vision import freeze_vision_tower, is_vision_language, pixel_inputs
+from openppo.models.vision import (
+    end_placeholders,
+    freeze_vision_tower,
+    image_placeholder_ids,
+    is_vision_language,
+    pixel_inputs,
+)
 from openppo.utils.images import decode_image_rows
 
 logger = logging.getLogger(__name__)
@@ -166,12 +172,16 @@ class Actor(nn.Module):
         """
         if images is not None and pixels is None:
             pixels = self.pixels_of(images)
-        image_token = getattr(self.config, "image_token_id", None) if self.processor is not None else None
-        if not pixels and image_token is not None and bool((input_ids == image_token).any()):
-            # the image tokens would be scored as text: log-probs off by ~0.04 nats, with no error of its own
-            raise ValueError("rows with image tokens reached the model without their images")
         prompt_lens = prompt_lengths(score_mask) if score_mask is not None and self.layout.share_prompts else None
         rows = self.layout.rows(input_ids, attention_mask, position_ids, prompt_lens)
+        model_ids = rows.input_ids  # what the model reads; `rows.labels` keep the sampled tokens
+        placeholders = image_placeholder_ids(self.config) if self.processor is not None else []
+        if placeholders and rows.attention_mask is not None:  # padded rows, the ones that carry images
+            # a response the engine stopped at a sampled image placeholder ends with it
+            model_ids = end_placeholders(model_ids, rows.attention_mask, placeholders, self.config.pad_token_id or 0)
+            if not pixels and bool(torch.isin(model_ids, torch.tensor(placeholders, device=model_ids.device)).any()):
+                # the image tokens would be scored as text: log-probs off by ~0.04 nats, with no error of its own
+                raise ValueError("rows with image tokens reached the model without their images")
         assert rows.ring is None or not return_logits, "ring attention returns per-token values, not logits"
         assert rows.shared is None or not return_logits, "a shared-prompt row returns per-token values, not logits"
         chunked = self.head_chunk_tokens > 0 and not return_logits
@@ -182,7 +192,7 @@ class Actor(nn.Module):
             keep = shared.keep if takes_keep else None
         elif score_mask is not None and rows.ring is None and not return_logits and takes_keep:
             keep = scored_positions(score_mask, rows.token_mask)
-        inputs = dict(input_ids=rows.input_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
+        inputs = dict(input_ids=model_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
         assert not pixels or (rows.ring is None and rows.shared is None), "image rows are padded rows"
         inputs.update(pixels or {})
         if self.processor is not None and rows.attention_mask is not None:

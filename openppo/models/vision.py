@@ -71,3 +71,35 @@ def pixel_inputs(processor, images: Sequence[Sequence[Any]]) -> dict[str, torch.
     decoded = [[open_image(image) for image in row] for row in images]
     out = processor.image_processor(images=decoded, return_tensors="pt")
     return {k: v for k, v in out.items() if isinstance(v, torch.Tensor)}
+
+
+def image_placeholder_ids(config) -> list[int]:
+    """The token ids that the model's processor expands into image features and its forward fills with them.
+
+    A policy can sample one (it is in the vocabulary). vLLM then feeds it back as a plain token, but transformers'
+    forward would take it for an image slot and fail ("Number of elements of source < number of ones in mask"),
+    so the engines stop a response at it (`VLLMEngine`) and the actor never feeds it back (`end_placeholders`).
+    """
+    ids = {getattr(config, name, None) for name in ("image_token_id", "image_token_index")}
+    return sorted(i for i in ids if isinstance(i, int))
+
+
+def end_placeholders(input_ids: torch.Tensor, attention_mask: torch.Tensor, placeholders: Sequence[int], filler: int):
+    """`input_ids` with each row's last token replaced by `filler` where it is an image placeholder.
+
+    A response the engine stopped at a sampled placeholder ends with it. Its log-prob comes from the position before,
+    and no later position attends to it, so the model may read any other token there: the scores stay exact, and
+    the model's image slots are the prompt's alone. Other placeholders are left for the caller's checks.
+    """
+    if not placeholders:
+        return input_ids
+    width = attention_mask.shape[1]
+    last = width - 1 - attention_mask.flip(1).to(torch.long).argmax(1)  # each row's last real position
+    rows = torch.arange(input_ids.shape[0], device=input_ids.device)
+    ending = torch.isin(input_ids[rows, last], torch.tensor(list(placeholders), device=input_ids.device))
+    ending &= attention_mask[rows, last].bool()  # an all-padding row has no last token
+    if not bool(ending.any()):
+        return input_ids
+    out = input_ids.clone()
+    out[rows[ending], last[ending]] = filler
+    return out

@@ -296,6 +296,11 @@ class VLLMEngine:
                 f"--vllm_gpu_memory_utilization, or use fewer engines ({exc})"
             ) from exc
         self.start_time_s = time.perf_counter() - start
+        from openppo.models.vision import image_placeholder_ids
+
+        # a vision-language policy may sample its image placeholder: the response stops there, as the trainer can
+        # score a placeholder only as a row's last token (`openppo.models.vision.end_placeholders`)
+        self.placeholder_stop_ids = image_placeholder_ids(self.llm.llm_engine.model_config.hf_config)
         self.llm.llm_engine.set_weight_version("0")
         self._watch_vllm_processes()
         logger.info("vLLM engine for %s started in %.1f s", model_path, self.start_time_s)
@@ -375,7 +380,10 @@ class VLLMEngine:
         `seed`: reseed the workers' sampling RNG first (`--full_determinism`), so that the same prompts and weights
         draw the same samples whatever this engine generated before (a resumed run, an evaluation in between).
 
-        `images`: per prompt, its images (PIL images or the references `openppo.datasets.images` reads), in the order
+        A vision-language model's image placeholder stops every request (`placeholder_stop_ids`): a response that
+        samples it ends with it, as the trainer can read it only as a row's last token.
+
+        `images`: per prompt, its images (PIL images or the references `openppo.utils.images` reads), in the order
         of the prompt's image placeholders, which stay unexpanded in `prompt_token_ids`: vLLM's processor expands
         each into the model's image tokens. The completions of a prompt with images then carry `prompt_token_ids`,
         the expanded prompt, which is what the trainer scores. vLLM's prefix cache keys blocks by the images'
@@ -410,7 +418,7 @@ class VLLMEngine:
                 temperature=temperature,
                 top_p=top_p,
                 top_k=top_k,
-                stop_token_ids=list(stop_token_ids) if stop_token_ids else None,
+                stop_token_ids=[*(stop_token_ids or ()), *self.placeholder_stop_ids] or None,
                 logprobs=0,
                 detokenize=False,
                 output_kind=RequestOutputKind.FINAL_ONLY,  # one output per request, when it is done

@@ -67,7 +67,7 @@ class Sample:
     # extend each other (`openppo.agents.transcript`); prompt_ids/response_ids are then its last call's, for scoring
     segments: list[Sample] | None = None
     dropped: str | None = None  # why the episode cannot be trained on (its agent raised or ran out of time)
-    images: list[Any] | None = None  # an image prompt's images (`openppo.datasets.images` references), in order
+    images: list[Any] | None = None  # an image prompt's images (`openppo.utils.images` references), in order
 
     @property
     def truncated(self) -> bool:

@@ -96,6 +96,35 @@ def test_a_text_row_beside_image_rows(processor):
     assert decode_image_rows(encode_image_rows(rows))[1:] == rows[1:]
 
 
+def test_a_response_ending_with_a_sampled_image_placeholder(processor):
+    """The engine stops a response at a sampled image placeholder (`VLLMEngine.placeholder_stop_ids`); the actor then
+    scores it, the placeholder's log-prob from the position before, exactly as the HF model scores the row without
+    it, in an image row and in a text row beside it; a placeholder anywhere else in a text row is still refused."""
+    from openppo.models.vision import end_placeholders, image_placeholder_ids
+
+    actor = Actor.from_pretrained(str(tiny_vlm_dir()), dtype=torch.float32).eval()
+    placeholder = processor.tokenizer.convert_tokens_to_ids("<image>")
+    assert image_placeholder_ids(actor.config) == [placeholder]
+    image = Image.new("RGB", (44, 44), "teal")
+    cases = [("Count.", [image], [3, 4, placeholder]), ("Just text.", [], [6, placeholder]), ("Count.", [image], [5])]
+    seqs, ids, mask = rows_of(processor, cases)
+    with torch.no_grad():
+        out = actor(ids, mask, images=encode_image_rows([imgs for _, imgs, _ in cases])).log_probs
+    for row, (prompt, response) in enumerate(seqs):
+        pixels = processor.image_processor(images=[cases[row][1]], return_tensors="pt") if cases[row][1] else {}
+        with torch.no_grad():  # the row without its last token: the placeholder is never read
+            logits = actor.hf_model(input_ids=torch.tensor([prompt + response[:-1]]), **pixels).logits[0]
+        expected = torch.log_softmax(logits[len(prompt) - 1 :].float(), -1).gather(-1, torch.tensor(response)[:, None])
+        got = out[row, len(prompt) - 1 : len(prompt) - 1 + len(response)]
+        torch.testing.assert_close(got, expected[:, 0], atol=1e-5, rtol=0)
+    # Only a row's last real token is replaced; the caller's ids are untouched, and so are the labels.
+    replaced = end_placeholders(ids, mask, [placeholder], 0)
+    assert (replaced != ids).sum() == 2 and ids.eq(placeholder).sum() > 2
+    _, ids, mask = rows_of(processor, [("Just text.", [], [placeholder, 6])])  # not at the end: refused
+    with pytest.raises(ValueError, match="rows with image tokens reached the model without their images"):
+        actor(ids, mask)
+
+
 def test_freeze_visual_encoder_moves_only_the_language_model(processor):
     actor = Actor.from_pretrained(str(tiny_vlm_dir()), dtype=torch.float32, freeze_visual_encoder=True)
     model = actor.hf_model

@@ -167,3 +167,51 @@ def test_weight_sync_covers_the_vision_tower(engine, vlm):
         with torch.no_grad():
             for n, p in model.named_parameters():
                 p.copy_(original[n])
+
+
+@pytest.mark.slow
+def test_a_sampled_image_placeholder_ends_the_response(engine, vlm):
+    """A policy that favours its image placeholder (synced into the engine) samples it; the response stops there, so
+    the placeholder is always its last token, and the actor scores the row as the engine did."""
+    import ray
+
+    from openppo.models.actor import Actor
+    from openppo.models.zoo import favour_tokens
+    from openppo.rollout.sender import sync_weights
+    from openppo.utils.images import encode_image_rows
+
+    path, model, processor = vlm
+    actor = Actor.from_pretrained(str(path), dtype=torch.float32).eval()
+    placeholder = processor.tokenizer.convert_tokens_to_ids("<image>")
+    text = processor.apply_chat_template(user("How many?", 1), add_generation_prompt=True)
+    image = picture(1, "black")
+    enc = processor(text=[text], images=[[image]], return_tensors="pt")
+    with torch.no_grad():
+        favour_tokens(actor.hf_model, [placeholder], 1.0, actor.hf_model.model(**enc).last_hidden_state[:, -1])
+    try:
+        sync_weights(actor.hf_model, None, [engine], 1 << 20, timeout_s=60)
+        ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
+        [samples] = ray.get(
+            engine.generate.remote([ids], n=8, max_new_tokens=6, temperature=1.0, top_p=1.0, images=[[image]]),
+            timeout=60,
+        )
+        ended = [s for s in samples if placeholder in s["token_ids"]]
+        assert ended, [s["token_ids"] for s in samples]  # ~26 % at the first position
+        for sample in ended:
+            assert sample["token_ids"].index(placeholder) == len(sample["token_ids"]) - 1
+            assert sample["finish_reason"] == "stop"
+        width = max(len(s["prompt_token_ids"]) + len(s["token_ids"]) for s in samples)
+        rows = torch.zeros(len(samples), width, dtype=torch.long)
+        mask = torch.zeros_like(rows)
+        for i, s in enumerate(samples):
+            seq = s["prompt_token_ids"] + s["token_ids"]
+            rows[i, : len(seq)], mask[i, : len(seq)] = torch.tensor(seq), 1
+        with torch.no_grad():
+            scores = actor(rows, mask, images=encode_image_rows([[image]] * len(samples))).log_probs
+        for i, s in enumerate(samples):
+            start = len(s["prompt_token_ids"]) - 1
+            got = scores[i, start : start + len(s["token_ids"])]
+            gap = (got - torch.tensor(s["logprobs"])).abs().max().item()
+            assert gap < TOL, f"sample {s['token_ids']}: actor vs engine log-prob gap {gap:.2e}"
+    finally:
+        sync_weights(model, None, [engine], 1 << 20, timeout_s=60)
