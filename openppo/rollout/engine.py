@@ -279,6 +279,7 @@ class VLLMEngine:
         self._request_ids = itertools.count()
         self._batch: _Batch | None = None
         self._updating = False  # a weight sync is open: `advance` takes no step
+        self._kept_layers: dict[str, int] = {}  # the layers the last sync left out (`finish_weight_update`)
         self.in_process = os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0"  # the engine core is here
 
         from vllm import LLM  # after the environment above: vLLM reads it at import and start-up
@@ -492,9 +493,17 @@ class VLLMEngine:
         """Close the weight update; returns the number of vLLM parameters loaded. `weight_version` tags the tokens
         sampled from now on (see `generate`)."""
         self.llm.collective_rpc("finish_weight_update")
-        loaded = self.llm.collective_rpc("openppo_after_weight_update")
+        loaded, kept = self.llm.collective_rpc("openppo_after_weight_update")[0]
+        if kept and kept != self._kept_layers:  # once a run, not once a sync (a frozen tower: every sync)
+            logger.info(
+                "weight sync: %d layer(s) got no tensors and kept their weights (%s): expected for what the sync "
+                "leaves out, such as a frozen vision tower; --vllm_sync_check compares every layer",
+                sum(kept.values()),
+                ", ".join(f"{name} x{count}" for name, count in sorted(kept.items())),
+            )
+        self._kept_layers = kept
         self._updated(weight_version)
-        return loaded[0]
+        return loaded
 
     def _updated(self, version: int | None) -> None:
         """After new weights loaded: no cached KV of the old weights survives. Requests still running (a partial

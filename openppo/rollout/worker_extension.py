@@ -65,7 +65,8 @@ class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate])
     def start_weight_update(self) -> None:
         from vllm.model_executor.model_loader.reload import initialize_layerwise_reload
 
-        _RELOAD_LOGGER.addFilter(_expected_reload_warnings)
+        self.reload_warnings = _ReloadWarnings()
+        _RELOAD_LOGGER.addFilter(self.reload_warnings)
         initialize_layerwise_reload(self.model)
         self.loaded, self.received_sum, self._started = set(), None, time.perf_counter()
 
@@ -107,7 +108,7 @@ class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate])
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         finally:
-            _RELOAD_LOGGER.removeFilter(_expected_reload_warnings)
+            _RELOAD_LOGGER.removeFilter(self.reload_warnings)
         _refresh_tied_cpu_kernels(self.model, self.loaded)
         _repack_cpu_experts(self.model, self.loaded)
         self.last_checksum = self.received_sum
@@ -138,11 +139,13 @@ class WorkerExtension:
         seed, as at start-up, so they keep sampling the same tokens."""
         torch.manual_seed(seed)
 
-    def openppo_after_weight_update(self) -> int:
-        """After `finish_weight_update`: the number of vLLM parameters the sync loaded. (The vision encoder's cached
-        outputs are dropped by the engine, `VLLMEngine._updated`: the scheduler tracks that cache too, and clearing
-        only this worker's copy made the next image prompt fail with "Encoder cache miss".)"""
-        return len(self.weight_transfer_engine.loaded)
+    def openppo_after_weight_update(self) -> tuple[int, dict[str, int]]:
+        """After `finish_weight_update`: the number of vLLM parameters the sync loaded, and the layers (counted by
+        class) that got no tensor and kept their weights, rotary caches and a tied head aside. (The vision encoder's
+        cached outputs are dropped by the engine, `VLLMEngine._updated`: the scheduler tracks that cache too, and
+        clearing only this worker's copy made the next image prompt fail with "Encoder cache miss".)"""
+        engine = self.weight_transfer_engine
+        return len(engine.loaded), dict(engine.reload_warnings.kept)
 
     def openppo_where(self) -> dict:
         """Where this worker computes: its node (Ray's node id: from its own Ray context in a Ray executor's worker,
@@ -184,16 +187,26 @@ class WorkerExtension:
 _RELOAD_LOGGER = logging.getLogger("vllm.model_executor.model_loader.reload.layerwise")
 
 
-def _expected_reload_warnings(record: logging.LogRecord) -> bool:
-    """Drop the reload's "Failed to load weights" for layers that never get checkpoint tensors.
+class _ReloadWarnings(logging.Filter):
+    """Takes the reload's "Failed to load weights" warnings of one sync, counted by layer class, out of the log.
 
-    Rotary embeddings hold only a computed cache, and a tied LM head shares the embedding's parameter: both are
-    reported as failed on every sync although nothing is wrong.
+    vLLM warns for every layer that got no tensor and kept the ones it had. Rotary embeddings (a computed cache)
+    and a tied LM head (the embedding's parameter) get none by design, on every sync; a frozen vision tower is not
+    sent at all (`iter_full_weights`). The engine reports the rest once a run (`VLLMEngine.finish_weight_update`),
+    not 16 lines a sync; `--vllm_sync_check` compares every layer with the trainer's.
     """
-    if "Failed to load weights" in str(record.msg) and record.args:
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.kept: dict[str, int] = {}
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        if "Failed to load weights" not in str(record.msg) or not record.args:
+            return True
         layer = str(record.args[0])
-        return not (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead")
-    return True
+        if not (layer.endswith("RotaryEmbedding") or layer == "ParallelLMHead"):
+            self.kept[layer] = self.kept.get(layer, 0) + 1
+        return False
 
 
 def _refresh_tied_cpu_kernels(model: torch.nn.Module, loaded: set[str]) -> None:
