@@ -9,7 +9,7 @@ export PIP_DISABLE_PIP_VERSION_CHECK := 1
 export RAY_AUTH_MODE ?= disabled
 PYTEST_ARGS ?=
 
-.PHONY: install install-gpu lint format test test-fast demo clean
+.PHONY: install install-gpu lint format test test-fast demo demo-vlm clean
 
 install: $(VENV)/.installed
 
@@ -64,6 +64,10 @@ test-fast: install
 
 demo: install
 	bash examples/scripts/demo_cpu.sh
+
+# Vision-language GRPO on CPU: the tiny VLM learns to count the shapes in a picture (docs/vlm.md).
+demo-vlm: install
+	bash examples/scripts/demo_vlm_cpu.sh
 
 clean:
 	rm -rf $(VENV) .cache runs
