@@ -1,0 +1,61 @@
+"""Molt's flags against openppo's CLIs (issue 36), from `tests/assets/molt_flags/`.
+
+Molt (NVIDIA-NeMo/labs-molt, OpenRLHF's successor) keeps OpenRLHF's dotted names. `molt-0.1.6.json` lists the flags
+its two CLIs declare and those its 12 example scripts pass (`extract.py` wrote it from Molt's source). Each flag is
+known to the matching openppo CLI by that exact name (abbreviations are refused), or refused before anything starts
+with one line naming it and the reason, or listed in `pending.json`: the flags openppo does not know yet. The
+pending lists only shrink: a flag that becomes known must leave them, and a known flag cannot fall back. Names only:
+whether a known flag does what it does in Molt (its values, its meaning) is for the flag table to show.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import io
+import json
+from pathlib import Path
+
+import pytest
+
+from openppo.cli.flags_doc import clis
+from openppo.config.schema import build_parser, parse_config
+
+ASSETS = Path(__file__).resolve().parents[1] / "assets" / "molt_flags"
+MOLT = json.loads((ASSETS / "molt-0.1.6.json").read_text())
+PENDING = json.loads((ASSETS / "pending.json").read_text())
+CLIS = ("train_ppo_ray", "train_sft")
+
+
+@functools.cache
+def options(cli: str) -> frozenset[str]:
+    return frozenset(build_parser(clis()[cli], cli, "")._option_string_actions)
+
+
+def status(cli: str, flag: str) -> str:
+    """The flag is "known", "refused" (one line: `error: --flag: why ...`) or "unknown"."""
+    config_cls = clis()[cli]
+    if f"--{flag}" in options(cli):
+        return "known"
+    err = io.StringIO()
+    with contextlib.redirect_stderr(err), pytest.raises(SystemExit):
+        parse_config(config_cls, [f"--{flag}"], cli)
+    message = err.getvalue().strip()
+    return "refused" if message.startswith(f"error: --{flag}: ") and "\n" not in message else "unknown"
+
+
+def test_the_recipes_pass_declared_flags_of_their_cli():
+    assert len(MOLT["recipes"]) == 12 and {r["cli"] for r in MOLT["recipes"].values()} == set(CLIS)
+    for path, recipe in MOLT["recipes"].items():
+        undeclared = set(recipe["flags"]) - set(MOLT["declared"][recipe["cli"]])
+        assert not undeclared, f"{path}: {sorted(undeclared)}"
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_every_molt_flag_is_known_refused_or_pending(cli):
+    flags = sorted(MOLT["declared"][cli])
+    unknown = [f for f in flags if status(cli, f) == "unknown"]
+    newly_known = sorted(set(PENDING[cli]) - set(unknown))
+    assert not newly_known, f"{cli}: these Molt flags now work; take them out of pending.json: {newly_known}"
+    lost = sorted(set(unknown) - set(PENDING[cli]))
+    assert not lost, f"{cli}: these Molt flags are unknown to openppo: {lost}"
