@@ -10,6 +10,8 @@ OpenRLHF >= 0.10 splits some settings per model (`--actor.max_norm`, `--critic.m
 OpenRLHF <= 0.9, keeps as one setting for both models: both dotted names map to the one field, and giving them
 different values is an error rather than a silent choice of one.
 
+`MOLT_*` do the same for the names of Molt, OpenRLHF's successor, where it renamed a setting openppo has.
+
 `REFUSED` gives the reason for flags of either generation that a CLI does not run: a run that gives one stops
 before anything starts, with that reason and what to do instead. `NO_EFFECT` holds flags that do nothing in a CLI
 without the field (OpenRLHF 0.9 declared some and never read them); they are accepted, with one warning line.
@@ -247,6 +249,21 @@ DOTTED_SUPERVISED: dict[str, str | tuple[str, ...]] = {
     "ref.model_name_or_path": "ref_pretrain",
 }
 
+# Molt (NVIDIA-NeMo/labs-molt, OpenRLHF's successor) keeps the dotted names and adds its own; these are its names for
+# settings openppo has under another name, with the same meaning (tests/unit/test_molt_flags.py). Its FSDP2 names:
+# context parallelism is openppo's ring, tensor parallelism its AutoTP.
+MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
+    "fsdp.cp_size": "ring_attn_size",
+    "fsdp.packing_samples": "packing_samples",
+    "fsdp.param_dtype": "param_dtype",
+    "fsdp.tp_size": "ds_tensor_parallel_size",
+}
+# Molt's train_rl_ray only
+MOLT_RL: dict[str, str | tuple[str, ...]] = {
+    "algo.advantage.lam": "lambd",
+    "train.check_weight_update_equal": "vllm_sync_check",
+}
+
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 
@@ -290,7 +307,10 @@ class Spellings:
         self.fields = fields
         self.dotted: dict[str, str | tuple[str, ...]] = {}
         if cli is not None:
-            self.dotted = {**DOTTED_COMMON, **(DOTTED_RL if cli == "train_ppo_ray" else DOTTED_SUPERVISED)}
+            rl = cli == "train_ppo_ray"
+            self.dotted = {**DOTTED_COMMON, **(DOTTED_RL if rl else DOTTED_SUPERVISED), **MOLT_COMMON}
+            if rl:
+                self.dotted.update(MOLT_RL)
 
     def _targets(self, name: str) -> tuple[str, ...]:
         target = self.dotted.get(name) or OLDER.get(name) or name

@@ -59,3 +59,28 @@ def test_every_molt_flag_is_known_refused_or_pending(cli):
     assert not newly_known, f"{cli}: these Molt flags now work; take them out of pending.json: {newly_known}"
     lost = sorted(set(unknown) - set(PENDING[cli]))
     assert not lost, f"{cli}: these Molt flags are unknown to openppo: {lost}"
+
+
+# Molt's names for settings openppo has under another name (`openrlhf_names.MOLT_*`): (Molt's, openppo's, a value)
+RENAMED = {
+    "train_sft": [
+        ("fsdp.tp_size", "ds.tensor_parallel_size", ["4"]),
+        ("fsdp.cp_size", "ds.ring_attn_size", ["4"]),
+        ("fsdp.param_dtype", "ds.param_dtype", ["fp16"]),
+        ("fsdp.packing_samples", "ds.packing_samples", []),
+    ],
+}
+RENAMED["train_ppo_ray"] = RENAMED["train_sft"] + [
+    ("algo.advantage.lam", "algo.advantage.lambd", ["0.25"]),
+    ("train.check_weight_update_equal", "vllm_sync_check", []),
+]
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_molt_names_set_what_openppo_names_set(cli):
+    config_cls = clis()[cli]
+    default = parse_config(config_cls, [], cli)
+    for molt, ours, value in RENAMED[cli]:
+        assert molt in MOLT["declared"][cli], molt
+        got = parse_config(config_cls, [f"--{molt}", *value], cli)
+        assert got == parse_config(config_cls, [f"--{ours}", *value], cli) and got != default, molt
