@@ -264,6 +264,10 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "train.check_weight_update_equal": "vllm_sync_check",
 }
 
+# Molt's names for values openppo spells otherwise: field -> {Molt's value: openppo's}. Molt's grpo is
+# (r - mean) / (std + 1e-9) per group with the unbiased std: group_norm's formula (whose eps is 1e-6).
+MOLT_VALUES: dict[str, dict[str, str]] = {"advantage_estimator": {"grpo": "group_norm"}}
+
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 

@@ -181,12 +181,34 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
     """Parse `argv` (None = sys.argv[1:]) into an instance of `config_cls`."""
     parser = build_parser(config_cls, prog, description)
     argv = list(sys.argv[1:] if argv is None else argv)
-    _check_spellings(argv, spellings(config_cls), parser)
-    ns = parser.parse_args(argv)
+    names = spellings(config_cls)
+    _check_spellings(argv, names, parser)
+    ns = parser.parse_args(_molt_values(argv, names))
     for name, (_, why) in openrlhf_names.NO_EFFECT.items():
         if getattr(ns, f"_no_effect_{name}", None) not in (None, False):
             logger.warning("--%s has no effect: %s", name, why)
     return _from_namespace(config_cls, ns)
+
+
+def _molt_values(argv: list[str], names: openrlhf_names.Spellings) -> list[str]:
+    """`argv` with Molt's names for values openppo spells otherwise (`--algo.advantage.estimator grpo`) rewritten to
+    openppo's, each with one log line."""
+    out = list(argv)
+    for i, token in enumerate(out):
+        if not token.startswith("--"):
+            continue
+        name, eq, value = token[2:].partition("=")
+        if not eq and i + 1 < len(out):
+            value = out[i + 1]
+        ours = openrlhf_names.MOLT_VALUES.get(names.field_of(name) or "", {}).get(value)
+        if ours is None:
+            continue
+        if eq:
+            out[i] = f"--{name}={ours}"
+        else:
+            out[i + 1] = ours
+        logger.info("--%s %s: Molt's name for openppo's %s", name, value, ours)
+    return out
 
 
 def _options(argv: typing.Sequence[str]) -> list[tuple[str, list[str]]]:

@@ -14,6 +14,7 @@ import contextlib
 import functools
 import io
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -84,3 +85,14 @@ def test_molt_names_set_what_openppo_names_set(cli):
         assert molt in MOLT["declared"][cli], molt
         got = parse_config(config_cls, [f"--{molt}", *value], cli)
         assert got == parse_config(config_cls, [f"--{ours}", *value], cli) and got != default, molt
+
+
+def test_molt_names_for_values(caplog):
+    """Molt's `grpo` estimator is openppo's group_norm (the same formula), in either flag spelling."""
+    config_cls = clis()["train_ppo_ray"]
+    ours = parse_config(config_cls, ["--advantage_estimator", "group_norm"], "t")
+    with caplog.at_level(logging.INFO):
+        assert parse_config(config_cls, ["--algo.advantage.estimator", "grpo"], "t") == ours
+        assert parse_config(config_cls, ["--advantage_estimator=grpo"], "t") == ours
+    assert "--algo.advantage.estimator grpo: Molt's name for openppo's group_norm" in caplog.text
+    assert parse_config(config_cls, ["--input_key", "grpo"], "t").data.input_key == "grpo"  # other flags' values
