@@ -53,5 +53,14 @@ def render(clis: dict[str, type]) -> str:
     out += ["", "## OpenRLHF flags with no effect", "", "Accepted, with one warning line.", ""]
     out += ["| flag | why |", "|---|---|"]
     out += [f"| `--{name}` | {why} |" for name, (_, why) in sorted(openrlhf_names.NO_EFFECT.items())]
+    out += ["", "## Molt's values", "", "Molt (OpenRLHF's successor) spells these settings with values of its own.", ""]
+    out += ["| flag and value | openppo's setting |", "|---|---|"]
+    modes = " ".join(f"`--{flag}`" for flag in openrlhf_names.MOLT_CHECKPOINT_MODES.values())
+    out.append(
+        f"| {modes} `full` (or no value), `selective`, `none` | `--gradient_checkpointing` on (selective: whole "
+        "layers, with one log line), on, off |"
+    )
+    for field, values in sorted(openrlhf_names.MOLT_VALUES.items()):
+        out += [f"| `--{field}` `{theirs}` | `--{field} {ours}` |" for theirs, ours in sorted(values.items())]
     out.append("")
     return "\n".join(out)

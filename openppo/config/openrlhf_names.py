@@ -268,6 +268,12 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
 # (r - mean) / (std + 1e-9) per group with the unbiased std: group_norm's formula (whose eps is 1e-6).
 MOLT_VALUES: dict[str, dict[str, str]] = {"advantage_estimator": {"grpo": "group_norm"}}
 
+# Molt's activation-checkpointing modes (full | selective | none), a string flag for openppo's one switch; per CLI
+MOLT_CHECKPOINT_MODES: dict[str, str] = {
+    "train_ppo_ray": "actor.gradient_checkpoint",
+    "train_sft": "model.gradient_checkpoint",
+}
+
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 

@@ -143,6 +143,18 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
             flags = [f"--{name}", *(f"--{d}" for d, target in names.dotted.items() if target == name)]
             kind = {"nargs": "?", "const": True} if takes_value else {"action": "store_true"}
             parser.add_argument(*flags, dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
+    mode_flag = openrlhf_names.MOLT_CHECKPOINT_MODES.get(getattr(config_cls, "openrlhf_cli", None) or "")
+    if mode_flag is not None and "gradient_checkpointing" in names.fields:
+        parser.add_argument(
+            f"--{mode_flag}",
+            dest="gradient_checkpointing",
+            nargs="?",
+            const=True,
+            type=checkpoint_mode,
+            default=argparse.SUPPRESS,  # the field's own flag sets the default
+            metavar="{full,selective,none}",
+            help="Molt's spelling of --gradient_checkpointing: full (or no value), selective (full here) or none",
+        )
     seen: set[str] = set()
     hints = typing.get_type_hints(config_cls)
     for top in dataclasses.fields(config_cls):
@@ -159,6 +171,19 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
             seen.add(top.name)
             _add_field(parser, top, tp, aliases.get(top.name, []))  # type: ignore[arg-type]
     return parser
+
+
+def checkpoint_mode(value: str) -> bool:
+    """Molt's `--actor.gradient_checkpoint` modes on openppo's `--gradient_checkpointing`: full, or selective (per-op
+    checkpointing, which openppo does not have: full instead, with one log line), or none/off/empty."""
+    mode = value.strip().lower()
+    if mode in ("none", "off", ""):
+        return False
+    if mode == "selective":
+        logger.info("gradient checkpoint mode selective: openppo checkpoints whole layers (full) instead")
+    elif mode != "full":
+        raise argparse.ArgumentTypeError(f"{value!r}: choose full, selective or none")
+    return True
 
 
 def _from_namespace(config_cls: type[T], ns: argparse.Namespace) -> T:

@@ -96,3 +96,22 @@ def test_molt_names_for_values(caplog):
         assert parse_config(config_cls, ["--advantage_estimator=grpo"], "t") == ours
     assert "--algo.advantage.estimator grpo: Molt's name for openppo's group_norm" in caplog.text
     assert parse_config(config_cls, ["--input_key", "grpo"], "t").data.input_key == "grpo"  # other flags' values
+
+
+@pytest.mark.parametrize(
+    "cli, flag", [("train_ppo_ray", "actor.gradient_checkpoint"), ("train_sft", "model.gradient_checkpoint")]
+)
+def test_molt_checkpoint_modes(cli, flag, caplog, capsys):
+    config_cls = clis()[cli]
+    off, on = parse_config(config_cls, [], cli), parse_config(config_cls, ["--gradient_checkpointing"], cli)
+    assert on != off
+    with caplog.at_level(logging.INFO):
+        for argv in ([f"--{flag}"], [f"--{flag}", "full"], [f"--{flag}=full"], [f"--{flag}", "selective"]):
+            assert parse_config(config_cls, argv, cli) == on, argv
+    assert "selective: openppo checkpoints whole layers (full) instead" in caplog.text
+    for mode in ("none", "off", ""):
+        assert parse_config(config_cls, ["--gradient_checkpointing", f"--{flag}={mode}"], cli) == off, mode
+    with pytest.raises(SystemExit):
+        parse_config(config_cls, [f"--{flag}", "partial"], cli)
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"error: argument --{flag}: ") and "choose full, selective or none" in err and "\n" not in err
