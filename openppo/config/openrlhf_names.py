@@ -261,6 +261,7 @@ MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
 # Molt's train_rl_ray only
 MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "algo.advantage.lam": "lambd",
+    "algo.advantage.no_whiten": "no_advantage_whiten",
     "train.check_weight_update_equal": "vllm_sync_check",
 }
 

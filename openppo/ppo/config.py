@@ -414,6 +414,11 @@ class AlgoConfig:
         None, "loss aggregation; default per estimator (docs/algorithms.md)", choices=LOSS_AGG_MODES
     )
     no_advantage_std_norm: bool = opt(False, "global advantage normalisation only centres (no division by std)")
+    no_advantage_whiten: bool = opt(
+        False,
+        "no global advantage normalisation at all: the returns (gae: returns - values) are the advantages, for the "
+        "estimators that normalise by default (gae, reinforce, reinforce_baseline)",
+    )
     overlong_buffer_len: int = opt(None, "DAPO overlong penalty buffer (tokens before --generate_max_len)")
     overlong_penalty_factor: float = opt(1.0, "DAPO overlong penalty at the end of the buffer")
     stop_properly_penalty_coef: float = opt(None, "truncated responses: reward x coef (0..1) or := coef (< 0)")

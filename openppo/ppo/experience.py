@@ -145,6 +145,7 @@ def compute_advantages_for_batch(
         values=values,
         gamma=algo.gamma,
         lambd=algo.lambd,
+        whiten=False if algo.no_advantage_whiten else None,
         std_norm=not algo.no_advantage_std_norm,
     )
     return {

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
-from openppo.algorithms import GROUP_ESTIMATORS, needs_critic
+from openppo.algorithms import GROUP_ESTIMATORS, needs_critic, whitens_by_default
 from openppo.config.common import validate_build, validate_outputs, validate_schedule
 from openppo.errors import UserError, require
 from openppo.models.hf import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
@@ -485,6 +485,12 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
                 f"{', '.join(unused)} {'has' if len(unused) == 1 else 'have'} no effect with --advantage_estimator "
                 f"{algo.advantage_estimator}: only gae trains a critic"
             )
+    whitened = [f for f in ("no_advantage_whiten", "no_advantage_std_norm") if getattr(algo, f)]
+    if whitened and not whitens_by_default(algo.advantage_estimator):
+        notices.append(
+            f"--{whitened[0]} has no effect with --advantage_estimator {algo.advantage_estimator}: it normalises "
+            "per group, never over the batch"
+        )
     if _set(algo, "kl_horizon") and algo.kl_target is None:
         notices.append("--kl_horizon has no effect without --kl_target: the KL coefficient stays --init_kl_coef")
     if algo.normalize_reward and not m.reward_pretrain:

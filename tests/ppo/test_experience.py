@@ -119,6 +119,29 @@ def test_gae_uses_values():
     assert adv[1] > adv[0] and float(adv.mean()) == pytest.approx(0.0, abs=1e-6)
 
 
+def test_no_whiten_keeps_the_raw_advantages():
+    # --no_advantage_whiten (Molt's --algo.advantage.no_whiten): gae's returns - values, not normalised
+    batch = collate_samples([_sample([1], [2, 3], 0)], pad_token_id=0)
+    algo = AlgoConfig(advantage_estimator="gae", init_kl_coef=0.0, no_advantage_whiten=True)
+    out = compute_advantages_for_batch(
+        batch,
+        torch.tensor([1.0]),
+        algo=algo,
+        n_samples_per_prompt=1,
+        generate_max_len=8,
+        kl_coef=0.0,
+        values=torch.tensor([[0.5, 0.25]]),
+    )
+    assert out["advantages"][0].tolist() == pytest.approx([0.5, 0.75])
+    # reinforce: the reward-to-go itself, where the default whitening would centre the two responses' 1 and 3
+    batch = collate_samples([_sample([1], [2], 0), _sample([1], [3], 1)], pad_token_id=0)
+    algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, no_advantage_whiten=True)
+    out = compute_advantages_for_batch(
+        batch, torch.tensor([1.0, 3.0]), algo=algo, n_samples_per_prompt=1, generate_max_len=8, kl_coef=0.0
+    )
+    assert out["advantages"][:, -1].tolist() == pytest.approx([1.0, 3.0])
+
+
 def test_summary_table():
     from openppo.ppo.reporting import RunHistory, summary_table
 

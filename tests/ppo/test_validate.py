@@ -255,6 +255,8 @@ NO_EFFECT = [
     (["--freezing_actor_steps", "3"], "--freezing_actor_steps has no effect with --advantage_estimator"),
     (["--lambd", "0.9", "--value_clip", "0.1"], "--lambd, --value_clip have no effect with --advantage_estimator"),
     (["--kl_horizon", "500"], "--kl_horizon has no effect without --kl_target"),
+    (["--no_advantage_whiten"], "--no_advantage_whiten has no effect with --advantage_estimator group_norm"),
+    (["--no_advantage_std_norm"], "--no_advantage_std_norm has no effect with --advantage_estimator group_norm"),
     (["--freeze_visual_encoder"], "--freeze_visual_encoder has no effect:"),
     (
         ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "1", "--train_batch_size", "4"]
@@ -285,6 +287,8 @@ def test_options_with_effect_say_nothing(base):
         # a critic reads them; an adaptive KL controller reads its horizon
         "--lambd": ["--advantage_estimator", "gae", "--lambd", "0.95", "--value_clip", "0.2"],
         "--kl_horizon": ["--init_kl_coef", "0.01", "--kl_target", "6", "--kl_horizon", "500"],
+        "--no_advantage_whiten": ["--advantage_estimator", "reinforce", "--no_advantage_whiten"],
+        "--no_advantage_std_norm": ["--advantage_estimator", "reinforce", "--no_advantage_std_norm"],
     }
     for flag, extra in quiet.items():
         notices = validate(_cfg(base, extra), on_gpu=False)

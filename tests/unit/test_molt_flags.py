@@ -74,6 +74,7 @@ RENAMED = {
 RENAMED["train_ppo_ray"] = RENAMED["train_sft"] + [
     ("algo.advantage.lam", "algo.advantage.lambd", ["0.25"]),
     ("train.check_weight_update_equal", "vllm_sync_check", []),
+    ("algo.advantage.no_whiten", "no_advantage_whiten", []),
 ]
 
 
