@@ -62,5 +62,8 @@ def render(clis: dict[str, type]) -> str:
     )
     for field, values in sorted(openrlhf_names.MOLT_VALUES.items()):
         out += [f"| `--{field}` `{theirs}` | `--{field} {ours}` |" for theirs, ours in sorted(values.items())]
+    for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():
+        given = f"`--{name}`" + ("" if no_op is None else f" `{no_op}`: nothing, with one log line; another value")
+        out.append(f"| {given} | refused: {why} |")
     out.append("")
     return "\n".join(out)

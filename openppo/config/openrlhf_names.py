@@ -269,6 +269,26 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
 # (r - mean) / (std + 1e-9) per group with the unbiased std: group_norm's formula (whose eps is 1e-6).
 MOLT_VALUES: dict[str, dict[str, str]] = {"advantage_estimator": {"grpo": "group_norm"}}
 
+# Molt's FSDP2-only parallelism, which openppo's DeepSpeed engines do not have: name -> (the value that asks for
+# nothing, accepted with one line; None for a switch, refused whenever given), the reason and the nearest setting
+MOLT_FSDP_ONLY: dict[str, tuple[str | None, str]] = {
+    "fsdp.ep_size": (
+        "1",
+        "expert parallelism is FSDP2's; openppo's ranks each hold every expert, sharded with the rest of the model "
+        "by ZeRO-3 (--zero_stage 3)",
+    ),
+    "fsdp.pp_size": (
+        "1",
+        "openppo's DeepSpeed engines have no pipeline parallelism; shard the model with --zero_stage 3, or its "
+        "layers' weights with --ds_tensor_parallel_size (Molt's --fsdp.tp_size)",
+    ),
+    "fsdp.sequence_parallel": (
+        None,
+        "sequence parallelism inside a tensor-parallel group is FSDP2's; openppo splits long rows over ranks "
+        "with the ring (--ring_attn_size, Molt's --fsdp.cp_size)",
+    ),
+}
+
 # Molt's activation-checkpointing modes (full | selective | none), a string flag for openppo's one switch; per CLI
 MOLT_CHECKPOINT_MODES: dict[str, str] = {
     "train_ppo_ray": "actor.gradient_checkpoint",

@@ -143,6 +143,11 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
             flags = [f"--{name}", *(f"--{d}" for d, target in names.dotted.items() if target == name)]
             kind = {"nargs": "?", "const": True} if takes_value else {"action": "store_true"}
             parser.add_argument(*flags, dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
+    molt_cli = getattr(config_cls, "openrlhf_cli", None) in openrlhf_names.MOLT_CHECKPOINT_MODES
+    for name, (no_op, _) in openrlhf_names.MOLT_FSDP_ONLY.items():
+        if molt_cli:
+            kind = {"action": "store_true"} if no_op is None else {"metavar": "N"}
+            parser.add_argument(f"--{name}", dest=f"_fsdp_only_{name}", default=None, help=argparse.SUPPRESS, **kind)
     mode_flag = openrlhf_names.MOLT_CHECKPOINT_MODES.get(getattr(config_cls, "openrlhf_cli", None) or "")
     if mode_flag is not None and "gradient_checkpointing" in names.fields:
         parser.add_argument(
@@ -212,6 +217,14 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
     for name, (_, why) in openrlhf_names.NO_EFFECT.items():
         if getattr(ns, f"_no_effect_{name}", None) not in (None, False):
             logger.warning("--%s has no effect: %s", name, why)
+    for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():
+        value = getattr(ns, f"_fsdp_only_{name}", None)
+        if value in (None, False):
+            continue
+        if no_op is not None and value == no_op:
+            logger.info("--%s %s has no effect: it asks for no %s", name, value, name.split(".")[1])
+        else:
+            parser.error(f"--{name}{'' if no_op is None else ' ' + value}: {why}")
     return _from_namespace(config_cls, ns)
 
 

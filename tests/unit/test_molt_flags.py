@@ -116,3 +116,21 @@ def test_molt_checkpoint_modes(cli, flag, caplog, capsys):
         parse_config(config_cls, [f"--{flag}", "partial"], cli)
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"error: argument --{flag}: ") and "choose full, selective or none" in err and "\n" not in err
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_fsdp_only_parallelism_is_refused_unless_it_asks_for_nothing(cli, capsys, caplog):
+    config_cls = clis()[cli]
+    default = parse_config(config_cls, [], cli)
+    with caplog.at_level(logging.INFO):
+        assert parse_config(config_cls, ["--fsdp.ep_size", "1", "--fsdp.pp_size=1"], cli) == default
+    assert "--fsdp.ep_size 1 has no effect" in caplog.text and "--fsdp.pp_size 1 has no effect" in caplog.text
+    for argv, reason in (
+        (["--fsdp.ep_size", "8"], "--zero_stage 3"),
+        (["--fsdp.pp_size", "2"], "--ds_tensor_parallel_size"),
+        (["--fsdp.sequence_parallel"], "--ring_attn_size"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(config_cls, argv, cli)
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {' '.join(argv)}: ") and reason in err and "\n" not in err, err
