@@ -60,6 +60,10 @@ def render(clis: dict[str, type]) -> str:
         f"| {modes} `full` (or no value), `selective`, `none` | `--gradient_checkpointing` on (selective: whole "
         "layers, with one log line), on, off |"
     )
+    out.append(
+        "| `--fsdp.offload` `none`, `optimizer`, `full` | `--adam_offload` off, on; `full` (the weights on CPU too) "
+        "refused: use `optimizer` and ZeRO-3 |"
+    )
     for field, values in sorted(openrlhf_names.MOLT_VALUES.items()):
         out += [f"| `--{field}` `{theirs}` | `--{field} {ours}` |" for theirs, ours in sorted(values.items())]
     for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():

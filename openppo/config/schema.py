@@ -160,6 +160,15 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
             metavar="{full,selective,none}",
             help="Molt's spelling of --gradient_checkpointing: full (or no value), selective (full here) or none",
         )
+    if molt_cli and "adam_offload" in names.fields:
+        parser.add_argument(
+            "--fsdp.offload",
+            dest="adam_offload",
+            type=offload_level,
+            default=argparse.SUPPRESS,
+            metavar="{none,optimizer}",
+            help="Molt's offload levels: optimizer is --adam_offload, none leaves it off (full is refused)",
+        )
     seen: set[str] = set()
     hints = typing.get_type_hints(config_cls)
     for top in dataclasses.fields(config_cls):
@@ -189,6 +198,20 @@ def checkpoint_mode(value: str) -> bool:
     elif mode != "full":
         raise argparse.ArgumentTypeError(f"{value!r}: choose full, selective or none")
     return True
+
+
+def offload_level(value: str) -> bool:
+    """Molt's `--fsdp.offload` levels on openppo's `--adam_offload`; `full` (the weights streamed from CPU too) has no
+    counterpart for the trained model."""
+    level = value.strip().lower()
+    if level == "full":
+        raise argparse.ArgumentTypeError(
+            "full (the trained model's weights on CPU) is not in openppo: --fsdp.offload optimizer keeps the "
+            "optimizer states there (--adam_offload), and ZeRO-3 shards the weights over the ranks (--zero_stage 3)"
+        )
+    if level not in ("none", "optimizer"):
+        raise argparse.ArgumentTypeError(f"{value!r}: choose none or optimizer (full is not in openppo)")
+    return level == "optimizer"
 
 
 def _from_namespace(config_cls: type[T], ns: argparse.Namespace) -> T:

@@ -134,3 +134,18 @@ def test_fsdp_only_parallelism_is_refused_unless_it_asks_for_nothing(cli, capsys
             parse_config(config_cls, argv, cli)
         err = capsys.readouterr().err.strip()
         assert err.startswith(f"error: {' '.join(argv)}: ") and reason in err and "\n" not in err, err
+
+
+@pytest.mark.parametrize("cli", CLIS)
+def test_molt_offload_levels(cli, capsys):
+    config_cls = clis()[cli]
+    default = parse_config(config_cls, [], cli)
+    assert parse_config(config_cls, ["--fsdp.offload", "none"], cli) == default
+    assert parse_config(config_cls, ["--fsdp.offload=optimizer"], cli) == parse_config(
+        config_cls, ["--adam_offload"], cli
+    )
+    for level, reason in (("full", "--adam_offload"), ("disk", "choose none or optimizer")):
+        with pytest.raises(SystemExit):
+            parse_config(config_cls, ["--fsdp.offload", level], cli)
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: argument --fsdp.offload: ") and reason in err and "\n" not in err, err
