@@ -253,6 +253,7 @@ DOTTED_SUPERVISED: dict[str, str | tuple[str, ...]] = {
 # settings openppo has under another name, with the same meaning (tests/unit/test_molt_flags.py). Its FSDP2 names:
 # context parallelism is openppo's ring, tensor parallelism its AutoTP.
 MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
+    "fsdp.attn_implementation": "attn_implementation",  # (its te and tilelang kernels are invalid choices here)
     "fsdp.cp_size": "ring_attn_size",
     "fsdp.packing_samples": "packing_samples",
     "fsdp.param_dtype": "param_dtype",

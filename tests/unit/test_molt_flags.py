@@ -69,6 +69,7 @@ RENAMED = {
         ("fsdp.cp_size", "ds.ring_attn_size", ["4"]),
         ("fsdp.param_dtype", "ds.param_dtype", ["fp16"]),
         ("fsdp.packing_samples", "ds.packing_samples", []),
+        ("fsdp.attn_implementation", "ds.attn_implementation", ["eager"]),
     ],
 }
 RENAMED["train_ppo_ray"] = RENAMED["train_sft"] + [
