@@ -299,6 +299,10 @@ MOLT_CHECKPOINT_MODES: dict[str, str] = {
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 
+_IMAGES_RL_ONLY = (
+    "openppo trains vision-language models on image prompts with RL only (train_ppo_ray --image_key, docs/vlm.md); "
+    "its SFT reads text"
+)
 _MUON = "openppo builds AdamW only (DeepSpeed's Muon is not wired in); drop the Muon flags and keep --optim adam"
 
 # flat field name (or dotted-only name) -> why a CLI without that field stops, and what to do instead
@@ -314,6 +318,13 @@ REFUSED: dict[str, str] = {
     "muon_no_nesterov": _MUON,
     "muon_ns_steps": _MUON,
     "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
+    # Molt's names
+    "muon.weight_decay": _MUON,
+    "actor.muon.weight_decay": _MUON,
+    "critic.muon.weight_decay": _MUON,
+    "data.image_key": _IMAGES_RL_ONLY,
+    "data.max_images_per_prompt": _IMAGES_RL_ONLY,
+    "model.freeze_visual_encoder": _IMAGES_RL_ONLY,
 }
 
 # flags that do nothing in a CLI without the field: (takes a value, why it is ignored)
