@@ -143,32 +143,7 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
             flags = [f"--{name}", *(f"--{d}" for d, target in names.dotted.items() if target == name)]
             kind = {"nargs": "?", "const": True} if takes_value else {"action": "store_true"}
             parser.add_argument(*flags, dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
-    molt_cli = getattr(config_cls, "openrlhf_cli", None) in openrlhf_names.MOLT_CHECKPOINT_MODES
-    for name, (no_op, _) in openrlhf_names.MOLT_FSDP_ONLY.items():
-        if molt_cli:
-            kind = {"action": "store_true"} if no_op is None else {"metavar": "N"}
-            parser.add_argument(f"--{name}", dest=f"_fsdp_only_{name}", default=None, help=argparse.SUPPRESS, **kind)
-    mode_flag = openrlhf_names.MOLT_CHECKPOINT_MODES.get(getattr(config_cls, "openrlhf_cli", None) or "")
-    if mode_flag is not None and "gradient_checkpointing" in names.fields:
-        parser.add_argument(
-            f"--{mode_flag}",
-            dest="gradient_checkpointing",
-            nargs="?",
-            const=True,
-            type=checkpoint_mode,
-            default=argparse.SUPPRESS,  # the field's own flag sets the default
-            metavar="{full,selective,none}",
-            help="Molt's spelling of --gradient_checkpointing: full (or no value), selective (full here) or none",
-        )
-    if molt_cli and "adam_offload" in names.fields:
-        parser.add_argument(
-            "--fsdp.offload",
-            dest="adam_offload",
-            type=offload_level,
-            default=argparse.SUPPRESS,
-            metavar="{none,optimizer}",
-            help="Molt's offload levels: optimizer is --adam_offload, none leaves it off (full is refused)",
-        )
+    _add_molt_options(parser, getattr(config_cls, "openrlhf_cli", None), names.fields)
     seen: set[str] = set()
     hints = typing.get_type_hints(config_cls)
     for top in dataclasses.fields(config_cls):
@@ -185,6 +160,49 @@ def build_parser(config_cls: type, prog: str, description: str) -> argparse.Argu
             seen.add(top.name)
             _add_field(parser, top, tp, aliases.get(top.name, []))  # type: ignore[arg-type]
     return parser
+
+
+def _add_molt_options(parser: argparse.ArgumentParser, cli: str | None, fields: set[str]) -> None:
+    """Molt's flags whose values differ from openppo's (docs/flags.md, "Molt's values"): its checkpoint modes and
+    offload levels on openppo's switches, and its FSDP2-only parallelism, checked after parsing
+    (`_check_fsdp_only`)."""
+    if cli not in openrlhf_names.MOLT_CHECKPOINT_MODES:
+        return
+    for name, (no_op, _) in openrlhf_names.MOLT_FSDP_ONLY.items():
+        kind = {"action": "store_true"} if no_op is None else {"metavar": "N"}
+        parser.add_argument(f"--{name}", dest=f"_fsdp_only_{name}", default=None, help=argparse.SUPPRESS, **kind)
+    if "gradient_checkpointing" in fields:
+        parser.add_argument(
+            f"--{openrlhf_names.MOLT_CHECKPOINT_MODES[cli]}",
+            dest="gradient_checkpointing",
+            nargs="?",
+            const=True,
+            type=checkpoint_mode,
+            default=argparse.SUPPRESS,  # the field's own flag sets the default
+            metavar="{full,selective,none}",
+            help="Molt's spelling of --gradient_checkpointing: full (or no value), selective (full here) or none",
+        )
+    if "adam_offload" in fields:
+        parser.add_argument(
+            "--fsdp.offload",
+            dest="adam_offload",
+            type=offload_level,
+            default=argparse.SUPPRESS,
+            metavar="{none,optimizer}",
+            help="Molt's offload levels: optimizer is --adam_offload, none leaves it off (full is refused)",
+        )
+
+
+def _check_fsdp_only(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Molt's FSDP2-only parallelism: a size of 1 asks for nothing (one log line); anything else stops the run."""
+    for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():
+        value = getattr(ns, f"_fsdp_only_{name}", None)
+        if value in (None, False):
+            continue
+        if no_op is not None and value == no_op:
+            logger.info("--%s %s has no effect: it asks for no %s", name, value, name.split(".")[1])
+        else:
+            parser.error(f"--{name}{'' if no_op is None else ' ' + value}: {why}")
 
 
 def checkpoint_mode(value: str) -> bool:
@@ -240,14 +258,7 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
     for name, (_, why) in openrlhf_names.NO_EFFECT.items():
         if getattr(ns, f"_no_effect_{name}", None) not in (None, False):
             logger.warning("--%s has no effect: %s", name, why)
-    for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():
-        value = getattr(ns, f"_fsdp_only_{name}", None)
-        if value in (None, False):
-            continue
-        if no_op is not None and value == no_op:
-            logger.info("--%s %s has no effect: it asks for no %s", name, value, name.split(".")[1])
-        else:
-            parser.error(f"--{name}{'' if no_op is None else ' ' + value}: {why}")
+    _check_fsdp_only(ns, parser)
     return _from_namespace(config_cls, ns)
 
 
