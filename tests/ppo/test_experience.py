@@ -100,10 +100,11 @@ def test_kl_penalty_enters_token_rewards():
     assert out["token_rewards"][0].tolist() == pytest.approx([0.0, 1.0])
 
 
-def test_gae_uses_values():
+@pytest.mark.parametrize("no_whiten", [False, True])
+def test_gae_uses_values(no_whiten):
     # one 2-token response, reward 1, values [0.5, 0.25], gamma 1, lambda 1: G = [1, 1]
     batch = collate_samples([_sample([1], [2, 3], 0)], pad_token_id=0)
-    algo = AlgoConfig(advantage_estimator="gae", init_kl_coef=0.0)
+    algo = AlgoConfig(advantage_estimator="gae", init_kl_coef=0.0, no_advantage_whiten=no_whiten)
     out = compute_advantages_for_batch(
         batch,
         torch.tensor([1.0]),
@@ -114,25 +115,16 @@ def test_gae_uses_values():
         values=torch.tensor([[0.5, 0.25]]),
     )
     assert out["returns"][0].tolist() == pytest.approx([1.0, 1.0])
-    # advantages = returns - values = [0.5, 0.75], then whitened over the batch (gae's default): mean 0.625
+    # advantages = returns - values = [0.5, 0.75]; whitened over the batch (gae's default) unless
+    # --no_advantage_whiten (Molt's --algo.advantage.no_whiten)
     adv = out["advantages"][0]
-    assert adv[1] > adv[0] and float(adv.mean()) == pytest.approx(0.0, abs=1e-6)
+    if no_whiten:
+        assert adv.tolist() == pytest.approx([0.5, 0.75])
+    else:
+        assert adv[1] > adv[0] and float(adv.mean()) == pytest.approx(0.0, abs=1e-6)
 
 
-def test_no_whiten_keeps_the_raw_advantages():
-    # --no_advantage_whiten (Molt's --algo.advantage.no_whiten): gae's returns - values, not normalised
-    batch = collate_samples([_sample([1], [2, 3], 0)], pad_token_id=0)
-    algo = AlgoConfig(advantage_estimator="gae", init_kl_coef=0.0, no_advantage_whiten=True)
-    out = compute_advantages_for_batch(
-        batch,
-        torch.tensor([1.0]),
-        algo=algo,
-        n_samples_per_prompt=1,
-        generate_max_len=8,
-        kl_coef=0.0,
-        values=torch.tensor([[0.5, 0.25]]),
-    )
-    assert out["advantages"][0].tolist() == pytest.approx([0.5, 0.75])
+def test_no_whiten_keeps_the_reward_to_go():
     # reinforce: the reward-to-go itself, where the default whitening would centre the two responses' 1 and 3
     batch = collate_samples([_sample([1], [2], 0), _sample([1], [3], 1)], pad_token_id=0)
     algo = AlgoConfig(advantage_estimator="reinforce", init_kl_coef=0.0, no_advantage_whiten=True)
