@@ -34,7 +34,7 @@ from openppo.algorithms.reductions import bool_mask, check_arg, check_choice, ch
 ADVANTAGE_ESTIMATORS = ("gae", "reinforce", "rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 GROUP_ESTIMATORS = ("rloo", "reinforce_baseline", "group_norm", "dr_grpo")
 WHITENED_ESTIMATORS = ("gae", "reinforce", "reinforce_baseline")
-POLICY_LOSS_TYPES = ("ppo", "gspo")
+POLICY_LOSS_TYPES = ("ppo", "gspo", "cispo")
 
 
 def check_advantage_estimator(estimator: str) -> None:

@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from openppo.algorithms.advantages import POLICY_LOSS_TYPES
 from openppo.algorithms.reductions import bool_mask, check_arg, check_choice, check_same_shape, masked_mean
 
-IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis")
+IS_CORRECTION_TYPES = ("tis", "icepop", "seq-mask-tis", "token-trunc", "seq-mask", "geo-mask")
 LOG_RATIO_CLAMP = 20.0
 
 
@@ -56,6 +56,11 @@ def importance_weights(
         icepop        w_t = rho_t * 1[low <= rho_t <= high]         tokens outside the band are dropped (IcePop)
         seq-mask-tis  w_t = clip(rho_t, low, high) * 1[low <= rho_seq <= high], rho_seq = exp(mean_t log rho_t):
                       whole responses whose geometric-mean ratio leaves the band are dropped, the rest are truncated IS.
+        token-trunc   w_t = min(rho_t, high)                        only the upper tail is cut (Molt: token, trunc)
+        seq-mask      w_t = rho_t * 1[low <= exp(sum_t log rho_t) <= high]   responses whose whole-sequence ratio
+                      leaves the band are dropped, the rest keep their token ratios (Molt: seq, mask)
+        geo-mask      w_t = rho_t * 1[low <= rho_seq <= high]       as seq-mask with the geometric mean rho_seq
+                      (Molt: geo, mask); seq-mask-tis also truncates the kept tokens' ratios
     Shapes: [B, T] -> (weights [B, T], 0 where masked; metrics). Metrics: is_ratio_mean (mean applied weight),
     vllm_kl (k1 estimate of KL(pi_rollout || pi_old), sampled from the rollout), is_masked_ratio (tokens dropped).
     """
@@ -66,16 +71,20 @@ def importance_weights(
     log_rho = (old_log_probs.detach() - rollout_log_probs.detach()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     log_rho = torch.where(keep, log_rho, _zero(log_rho))
     rho = log_rho.exp()
-    if correction == "tis":
-        weights = rho.clamp(low, high)
+    if correction in ("tis", "token-trunc"):
+        weights = rho.clamp(low if correction == "tis" else None, high)
         dropped = torch.zeros_like(keep)
     elif correction == "icepop":
         dropped = (rho < low) | (rho > high)
         weights = torch.where(dropped, _zero(rho), rho)
     else:
-        rho_seq = masked_mean(log_rho, mask, dim=-1).exp().unsqueeze(-1)
+        if correction == "seq-mask":  # the whole sequence's ratio, its log clamped like a token's
+            log_rho_seq = log_rho.sum(dim=-1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
+        else:
+            log_rho_seq = masked_mean(log_rho, mask, dim=-1)
+        rho_seq = log_rho_seq.exp().unsqueeze(-1)
         dropped = ((rho_seq < low) | (rho_seq > high)).expand_as(rho)
-        weights = torch.where(dropped, _zero(rho), rho.clamp(low, high))
+        weights = torch.where(dropped, _zero(rho), rho.clamp(low, high) if correction == "seq-mask-tis" else rho)
     weights = torch.where(keep, weights, _zero(weights))
     metrics = {
         "is_ratio_mean": masked_mean(weights, mask),
@@ -100,13 +109,15 @@ def policy_loss(
     is_threshold: tuple[float, float] = (0.5, 5.0),
     old_sampling_log_probs: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped surrogate loss of PPO (Schulman et al. 2017, arXiv:1707.06347) and GSPO, per token.
+    """Clipped surrogate loss of PPO (Schulman et al. 2017, arXiv:1707.06347), GSPO and CISPO, per token.
 
         r_t   = pi(t) / pi_old(t)                         ppo
               = s_i = exp(mean_t log(pi / pi_old))        gspo (arXiv:2507.18071), the same for every token of i
         l_t   = -min(r_t A_t, clip(r_t, 1 - eps_clip_low, 1 + eps_clip_high) A_t)
                 (asymmetric `--eps_clip_low_high`, DAPO clip-higher, arXiv:2503.14476)
-        dual clip (`--dual_clip` c > 1, Ye et al. 2020, arXiv:1912.09729), only where A_t < 0:
+        cispo (MiniMax-M1, arXiv:2506.13585): l_t = -sg(min(r_t, 1 + eps_clip_high)) A_t log pi(t): the IS weight
+              is clipped, not the update, so every token keeps its gradient (eps_clip_low is not used)
+        dual clip (`--dual_clip` c > 1, Ye et al. 2020, arXiv:1912.09729, not cispo), only where A_t < 0:
               l_t = min(l_t, -c A_t)   bounds the loss when r_t is far above 1 on a bad action
         IS correction (`--vllm_is_correction_type`, needs `rollout_log_probs`): l_t <- w_t l_t,
               w from `importance_weights`, for both loss types. The engine sampled from a top-k/top-p truncation
@@ -134,20 +145,27 @@ def policy_loss(
     bounds = f"eps_clip_low={eps_clip_low}, eps_clip_high={eps_clip_high}"
     check_arg(0 < eps_clip_low < 1 and eps_clip_high > 0, f"need 0 < eps_clip_low < 1 and eps_clip_high > 0: {bounds}")
     check_arg(dual_clip is None or dual_clip > 1, f"dual_clip must be > 1, got {dual_clip}")
+    check_arg(dual_clip is None or loss_type != "cispo", "dual_clip bounds a clipped surrogate; cispo has none")
     keep = bool_mask(mask)
     old_log_probs = old_log_probs.detach()
     advantages = torch.where(keep, advantages.detach(), _zero(advantages))
 
-    if loss_type == "ppo":
+    if loss_type in ("ppo", "cispo"):
         token_log_ratio = torch.where(keep, log_probs - old_log_probs, _zero(log_probs))
         log_ratio = token_log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     else:
         log_ratio = gspo_sequence_log_ratio(log_probs, old_log_probs, mask).unsqueeze(-1).expand_as(log_probs)
     ratio = log_ratio.exp()
-    surrogate = ratio * advantages
-    clipped_surrogate = ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages
-    loss = -torch.minimum(surrogate, clipped_surrogate)
-    metrics = {"clip_ratio": masked_mean((clipped_surrogate < surrogate).to(ratio.dtype), mask).detach()}
+    if loss_type == "cispo":
+        # the ratio clipped above and stopped is a weight on the REINFORCE term: a clipped token keeps its gradient
+        ceiling = 1 + eps_clip_high
+        loss = -ratio.detach().clamp(max=ceiling) * advantages * torch.where(keep, log_probs, _zero(log_probs))
+        metrics = {"clip_ratio": masked_mean((ratio > ceiling).to(ratio.dtype), mask).detach()}
+    else:
+        surrogate = ratio * advantages
+        clipped_surrogate = ratio.clamp(1 - eps_clip_low, 1 + eps_clip_high) * advantages
+        loss = -torch.minimum(surrogate, clipped_surrogate)
+        metrics = {"clip_ratio": masked_mean((clipped_surrogate < surrogate).to(ratio.dtype), mask).detach()}
     if dual_clip is not None:
         dual_bound = -dual_clip * advantages
         dual_active = (advantages < 0) & (loss > dual_bound)

@@ -409,7 +409,12 @@ class AlgoConfig:
     reward_clip_range: tuple[float, float] = opt(
         (-10.0, 10.0), "clip rewards to this range (before the group baseline, see docs/algorithms.md)"
     )
-    policy_loss_type: str = opt("ppo", "token-level PPO ratio or GSPO sequence ratio", choices=POLICY_LOSS_TYPES)
+    policy_loss_type: str = opt(
+        "ppo",
+        "ppo (token ratio), gspo (sequence ratio) or cispo (the token ratio clipped above at 1 + the clip's high "
+        "value, as a stopped weight on the REINFORCE term; docs/algorithms.md)",
+        choices=POLICY_LOSS_TYPES,
+    )
     loss_agg_mode: str = opt(
         None, "loss aggregation; default per estimator (docs/algorithms.md)", choices=LOSS_AGG_MODES
     )

@@ -152,6 +152,11 @@ def _algorithm(cfg: PPOConfig) -> None:
         low, high = algo.eps_clip_low_high
         require(0 < low < 1 and high > 0, f"--eps_clip_low_high: need 0 < low < 1 and high > 0, got {low} {high}")
     require(algo.dual_clip is None or algo.dual_clip > 1, f"--dual_clip: must be > 1 (e.g. 3), got {algo.dual_clip}")
+    require(
+        algo.dual_clip is None or algo.policy_loss_type != "cispo",
+        "--dual_clip: it bounds PPO's clipped loss, and --policy_loss_type cispo has none (it clips the IS weight); "
+        "drop --dual_clip",
+    )
     require(algo.value_clip is None or algo.value_clip > 0, f"--value_clip: must be > 0, got {algo.value_clip}")
     low, high = cfg.vllm.vllm_is_truncated_threshold
     require(0 <= low < high, f"--vllm_is_truncated_threshold: need 0 <= low < high, got {low} {high}")

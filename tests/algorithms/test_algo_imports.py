@@ -27,8 +27,8 @@ def test_public_names_and_tuples():
         "dr_grpo",
     )
     assert algorithms.KL_ESTIMATORS == ("k1", "k2", "k3")
-    assert algorithms.POLICY_LOSS_TYPES == ("ppo", "gspo")
-    assert algorithms.IS_CORRECTION_TYPES == ("tis", "icepop", "seq-mask-tis")
+    assert algorithms.POLICY_LOSS_TYPES == ("ppo", "gspo", "cispo")
+    assert algorithms.IS_CORRECTION_TYPES == ("tis", "icepop", "seq-mask-tis", "token-trunc", "seq-mask", "geo-mask")
 
 
 def test_default_aggregation_per_estimator():

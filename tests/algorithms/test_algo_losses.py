@@ -62,6 +62,29 @@ def test_dual_clip_only_for_negative_advantages():
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
+def test_cispo_clips_the_weight_not_the_gradient(dtype):
+    ratios = [[1.5, 0.5, 1.1, 3.0]]
+    old = torch.zeros(1, 4, dtype=dtype)
+    log_probs = _log(ratios, dtype).requires_grad_(True)
+    adv = torch.tensor([[1.0, 1.0, -1.0, 7.0]], dtype=dtype)
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss, metrics = policy_loss(log_probs, old, adv, mask, loss_type="cispo", eps_clip_high=0.2)
+    # weights sg(min(r, 1.2)) = [1.2, 0.5, 1.1]; l_t = -w A log pi; the masked token gives 0
+    w = torch.tensor([[1.2, 0.5, 1.1, 0.0]], dtype=dtype)
+    expected = -w * torch.tensor([[1.0, 1.0, -1.0, 0.0]], dtype=dtype) * _log([[1.5, 0.5, 1.1, 1.0]], dtype)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(metrics["clip_ratio"], torch.tensor(1 / 3, dtype=dtype))
+    loss.sum().backward()
+    # d l_t / d log pi(t) = -w_t A_t: the clipped first token still pulls (PPO gives it no gradient)
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[-1.2, -0.5, 1.1, 0.0]], dtype=dtype))
+    ppo_log_probs = _log(ratios, dtype).requires_grad_(True)
+    policy_loss(ppo_log_probs, old, adv, mask)[0].sum().backward()
+    assert ppo_log_probs.grad[0, 0].item() == 0
+    with pytest.raises(ValueError, match="dual_clip bounds a clipped surrogate; cispo has none"):
+        policy_loss(log_probs, old, adv, mask, loss_type="cispo", dual_clip=3.0)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
 def test_gspo_ratio_is_geometric_mean(dtype):
     # token ratios [2, 0.5, 4] (4th token masked, ratio 1000 must not count): (2 * 0.5 * 4)^(1/3) = 4^(1/3)
     log_probs = _log([[2.0, 0.5, 4.0, 1000.0], [1.0, 1.0, 1.0, 1.0]], dtype)
@@ -100,6 +123,29 @@ def test_importance_weights_hand_values():
         importance_weights(old, rollout, mask, "tiss", (0.5, 5.0))
     with pytest.raises(ValueError, match="threshold: need 0 <= low < high"):
         importance_weights(old, rollout, mask, "tis", (5.0, 0.5))
+
+
+def test_molt_importance_weights_hand_values():
+    # same rho as above: row 0 [0.25, 1, 8], row 1 [8, 8] (third token masked); band [0.5, 5]
+    old = _log([[0.25, 1.0, 8.0], [8.0, 8.0, 1.0]])
+    rollout = torch.zeros(2, 3)
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    trunc, m = importance_weights(old, rollout, mask, "token-trunc", (0.5, 5.0))
+    # only the upper tail is cut: 0.25 stays
+    torch.testing.assert_close(trunc, torch.tensor([[0.25, 1.0, 5.0], [5.0, 5.0, 0.0]]))
+    assert m["is_masked_ratio"].item() == 0
+    # geo: row 0's geometric mean (0.25 * 1 * 8)^(1/3) = 1.26 is in band -> its token ratios, untruncated;
+    # row 1's is 8 -> dropped
+    geo, m = importance_weights(old, rollout, mask, "geo-mask", (0.5, 5.0))
+    torch.testing.assert_close(geo, torch.tensor([[0.25, 1.0, 8.0], [0.0, 0.0, 0.0]]))
+    torch.testing.assert_close(m["is_masked_ratio"], torch.tensor(2 / 5))
+    # seq: the product, row 0 0.25 * 1 * 8 = 2 (in band), row 1 64 (out); with band [0.5, 1.5] row 0 drops too
+    seq, _ = importance_weights(old, rollout, mask, "seq-mask", (0.5, 5.0))
+    torch.testing.assert_close(seq, torch.tensor([[0.25, 1.0, 8.0], [0.0, 0.0, 0.0]]))
+    seq, _ = importance_weights(old, rollout, mask, "seq-mask", (0.5, 1.5))
+    assert seq.abs().sum().item() == 0
+    geo, _ = importance_weights(old, rollout, mask, "geo-mask", (0.5, 1.5))  # 1.26 still in band
+    torch.testing.assert_close(geo[0], torch.tensor([0.25, 1.0, 8.0]))
 
 
 def test_policy_loss_with_is_correction():

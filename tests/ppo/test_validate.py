@@ -321,6 +321,7 @@ LOSS_RULES = [
     (["--lambd", "1.5"], "--lambd"),
     (["--ring_attn_size", "2", "--packing_samples", "--ring_head_stride", "3"], "--ring_head_stride"),  # 2 KV heads
     (["--dual_clip", "1"], "--dual_clip"),
+    (["--policy_loss_type", "cispo", "--dual_clip", "3"], "--dual_clip"),
     (["--reward_clip_range", "1", "1"], "--reward_clip_range"),
     (["--overlong_buffer_len", "0"], "--overlong_buffer_len"),
     (["--top_k", "0"], "--top_k"),
