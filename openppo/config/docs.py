@@ -64,6 +64,17 @@ def render(clis: dict[str, type]) -> str:
         "| `--fsdp.offload` `none`, `optimizer`, `full` | `--adam_offload` off, on; `full` (the weights on CPU too) "
         "refused: use `optimizer` and ZeRO-3 |"
     )
+    pairs = ", ".join(f"{level} {mode}: `{kind}`" for (level, mode), kind in openrlhf_names.MOLT_IS_CORRECTION.items())
+    out.append(
+        f"| `--{openrlhf_names.MOLT_IS_LEVEL}` with `--{openrlhf_names.MOLT_IS_MODE}` (default mask) | "
+        f"`--enable_vllm_is_correction --vllm_is_correction_type` of the same formula: {pairs}; off: neither; "
+        "seq or geo with clip or trunc refused (they drop whole responses) |"
+    )
+    out.append(
+        "| `--actor.loss_mode cispo` with `--actor.eps_clip_low_high LOW CEILING` | `--policy_loss_type cispo "
+        "--eps_clip_low_high LOW CEILING-1`: Molt's high value is the ratio's ceiling, openppo's the offset from 1 "
+        "(a ceiling of 1 or less is refused) |"
+    )
     for field, values in sorted(openrlhf_names.MOLT_VALUES.items()):
         out += [f"| `--{field}` `{theirs}` | `--{field} {ours}` |" for theirs, ours in sorted(values.items())]
     for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():

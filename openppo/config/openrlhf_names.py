@@ -261,6 +261,7 @@ MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
 }
 # Molt's train_rl_ray only
 MOLT_RL: dict[str, str | tuple[str, ...]] = {
+    "actor.loss_mode": "policy_loss_type",  # ppo | gspo | cispo (cispo's ceiling: `schema._molt_cispo_ceiling`)
     "algo.advantage.lam": "lambd",
     "algo.advantage.no_whiten": "no_advantage_whiten",
     "train.check_weight_update_equal": "vllm_sync_check",
@@ -294,6 +295,19 @@ MOLT_FSDP_ONLY: dict[str, tuple[str | None, str]] = {
 MOLT_CHECKPOINT_MODES: dict[str, str] = {
     "train_ppo_ray": "actor.gradient_checkpoint",
     "train_sft": "model.gradient_checkpoint",
+}
+
+# Molt's IS correction as two flags, level x mode: each pair Molt accepts is one --vllm_is_correction_type of the same
+# formula (`openppo.algorithms.importance_weights`); the levels seq and geo drop whole responses, with mask their only
+# mode there; "off" leaves the correction as openppo's own flags set it
+MOLT_IS_LEVEL = "algo.advantage.is_correction_level"
+MOLT_IS_MODE = "algo.advantage.is_correction_mode"
+MOLT_IS_CORRECTION: dict[tuple[str, str], str] = {
+    ("token", "clip"): "tis",
+    ("token", "mask"): "icepop",
+    ("token", "trunc"): "token-trunc",
+    ("seq", "mask"): "seq-mask",
+    ("geo", "mask"): "geo-mask",
 }
 
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)

@@ -182,6 +182,19 @@ def _add_molt_options(parser: argparse.ArgumentParser, cli: str | None, fields: 
             metavar="{full,selective,none}",
             help="Molt's spelling of --gradient_checkpointing: full (or no value), selective (full here) or none",
         )
+    if "vllm_is_correction_type" in fields:
+        for name, dest, choices in (
+            (openrlhf_names.MOLT_IS_LEVEL, "_molt_is_level", ("off", "token", "seq", "geo")),
+            (openrlhf_names.MOLT_IS_MODE, "_molt_is_mode", ("mask", "clip", "trunc")),
+        ):
+            parser.add_argument(
+                f"--{name}",
+                dest=dest,
+                choices=choices,
+                default=None,
+                help=f"Molt's IS correction {name.rsplit('_', 1)[1]} (with the other of the pair, one "
+                '--vllm_is_correction_type: docs/flags.md, "Molt\'s values")',
+            )
     if "adam_offload" in fields:
         parser.add_argument(
             "--fsdp.offload",
@@ -203,6 +216,44 @@ def _check_fsdp_only(ns: argparse.Namespace, parser: argparse.ArgumentParser) ->
             logger.info("--%s %s has no effect: it asks for no %s", name, value, name.split(".")[1])
         else:
             parser.error(f"--{name}{'' if no_op is None else ' ' + value}: {why}")
+
+
+def _molt_is_correction(ns: argparse.Namespace, argv: list[str], names, parser: argparse.ArgumentParser) -> None:
+    """Molt's IS level and mode on openppo's one --vllm_is_correction_type (which turns the correction on)."""
+    level, mode = getattr(ns, "_molt_is_level", None), getattr(ns, "_molt_is_mode", None)
+    if level in (None, "off"):
+        if mode is not None:
+            logger.info("--%s %s has no effect: Molt's correction level is off", openrlhf_names.MOLT_IS_MODE, mode)
+        return
+    mode = mode or "mask"  # Molt's default
+    flag = f"--{openrlhf_names.MOLT_IS_LEVEL} {level}"
+    if (level, mode) not in openrlhf_names.MOLT_IS_CORRECTION:
+        parser.error(f"{flag}: the seq and geo levels drop whole responses (mode mask), they do not reweight ({mode})")
+    given = [n for n, _ in _options(argv) if names.field_of(n) == "vllm_is_correction_type"]
+    if given:
+        parser.error(f"{flag} and --{given[0]} set the same option (--vllm_is_correction_type); give it once")
+    ns.vllm_is_correction_type = openrlhf_names.MOLT_IS_CORRECTION[(level, mode)]
+    ns.enable_vllm_is_correction = True
+    logger.info("%s with mode %s: --vllm_is_correction_type %s", flag, mode, ns.vllm_is_correction_type)
+
+
+def _molt_cispo_ceiling(ns: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser) -> None:
+    """Molt's `--actor.loss_mode cispo` reads the high value of the clip pair as the ratio's ceiling (1.2), where
+    openppo's cispo, like its PPO clip and the CISPO paper, reads an offset from 1 (0.2): the Molt-only spelling
+    tells a Molt recipe, whose value is rewritten once with one log line."""
+    molt = [v for n, v in _options(argv) if n == "actor.loss_mode"]
+    if getattr(ns, "policy_loss_type", None) != "cispo" or not molt or ns.eps_clip_low_high is None:
+        return
+    low, ceiling = ns.eps_clip_low_high
+    if ceiling <= 1:
+        parser.error(
+            f"--actor.eps_clip_low_high {low} {ceiling}: with Molt's --actor.loss_mode cispo the high value is the "
+            "ratio's ceiling, above 1 (e.g. 0.2 1.2)"
+        )
+    ns.eps_clip_low_high = (low, ceiling - 1)
+    logger.info(
+        "--actor.loss_mode cispo: Molt's ratio ceiling %s is openppo's clip-high offset %.6g", ceiling, ceiling - 1
+    )
 
 
 def checkpoint_mode(value: str) -> bool:
@@ -259,6 +310,8 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
         if getattr(ns, f"_no_effect_{name}", None) not in (None, False):
             logger.warning("--%s has no effect: %s", name, why)
     _check_fsdp_only(ns, parser)
+    _molt_is_correction(ns, argv, names, parser)
+    _molt_cispo_ceiling(ns, argv, parser)
     return _from_namespace(config_cls, ns)
 
 

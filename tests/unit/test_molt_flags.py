@@ -11,6 +11,7 @@ whether a known flag does what it does in Molt (its values, its meaning) is for 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
 import io
 import json
@@ -19,7 +20,9 @@ from pathlib import Path
 
 import pytest
 
+from openppo.algorithms import IS_CORRECTION_TYPES
 from openppo.cli.flags_doc import clis
+from openppo.config import openrlhf_names
 from openppo.config.schema import build_parser, parse_config
 
 ASSETS = Path(__file__).resolve().parents[1] / "assets" / "molt_flags"
@@ -150,3 +153,55 @@ def test_molt_offload_levels(cli, capsys):
             parse_config(config_cls, ["--fsdp.offload", level], cli)
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: argument --fsdp.offload: ") and reason in err and "\n" not in err, err
+
+
+def test_molt_is_correction_level_and_mode(capsys, caplog):
+    """Molt's IS correction (level x mode) turns openppo's correction on with the type of the same formula."""
+    config_cls = clis()["train_ppo_ray"]
+    default = parse_config(config_cls, [], "t")
+
+    def molt(level, *mode):
+        argv = ["--algo.advantage.is_correction_level", level]
+        return parse_config(config_cls, argv + (["--algo.advantage.is_correction_mode", *mode] if mode else []), "t")
+
+    def ours(kind):
+        return parse_config(config_cls, ["--enable_vllm_is_correction", "--vllm_is_correction_type", kind], "t")
+
+    for (level, mode), kind in {
+        ("token", "clip"): "tis",
+        ("token", "mask"): "icepop",
+        ("token", "trunc"): "token-trunc",
+        ("seq", "mask"): "seq-mask",
+        ("geo", "mask"): "geo-mask",
+    }.items():
+        assert molt(level, mode) == ours(kind) != default, (level, mode)
+    assert molt("geo") == ours("geo-mask")  # Molt's default mode is mask
+    assert set(openrlhf_names.MOLT_IS_CORRECTION.values()) <= set(IS_CORRECTION_TYPES)
+    with caplog.at_level(logging.INFO):
+        assert molt("off", "clip") == default
+    assert "is_correction_mode clip has no effect" in caplog.text
+    for argv, reason in (
+        (["--algo.advantage.is_correction_level", "geo", "--algo.advantage.is_correction_mode", "clip"], "mask"),
+        (["--algo.advantage.is_correction_level", "token", "--vllm_is_correction_type", "tis"], "give it once"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(config_cls, argv, "t")
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --algo.advantage.is_correction_level ") and reason in err and "\n" not in err
+
+
+def test_molt_cispo_ceiling_is_openppo_offset(capsys):
+    """`--actor.loss_mode cispo` is Molt's: its clip pair's high value is the ratio's ceiling, openppo's the offset."""
+    config_cls = clis()["train_ppo_ray"]
+    ours = parse_config(config_cls, ["--policy_loss_type", "cispo", "--eps_clip_low_high", "0.2", "0.25"], "t")
+    got = parse_config(config_cls, ["--actor.loss_mode", "cispo", "--actor.eps_clip_low_high", "0.2", "1.25"], "t")
+    assert got.algo.policy_loss_type == "cispo" and got.algo.eps_clip_low_high == pytest.approx((0.2, 0.25))
+    assert dataclasses.replace(got, algo=dataclasses.replace(got.algo, eps_clip_low_high=(0.2, 0.25))) == ours
+    # ppo keeps the offset in either spelling, and cispo without the pair keeps openppo's default (ceiling 1.2)
+    ppo = parse_config(config_cls, ["--actor.loss_mode", "ppo", "--actor.eps_clip_low_high", "0.2", "0.28"], "t")
+    assert ppo.algo.eps_clip_low_high == (0.2, 0.28)
+    assert parse_config(config_cls, ["--actor.loss_mode", "cispo"], "t").algo.eps_clip_low_high is None
+    with pytest.raises(SystemExit):
+        parse_config(config_cls, ["--actor.loss_mode", "cispo", "--actor.eps_clip_low_high", "0.2", "0.28"], "t")
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --actor.eps_clip_low_high 0.2 0.28: ") and "ceiling" in err and "\n" not in err
