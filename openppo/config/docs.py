@@ -77,8 +77,10 @@ def render(clis: dict[str, type]) -> str:
     )
     for field, values in sorted(openrlhf_names.MOLT_VALUES.items()):
         out += [f"| `--{field}` `{theirs}` | `--{field} {ours}` |" for theirs, ours in sorted(values.items())]
-    for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():
+    for name, (no_op, why) in {**openrlhf_names.MOLT_FSDP_ONLY, **openrlhf_names.MOLT_RL_ONLY}.items():
         given = f"`--{name}`" + ("" if no_op is None else f" `{no_op}`: nothing, with one log line; another value")
         out.append(f"| {given} | refused: {why} |")
+    for name, (_, why) in openrlhf_names.MOLT_RL_NO_EFFECT.items():
+        out.append(f"| `--{name}` (train_ppo_ray) | nothing, with one log line: {why} |")
     out.append("")
     return "\n".join(out)

@@ -265,6 +265,17 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "algo.advantage.lam": "lambd",
     "algo.advantage.no_whiten": "no_advantage_whiten",
     "train.check_weight_update_equal": "vllm_sync_check",
+    # vLLM engine settings passed through (docs/flags.md)
+    "vllm.dtype": "vllm_dtype",
+    "vllm.block_size": "vllm_block_size",
+    "vllm.max_num_batched_tokens": "vllm_max_num_batched_tokens",
+    "vllm.enable_chunked_prefill": "vllm_enable_chunked_prefill",
+    "vllm.async_scheduling": "vllm_async_scheduling",
+    "vllm.attention_backend": "vllm_attention_backend",
+    "vllm.mm_encoder_attn_backend": "vllm_mm_encoder_attn_backend",
+    "vllm.gdn_prefill_backend": "vllm_gdn_prefill_backend",
+    "vllm.mamba_ssm_cache_dtype": "vllm_mamba_ssm_cache_dtype",
+    "vllm.disable_custom_all_reduce": "vllm_disable_custom_all_reduce",
 }
 
 # Molt's names for values openppo spells otherwise: field -> {Molt's value: openppo's}. Molt's grpo is
@@ -288,6 +299,50 @@ MOLT_FSDP_ONLY: dict[str, tuple[str | None, str]] = {
         None,
         "sequence parallelism inside a tensor-parallel group is FSDP2's; openppo splits long rows over ranks "
         "with the ring (--ring_attn_size, Molt's --fsdp.cp_size)",
+    ),
+}
+
+# The same for Molt's vLLM engine and rollout settings that openppo has no counterpart for (train_rl_ray only)
+MOLT_RL_ONLY: dict[str, tuple[str | None, str]] = {
+    "vllm.pipeline_parallel_size": (
+        "1",
+        "openppo's engines split a model over devices with tensor parallelism only (--vllm_tensor_parallel_size)",
+    ),
+    "vllm.data_parallel_size": (
+        "1",
+        "openppo runs data-parallel generation as separate engines: raise --vllm_num_engines",
+    ),
+    "vllm.decode_context_parallel_size": (
+        "1",
+        "openppo's engines keep each request's KV cache on its engine's tensor-parallel workers; use "
+        "--vllm_tensor_parallel_size or more engines for long contexts",
+    ),
+    "vllm.mtp_num_speculative_tokens": (
+        "0",
+        "openppo's engines generate without speculative decoding (every token's log-prob comes from the policy's "
+        "own forward); drop it",
+    ),
+    "vllm.enable_expert_parallel": (
+        None,
+        "openppo's engines split MoE experts with tensor parallelism like every other layer "
+        "(--vllm_tensor_parallel_size); vLLM's expert parallelism is not wired in",
+    ),
+}
+
+# Molt's settings of its own machinery, accepted in train_rl_ray with one line (takes a value, why it does nothing)
+MOLT_RL_NO_EFFECT: dict[str, tuple[bool, str]] = {
+    "vllm.distributed_executor_backend": (
+        True,
+        "openppo chooses each engine's executor from its placement (ray across a placement group's devices, "
+        "else vLLM's own processes)",
+    ),
+    "vllm.router_policy": (
+        True,
+        "openppo's engine pool sends requests itself (a prompt's samples to one engine), with no vllm-router",
+    ),
+    "rollout.num_runners": (
+        True,
+        "openppo's rollouts and rewards run in the driver's engine pool and reward workers, with no runner actors",
     ),
 }
 

@@ -114,6 +114,13 @@ def _add_field(group: argparse._ArgumentGroup, f: dataclasses.Field, tp: Any, al
         assert default is False, f"boolean field {f.name} must default to False"
         group.add_argument(*flags, dest=f.name, action="store_true", default=False, help=kwargs["help"])
         return
+    if inner is bool:
+        # `bool | None`: a backend's own default unless given, --x on, --no-x off (also --no-dotted.name, Molt's)
+        assert default is None, f"optional boolean field {f.name} must default to None"
+        group.add_argument(
+            *flags, dest=f.name, action=argparse.BooleanOptionalAction, default=None, help=kwargs["help"]
+        )
+        return
     origin = typing.get_origin(inner)
     if origin in (tuple, list):
         elem_types = typing.get_args(inner)
@@ -168,9 +175,16 @@ def _add_molt_options(parser: argparse.ArgumentParser, cli: str | None, fields: 
     (`_check_fsdp_only`)."""
     if cli not in openrlhf_names.MOLT_CHECKPOINT_MODES:
         return
-    for name, (no_op, _) in openrlhf_names.MOLT_FSDP_ONLY.items():
+    rl = cli == "train_ppo_ray"
+    for name, (no_op, _) in {**openrlhf_names.MOLT_FSDP_ONLY, **(openrlhf_names.MOLT_RL_ONLY if rl else {})}.items():
         kind = {"action": "store_true"} if no_op is None else {"metavar": "N"}
         parser.add_argument(f"--{name}", dest=f"_fsdp_only_{name}", default=None, help=argparse.SUPPRESS, **kind)
+    for name, (takes_value, _) in (openrlhf_names.MOLT_RL_NO_EFFECT if rl else {}).items():
+        kind = {"metavar": "VALUE"} if takes_value else {"action": "store_true"}
+        parser.add_argument(f"--{name}", dest=f"_no_effect_{name}", default=None, help=argparse.SUPPRESS, **kind)
+    if rl and "enable_prefix_caching" in fields:  # Molt's switch is on/off (BooleanOptionalAction), off by default
+        off = {"dest": "enable_prefix_caching", "action": "store_false", "default": argparse.SUPPRESS}
+        parser.add_argument("--no-vllm.enable_prefix_caching", help=argparse.SUPPRESS, **off)
     if "gradient_checkpointing" in fields:
         parser.add_argument(
             f"--{openrlhf_names.MOLT_CHECKPOINT_MODES[cli]}",
@@ -207,13 +221,14 @@ def _add_molt_options(parser: argparse.ArgumentParser, cli: str | None, fields: 
 
 
 def _check_fsdp_only(ns: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Molt's FSDP2-only parallelism: a size of 1 asks for nothing (one log line); anything else stops the run."""
-    for name, (no_op, why) in openrlhf_names.MOLT_FSDP_ONLY.items():
+    """Molt's FSDP2-only parallelism and engine settings openppo lacks: a size of 1 (a count of 0) asks for nothing (one
+    log line); anything else stops the run."""
+    for name, (no_op, why) in {**openrlhf_names.MOLT_FSDP_ONLY, **openrlhf_names.MOLT_RL_ONLY}.items():
         value = getattr(ns, f"_fsdp_only_{name}", None)
         if value in (None, False):
             continue
         if no_op is not None and value == no_op:
-            logger.info("--%s %s has no effect: it asks for no %s", name, value, name.split(".")[1])
+            logger.info("--%s %s has no effect: it asks for no %s", name, value, name.split(".", 1)[1])
         else:
             parser.error(f"--{name}{'' if no_op is None else ' ' + value}: {why}")
 
@@ -306,7 +321,7 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
     names = spellings(config_cls)
     _check_spellings(argv, names, parser)
     ns = parser.parse_args(_molt_values(argv, names))
-    for name, (_, why) in openrlhf_names.NO_EFFECT.items():
+    for name, (_, why) in {**openrlhf_names.NO_EFFECT, **openrlhf_names.MOLT_RL_NO_EFFECT}.items():
         if getattr(ns, f"_no_effect_{name}", None) not in (None, False):
             logger.warning("--%s has no effect: %s", name, why)
     _check_fsdp_only(ns, parser)

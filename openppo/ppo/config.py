@@ -160,12 +160,67 @@ class VLLMConfig:
     )
     enforce_eager: bool = opt(False, "disable CUDA graphs / torch.compile in vLLM (faster start, slower decode)")
     enable_prefix_caching: bool = opt(False, "reuse prompt KV across the n samples of a prompt; reset on every sync")
+    vllm_dtype: str = opt(
+        None,
+        "the engines' weights and compute dtype (default: the trained model's --param_dtype); each sync casts the "
+        "trainer's weights to it, and the log-prob gap to the trainer grows with the difference",
+        choices=("bfloat16", "float16", "float32"),
+    )
+    vllm_block_size: int = opt(None, "tokens per KV cache block (default: vLLM's on GPU; on CPU 32, its multiples)")
+    vllm_max_num_batched_tokens: int = opt(None, "the tokens vLLM's scheduler takes in one step (default: vLLM's)")
+    vllm_enable_chunked_prefill: bool | None = opt(
+        None, "vLLM splits long prefills over steps: on, or off with --no-vllm_enable_chunked_prefill (default: vLLM's)"
+    )
+    vllm_attention_backend: str = opt(
+        None, "vLLM's attention kernels on GPU (FLASH_ATTN, FLASHINFER, TRITON_ATTN, ...; default: vLLM's choice)"
+    )
+    vllm_mm_encoder_attn_backend: str = opt(None, "vLLM's vision-encoder attention kernels on GPU (e.g. TORCH_SDPA)")
+    vllm_gdn_prefill_backend: str = opt(
+        None, "vLLM's prefill kernels of gated-delta-net layers (Qwen3.5) on GPU", choices=("flashinfer", "triton")
+    )
+    vllm_mamba_ssm_cache_dtype: str = opt(
+        None,
+        "dtype of vLLM's recurrent-state cache, read for models with Mamba or linear-attention layers (float32 keeps "
+        "their long rollouts' log-probs close to the trainer's)",
+        choices=("auto", "float32", "float16"),
+    )
+    vllm_disable_custom_all_reduce: bool = opt(
+        False, "tensor-parallel engines reduce with NCCL instead of vLLM's custom all-reduce kernel (GPU)"
+    )
+    vllm_async_scheduling: bool | None = opt(
+        None,
+        "vLLM schedules the next step while the current one runs: on, or off with --no-vllm_async_scheduling "
+        "(default: vLLM's)",
+    )
     vllm_enable_sleep: bool = opt(
         False, "engines release memory while the trainer runs (needs --colocate_all_models; a no-op on CPU)"
     )
     enable_vllm_is_correction: bool = opt(False, "correct for vLLM / trainer log-prob mismatch with importance weights")
     vllm_is_truncated_threshold: tuple[float, float] = opt((0.5, 5.0), "low high bounds of the IS ratio")
     vllm_is_correction_type: str = opt("tis", "IS correction", choices=IS_CORRECTION_TYPES)
+
+    def engine_args(self, on_gpu: bool) -> dict:
+        """vLLM's own engine arguments the flags above pass through unchanged; unset ones stay vLLM's choice. The
+        GPU kernel choices stay out of a CPU run (validation says so in one line each)."""
+        given = {
+            "block_size": self.vllm_block_size,
+            "max_num_batched_tokens": self.vllm_max_num_batched_tokens,
+            "enable_chunked_prefill": self.vllm_enable_chunked_prefill,
+            "async_scheduling": self.vllm_async_scheduling,
+            "mamba_ssm_cache_dtype": self.vllm_mamba_ssm_cache_dtype,
+            **(self.gpu_engine_args() if on_gpu else {}),
+        }
+        return {name: value for name, value in given.items() if value is not None}
+
+    def gpu_engine_args(self) -> dict:
+        """The pass-through engine arguments that choose GPU kernels (given ones only)."""
+        given = {
+            "attention_backend": self.vllm_attention_backend,
+            "mm_encoder_attn_backend": self.vllm_mm_encoder_attn_backend,
+            "gdn_prefill_backend": self.vllm_gdn_prefill_backend,
+            "disable_custom_all_reduce": self.vllm_disable_custom_all_reduce or None,
+        }
+        return {name: value for name, value in given.items() if value is not None}
 
 
 @dataclass

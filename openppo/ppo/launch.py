@@ -370,6 +370,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
             executor=place.executor,
             partial_rollout=cfg.rollout.partial_rollout,
             max_images_per_prompt=cfg.data.max_images_per_prompt,
+            engine_args=cfg.vllm.engine_args(on_gpu),
         )
 
     engines = [start_engine(i) for i in range(cfg.vllm.vllm_num_engines)]

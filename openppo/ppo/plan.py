@@ -112,7 +112,7 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
     return RunPlan(
         rl_steps=rl_steps,
         steps_per_episode=steps_per_episode,
-        engine_dtype=ENGINE_DTYPES[cfg.ds.param_dtype],
+        engine_dtype=cfg.vllm.vllm_dtype or ENGINE_DTYPES[cfg.ds.param_dtype],
         # a teacher's advantage is log pi_T - log pi_S with the trainer's pi_S, as exact as the teacher's log-probs
         # (and an endpoint agent's sealed segments are extra rows: more than one optimizer step per batch)
         old_logprob_pass=not one_step or needs_reference(cfg) or bool(teachers) or bool(r.agent_program),

@@ -350,6 +350,16 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
     )
     if v.vllm_kv_cache_bytes is not None:
         _positive(v.vllm_kv_cache_bytes, "--vllm_kv_cache_bytes")
+    if v.vllm_block_size is not None:
+        _positive(v.vllm_block_size, "--vllm_block_size")
+    if v.vllm_max_num_batched_tokens is not None:
+        _positive(v.vllm_max_num_batched_tokens, "--vllm_max_num_batched_tokens")
+        require(
+            v.vllm_enable_chunked_prefill is not False or v.vllm_max_num_batched_tokens >= cfg.data.total_len(),
+            f"--vllm_max_num_batched_tokens {v.vllm_max_num_batched_tokens} with --no-vllm_enable_chunked_prefill: "
+            f"a whole prompt + response ({cfg.data.total_len()} tokens) must fit in one step; raise it or allow "
+            "chunked prefill",
+        )
     validate_ds_settings(ds)
     require(
         0 < v.vllm_gpu_memory_utilization <= 1,
@@ -469,6 +479,14 @@ def validate_devices(cfg: PPOConfig, on_gpu: bool) -> list[str]:
         )
         if v.vllm_enable_sleep:
             notices.append("--vllm_enable_sleep is a no-op on CPU (vLLM cannot sleep there)")
+        notices.extend(
+            f"--vllm_{name} has no effect on CPU: it chooses vLLM's GPU kernels" for name in v.gpu_engine_args()
+        )
+        require(
+            v.vllm_block_size is None or v.vllm_block_size % 32 == 0,
+            f"--vllm_block_size {v.vllm_block_size}: vLLM's CPU attention takes multiples of 32; pass 32 (the CPU "
+            "default) or a multiple",
+        )
         if v.vllm_sync_backend == "nccl":
             notices.append("--vllm_sync_backend nccl needs GPUs: gloo is used instead")
     return notices

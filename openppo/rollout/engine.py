@@ -172,6 +172,8 @@ class VLLMEngine:
             between two `advance` calls of an unfinished batch (see the module docstring).
         max_images_per_prompt: > 0 for a vision-language model given image prompts: vLLM's per-prompt image limit
             (`limit_mm_per_prompt`), which also sizes its profiling of the vision encoder.
+        engine_args: more of vLLM's own engine arguments, given by the user (`--vllm_block_size`, ...): they win
+            over the choices above (the CPU block size among them).
     """
 
     def __init__(
@@ -192,6 +194,7 @@ class VLLMEngine:
         executor: str | None = None,
         partial_rollout: bool = False,
         max_images_per_prompt: int = 0,
+        engine_args: dict[str, Any] | None = None,
     ):
         self.on_cpu = not torch.cuda.is_available()
         if tensor_parallel_size < 1:
@@ -275,6 +278,7 @@ class VLLMEngine:
             kwargs["enable_sleep_mode"] = enable_sleep
         if kv_cache_bytes is not None:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_bytes)
+        kwargs.update(engine_args or {})
         kwargs["weight_transfer_config"] = {"backend": TRANSFER_BACKEND}
         self._request_ids = itertools.count()
         self._batch: _Batch | None = None

@@ -136,6 +136,14 @@ BAD = [
 ]
 
 
+BAD += [
+    (["--vllm_block_size", "48"], ["--vllm_block_size"]),  # vLLM's CPU attention takes multiples of 32
+    (["--vllm_max_num_batched_tokens", "0"], ["--vllm_max_num_batched_tokens"]),
+    # a whole sample must fit one scheduler step when prefills are not chunked
+    (["--vllm_max_num_batched_tokens", "16", "--no-vllm_enable_chunked_prefill"], ["--vllm_max_num_batched_tokens"]),
+]
+
+
 @pytest.mark.parametrize("extra,flags", BAD, ids=[" ".join(e[:2]) for e, _ in BAD])
 def test_bad_config_names_flags(base, extra, flags):
     extra = [e.replace("{model}", base[1]).replace("{vlm}", str(tiny_vlm_dir())) for e in extra]
@@ -258,6 +266,8 @@ NO_EFFECT = [
     (["--no_advantage_whiten"], "--no_advantage_whiten has no effect with --advantage_estimator group_norm"),
     (["--no_advantage_std_norm"], "--no_advantage_std_norm has no effect with --advantage_estimator group_norm"),
     (["--freeze_visual_encoder"], "--freeze_visual_encoder has no effect:"),
+    (["--vllm_attention_backend", "TRITON_ATTN"], "--vllm_attention_backend has no effect on CPU"),
+    (["--vllm.disable_custom_all_reduce"], "--vllm_disable_custom_all_reduce has no effect on CPU"),
     (
         ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "1", "--train_batch_size", "4"]
         + ["--packing_samples", "--share_prompt_in_group", "on"],

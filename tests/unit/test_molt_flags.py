@@ -79,6 +79,19 @@ RENAMED["train_ppo_ray"] = RENAMED["train_sft"] + [
     ("algo.advantage.lam", "algo.advantage.lambd", ["0.25"]),
     ("train.check_weight_update_equal", "vllm_sync_check", []),
     ("algo.advantage.no_whiten", "no_advantage_whiten", []),
+    # vLLM's engine settings, passed through (`VLLMConfig.engine_args`)
+    ("vllm.dtype", "vllm_dtype", ["float32"]),
+    ("vllm.block_size", "vllm_block_size", ["64"]),
+    ("vllm.max_num_batched_tokens", "vllm_max_num_batched_tokens", ["4096"]),
+    ("vllm.enable_chunked_prefill", "vllm_enable_chunked_prefill", []),
+    ("no-vllm.enable_chunked_prefill", "no-vllm_enable_chunked_prefill", []),
+    ("vllm.async_scheduling", "vllm_async_scheduling", []),
+    ("no-vllm.async_scheduling", "no-vllm_async_scheduling", []),
+    ("vllm.attention_backend", "vllm_attention_backend", ["TRITON_ATTN"]),
+    ("vllm.mm_encoder_attn_backend", "vllm_mm_encoder_attn_backend", ["TORCH_SDPA"]),
+    ("vllm.gdn_prefill_backend", "vllm_gdn_prefill_backend", ["triton"]),
+    ("vllm.mamba_ssm_cache_dtype", "vllm_mamba_ssm_cache_dtype", ["float32"]),
+    ("vllm.disable_custom_all_reduce", "vllm_disable_custom_all_reduce", []),
 ]
 
 
@@ -87,7 +100,7 @@ def test_molt_names_set_what_openppo_names_set(cli):
     config_cls = clis()[cli]
     default = parse_config(config_cls, [], cli)
     for molt, ours, value in RENAMED[cli]:
-        assert molt in MOLT["declared"][cli], molt
+        assert molt.removeprefix("no-") in MOLT["declared"][cli], molt
         got = parse_config(config_cls, [f"--{molt}", *value], cli)
         assert got == parse_config(config_cls, [f"--{ours}", *value], cli) and got != default, molt
 
@@ -205,3 +218,64 @@ def test_molt_cispo_ceiling_is_openppo_offset(capsys):
         parse_config(config_cls, ["--actor.loss_mode", "cispo", "--actor.eps_clip_low_high", "0.2", "0.28"], "t")
     err = capsys.readouterr().err.strip()
     assert err.startswith("error: --actor.eps_clip_low_high 0.2 0.28: ") and "ceiling" in err and "\n" not in err
+
+
+def test_vllm_settings_reach_the_engine_arguments():
+    """What the pass-through flags give vLLM: unset ones nothing (vLLM's choice), off switches False, and the GPU
+    kernel choices only on GPU."""
+    config_cls = clis()["train_ppo_ray"]
+    assert parse_config(config_cls, [], "t").vllm.engine_args(on_gpu=True) == {}
+    argv = ["--vllm.block_size", "64", "--vllm.max_num_batched_tokens", "4096", "--no-vllm.enable_chunked_prefill"]
+    argv += ["--no-vllm.async_scheduling", "--vllm.mamba_ssm_cache_dtype", "float32"]
+    gpu_only = ["--vllm.attention_backend", "TRITON_ATTN", "--vllm.gdn_prefill_backend", "triton"]
+    gpu_only += ["--vllm.mm_encoder_attn_backend", "TORCH_SDPA", "--vllm.disable_custom_all_reduce"]
+    v = parse_config(config_cls, argv + gpu_only, "t").vllm
+    common = {
+        "block_size": 64,
+        "max_num_batched_tokens": 4096,
+        "enable_chunked_prefill": False,
+        "async_scheduling": False,
+        "mamba_ssm_cache_dtype": "float32",
+    }
+    assert v.engine_args(on_gpu=False) == common
+    assert v.engine_args(on_gpu=True) == {
+        **common,
+        "attention_backend": "TRITON_ATTN",
+        "gdn_prefill_backend": "triton",
+        "mm_encoder_attn_backend": "TORCH_SDPA",
+        "disable_custom_all_reduce": True,
+    }
+    # Molt's prefix-caching switch is off by default, like openppo's; its negative form leaves it off
+    assert not parse_config(config_cls, ["--no-vllm.enable_prefix_caching"], "t").vllm.enable_prefix_caching
+    assert parse_config(config_cls, ["--vllm.enable_prefix_caching"], "t").vllm.enable_prefix_caching
+
+
+def test_molt_engine_settings_without_counterpart(capsys, caplog):
+    """Molt's engine parallelism and speculative decoding: the value that asks for nothing passes with one line, any
+    other stops; its executor, router and runner settings do nothing here, each said in one line."""
+    config_cls = clis()["train_ppo_ray"]
+    default = parse_config(config_cls, [], "t")
+    asks_nothing = ["--vllm.pipeline_parallel_size", "1", "--vllm.data_parallel_size", "1"]
+    asks_nothing += ["--vllm.decode_context_parallel_size", "1", "--vllm.mtp_num_speculative_tokens", "0"]
+    ignored = ["--vllm.distributed_executor_backend", "mp", "--vllm.router_policy", "round_robin"]
+    ignored += ["--rollout.num_runners", "4"]
+    with caplog.at_level(logging.INFO):
+        assert parse_config(config_cls, asks_nothing + ignored, "t") == default
+    for name in ("pipeline_parallel_size 1", "data_parallel_size 1", "mtp_num_speculative_tokens 0"):
+        assert f"--vllm.{name} has no effect" in caplog.text, name
+    for name in ("vllm.distributed_executor_backend", "vllm.router_policy", "rollout.num_runners"):
+        assert f"--{name} has no effect: " in caplog.text, name
+    for argv, reason in (
+        (["--vllm.pipeline_parallel_size", "2"], "--vllm_tensor_parallel_size"),
+        (["--vllm.data_parallel_size", "4"], "--vllm_num_engines"),
+        (["--vllm.decode_context_parallel_size", "2"], "--vllm_tensor_parallel_size"),
+        (["--vllm.mtp_num_speculative_tokens", "1"], "speculative decoding"),
+        (["--vllm.enable_expert_parallel"], "tensor parallelism"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(config_cls, argv, "t")
+        err = capsys.readouterr().err.strip()
+        assert err.startswith(f"error: {' '.join(argv)}: ") and reason in err and "\n" not in err, err
+    # train_sft has no engines: Molt's SFT declares none of these
+    with pytest.raises(SystemExit):
+        parse_config(clis()["train_sft"], ["--vllm.pipeline_parallel_size", "1"], "train_sft")
