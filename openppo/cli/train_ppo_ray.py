@@ -98,14 +98,19 @@ def train(cfg: PPOConfig) -> None:
                     engine_restarts = groups.engines.restarts
                     launch.teardown(groups)
                     groups = None
-            groups.actor.save_hf(cfg.ckpt.save_path, cfg.model.pretrain)
             critic_dir = launch.critic_export_dir(cfg) if groups.critic is not None else None
+            if cfg.ckpt.disable_final_save:
+                logger.info("--disable_final_save: the trained models are not exported to %s", cfg.ckpt.save_path)
+                critic_dir = None
+            else:
+                groups.actor.save_hf(cfg.ckpt.save_path, cfg.model.pretrain)
             if critic_dir is not None:
                 groups.critic.save_hf(critic_dir, cfg.model.pretrain)
             summary = f"{summary_table(history)}\n\n{advice_text(advise(history, cfg, host_memory_gib()))}"
             logger.info("run summary\n%s", summary)
             (Path(cfg.ckpt.save_path) / "summary.txt").write_text(summary + "\n")
-            where = f"trained actor, metrics.jsonl and rollouts.jsonl: {cfg.ckpt.save_path}"
+            where = f"{'' if cfg.ckpt.disable_final_save else 'trained actor, '}metrics.jsonl and rollouts.jsonl: "
+            where += str(cfg.ckpt.save_path)
             if critic_dir is not None:
                 where += f"; trained critic: {critic_dir}"
             if cfg.logging.use_tensorboard:

@@ -120,11 +120,23 @@ class CheckpointConfig:
     save_steps: int = opt(-1, "save a checkpoint every N optimizer steps; -1 = only at the end")
     load_checkpoint: bool = opt(False, "resume from the latest checkpoint in --ckpt_path if there is one")
     max_ckpt_num: int = opt(3, "keep at most this many checkpoints (oldest deleted first)")
+    max_resumable_ckpt_num: int = opt(
+        None,
+        "keep at most this many resumable (DeepSpeed) checkpoints, which hold the optimizer state, while "
+        "--max_ckpt_num still counts the HF exports of --save_hf_ckpt (default: --max_ckpt_num for both)",
+    )
     max_ckpt_mem: float = opt(
         None, "GiB the kept checkpoints may take together (oldest deleted first; the newest is always kept)"
     )
     save_hf_ckpt: bool = opt(False, "also write an HF model folder next to each checkpoint")
     disable_ds_ckpt: bool = opt(False, "do not write DeepSpeed checkpoints (no resume possible)")
+    disable_final_save: bool = opt(
+        False, "do not export the trained model to --save_path at the end (the run's records still go there)"
+    )
+
+    def resumable_keep(self) -> int:
+        """How many resumable checkpoints are kept."""
+        return self.max_ckpt_num if self.max_resumable_ckpt_num is None else self.max_resumable_ckpt_num
 
 
 @dataclass
@@ -173,6 +185,10 @@ def validate_outputs(ckpt: CheckpointConfig, logging: LoggingConfig) -> None:
     require(
         ckpt.max_ckpt_mem is None or ckpt.max_ckpt_mem > 0,
         f"--max_ckpt_mem must be positive (GiB), got {ckpt.max_ckpt_mem}",
+    )
+    require(
+        ckpt.max_resumable_ckpt_num is None or ckpt.max_resumable_ckpt_num > 0,
+        f"--max_resumable_ckpt_num must be positive, got {ckpt.max_resumable_ckpt_num}",
     )
     if ckpt.load_checkpoint and ckpt.disable_ds_ckpt:
         raise UserError(

@@ -458,7 +458,7 @@ class PPOTrainer:
         for name, group in parts.items():
             group.save_checkpoint(str(self.ckpt_dir / name), self.global_step, state)
         ckpt.commit(self.ckpt_dir, self.global_step, list(parts), state)
-        removed = ckpt.rotate(self.ckpt_dir, c.max_ckpt_num, self.global_step, list(parts), ckpt.max_bytes(c))
+        removed = ckpt.rotate(self.ckpt_dir, c.resumable_keep(), self.global_step, list(parts), ckpt.max_bytes(c))
         logger.info(
             "checkpoint of step %d saved to %s in %.1f s%s",
             self.global_step,

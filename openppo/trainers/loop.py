@@ -229,9 +229,13 @@ class SupervisedTrainer:
         progress.close()
         if (self.ckpt.save_steps > 0 or self.ckpt.load_checkpoint) and saved_step != global_step:
             self.save_checkpoint(global_step, epoch=global_step // self.steps_per_epoch)
-        self.strategy.save_hf(self.engine, self.tokenizer, self.ckpt.save_path, self.final_config())
-        if self.strategy.is_rank0:
-            logger.info("saved the trained model to %s", self.ckpt.save_path)
+        if self.ckpt.disable_final_save:
+            if self.strategy.is_rank0:
+                logger.info("--disable_final_save: the trained model is not exported to %s", self.ckpt.save_path)
+        else:
+            self.strategy.save_hf(self.engine, self.tokenizer, self.ckpt.save_path, self.final_config())
+            if self.strategy.is_rank0:
+                logger.info("saved the trained model to %s", self.ckpt.save_path)
         return last
 
     def _due(self, step: int, every: int, epoch_end: bool) -> bool:
@@ -263,7 +267,7 @@ class SupervisedTrainer:
             return
         state = {"global_step": step, "epoch": epoch, "trainer": self.name}
         self.strategy.save_committed(
-            self.engine, self.ckpt_dir, step, state, self.ckpt.max_ckpt_num, max_bytes(self.ckpt)
+            self.engine, self.ckpt_dir, step, state, self.ckpt.resumable_keep(), max_bytes(self.ckpt)
         )
         if self.ckpt.save_hf_ckpt:
             self.strategy.save_hf(self.engine, self.tokenizer, hf_export_dir(self.ckpt_dir, step), self.final_config())

@@ -111,10 +111,17 @@ def test_sft_saved_folder_reproduces_eval_loss(sft_run):
 
 
 def test_sft_resume_continues_at_same_step(sft_run):
-    """Resume from the step-16 checkpoint: steps 17.. match the unbroken run."""
+    """Resume from the step-16 checkpoint: steps 17.. match the unbroken run. The resumed run also keeps one
+    resumable checkpoint while counting three HF exports, and exports no final model (Molt's spellings)."""
     tmp, data, model, save, _ = sft_run
     ckpt = checkpoint_copy(save, 16, tmp / "resume_ckpt")
     resumed = tmp / "resumed"
-    proc = run_cli("train_sft", _args(model, data, resumed, ["--ckpt_path", str(ckpt), "--load_checkpoint"]))
+    keep = ["--save_steps", "4", "--save_hf_ckpt", "--ckpt.max_num", "3", "--ckpt.dcp_max_num", "1"]
+    extra = ["--ckpt_path", str(ckpt), "--load_checkpoint", *keep, "--ckpt.disable_final_save"]
+    proc = run_cli("train_sft", _args(model, data, resumed, extra))
     assert "resumed from" in proc.stdout + proc.stderr
     assert_resumed_like_unbroken(save, resumed, "train/loss", 17, 24)
+    kept = sorted(p.name for p in ckpt.iterdir() if p.name.startswith("global_step"))
+    assert kept == ["global_step20_hf", "global_step24", "global_step24_hf"], kept
+    assert (resumed / "metrics.jsonl").is_file() and not (resumed / "config.json").exists()
+    assert "--disable_final_save: the trained model is not exported" in proc.stdout + proc.stderr
