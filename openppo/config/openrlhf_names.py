@@ -253,6 +253,8 @@ DOTTED_SUPERVISED: dict[str, str | tuple[str, ...]] = {
 # settings openppo has under another name, with the same meaning (tests/unit/test_molt_flags.py). Its FSDP2 names:
 # context parallelism is openppo's ring, tensor parallelism its AutoTP.
 MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
+    "ckpt.dcp_max_num": "max_resumable_ckpt_num",  # DCP: FSDP2's resumable checkpoints
+    "ckpt.disable_final_save": "disable_final_save",
     "fsdp.attn_implementation": "attn_implementation",  # (its te and tilelang kernels are invalid choices here)
     "fsdp.cp_size": "ring_attn_size",
     "fsdp.packing_samples": "packing_samples",
@@ -261,9 +263,12 @@ MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
 }
 # Molt's train_rl_ray only
 MOLT_RL: dict[str, str | tuple[str, ...]] = {
+    "actor.freezing_steps": "freezing_actor_steps",  # OpenRLHF's critic.freezing_steps: the actor waits N steps
     "actor.loss_mode": "policy_loss_type",  # ppo | gspo | cispo (cispo's ceiling: `schema._molt_cispo_ceiling`)
     "algo.advantage.lam": "lambd",
     "algo.advantage.no_whiten": "no_advantage_whiten",
+    "critic.max_epochs": "critic_max_epochs",
+    "train.colocate_fsdp_models": "colocate_actor_ref",  # the critic too in Molt: docs/openrlhf-migration.md
     "train.check_weight_update_equal": "vllm_sync_check",
     # vLLM engine settings passed through (docs/flags.md)
     "vllm.dtype": "vllm_dtype",

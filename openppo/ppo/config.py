@@ -402,6 +402,7 @@ class PPOTrainConfig:
     train_batch_size: int = opt(8, "samples per optimizer step (all ranks)")
     micro_train_batch_size: int = opt(4, "samples per forward/backward on one rank")
     max_epochs: int = opt(1, "passes over each rollout batch")
+    critic_max_epochs: int = opt(None, "the critic's passes over each rollout batch (default: --max_epochs)")
     num_episodes: int = opt(1, "passes over the prompt set")
     max_steps: int = opt(-1, "stop after this many RL steps; -1 = run all episodes")
     actor_learning_rate: float = opt(1e-6, "actor peak learning rate")
@@ -432,6 +433,10 @@ class PPOTrainConfig:
         "(transformers' enable_full_determinism: slower; an op without one raises); "
         "without it the engines' RNG restarts at a resume",
     )
+
+    def epochs(self, role: str) -> int:
+        """Passes over each rollout batch of the trained `role` ("actor" or "critic")."""
+        return self.critic_max_epochs if role == "critic" and self.critic_max_epochs is not None else self.max_epochs
 
 
 @dataclass

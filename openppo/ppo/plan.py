@@ -94,7 +94,7 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
             ring=r.ring_attn_size,
             tensor_parallel=tp,
             rows_per_step=t.train_batch_size // data_parallel if trained else 0,
-            optimizer_steps=max(1, rl_steps * samples * t.max_epochs // t.train_batch_size) if trained else 0,
+            optimizer_steps=max(1, rl_steps * samples * t.epochs(name) // t.train_batch_size) if trained else 0,
             share_prompts=share,
             model=model,
         )

@@ -28,6 +28,7 @@ _CRITIC_ONLY = (
     ("algo", "value_clip"),
     ("train", "critic_learning_rate"),
     ("train", "freezing_actor_steps"),
+    ("train", "critic_max_epochs"),
 )
 
 
@@ -196,6 +197,7 @@ def _batches(cfg: PPOConfig) -> None:
         (t.train_batch_size, "--train_batch_size"),
         (t.micro_train_batch_size, "--micro_train_batch_size"),
         (t.max_epochs, "--max_epochs"),
+        (t.epochs("critic"), "--critic_max_epochs"),
         (t.num_episodes, "--num_episodes"),
         (d.prompt_max_len, "--prompt_max_len"),
         (d.generate_max_len, "--generate_max_len"),

@@ -123,7 +123,7 @@ class _TrainedWorker(BaseWorker):
         out = {k: v for k, v in metrics.items() if not k.startswith("perf/")}
         perf = {**{k: v for k, v in metrics.items() if k.startswith("perf/")}, **device_stats()}
         out.update({f"perf/{name}_{k.removeprefix('perf/')}": v for k, v in perf.items()})
-        tokens = int(data["attention_mask"].sum()) * self.cfg.train.max_epochs / self.role.replicas
+        tokens = int(data["attention_mask"].sum()) * self.cfg.train.epochs(name) / self.role.replicas
         peak = peak_flops(device_name(), self.cfg.ds.param_dtype) if torch.cuda.is_available() else None
         value = mfu(train_flops(self.num_params, tokens, self.cfg.model.gradient_checkpointing), seconds, peak)
         if value is not None:
@@ -390,7 +390,7 @@ class CriticWorker(_TrainedWorker):
             critic_loss(self.engine, cfg.algo),
             batching=train_batching(cfg, self.role.share_prompts),
             rows_per_step=self.role.rows_per_step,
-            epochs=cfg.train.max_epochs,
+            epochs=cfg.train.epochs("critic"),
             world_size=self.strategy.world_size,
             seed=cfg.train.seed + 1000 * global_step + 1,
             device=self.strategy.device,

@@ -39,6 +39,14 @@ def test_ppo_with_a_ring_and_a_critic():
     assert json.loads(json.dumps(plan.to_dict()))["roles"]["actor"]["rows_per_step"] == 2  # logged with the run
 
 
+def test_the_critics_own_epochs_and_the_engines_own_dtype():
+    # as above, the critic's 3 passes over the 8 rows: 6 optimizer steps an RL step against the actor's 4
+    ppo = "--rollout_batch_size 4 --n_samples_per_prompt 2 --train_batch_size 4 --max_epochs 2 --max_steps 20 "
+    plan = _plan(ppo + "--critic.max_epochs 3 --param_dtype bf16 --vllm.dtype float32", num_prompts=80)
+    assert (plan.roles["actor"].optimizer_steps, plan.roles["critic"].optimizer_steps) == (20 * 4, 20 * 6)
+    assert plan.engine_dtype == "float32"  # the engines' own dtype; the trainer stays bf16
+
+
 def test_one_on_policy_step_needs_no_old_log_prob_pass():
     # GRPO, no reference, the whole batch one optimizer step of one epoch: pi_old is the policy being trained
     grpo = "--advantage_estimator group_norm --rollout_batch_size 2 --n_samples_per_prompt 4 --param_dtype fp32 "

@@ -261,6 +261,7 @@ NO_EFFECT = [
     (["--value_clip", "0.2"], "--value_clip has no effect with --advantage_estimator group_norm"),
     (["--critic_learning_rate", "1e-5"], "--critic_learning_rate has no effect with --advantage_estimator"),
     (["--freezing_actor_steps", "3"], "--freezing_actor_steps has no effect with --advantage_estimator"),
+    (["--critic_max_epochs", "2"], "--critic_max_epochs has no effect with --advantage_estimator"),
     (["--lambd", "0.9", "--value_clip", "0.1"], "--lambd, --value_clip have no effect with --advantage_estimator"),
     (["--kl_horizon", "500"], "--kl_horizon has no effect without --kl_target"),
     (["--no_advantage_whiten"], "--no_advantage_whiten has no effect with --advantage_estimator group_norm"),

@@ -68,6 +68,8 @@ def test_every_molt_flag_is_known_refused_or_pending(cli):
 # Molt's names for settings openppo has under another name (`openrlhf_names.MOLT_*`): (Molt's, openppo's, a value)
 RENAMED = {
     "train_sft": [
+        ("ckpt.disable_final_save", "disable_final_save", []),
+        ("ckpt.dcp_max_num", "max_resumable_ckpt_num", ["2"]),
         ("fsdp.tp_size", "ds.tensor_parallel_size", ["4"]),
         ("fsdp.cp_size", "ds.ring_attn_size", ["4"]),
         ("fsdp.param_dtype", "ds.param_dtype", ["fp16"]),
@@ -79,6 +81,9 @@ RENAMED["train_ppo_ray"] = RENAMED["train_sft"] + [
     ("algo.advantage.lam", "algo.advantage.lambd", ["0.25"]),
     ("train.check_weight_update_equal", "vllm_sync_check", []),
     ("algo.advantage.no_whiten", "no_advantage_whiten", []),
+    ("actor.freezing_steps", "freezing_actor_steps", ["3"]),
+    ("critic.max_epochs", "critic_max_epochs", ["2"]),
+    ("train.colocate_fsdp_models", "colocate_actor_ref", []),
     # vLLM's engine settings, passed through (`VLLMConfig.engine_args`)
     ("vllm.dtype", "vllm_dtype", ["float32"]),
     ("vllm.block_size", "vllm_block_size", ["64"]),
