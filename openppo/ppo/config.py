@@ -299,6 +299,9 @@ class PromptDataConfig:
     eval_split: str = opt("train", "split of --eval_dataset sources that are save_to_disk DatasetDict folders")
     eval_n_samples_per_prompt: int = opt(4, "samples per eval prompt (k of pass@k)")
     eval_temperature: float = opt(0.6, "sampling temperature at eval")
+    eval_at_start: bool = opt(
+        False, "evaluate once before the first update, logged at step 0 (fresh runs only: a resumed run does not)"
+    )
 
     def total_len(self) -> int:
         """The most tokens of one sample, prompt and response (the engines' context length)."""

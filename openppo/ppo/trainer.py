@@ -516,6 +516,9 @@ class PPOTrainer:
         if cfg.ckpt.load_checkpoint or restarted:
             self.resume()
         self.swap.start()
+        if cfg.data.eval_at_start and self.global_step == 0 and self.eval_prompts is not None:
+            # the model the run starts from, before the first rollout is asked for (no producer yet)
+            self.tracker.log(0, self.evaluate(), echo=True)
         if cfg.rollout.async_train:
             self._producer = RolloutProducer(
                 self.collector.collect,

@@ -518,6 +518,8 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
         )
     if _set(algo, "kl_horizon") and algo.kl_target is None:
         notices.append("--kl_horizon has no effect without --kl_target: the KL coefficient stays --init_kl_coef")
+    if cfg.data.eval_at_start and not cfg.data.eval_dataset:
+        notices.append("--eval_at_start has no effect without --eval_dataset: there is nothing to evaluate")
     if algo.normalize_reward and not m.reward_pretrain:
         source = "--agent_func_path" if cfg.rollout.agent_func_path else "--remote_rm_url"
         notices.append(

@@ -92,6 +92,7 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         "2",
         "--eval_n_samples_per_prompt",
         "2",
+        "--eval.eval_at_start",
         "--best_metric_key",
         "eval/pass@1",
         "--vllm_kv_cache_bytes",
@@ -129,7 +130,11 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     assert "weight sync group ready" not in log
 
     records = read_metrics(save)
-    assert [r["step"] for r in records] == [1, 2, 3]
+    # --eval.eval_at_start: the untrained model's eval, logged at step 0 before the first rollout
+    assert [r["step"] for r in records] == [0, 1, 2, 3]
+    start, records = records[0], records[1:]
+    assert not any(k.startswith(("train/", "rollout/")) for k in start), start
+    assert 0.0 <= start["eval/pass@1"] <= start["eval/pass@2"] <= 1.0
     changed = series(records, "perf/weight_sync_changed")
     assert changed[0] == (1, 1.0) and all(0 < c <= 1 for _, c in changed[1:]), changed
     for r in records:
@@ -184,5 +189,6 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     assert list(again) == [3], series(read_metrics(resumed), "train/reward")
     assert again[3]["taken"] == steps[3]["taken"] and again[3]["prompts"] == steps[3]["prompts"]
     assert read_metrics(resumed)[0]["rollout/logprob_diff"] < 1e-4  # engines re-synced to the checkpoint
+    assert [r["step"] for r in read_metrics(resumed)] == [3]  # a resumed run does not evaluate at start
     # the average came back from the checkpoint: restarted from the resumed (trained) weights it would differ
     assert _max_gap(resumed, initial) == 0.0

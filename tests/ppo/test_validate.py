@@ -264,6 +264,7 @@ NO_EFFECT = [
     (["--critic_max_epochs", "2"], "--critic_max_epochs has no effect with --advantage_estimator"),
     (["--lambd", "0.9", "--value_clip", "0.1"], "--lambd, --value_clip have no effect with --advantage_estimator"),
     (["--kl_horizon", "500"], "--kl_horizon has no effect without --kl_target"),
+    (["--eval.eval_at_start"], "--eval_at_start has no effect without --eval_dataset"),
     (["--no_advantage_whiten"], "--no_advantage_whiten has no effect with --advantage_estimator group_norm"),
     (["--no_advantage_std_norm"], "--no_advantage_std_norm has no effect with --advantage_estimator group_norm"),
     (["--freeze_visual_encoder"], "--freeze_visual_encoder has no effect:"),
