@@ -269,6 +269,9 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "algo.advantage.no_whiten": "no_advantage_whiten",
     "critic.max_epochs": "critic_max_epochs",
     "eval.eval_at_start": "eval_at_start",
+    "eval.batch_size": "eval_batch_size",
+    "eval.max_new_tokens": "eval_max_new_tokens",
+    "eval.top_p": "eval_top_p",
     "train.colocate_fsdp_models": "colocate_actor_ref",  # the critic too in Molt: docs/openrlhf-migration.md
     "train.check_weight_update_equal": "vllm_sync_check",
     # vLLM engine settings passed through (docs/flags.md)

@@ -188,17 +188,18 @@ class SingleTurn(RolloutSource):
         seed: int | None,
         version: int,
         max_new_tokens: Sequence[int] | None = None,
+        top_p: float | None = None,
     ) -> list[Sample]:
         """`VLLMEngine.generate` of the items' `prompt_ids`, one request per engine (prompt i goes to engine
         i mod E), through `EnginePool.run`: waiting at most the pool's timeout, under the pool's lock so that no weight
         sync lands mid-generation (with --partial_rollout the engines are advanced a few steps a call outside it),
         and sending a dead engine's prompts again to its replacement. `max_new_tokens`: a budget per item (default:
         what --generate_max_len and --max_len leave after the prompt). With a `seed`, engine e reseeds with
-        `seed + 1000 e` (--full_determinism), its replacement too."""
+        `seed + 1000 e` (--full_determinism), its replacement too. `top_p`: the eval's own (default --top_p)."""
         r, d, pool = self.cfg.rollout, self.cfg.data, self.engines
         if max_new_tokens is None:
             max_new_tokens = [d.response_budget(len(it["prompt_ids"])) for it in items]
-        sampling = dict(n=n, temperature=temperature, top_p=r.top_p, top_k=r.top_k)
+        sampling = dict(n=n, temperature=temperature, top_p=r.top_p if top_p is None else top_p, top_k=r.top_k)
         # image prompts: each prompt's images go to its engine beside it (text runs send no images argument)
         images = [it.get("images") or () for it in items] if any(it.get("images") for it in items) else None
         slots = {e: list(range(e, len(items), len(pool))) for e in range(min(len(pool), len(items)))}
@@ -389,9 +390,33 @@ class Collector:
         scores = torch.cat([group.scores for group in batch])
         return Rollout(samples, scores, logs, taken, stream_state, timing)
 
-    def evaluate(self, items: list[dict], n: int, temperature: float) -> dict[str, float]:
-        """pass@1 / pass@k of `n` samples per eval prompt with the current weights (`eval_metrics`)."""
-        samples = self.source.generate(items, n=n, temperature=temperature, seed=None, version=self.version())
+    def evaluate(
+        self,
+        items: list[dict],
+        n: int,
+        temperature: float,
+        *,
+        top_p: float | None = None,
+        max_new_tokens: int | None = None,
+        batch_size: int | None = None,
+    ) -> dict[str, float]:
+        """pass@1 / pass@k of `n` samples per eval prompt with the current weights (`eval_metrics`), generated
+        `batch_size` prompts at a time (all at once by default). `top_p` and `max_new_tokens` (capped by what
+        --max_len leaves after each prompt) replace the rollout's for single-turn generation (validation refuses
+        them with an agent, whose turns keep the rollout's sampling)."""
+        d = self.cfg.data
+        extra: dict = {} if top_p is None else {"top_p": top_p}
+        samples: list[Sample] = []
+        step = batch_size or len(items)
+        for start in range(0, len(items), step):
+            chunk = items[start : start + step]
+            if max_new_tokens is not None:
+                extra["max_new_tokens"] = [
+                    min(max_new_tokens, d.response_budget(len(it["prompt_ids"]))) for it in chunk
+                ]
+            samples += self.source.generate(
+                chunk, n=n, temperature=temperature, seed=None, version=self.version(), **extra
+            )
         scores, _ = self.scorer.score(samples)
         return eval_metrics(
             scores.view(len(items), n),

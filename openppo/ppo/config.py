@@ -299,6 +299,11 @@ class PromptDataConfig:
     eval_split: str = opt("train", "split of --eval_dataset sources that are save_to_disk DatasetDict folders")
     eval_n_samples_per_prompt: int = opt(4, "samples per eval prompt (k of pass@k)")
     eval_temperature: float = opt(0.6, "sampling temperature at eval")
+    eval_top_p: float = opt(None, "top-p at eval (default: --top_p); single-turn generation")
+    eval_max_new_tokens: int = opt(
+        None, "response tokens at eval, within what --max_len leaves (default: --generate_max_len); single-turn"
+    )
+    eval_batch_size: int = opt(None, "eval prompts generated at a time (default: all at once)")
     eval_at_start: bool = opt(
         False, "evaluate once before the first update, logged at step 0 (fresh runs only: a resumed run does not)"
     )

@@ -387,7 +387,14 @@ class PPOTrainer:
         d = self.cfg.data
         timing: dict[str, float] = {}
         with timed(timing, "eval"):
-            metrics = self.collector.evaluate(list(self.eval_prompts), d.eval_n_samples_per_prompt, d.eval_temperature)
+            metrics = self.collector.evaluate(
+                list(self.eval_prompts),
+                d.eval_n_samples_per_prompt,
+                d.eval_temperature,
+                top_p=d.eval_top_p,
+                max_new_tokens=d.eval_max_new_tokens,
+                batch_size=d.eval_batch_size,
+            )
         return {**metrics, **timing}
 
     def _keep_best(self, evaluation: dict[str, float]) -> None:

@@ -235,6 +235,17 @@ def _batches(cfg: PPOConfig) -> None:
     if d.eval_dataset:
         _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
         _positive(d.eval_temperature, "--eval_temperature")
+        for value, flag in ((d.eval_max_new_tokens, "--eval_max_new_tokens"), (d.eval_batch_size, "--eval_batch_size")):
+            if value is not None:
+                _positive(value, flag)
+        require(d.eval_top_p is None or 0 < d.eval_top_p <= 1, f"--eval_top_p must be in (0, 1], got {d.eval_top_p}")
+        own = [f for f, v in (("--eval_top_p", d.eval_top_p), ("--eval_max_new_tokens", d.eval_max_new_tokens)) if v]
+        agent = cfg.rollout.agent_func_path or cfg.rollout.agent_program
+        require(
+            not (own and agent),
+            f"{', '.join(own)}: an agent's turns are sampled as the rollout's (--top_p, --generate_max_len); drop "
+            f"{'it' if len(own) == 1 else 'them'}",
+        )
     require(cfg.logging.eval_steps != 0, "--eval_steps must be positive, or -1 for the end of each episode")
     require(cfg.rollout.agent_max_turns > 0, f"--agent_max_turns must be positive, got {cfg.rollout.agent_max_turns}")
     require(cfg.ckpt.save_steps != 0, "--save_steps must be positive, or -1 for only at the end")

@@ -93,6 +93,12 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
         "--eval_n_samples_per_prompt",
         "2",
         "--eval.eval_at_start",
+        "--eval.max_new_tokens",
+        "4",
+        "--eval.top_p",
+        "0.95",
+        "--eval.batch_size",
+        "1",
         "--best_metric_key",
         "eval/pass@1",
         "--vllm_kv_cache_bytes",
@@ -135,6 +141,8 @@ def test_hybrid_engine_filtering_eval_checkpoint_and_resume(tmp_path):
     start, records = records[0], records[1:]
     assert not any(k.startswith(("train/", "rollout/")) for k in start), start
     assert 0.0 <= start["eval/pass@1"] <= start["eval/pass@2"] <= 1.0
+    # the eval's own budget (Molt's --eval.max_new_tokens 4) against the rollout's --generate_max_len 12
+    assert all(r["eval/response_length"] <= 4 for r in [start] + records if "eval/response_length" in r)
     changed = series(records, "perf/weight_sync_changed")
     assert changed[0] == (1, 1.0) and all(0 < c <= 1 for _, c in changed[1:]), changed
     for r in records:

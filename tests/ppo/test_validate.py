@@ -102,6 +102,13 @@ BAD = [
     (["--save_steps", "0"], ["--save_steps"]),
     (["--eval_steps", "0"], ["--eval_steps"]),
     (["--eval_dataset", "e.jsonl", "--eval_n_samples_per_prompt", "0"], ["--eval_n_samples_per_prompt"]),
+    (["--eval_dataset", "e.jsonl", "--eval.top_p", "0"], ["--eval_top_p"]),
+    (["--eval_dataset", "e.jsonl", "--eval.batch_size", "0"], ["--eval_batch_size"]),
+    # an agent's turns keep the rollout's sampling
+    (
+        ["--remote_rm_url", "", "--agent_func_path", "a.py", "--eval_dataset", "e.jsonl", "--eval.max_new_tokens", "4"],
+        ["--eval_max_new_tokens"],
+    ),
     (["--dynamic_filtering_reward_range", "1", "0"], ["--dynamic_filtering_reward_range"]),
     (["--load_checkpoint", "--disable_ds_ckpt"], ["--load_checkpoint", "--disable_ds_ckpt"]),
     (["--ema_beta", "1.5"], ["--ema_beta"]),
