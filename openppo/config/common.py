@@ -53,6 +53,11 @@ class ModelBuildConfig:
         "GPU: Liger's fused Triton kernels for RMSNorm, RoPE and the SwiGLU MLP in every model the run builds "
         "(needs the liger-kernel package); no effect on CPU",
     )
+    freeze_moe_router: bool = opt(
+        False,
+        "a mixture-of-experts model's router weights stay as loaded: routing is held fixed in training, and the "
+        "trainer and the engines route alike (no effect on a dense model, said in one line)",
+    )
     torch_compile: bool = opt(
         False,
         "torch.compile each decoder layer of every model the run trains or scores (one compiled graph reused by "
@@ -69,6 +74,7 @@ class ModelBuildConfig:
             target_modules=self.target_modules,
             gradient_checkpointing=self.gradient_checkpointing,
             reentrant_checkpointing=self.gradient_checkpointing_use_reentrant,
+            freeze_moe_router=self.freeze_moe_router,
             **self.kernel_kwargs(),
         )
 

@@ -264,6 +264,8 @@ MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
 # Molt's train_rl_ray only
 MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "actor.freezing_steps": "freezing_actor_steps",  # OpenRLHF's critic.freezing_steps: the actor waits N steps
+    "actor.freeze_moe_router": "freeze_moe_router",  # one setting for actor and critic in openppo
+    "critic.freeze_moe_router": "freeze_moe_router",
     "actor.loss_mode": "policy_loss_type",  # ppo | gspo | cispo (cispo's ceiling: `schema._molt_cispo_ceiling`)
     "algo.advantage.lam": "lambd",
     "algo.advantage.no_whiten": "no_advantage_whiten",

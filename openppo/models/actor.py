@@ -91,6 +91,7 @@ class Actor(nn.Module):
         reentrant_checkpointing: bool = False,
         use_liger_kernel: bool = False,
         torch_compile: bool = False,
+        freeze_moe_router: bool = False,
         freeze_visual_encoder: bool = False,
     ) -> Actor:
         """A vision-language checkpoint loads as transformers' image-text-to-text model (the decoder, its vision
@@ -122,6 +123,7 @@ class Actor(nn.Module):
                 reentrant_checkpointing=reentrant_checkpointing,
                 use_liger_kernel=use_liger_kernel,
                 torch_compile=torch_compile,
+                freeze_moe_router=freeze_moe_router,
             )
         )
         if vision:

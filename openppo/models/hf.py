@@ -8,6 +8,7 @@ import os
 import re
 import shutil
 import sys
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -48,6 +49,37 @@ def is_mixture_of_experts(path: str) -> bool:
 
     config = AutoConfig.from_pretrained(path, trust_remote_code=True)
     return bool(getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None))
+
+
+# The names of the parameters a run freezes that the engines loaded from the same checkpoint (a frozen vision tower,
+# frozen MoE routers), kept on the model: the weight sync leaves them out, as nothing changes them.
+FROZEN_PARAMETERS = "openppo_frozen_parameters"
+
+
+def freeze_parameters(model: nn.Module, names: Sequence[str]) -> list[str]:
+    """Stop the gradient of the named parameters of `model` and add them to its `FROZEN_PARAMETERS`."""
+    chosen = set(names)
+    for name, p in model.named_parameters():
+        if name in chosen:
+            p.requires_grad_(False)
+    setattr(model, FROZEN_PARAMETERS, frozenset(getattr(model, FROZEN_PARAMETERS, frozenset()) | chosen))
+    return list(names)
+
+
+def moe_router_parameter_names(model: nn.Module) -> list[str]:
+    """The parameters of a mixture-of-experts model's routers: transformers' router modules (`*Router`, e.g.
+    Qwen3-MoE's `mlp.gate`), and a MoE block's `gate` / `router` / `shared_expert_gate` (Qwen2-MoE gates its shared
+    expert too). A dense MLP's `gate_proj` is none of them."""
+    modules = dict(model.named_modules())
+    routers = []
+    for name, module in modules.items():
+        parent, _, leaf = name.rpartition(".")
+        in_moe_block = "moe" in type(modules.get(parent)).__name__.lower()
+        if "router" in type(module).__name__.lower() or (
+            in_moe_block and leaf in ("gate", "router", "shared_expert_gate")
+        ):
+            routers.append(name)
+    return [f"{router}.{n}" for router in routers for n, _ in modules[router].named_parameters()]
 
 
 def kv_heads(model_path: str) -> int:
@@ -161,10 +193,16 @@ def finish_model(
     reentrant_checkpointing: bool = False,
     use_liger_kernel: bool = False,
     torch_compile: bool = False,
+    freeze_moe_router: bool = False,
 ):
-    """Optional Liger kernels, LoRA adapters, activation checkpointing and compiled layers, in that order (Liger
+    """Frozen MoE routers (`--freeze_moe_router`: routing held fixed, so the trained and the engines' routing stay
+    alike), optional Liger kernels, LoRA adapters, activation checkpointing and compiled layers, in that order (Liger
     patches the model's own modules, which the adapters then wrap; checkpointing must see the adapters; the compiled
     layers hold all of it)."""
+    if freeze_moe_router:
+        frozen = freeze_parameters(model, moe_router_parameter_names(model))
+        if not frozen and first_rank():
+            logger.warning("--freeze_moe_router has no effect on %s: it has no router", type(model).__name__)
     if use_liger_kernel:
         from openppo.models.kernels import apply_liger
 

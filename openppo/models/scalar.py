@@ -50,6 +50,7 @@ class ScalarModel(nn.Module):
         reentrant_checkpointing: bool = False,
         use_liger_kernel: bool = False,
         torch_compile: bool = False,
+        freeze_moe_router: bool = False,
     ) -> ScalarModel:
         from transformers import AutoConfig, AutoModelForSequenceClassification
 
@@ -76,6 +77,7 @@ class ScalarModel(nn.Module):
                 reentrant_checkpointing=reentrant_checkpointing,
                 use_liger_kernel=use_liger_kernel,
                 torch_compile=torch_compile,
+                freeze_moe_router=freeze_moe_router,
             )
         )
 

@@ -17,8 +17,7 @@ from typing import Any
 import torch
 from torch import nn
 
-# The attribute of a model holding the names of the parameters `freeze_vision_tower` froze.
-FROZEN_PARAMETERS = "openppo_frozen_parameters"
+from openppo.models.hf import freeze_parameters
 
 
 def is_vision_language(config) -> bool:
@@ -53,12 +52,7 @@ def freeze_vision_tower(model: nn.Module) -> list[str]:
     model also keeps as `FROZEN_PARAMETERS`: the weight sync leaves them out, since the engines loaded the same
     tensors from the same checkpoint and nothing changes them."""
     keep = language_parameter_names(model)
-    frozen = [name for name, p in model.named_parameters() if name not in keep]
-    for name, p in model.named_parameters():
-        if name not in keep:
-            p.requires_grad_(False)
-    setattr(model, FROZEN_PARAMETERS, frozenset(frozen))
-    return frozen
+    return freeze_parameters(model, [name for name, _ in model.named_parameters() if name not in keep])
 
 
 def pixel_inputs(processor, images: Sequence[Sequence[Any]]) -> dict[str, torch.Tensor]:

@@ -41,7 +41,7 @@ from torch import nn
 
 from openppo.distributed.rendezvous import serve_store
 from openppo.errors import UserError
-from openppo.models.vision import FROZEN_PARAMETERS
+from openppo.models.hf import FROZEN_PARAMETERS
 from openppo.rollout import transport as tr
 from openppo.rollout.buckets import DEFAULT_BUCKET_BYTES, iter_buckets, layer_key
 from openppo.rollout.delta import DeltaEncoder

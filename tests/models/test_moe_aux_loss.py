@@ -143,3 +143,50 @@ def test_supervised_losses_add_coef_times_the_router_loss(moe_dir, batch):
         (plain, plain_metrics), (with_aux, metrics) = losses[0.0], losses[0.5]
         assert "train/aux_loss" not in plain_metrics and metrics["train/aux_loss"] == pytest.approx(expected, abs=1e-6)
         assert (with_aux - plain).item() == pytest.approx(0.5 * expected, abs=1e-6), type(trainer).__name__
+
+
+@pytest.mark.parametrize("kind", ["actor", "critic"])
+def test_freeze_moe_router_holds_exactly_the_routers(moe_dir, batch, kind, caplog):
+    """--freeze_moe_router: after an Adam step on the aux loss plus the model's output, every router (each layer's
+    `mlp.gate`, a transformers `*Router`) is as loaded and the attention moved; the weight sync leaves the routers
+    out. Unfrozen, the same step moves them. A dense model says in one line that it has no router."""
+    from openppo.models.actor import Actor
+    from openppo.models.hf import moe_router_parameter_names
+    from openppo.models.scalar import ScalarModel
+    from openppo.rollout.sender import iter_full_weights
+
+    def build(**kwargs):
+        if kind == "actor":
+            return Actor.from_pretrained(str(moe_dir), dtype=torch.float32, **kwargs)
+        return ScalarModel.from_pretrained(str(moe_dir), dtype=torch.float32, flag="--critic_pretrain", **kwargs)
+
+    def step(model) -> set[str]:
+        before = {n: p.detach().clone() for n, p in model.named_parameters()}
+        optimizer = torch.optim.Adam([p for p in model.parameters() if p.requires_grad], lr=1e-2)
+        if kind == "actor":
+            out = model(batch["sequences"], batch["attention_mask"], return_aux_loss=True)
+            loss = out.aux_loss - out.log_probs.sum()
+        else:
+            values, aux = model(batch["sequences"], batch["attention_mask"], return_aux_loss=True)
+            loss = aux + values.square().sum()
+        loss.backward()
+        optimizer.step()
+        return {n for n, p in model.named_parameters() if not torch.equal(p, before[n])}
+
+    frozen = build(freeze_moe_router=True)
+    routers = {n for n, p in frozen.named_parameters() if not p.requires_grad}
+    assert {n.rpartition("layers.")[2] for n in routers} == {"0.mlp.gate.weight", "1.mlp.gate.weight"}, routers
+    moved = step(frozen)
+    assert not moved & routers and {n for n in moved if ".self_attn." in n}
+    assert routers <= step(build())  # unfrozen, the same step moves them
+    if kind == "actor":
+        sent = {name for name, _ in iter_full_weights(frozen, rank=0)}
+        assert sent and not any(n.endswith("mlp.gate.weight") for n in sent)  # (checkpoint names)
+        assert any(n.endswith("mlp.gate.weight") for n, _ in iter_full_weights(build(), rank=0))
+    from transformers import AutoModelForCausalLM
+
+    dense = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32)
+    assert moe_router_parameter_names(dense) == []  # its MLP's gate_proj is no router
+    with caplog.at_level("WARNING"):
+        Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, freeze_moe_router=True)
+    assert "--freeze_moe_router has no effect on" in caplog.text
