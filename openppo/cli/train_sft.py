@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import logging
 import sys
 
 from openppo.cli.runner import run_cli
@@ -15,6 +16,8 @@ from openppo.trainers.configs import SFTConfig
 from openppo.trainers.loop import SupervisedTrainer
 from openppo.trainers.stages import SFTTrainer
 
+logger = logging.getLogger(__name__)
+
 
 def train(cfg: SFTConfig) -> None:
     setup.validate_common(cfg)
@@ -22,6 +25,8 @@ def train(cfg: SFTConfig) -> None:
         not cfg.data.multiturn or cfg.data.apply_chat_template,
         "--multiturn needs --apply_chat_template (turn boundaries come from the chat template)",
     )
+    if cfg.data.train_on_last_turn_only and not cfg.data.multiturn:
+        logger.info("note: --train_on_last_turn_only has no effect without --multiturn: each row has one turn")
     single_turn = not (cfg.data.multiturn or cfg.data.pretrain_mode)
     keys = {"--input_key": cfg.data.input_key, "--output_key": cfg.data.output_key if single_turn else None}
     raw_train, raw_eval = setup.load_raw_data(cfg.data, keys, cfg.optim.seed)
@@ -40,6 +45,7 @@ def train(cfg: SFTConfig) -> None:
         input_template=cfg.data.input_template,
         multiturn=cfg.data.multiturn,
         pretrain_mode=cfg.data.pretrain_mode,
+        last_turn_only=cfg.data.train_on_last_turn_only,
     )
     train_ds = make(raw_train)
     eval_ds = make(raw_eval) if raw_eval is not None else None

@@ -255,6 +255,7 @@ DOTTED_SUPERVISED: dict[str, str | tuple[str, ...]] = {
 MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
     "ckpt.dcp_max_num": "max_resumable_ckpt_num",  # DCP: FSDP2's resumable checkpoints
     "ckpt.disable_final_save": "disable_final_save",
+    "data.train_on_last_turn_only": "train_on_last_turn_only",  # train_sft
     "fsdp.attn_implementation": "attn_implementation",  # (its te and tilelang kernels are invalid choices here)
     "fsdp.cp_size": "ring_attn_size",
     "fsdp.packing_samples": "packing_samples",

@@ -55,6 +55,7 @@ class SFTDataset(Dataset):
         input_template: str | None,
         multiturn: bool = False,
         pretrain_mode: bool = False,
+        last_turn_only: bool = False,
     ):
         require(max_len > 0, f"--max_len must be positive, got {max_len}")
         require(not (pretrain_mode and multiturn), "--pretrain_mode learns plain text: drop --multiturn")
@@ -73,6 +74,7 @@ class SFTDataset(Dataset):
         require_columns(ds, keys, "the SFT data")
         self.tokenizer = tokenizer
         self.input_key, self.output_key, self.multiturn = input_key, output_key, multiturn
+        self.last_turn_only = last_turn_only
         self.pretrain_mode = pretrain_mode
         self.apply_chat_template, self.input_template = apply_chat_template, input_template
         prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
@@ -117,7 +119,11 @@ class SFTDataset(Dataset):
     def _segments(self, row: dict[str, Any]) -> Segments:
         value = row[self.input_key]
         if self.multiturn:
-            return conversation_segments(as_messages(value, "--input_key"), self.tokenizer)
+            segments = conversation_segments(as_messages(value, "--input_key"), self.tokenizer)
+            if self.last_turn_only:  # the earlier assistant turns are context (per-turn-flattened data)
+                last = max((i for i, (_, trained) in enumerate(segments) if trained), default=-1)
+                segments = [(text, trained and i == last) for i, (text, trained) in enumerate(segments)]
+            return segments
         if self.pretrain_mode:
             require(isinstance(value, str), f"--pretrain_mode: column '{self.input_key}' must hold plain text")
             return [(value, True)]

@@ -61,6 +61,9 @@ class SFTDataConfig(DataConfig):
 
     output_key: str = opt("output", "column holding the response to learn")
     multiturn: bool = opt(False, "--input_key holds whole conversations; learn every assistant turn")
+    train_on_last_turn_only: bool = opt(
+        False, "with --multiturn: learn only each conversation's last assistant turn (the earlier ones are context)"
+    )
     pretrain_mode: bool = opt(
         False, "--input_key holds plain text, used as is; every token is learned (no --output_key)"
     )

@@ -97,6 +97,10 @@ def test_multiturn_masks_every_assistant_turn_and_no_user_text(tokenizer):
     assert "question" not in masked_text(tokenizer, item) and "Be brief" not in masked_text(tokenizer, item)
     full = tokenizer.apply_chat_template(conversation, tokenize=False)
     assert tokenizer.decode(item["input_ids"]) == full.rstrip()  # the training text is the template's own
+    # --train_on_last_turn_only (Molt's --data.train_on_last_turn_only): the same tokens, only the last turn learned
+    last = make([{"input": conversation}], tokenizer, output_key=None, multiturn=True, last_turn_only=True)[0]
+    assert torch.equal(last["input_ids"], item["input_ids"])
+    assert target_spans(tokenizer, last) == ["<think>\n\n</think>\n\ngamma reply<|im_end|>"]
 
 
 # ChatML without Qwen3's think handling: every prefix renders as a prefix of the whole conversation.

@@ -99,6 +99,8 @@ RENAMED["train_ppo_ray"] = RENAMED["train_sft"] + [
     ("vllm.disable_custom_all_reduce", "vllm_disable_custom_all_reduce", []),
 ]
 
+RENAMED["train_sft"] = RENAMED["train_sft"] + [("data.train_on_last_turn_only", "train_on_last_turn_only", [])]
+
 
 @pytest.mark.parametrize("cli", CLIS)
 def test_molt_names_set_what_openppo_names_set(cli):
