@@ -272,6 +272,7 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "algo.advantage.no_whiten": "no_advantage_whiten",
     "critic.max_epochs": "critic_max_epochs",
     "eval.eval_at_start": "eval_at_start",
+    "train.force_on_policy": "force_on_policy",
     "eval.batch_size": "eval_batch_size",
     "eval.max_new_tokens": "eval_max_new_tokens",
     "eval.top_p": "eval_top_p",

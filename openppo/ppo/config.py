@@ -411,6 +411,11 @@ class PPOTrainConfig:
     micro_train_batch_size: int = opt(4, "samples per forward/backward on one rank")
     max_epochs: int = opt(1, "passes over each rollout batch")
     critic_max_epochs: int = opt(None, "the critic's passes over each rollout batch (default: --max_epochs)")
+    force_on_policy: bool = opt(
+        False,
+        "one optimizer step per rollout batch, over all its rows whatever their number (an agent's sealed segments "
+        "included), instead of --train_batch_size rows a step; needs --max_epochs 1",
+    )
     num_episodes: int = opt(1, "passes over the prompt set")
     max_steps: int = opt(-1, "stop after this many RL steps; -1 = run all episodes")
     actor_learning_rate: float = opt(1e-6, "actor peak learning rate")
@@ -441,6 +446,11 @@ class PPOTrainConfig:
         "(transformers' enable_full_determinism: slower; an op without one raises); "
         "without it the engines' RNG restarts at a resume",
     )
+
+    def step_rows(self, planned: int, rows: int) -> int:
+        """Rows of a rank's optimizer step: the `planned` share of --train_batch_size, or all its `rows` of the batch
+        with --force_on_policy (their number can differ from the plan's)."""
+        return rows if self.force_on_policy else planned
 
     def epochs(self, role: str) -> int:
         """Passes over each rollout batch of the trained `role` ("actor" or "critic")."""

@@ -80,7 +80,8 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
     # pi_old is then the current policy, and the update's own log-probs, detached, are the old ones (ratio 1 with
     # the same gradient). Several steps or epochs move the policy before later micro-batches train, and a
     # reference's KL is measured against pi_old before the update: both need the pass.
-    one_step = t.max_epochs == 1 and samples == t.train_batch_size
+    step_size = samples if t.force_on_policy else t.train_batch_size  # rows of one optimizer step
+    one_step = t.max_epochs == 1 and samples == step_size
 
     share, why = shares_prompts(cfg)
 
@@ -93,8 +94,8 @@ def make_plan(cfg: PPOConfig, num_prompts: int) -> RunPlan:
             ranks=ranks,
             ring=r.ring_attn_size,
             tensor_parallel=tp,
-            rows_per_step=t.train_batch_size // data_parallel if trained else 0,
-            optimizer_steps=max(1, rl_steps * samples * t.epochs(name) // t.train_batch_size) if trained else 0,
+            rows_per_step=step_size // data_parallel if trained else 0,
+            optimizer_steps=max(1, rl_steps * samples * t.epochs(name) // step_size) if trained else 0,
             share_prompts=share,
             model=model,
         )

@@ -232,6 +232,11 @@ def _batches(cfg: PPOConfig) -> None:
                 f"{t.micro_train_batch_size} x {world} data-parallel {role} ranks (--{role}_num_nodes x "
                 f"--{role}_num_gpus_per_node); pick a --train_batch_size that is"
             )
+    require(
+        not t.force_on_policy or t.max_epochs == 1,
+        f"--force_on_policy trains one step on each batch, and --max_epochs {t.max_epochs} would step again on it: "
+        "pass --max_epochs 1",
+    )
     if d.eval_dataset:
         _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
         _positive(d.eval_temperature, "--eval_temperature")

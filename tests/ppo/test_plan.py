@@ -47,6 +47,22 @@ def test_the_critics_own_epochs_and_the_engines_own_dtype():
     assert plan.engine_dtype == "float32"  # the engines' own dtype; the trainer stays bf16
 
 
+def test_force_on_policy_takes_one_step_per_batch():
+    # 8 rows a step, --train_batch_size 4 would make 2 optimizer steps; Molt's --train.force_on_policy makes one, over
+    # all of a rank's rows (2 actor ranks: 4 each), for the critic too, and pi_old is then the policy being trained
+    ppo = "--rollout_batch_size 4 --n_samples_per_prompt 2 --train_batch_size 4 --max_steps 20 "
+    plan = _plan(ppo + "--actor_num_gpus_per_node 2 --train.force_on_policy --param_dtype fp32", num_prompts=80)
+    actor, critic = plan.roles["actor"], plan.roles["critic"]
+    assert (actor.optimizer_steps, critic.optimizer_steps, actor.rows_per_step, critic.rows_per_step) == (20, 20, 4, 8)
+    grpo = "--advantage_estimator group_norm --init_kl_coef 0 "
+    assert not _plan(ppo + grpo + "--train.force_on_policy --param_dtype fp32", 80).old_logprob_pass
+    assert _plan(ppo + grpo + "--param_dtype fp32", 80).old_logprob_pass  # two steps a batch
+    # a rank's step takes every row it got, however many (an agent's sealed segments add rows)
+    train = parse_config(PPOConfig, "--pretrain m --prompt_data p --train.force_on_policy".split(), "t").train
+    assert train.step_rows(planned=4, rows=11) == 11
+    assert parse_config(PPOConfig, "--pretrain m --prompt_data p".split(), "t").train.step_rows(4, 11) == 4
+
+
 def test_one_on_policy_step_needs_no_old_log_prob_pass():
     # GRPO, no reference, the whole batch one optimizer step of one epoch: pi_old is the policy being trained
     grpo = "--advantage_estimator group_norm --rollout_batch_size 2 --n_samples_per_prompt 4 --param_dtype fp32 "

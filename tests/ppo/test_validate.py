@@ -103,6 +103,7 @@ BAD = [
     (["--eval_steps", "0"], ["--eval_steps"]),
     (["--eval_dataset", "e.jsonl", "--eval_n_samples_per_prompt", "0"], ["--eval_n_samples_per_prompt"]),
     (["--eval_dataset", "e.jsonl", "--eval.top_p", "0"], ["--eval_top_p"]),
+    (["--train.force_on_policy", "--max_epochs", "2"], ["--force_on_policy", "--max_epochs"]),
     (["--eval_dataset", "e.jsonl", "--eval.batch_size", "0"], ["--eval_batch_size"]),
     # an agent's turns keep the rollout's sampling
     (
