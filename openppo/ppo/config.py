@@ -362,6 +362,11 @@ class RolloutConfig:
     ring_head_stride: int = opt(1, "KV heads sent per ring step (bounds the buffers); 0 = all at once")
     async_train: bool = opt(False, "generate the next batch while training on this one")
     async_queue_size: int = opt(1, "batches generated ahead (bound on policy staleness) with --async_train")
+    force_sync_mode: bool = opt(
+        False,
+        "each batch is generated with the weights that then train on it: openppo's default; refused with "
+        "--async_train, which generates ahead",
+    )
     partial_rollout: bool = opt(
         False,
         "--async_train: a weight sync lands between two decoding steps of an unfinished generation, which keeps "

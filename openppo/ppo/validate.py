@@ -233,6 +233,11 @@ def _batches(cfg: PPOConfig) -> None:
                 f"--{role}_num_gpus_per_node); pick a --train_batch_size that is"
             )
     require(
+        not (r.force_sync_mode and r.async_train),
+        "--force_sync_mode generates each batch with the weights that train on it, --async_train generates ahead "
+        "with older ones: drop one",
+    )
+    require(
         not t.force_on_policy or t.max_epochs == 1,
         f"--force_on_policy trains one step on each batch, and --max_epochs {t.max_epochs} would step again on it: "
         "pass --max_epochs 1",
@@ -534,6 +539,8 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
         )
     if _set(algo, "kl_horizon") and algo.kl_target is None:
         notices.append("--kl_horizon has no effect without --kl_target: the KL coefficient stays --init_kl_coef")
+    if cfg.rollout.force_sync_mode:
+        notices.append("--force_sync_mode has no effect: without --async_train every batch is generated in sync")
     if cfg.data.eval_at_start and not cfg.data.eval_dataset:
         notices.append("--eval_at_start has no effect without --eval_dataset: there is nothing to evaluate")
     if algo.normalize_reward and not m.reward_pretrain:

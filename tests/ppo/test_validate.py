@@ -104,6 +104,7 @@ BAD = [
     (["--eval_dataset", "e.jsonl", "--eval_n_samples_per_prompt", "0"], ["--eval_n_samples_per_prompt"]),
     (["--eval_dataset", "e.jsonl", "--eval.top_p", "0"], ["--eval_top_p"]),
     (["--train.force_on_policy", "--max_epochs", "2"], ["--force_on_policy", "--max_epochs"]),
+    (["--train.force_sync_mode", "--async_train"], ["--force_sync_mode", "--async_train"]),
     (["--eval_dataset", "e.jsonl", "--eval.batch_size", "0"], ["--eval_batch_size"]),
     # an agent's turns keep the rollout's sampling
     (
@@ -273,6 +274,7 @@ NO_EFFECT = [
     (["--lambd", "0.9", "--value_clip", "0.1"], "--lambd, --value_clip have no effect with --advantage_estimator"),
     (["--kl_horizon", "500"], "--kl_horizon has no effect without --kl_target"),
     (["--eval.eval_at_start"], "--eval_at_start has no effect without --eval_dataset"),
+    (["--train.force_sync_mode"], "--force_sync_mode has no effect: without --async_train"),
     (["--no_advantage_whiten"], "--no_advantage_whiten has no effect with --advantage_estimator group_norm"),
     (["--no_advantage_std_norm"], "--no_advantage_std_norm has no effect with --advantage_estimator group_norm"),
     (["--freeze_visual_encoder"], "--freeze_visual_encoder has no effect:"),
