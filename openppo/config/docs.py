@@ -76,7 +76,17 @@ def render(clis: dict[str, type]) -> str:
         "(a ceiling of 1 or less is refused) |"
     )
     for field, values in sorted(openrlhf_names.MOLT_VALUES.items()):
-        out += [f"| `--{field}` `{theirs}` | `--{field} {ours}` |" for theirs, ours in sorted(values.items())]
+        out += [
+            f"| `--{field}` `{theirs}` | `--{field} {ours}` |"
+            for theirs, ours in sorted(values.items())
+            if theirs != openrlhf_names.MOLT_DISTILL
+        ]
+    out.append(
+        f"| `--advantage_estimator {openrlhf_names.MOLT_DISTILL}` with `--{openrlhf_names.MOLT_REF} T` | "
+        "`--teacher_pretrain T --advantage_estimator group_norm --init_kl_coef 0` (distillation alone; Molt's "
+        "`--algo.kl.init_coef` may only be 1); without on_policy_distill the reference path may only be `--pretrain`'s "
+        "folder |"
+    )
     for name, (no_op, why) in {**openrlhf_names.MOLT_FSDP_ONLY, **openrlhf_names.MOLT_RL_ONLY}.items():
         given = f"`--{name}`" + ("" if no_op is None else f" `{no_op}`: nothing, with one log line; another value")
         out.append(f"| {given} | refused: {why} |")

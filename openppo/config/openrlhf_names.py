@@ -294,7 +294,11 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
 
 # Molt's names for values openppo spells otherwise: field -> {Molt's value: openppo's}. Molt's grpo is
 # (r - mean) / (std + 1e-9) per group with the unbiased std: group_norm's formula (whose eps is 1e-6).
-MOLT_VALUES: dict[str, dict[str, str]] = {"advantage_estimator": {"grpo": "group_norm"}}
+# Molt's on_policy_distill is a distillation run (`schema._molt_distill` moves its teacher to --teacher_pretrain); the
+# estimator then only shapes a task reward, which distillation alone has not.
+MOLT_DISTILL = "on_policy_distill"
+MOLT_VALUES: dict[str, dict[str, str]] = {"advantage_estimator": {"grpo": "group_norm", MOLT_DISTILL: "group_norm"}}
+MOLT_REF = "ref.model_name_or_path"  # Molt's reference model, and its teacher with on_policy_distill
 
 # Molt's FSDP2-only parallelism, which openppo's DeepSpeed engines do not have: name -> (the value that asks for
 # nothing, accepted with one line; None for a switch, refused whenever given), the reason and the nearest setting

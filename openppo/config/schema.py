@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import logging
+import os
 import sys
 import types
 import typing
@@ -196,6 +197,8 @@ def _add_molt_options(parser: argparse.ArgumentParser, cli: str | None, fields: 
             metavar="{full,selective,none}",
             help="Molt's spelling of --gradient_checkpointing: full (or no value), selective (full here) or none",
         )
+    if rl and "teacher_pretrain" in fields:
+        parser.add_argument(f"--{openrlhf_names.MOLT_REF}", dest="_molt_ref", default=None, help=argparse.SUPPRESS)
     if "vllm_is_correction_type" in fields:
         for name, dest, choices in (
             (openrlhf_names.MOLT_IS_LEVEL, "_molt_is_level", ("off", "token", "seq", "geo")),
@@ -250,6 +253,34 @@ def _molt_is_correction(ns: argparse.Namespace, argv: list[str], names, parser: 
     ns.vllm_is_correction_type = openrlhf_names.MOLT_IS_CORRECTION[(level, mode)]
     ns.enable_vllm_is_correction = True
     logger.info("%s with mode %s: --vllm_is_correction_type %s", flag, mode, ns.vllm_is_correction_type)
+
+
+def _molt_distill(ns: argparse.Namespace, argv: list[str], names, parser: argparse.ArgumentParser) -> None:
+    """Molt's `--algo.advantage.estimator on_policy_distill` distils from `--ref.model_name_or_path` with the
+    teacher's log-ratio as the whole advantage: openppo's `--teacher_pretrain` run without a task reward
+    (`--distill_task_coef 0`) and without a KL-to-start reference. Outside distillation Molt's reference path may
+    only name the actor's own starting weights, which are openppo's reference."""
+    ref, flag = getattr(ns, "_molt_ref", None), f"--{openrlhf_names.MOLT_REF}"
+    given = {names.field_of(n) or n: (n, v) for n, v in _options(argv)}
+    estimator = given.get("advantage_estimator", ("", []))[1]
+    if openrlhf_names.MOLT_DISTILL not in estimator:
+        if ref is not None and os.path.realpath(ref) != os.path.realpath(ns.pretrain or ""):
+            parser.error(
+                f"{flag} {ref}: openppo's reference model is the actor's starting weights (--pretrain); to learn "
+                "from another model distil from it (--teacher_pretrain, or Molt's on_policy_distill)"
+            )
+        return
+    if ref is None:
+        parser.error(f"--{given['advantage_estimator'][0]} on_policy_distill: the teacher is {flag}; pass it")
+    if "teacher_pretrain" in given:
+        parser.error(f"{flag} and --{given['teacher_pretrain'][0]} both name the teacher; give it once")
+    if "init_kl_coef" in given and ns.init_kl_coef != 1:
+        parser.error(
+            f"--{given['init_kl_coef'][0]} {ns.init_kl_coef} with on_policy_distill: openppo weighs the teacher's "
+            "log-ratio by 1; mix in a task reward with --distill_task_coef instead"
+        )
+    ns.teacher_pretrain, ns.init_kl_coef = [ref], 0.0
+    logger.info("on_policy_distill from %s: --teacher_pretrain %s --init_kl_coef 0", ref, ref)
 
 
 def _molt_cispo_ceiling(ns: argparse.Namespace, argv: list[str], parser: argparse.ArgumentParser) -> None:
@@ -326,6 +357,7 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
             logger.warning("--%s has no effect: %s", name, why)
     _check_fsdp_only(ns, parser)
     _molt_is_correction(ns, argv, names, parser)
+    _molt_distill(ns, argv, names, parser)
     _molt_cispo_ceiling(ns, argv, parser)
     return _from_namespace(config_cls, ns)
 
@@ -347,7 +379,8 @@ def _molt_values(argv: list[str], names: openrlhf_names.Spellings) -> list[str]:
             out[i] = f"--{name}={ours}"
         else:
             out[i + 1] = ours
-        logger.info("--%s %s: Molt's name for openppo's %s", name, value, ours)
+        if value != openrlhf_names.MOLT_DISTILL:  # (`_molt_distill` says what that one becomes)
+            logger.info("--%s %s: Molt's name for openppo's %s", name, value, ours)
     return out
 
 

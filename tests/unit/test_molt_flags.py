@@ -286,3 +286,30 @@ def test_molt_engine_settings_without_counterpart(capsys, caplog):
     # train_sft has no engines: Molt's SFT declares none of these
     with pytest.raises(SystemExit):
         parse_config(clis()["train_sft"], ["--vllm.pipeline_parallel_size", "1"], "train_sft")
+
+
+def test_molt_on_policy_distill_is_a_teacher_run(capsys, tmp_path):
+    """Molt's on_policy_distill distils from --ref.model_name_or_path: openppo's --teacher_pretrain run with no task
+    reward and no KL-to-start reference. Its reference path otherwise may only be the actor's own weights."""
+    config_cls = clis()["train_ppo_ray"]
+    base = ["--actor.model_name_or_path", "student", "--rollout.n_samples_per_prompt", "4"]
+    molt = ["--algo.advantage.estimator", "on_policy_distill", "--ref.model_name_or_path", "teacher"]
+    ours = ["--teacher_pretrain", "teacher", "--advantage_estimator", "group_norm", "--init_kl_coef", "0"]
+    assert parse_config(config_cls, base + molt, "t") == parse_config(config_cls, base + ours, "t")
+    assert parse_config(config_cls, base + molt + ["--algo.kl.init_coef", "1"], "t").model.teacher_pretrain == [
+        "teacher"
+    ]
+    # the actor's own folder as the reference is openppo's reference already
+    (tmp_path / "student").mkdir()
+    same = ["--pretrain", str(tmp_path / "student"), "--ref.model_name_or_path", str(tmp_path / "student")]
+    assert parse_config(config_cls, same, "t") == parse_config(config_cls, same[:2], "t")
+    for argv, reason in (
+        (["--algo.advantage.estimator", "on_policy_distill"], "the teacher is --ref.model_name_or_path"),
+        (molt + ["--teacher_pretrain", "other"], "give it once"),
+        (molt + ["--algo.kl.init_coef", "0.5"], "--distill_task_coef"),
+        (["--ref.model_name_or_path", "other"], "--teacher_pretrain"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_config(config_cls, base + argv, "t")
+        err = capsys.readouterr().err.strip()
+        assert err.startswith("error: --") and reason in err and "\n" not in err, err
