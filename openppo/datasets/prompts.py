@@ -20,7 +20,7 @@ from tqdm import tqdm
 from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, BadImage, check_row_images, no_rows_left
 from openppo.datasets.loading import require_columns
 from openppo.datasets.sft import PROGRESS_MIN_SAMPLES
-from openppo.datasets.templates import bos_ids, encode_segments, render_prompt, validate_template_options
+from openppo.datasets.templates import bos_ids, encode_segments, render_prompt, row_tools, validate_template_options
 from openppo.errors import UserError, require
 
 logger = logging.getLogger(__name__)
@@ -50,6 +50,7 @@ class PromptDataset(Dataset):
         image_key: str | None = None,
         max_images: int = 0,
         processor=None,
+        tools_key: str | None = None,
     ):
         require(max_images >= 0, f"--max_images_per_prompt must be 0 (text only) or more, got {max_images}")
         require(
@@ -61,13 +62,16 @@ class PromptDataset(Dataset):
             image_key is None or apply_chat_template,
             "--image_key: image prompts are chat messages with image items; pass --apply_chat_template",
         )
-        require_columns(
-            ds, {"--input_key": input_key, "--label_key": label_key, "--image_key": image_key}, "the prompt data"
+        require(
+            tools_key is None or apply_chat_template,
+            "--tools_key: the chat template renders the tools into the prompt; pass --apply_chat_template",
         )
+        keys = {"--input_key": input_key, "--label_key": label_key, "--image_key": image_key, "--tools_key": tools_key}
+        require_columns(ds, keys, "the prompt data")
         prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
         renderer = processor if image_key is not None and processor is not None else tokenizer
         has_source = DATASOURCE_COLUMN in ds.column_names
-        columns = [c for c in (input_key, label_key, image_key, DATASOURCE_COLUMN if has_source else None) if c]
+        columns = [c for c in (input_key, label_key, image_key, tools_key, has_source and DATASOURCE_COLUMN) if c]
         rows = ds.select_columns(list(dict.fromkeys(columns)))
 
         self.items: list[dict[str, Any]] = []
@@ -85,8 +89,13 @@ class PromptDataset(Dataset):
                     if len(bad_images) <= MAX_BAD_ROWS_LOGGED:
                         logger.warning("prompt data: skipping %s", bad_images[-1])
                     continue
+            tools = row_tools(row[tools_key], f"--tools_key {tools_key!r}, row {index}") if tools_key else None
             prompt = render_prompt(
-                row[input_key], renderer, apply_chat_template=apply_chat_template, input_template=input_template
+                row[input_key],
+                renderer,
+                apply_chat_template=apply_chat_template,
+                input_template=input_template,
+                tools=tools,
             )
             prompt_ids, _ = encode_segments(tokenizer, [(prompt, False)], prefix)
             if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:

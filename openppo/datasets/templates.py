@@ -29,6 +29,7 @@ generated after it, so no BPE merge ever crosses the prompt/response boundary, a
 
 from __future__ import annotations
 
+import json
 import logging
 from collections.abc import Sequence
 from typing import Any
@@ -71,10 +72,15 @@ def as_messages(value: Any, key_flag: str) -> Messages:
     return [{k: v for k, v in m.items() if v is not None} for m in value]
 
 
-def chat_text(tokenizer, messages: Messages, *, generation_prompt: bool, key_flag: str) -> str:
-    """The chat template's rendering of `messages`; a template error becomes a UserError naming the column."""
+def chat_text(
+    tokenizer, messages: Messages, *, generation_prompt: bool, key_flag: str, tools: list | None = None
+) -> str:
+    """The chat template's rendering of `messages` (with `tools`, OpenAI-format function schemas, where the template
+    places them); a template error becomes a UserError naming the column."""
     try:
-        return tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.apply_chat_template(
+            messages, tools=tools or None, tokenize=False, add_generation_prompt=generation_prompt
+        )
     except TemplateError as err:
         raise UserError(f"{key_flag}: the chat template rejected a conversation ({err}); fix the data") from err
 
@@ -86,10 +92,13 @@ def render_prompt(
     apply_chat_template: bool,
     input_template: str | None,
     key_flag: str = "--input_key",
+    tools: list | None = None,
 ) -> str:
-    """The prompt text: chat-template rendering with the generation prompt, or the (templated) string."""
+    """The prompt text: chat-template rendering with the generation prompt (and the row's `tools`), or the
+    (templated) string."""
     if apply_chat_template:
-        return chat_text(tokenizer, _user_or_messages(value, key_flag), generation_prompt=True, key_flag=key_flag)
+        messages = _user_or_messages(value, key_flag)
+        return chat_text(tokenizer, messages, generation_prompt=True, key_flag=key_flag, tools=tools)
     if not isinstance(value, str):
         as_messages(value, key_flag)  # a non-message value gets the type error rather than the flag hint
         raise UserError(f"{key_flag} holds chat messages; pass --apply_chat_template to render them")
@@ -98,6 +107,20 @@ def render_prompt(
     if "{}" not in input_template:
         raise UserError(f"--input_template must contain '{{}}' where the prompt goes, got {input_template!r}")
     return input_template.replace("{}", value, 1)
+
+
+def row_tools(value: Any, where: str) -> list[dict] | None:
+    """A row's tool schemas (`--tools_key`): a list of OpenAI-format tools or its JSON text; None or empty: none."""
+    if value is None or value == "" or value == []:
+        return None
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as err:
+            raise UserError(f"{where}: not JSON ({err.msg} at character {err.pos}); store a list of tools") from err
+    if not isinstance(value, list) or not all(isinstance(tool, dict) for tool in value):
+        raise UserError(f"{where}: expected a list of tools ({{'type': 'function', ...}} each), got {value!r}")
+    return value
 
 
 def render_response(

@@ -294,6 +294,11 @@ class PromptDataConfig:
         "with several --teacher_pretrain: the column naming each prompt's teacher (its NAME, folder name or "
         "position from 0)",
     )
+    tools_key: str = opt(
+        None,
+        "column holding each prompt's tools (OpenAI-format function schemas, a list or its JSON), which the chat "
+        "template renders into the prompt (needs --apply_chat_template; an empty cell: none)",
+    )
     eval_dataset: str = opt(None, "prompts for evaluation (pass@1 and pass@k with the reward source)", metavar="PATHS")
     prompt_split: str = opt("train", "split of --prompt_data sources that are save_to_disk DatasetDict folders")
     eval_split: str = opt("train", "split of --eval_dataset sources that are save_to_disk DatasetDict folders")

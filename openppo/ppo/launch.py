@@ -91,6 +91,7 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
         image_key=d.image_key,
         max_images=d.max_images_per_prompt,
         processor=processor,
+        tools_key=d.tools_key,
     )
 
 

@@ -49,3 +49,38 @@ def test_too_long_prompts_are_dropped(tokenizer, caplog):
         make(rows[1:2], tokenizer, max_prompt_len=16)
     with pytest.raises(UserError, match="--label_key: column 'label' not found"):
         make(rows, tokenizer, label_key="label")
+
+
+TOOL = {
+    "type": "function",
+    "function": {
+        "name": "add_numbers",
+        "description": "Add two numbers.",
+        "parameters": {"type": "object", "properties": {"a": {"type": "number"}, "b": {"type": "number"}}},
+    },
+}
+
+
+def test_tools_key_renders_each_rows_tools_into_its_prompt(tokenizer):
+    """--tools_key (Molt's --data.tools_key): the chat template places a row's tools (a list or its JSON) in the
+    prompt, as `apply_chat_template(tools=...)` does; a row without tools renders as without the column."""
+    import json
+
+    rows = [
+        {"question": "2+2?", "answer": "4", "tools": json.dumps([TOOL])},
+        {"question": "3+3?", "answer": "6", "tools": ""},
+    ]
+    ds = make(rows, tokenizer, tools_key="tools")
+    expected = tokenizer.apply_chat_template(
+        [{"role": "user", "content": "2+2?"}], tools=[TOOL], tokenize=False, add_generation_prompt=True
+    )
+    assert ds[0]["prompt"] == expected and "add_numbers" in expected and "<tools>" in expected
+    assert ds[1]["prompt"] == make([{"question": "3+3?", "answer": "6"}], tokenizer)[0]["prompt"]
+    assert make([{**rows[0], "tools": [TOOL]}], tokenizer, tools_key="tools")[0]["prompt"] == expected
+    for bad, reason in (("[{", "not JSON"), (json.dumps({"a": 1}), "expected a list of tools")):
+        with pytest.raises(UserError, match=f"--tools_key 'tools', row 0: {reason}"):
+            make([{**rows[0], "tools": bad}], tokenizer, tools_key="tools")
+    with pytest.raises(UserError, match="--tools_key: the chat template renders"):
+        make(rows, tokenizer, tools_key="tools", apply_chat_template=False, input_template="{}")
+    with pytest.raises(UserError, match="--tools_key: column 'schemas' not found"):
+        make(rows, tokenizer, tools_key="schemas")
