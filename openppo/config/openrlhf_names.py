@@ -363,6 +363,11 @@ MOLT_RL_NO_EFFECT: dict[str, tuple[bool, str]] = {
         True,
         "openppo's rollouts and rewards run in the driver's engine pool and reward workers, with no runner actors",
     ),
+    "ckpt.warm_resume_rollouts": (
+        False,
+        "a resumed --async_train run generates the batches the checkpoint had not trained on again, from its data "
+        "position, with the resumed weights; none is saved",
+    ),
 }
 
 # Molt's activation-checkpointing modes (full | selective | none), a string flag for openppo's one switch; per CLI
@@ -413,6 +418,9 @@ REFUSED: dict[str, str] = {
     "data.image_key": _IMAGES_RL_ONLY,
     "data.max_images_per_prompt": _IMAGES_RL_ONLY,
     "model.freeze_visual_encoder": _IMAGES_RL_ONLY,
+    "train.routing_replay": "openppo's training forward does not replay the engines' expert choices (vLLM 0.32 can "
+    "return them, but nothing feeds them to the trained MoE model yet); hold routing alike with --freeze_moe_router "
+    "and weigh the mismatch with --enable_vllm_is_correction",
 }
 
 # flags that do nothing in a CLI without the field: (takes a value, why it is ignored)

@@ -265,12 +265,17 @@ def test_molt_engine_settings_without_counterpart(capsys, caplog):
     asks_nothing = ["--vllm.pipeline_parallel_size", "1", "--vllm.data_parallel_size", "1"]
     asks_nothing += ["--vllm.decode_context_parallel_size", "1", "--vllm.mtp_num_speculative_tokens", "0"]
     ignored = ["--vllm.distributed_executor_backend", "mp", "--vllm.router_policy", "round_robin"]
-    ignored += ["--rollout.num_runners", "4"]
+    ignored += ["--rollout.num_runners", "4", "--ckpt.warm_resume_rollouts"]
     with caplog.at_level(logging.INFO):
         assert parse_config(config_cls, asks_nothing + ignored, "t") == default
     for name in ("pipeline_parallel_size 1", "data_parallel_size 1", "mtp_num_speculative_tokens 0"):
         assert f"--vllm.{name} has no effect" in caplog.text, name
-    for name in ("vllm.distributed_executor_backend", "vllm.router_policy", "rollout.num_runners"):
+    for name in (
+        "vllm.distributed_executor_backend",
+        "vllm.router_policy",
+        "rollout.num_runners",
+        "ckpt.warm_resume_rollouts",
+    ):
         assert f"--{name} has no effect: " in caplog.text, name
     for argv, reason in (
         (["--vllm.pipeline_parallel_size", "2"], "--vllm_tensor_parallel_size"),
