@@ -459,8 +459,8 @@ class PPOTrainConfig:
 
     def step_rows(self, planned: int, rows: int) -> int:
         """Rows of a rank's optimizer step: the `planned` share of --train_batch_size, or all its `rows` of the batch
-        with --force_on_policy (their number can differ from the plan's)."""
-        return rows if self.force_on_policy else planned
+        with --force_on_policy (their number can differ from the plan's; at least 1, a step count's divisor)."""
+        return max(rows, 1) if self.force_on_policy else planned
 
     def epochs(self, role: str) -> int:
         """Passes over each rollout batch of the trained `role` ("actor" or "critic")."""

@@ -59,7 +59,7 @@ def test_force_on_policy_takes_one_step_per_batch():
     assert _plan(ppo + grpo + "--param_dtype fp32", 80).old_logprob_pass  # two steps a batch
     # a rank's step takes every row it got, however many (an agent's sealed segments add rows)
     train = parse_config(PPOConfig, "--pretrain m --prompt_data p --train.force_on_policy".split(), "t").train
-    assert train.step_rows(planned=4, rows=11) == 11
+    assert train.step_rows(planned=4, rows=11) == 11 and train.step_rows(planned=4, rows=0) == 1  # (a range's step)
     assert parse_config(PPOConfig, "--pretrain m --prompt_data p".split(), "t").train.step_rows(4, 11) == 4
 
 
