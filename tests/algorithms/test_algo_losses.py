@@ -103,11 +103,15 @@ def test_gspo_ratio_is_geometric_mean(dtype):
     torch.testing.assert_close(metrics["clip_ratio"], torch.tensor(3 / 5, dtype=dtype))
 
 
+def _rho_rows():
+    """(old, rollout, mask) with rho = exp(old - rollout) = [0.25, 1, 8] in row 0 and [8, 8] in row 1 (third token
+    masked): the importance-weight tests' rows."""
+    return _log([[0.25, 1.0, 8.0], [8.0, 8.0, 1.0]]), torch.zeros(2, 3), torch.tensor([[1, 1, 1], [1, 1, 0]])
+
+
 def test_importance_weights_hand_values():
-    # rho = exp(old - rollout) = [0.25, 1, 8] in row 0, [8, 8] in row 1; band [0.5, 5]
-    old = _log([[0.25, 1.0, 8.0], [8.0, 8.0, 1.0]])
-    rollout = torch.zeros(2, 3)
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # band [0.5, 5]
+    old, rollout, mask = _rho_rows()
     tis, m = importance_weights(old, rollout, mask, "tis", (0.5, 5.0))
     torch.testing.assert_close(tis, torch.tensor([[0.5, 1.0, 5.0], [5.0, 5.0, 0.0]]))
     # vllm_kl = mean(rollout - old) over 5 kept tokens = -(ln 0.25 + 0 + ln 8 + 2 ln 8) / 5
@@ -126,10 +130,8 @@ def test_importance_weights_hand_values():
 
 
 def test_molt_importance_weights_hand_values():
-    # same rho as above: row 0 [0.25, 1, 8], row 1 [8, 8] (third token masked); band [0.5, 5]
-    old = _log([[0.25, 1.0, 8.0], [8.0, 8.0, 1.0]])
-    rollout = torch.zeros(2, 3)
-    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # band [0.5, 5]
+    old, rollout, mask = _rho_rows()
     trunc, m = importance_weights(old, rollout, mask, "token-trunc", (0.5, 5.0))
     # only the upper tail is cut: 0.25 stays
     torch.testing.assert_close(trunc, torch.tensor([[0.25, 1.0, 5.0], [5.0, 5.0, 0.0]]))
