@@ -32,7 +32,7 @@ TOOLS = [
         },
     }
 ]
-HANG_S = 60  # longer than the run's --agent_timeout
+HANG_S = 180  # longer than the run's --agent_timeout (60 s)
 # the third episode of each prompt has a slow tool: on step 2 (generated while step 1 trains, --async_train) its
 # answer after the tool comes from the weights that step 1's sync brought, its tool call from the older ones
 SLOW_TOOL_S = 8  # (step 1's update and sync took 3 s on a 2-core CPU)
