@@ -22,7 +22,14 @@ from openppo.algorithms import (
     log_probs_from_logits,
     sampling_log_probs,
 )
-from openppo.models.hf import base_model, finish_model, first_rank, resolve_model_path, router_aux_loss
+from openppo.models.hf import (
+    attention_kernel,
+    base_model,
+    finish_model,
+    first_rank,
+    resolve_model_path,
+    router_aux_loss,
+)
 from openppo.models.lm_head import head_scores, unsupported_reason
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
@@ -103,7 +110,7 @@ class Actor(nn.Module):
         path = resolve_model_path(path, flag)
         vision = is_vision_language(AutoConfig.from_pretrained(path, trust_remote_code=True))
         model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
-            path, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True
+            path, dtype=dtype, attn_implementation=attention_kernel(attn_implementation), trust_remote_code=True
         )
         model.config.use_cache = False
         if vision:

@@ -3,6 +3,7 @@ flag), and writing models back as HF folders (full weights, or only the LoRA ada
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 import re
@@ -20,6 +21,31 @@ from openppo.errors import UserError
 logger = logging.getLogger(__name__)
 
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+
+
+def attention_kernel(name: str) -> str:
+    """The `--attn_implementation` to load with: `name`, or sdpa where flash_attention_2 cannot run (no CUDA device,
+    or no flash-attn package), with one log line per process. OpenRLHF's and Molt's recipes ask for
+    flash_attention_2; sdpa computes the same attention (and dispatches to flash kernels on GPUs)."""
+    if name != "flash_attention_2":
+        return name
+    import importlib.util
+
+    if not torch.cuda.is_available():
+        _say_once("--attn_implementation flash_attention_2 needs a CUDA device: sdpa instead (the same attention)")
+    elif importlib.util.find_spec("flash_attn") is None:
+        _say_once(
+            "--attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: sdpa "
+            "instead (the same attention, with flash kernels on this GPU)"
+        )
+    else:
+        return name
+    return "sdpa"
+
+
+@functools.cache
+def _say_once(message: str) -> None:
+    logger.warning(message)
 
 
 def resolve_model_path(path: str | None, flag: str) -> str:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from openppo.models.hf import base_model, finish_model, resolve_model_path, router_aux_loss
+from openppo.models.hf import attention_kernel, base_model, finish_model, resolve_model_path, router_aux_loss
 from openppo.models.row_layout import RowLayout
 from openppo.models.varlen_attention import enable_varlen_attention
 
@@ -62,7 +62,11 @@ class ScalarModel(nn.Module):
             # HF's classification forward needs one; ours never uses it.
             config.pad_token_id = config.eos_token_id if isinstance(config.eos_token_id, int) else 0
         model = AutoModelForSequenceClassification.from_pretrained(
-            path, config=config, dtype=dtype, attn_implementation=attn_implementation, trust_remote_code=True
+            path,
+            config=config,
+            dtype=dtype,
+            attn_implementation=attention_kernel(attn_implementation),
+            trust_remote_code=True,
         )
         enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)
         return cls(

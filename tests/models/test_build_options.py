@@ -111,3 +111,32 @@ def test_full_determinism_of_the_supervised_clis():
         assert torch.equal(runs[1], runs[2])
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+def test_flash_attention_2_falls_back_to_sdpa_where_it_cannot_run(monkeypatch, caplog):
+    """OpenRLHF's and Molt's recipes pass flash_attention_2; without a CUDA device, or without the flash-attn package,
+    the model loads with sdpa and one line says so (the GPU case is mocked: torch.cuda.is_available is CUDA-only)."""
+    import importlib.util
+
+    from openppo.models import hf
+
+    hf._say_once.cache_clear()
+    assert hf.attention_kernel("eager") == "eager"
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with caplog.at_level("WARNING"):
+        assert hf.attention_kernel("flash_attention_2") == "sdpa"
+        assert hf.attention_kernel("flash_attention_2") == "sdpa"
+    assert [r.message for r in caplog.records] == [
+        "--attn_implementation flash_attention_2 needs a CUDA device: sdpa instead (the same attention)"
+    ]
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    real = importlib.util.find_spec
+    for installed, kernel in ((None, "sdpa"), (object(), "flash_attention_2")):
+        monkeypatch.setattr(
+            importlib.util, "find_spec", lambda n, *a, s=installed: s if n == "flash_attn" else real(n, *a)
+        )
+        assert hf.attention_kernel("flash_attention_2") == kernel
+    # a model built with it runs here
+    monkeypatch.undo()
+    actor = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, attn_implementation="flash_attention_2")
+    assert actor.model.config._attn_implementation != "flash_attention_2"
