@@ -6,7 +6,8 @@ An episode is one sample: the model answers the prompt, the environment reads th
 so the token ids the policy is trained on are exactly the ones the engine sampled (token in, token out), and
 the feedback tokens it inserts are masked out of the loss.
 
-A user's file (`--agent_func_path my_env.py`) defines `class Agent(AgentEnv)`; `load_agent_env` imports it.
+A user's file (`--agent_func_path my_env.py`) defines `class Agent(AgentEnv)`; `load_agent_env` imports it. A Molt
+agent file (`class AgentRunner(StepEnvRunner)`, Molt's `--train.agent_path`) is played through `openppo.agents.molt`.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ import abc
 import inspect
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 from openppo.errors import UserError
 from openppo.utils.imports import import_file
 
 FLAG = "--agent_func_path"
-_FIX = "class Agent(AgentEnv) (from openppo.agents import AgentEnv) with a step(self, response_text, turn) method"
+_FIX = (
+    "class Agent(AgentEnv) (from openppo.agents import AgentEnv) with a step(self, response_text, turn) method, "
+    "or Molt's class AgentRunner(StepEnvRunner)"
+)
 
 
 class AgentError(RuntimeError):
@@ -50,6 +54,9 @@ class AgentEnv(abc.ABC):
         label: the data set's label for this prompt (`--label_key`), or None.
     """
 
+    decode_special_tokens: ClassVar[bool] = False
+    """whether `step` gets the model's turn with its special tokens (Molt's environments do)"""
+
     def __init__(self, prompt: str, label: Any):
         self.prompt = prompt
         self.label = label
@@ -66,8 +73,18 @@ def load_agent_env(path: str | Path, flag: str = FLAG) -> type[AgentEnv]:
         raise UserError(f"{flag}: agent file {path} not found; pass an existing .py file that defines {_FIX}")
     if p.suffix != ".py":
         raise UserError(f"{flag}: {path} is not a .py file; pass a Python file that defines {_FIX}")
-    module = import_file(p, flag, "openppo_agent_env_")
+    from openppo.agents import molt
+
+    with molt.molt_modules():  # a Molt agent file imports molt.agents
+        module = import_file(p, flag, "openppo_agent_env_")
     cls = getattr(module, "Agent", None)
+    if cls is None and inspect.isclass(getattr(module, "AgentRunner", None)):
+        try:
+            runner = module.AgentRunner()
+        except Exception as err:
+            why = f"{type(err).__name__}: {err}"
+            raise UserError(f"{flag}: AgentRunner() of {path} raised {why}; fix the file") from err
+        return molt.agent_env(runner, str(path), flag)
     if cls is None:
         raise UserError(f"{flag}: {path} defines no Agent; add {_FIX}")
     if not (inspect.isclass(cls) and issubclass(cls, AgentEnv)):

@@ -119,7 +119,8 @@ def run_agent_episodes(
             assert len(token_ids) <= budget and len(log_probs) == len(token_ids), "generate broke its contract"
             ep.append(token_ids, log_probs)
             ep.num_turns += 1
-            result = _step(ep, tokenizer.decode(token_ids, skip_special_tokens=True), turn)
+            text = tokenizer.decode(token_ids, skip_special_tokens=not ep.env.decode_special_tokens)
+            result = _step(ep, text, turn)
             ep.reward += float(result.reward)
             ep.extra.update({str(k): float(v) for k, v in result.extra.items()})
             if result.done or turn + 1 == max_turns:

@@ -274,6 +274,7 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "eval.eval_at_start": "eval_at_start",
     "train.force_on_policy": "force_on_policy",
     "train.force_sync_mode": "force_sync_mode",
+    "train.agent_path": "agent_func_path",  # a Molt agent file (AgentRunner(StepEnvRunner)): openppo/agents/molt.py
     "data.tools_key": "tools_key",
     "eval.batch_size": "eval_batch_size",
     "eval.max_new_tokens": "eval_max_new_tokens",

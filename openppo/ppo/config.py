@@ -384,8 +384,9 @@ class RolloutConfig:
     )
     agent_func_path: str = opt(
         None,
-        "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv); its "
-        "environment gives the reward, feedback tokens are masked out of the loss",
+        "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv), or Molt's "
+        "`AgentRunner` (a StepEnvRunner of a molt.agents.Env, run unchanged: docs/agents.md); its environment gives "
+        "the reward, feedback tokens are masked out of the loss",
         metavar="FILE",
     )
     agent_max_turns: int = opt(4, "most model turns per agent episode")

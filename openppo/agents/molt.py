@@ -1,0 +1,186 @@
+"""Molt's agent interface (`--train.agent_path`, a recipe from NVIDIA-NeMo/labs-molt): its agent files run unchanged.
+
+A Molt agent file says `from molt.agents import Env, Result, StepEnvRunner`, defines `class MyEnv(Env)` with an async
+`step(state) -> Result` (and an optional async `reset(state) -> state`), and exports `class AgentRunner(StepEnvRunner)`
+bound to it. Without Molt installed, `molt_modules` puts this module in `sys.modules` as `molt.agents` while such a
+file is imported, so the names resolve here; with Molt installed its own classes are used. Either way `agent_env`
+turns the runner into an openppo `AgentEnv`, and the multi-turn rollout (`openppo.agents.rollout`) plays it exactly
+as an `--agent_func_path` environment: token in, token out, the feedback masked out of the loss.
+
+The mapping, per model turn: Molt's state is `observation_text` (the prompt and every earlier turn and feedback, as
+text), `action_text` (this turn, decoded with its special tokens, as Molt does) and `label`; `sampling_params` is
+None (openppo's sampling settings are the run's, one per run). The `Result`'s reward adds to the episode's, its
+`observation` is the next turn's feedback (encoded raw, no template, as in Molt), `terminated` or `truncated` ends
+the episode (so does --agent_max_turns), `info` and `score` are logged per sample. What openppo does not do is
+refused in one line naming the episode: a `reset` that rewrites the first observation (the prompt is rendered from
+the data set), images in the feedback, per-turn sampling parameters. Molt's `ChatAgentRunner` (an agent that calls
+the OpenAI API itself) runs as `--agent_program` instead.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import importlib.util
+import numbers
+import sys
+import threading
+import types
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any, ClassVar
+
+from openppo.agents.base import AgentEnv, AgentError, StepResult
+from openppo.errors import UserError
+
+
+@dataclass
+class Result:
+    """What an `Env.step` returns (Molt's fields, Gymnasium's step tuple)."""
+
+    reward: Any = 0.0
+    observation: str = ""
+    terminated: bool = True
+    truncated: bool = False
+    info: dict = field(default_factory=dict)
+    score: Any = None
+    images: list | None = None
+    sampling_params: object = None
+
+
+class Env(ABC):
+    """One episode's environment: `reset` once, then `step` once per model turn (both coroutines)."""
+
+    def __init__(self, *args, **kwargs):  # noqa: B027 (Molt's: a subclass need not call it)
+        pass
+
+    async def reset(self, state: dict, **kwargs) -> dict:
+        return state
+
+    @abstractmethod
+    async def step(self, state: dict, **kwargs) -> Result:
+        raise NotImplementedError
+
+
+class Runner:
+    """What a Molt agent file exports as `AgentRunner`."""
+
+
+class StepEnvRunner(Runner):
+    def __init__(self, env_cls: type):
+        if not (isinstance(env_cls, type) and issubclass(env_cls, Env)):
+            raise TypeError("StepEnvRunner(env_cls): env_cls must be a subclass of molt.agents.Env")
+        self.env_cls = env_cls
+
+
+class ChatAgent:
+    """Molt's agent that calls the model through the OpenAI API itself (declared so that its files import)."""
+
+
+class ChatContext:
+    """(declared so that Molt's chat-agent files import)"""
+
+
+class ChatAgentRunner(Runner):
+    """Molt's runner of a `ChatAgent`: openppo runs such agents with --agent_program; `agent_env` refuses it with
+    that pointer."""
+
+    def __init__(self, agent_cls: type):
+        self.agent_cls = agent_cls
+
+
+@contextlib.contextmanager
+def molt_modules():
+    """While a Molt agent file is imported: `molt.agents` resolves to this module, unless Molt itself is
+    installed. The entries stay afterwards (a file may import lazily, inside `step`)."""
+    if "molt.agents" not in sys.modules and importlib.util.find_spec("molt") is None:
+        package = types.ModuleType("molt")
+        package.__path__ = []  # a package: `import molt.agents` looks here
+        package.agents = sys.modules[__name__]
+        sys.modules.setdefault("molt", package)
+        for name in ("molt.agents", "molt.agents.base", "molt.agents.chat_agent"):  # where Molt's files import from
+            sys.modules.setdefault(name, sys.modules[__name__])
+    yield
+
+
+class _Loop:
+    """One event loop on a thread of its own for every Molt environment of the process: an environment may keep
+    loop-bound objects (an aiohttp session) from one turn to the next, so every coroutine runs on the same loop."""
+
+    _loop: asyncio.AbstractEventLoop | None = None
+    _lock = threading.Lock()
+
+    @classmethod
+    def run(cls, coroutine):
+        with cls._lock:
+            if cls._loop is None:
+                cls._loop = asyncio.new_event_loop()
+                threading.Thread(target=cls._loop.run_forever, name="molt-env-loop", daemon=True).start()
+        return asyncio.run_coroutine_threadsafe(coroutine, cls._loop).result()
+
+
+def _scalar(value: Any) -> float | None:
+    """Molt's rule for a reward, score or logged value: a number, or the first element of a tensor or list; None
+    for anything else (a string in `info` is not logged)."""
+    if hasattr(value, "detach") and hasattr(value, "flatten"):
+        flat = value.detach().flatten()
+        return float(flat[0].item()) if flat.numel() else None
+    if isinstance(value, (list, tuple)):
+        return _scalar(value[0]) if value else None
+    return float(value) if isinstance(value, numbers.Real) else None
+
+
+def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
+    """The openppo environment class that plays the Molt `AgentRunner` instance `runner` of the file `path`."""
+    env_cls = getattr(runner, "env_cls", None)
+    if env_cls is None:
+        raise UserError(
+            f"{flag}: {path}: AgentRunner is not a StepEnvRunner(Env), the Molt agents openppo plays here; an "
+            "agent that calls the OpenAI API itself (Molt's ChatAgent) runs with --agent_program FILE.py:NAME "
+            "(docs/agents.md)"
+        )
+
+    class MoltEnv(AgentEnv):
+        decode_special_tokens: ClassVar[bool] = True  # Molt's action_text keeps them (answer and tool markers)
+        molt_env_cls: ClassVar[type] = env_cls
+
+        def __init__(self, prompt: str, label: Any):
+            super().__init__(prompt, label)
+            self.env = env_cls()
+            state = _Loop.run(self.env.reset({"observation": prompt, "label": label}))
+            if state.get("observation", prompt) != prompt:
+                raise AgentError(
+                    f"{env_cls.__name__}.reset rewrote the first observation; openppo renders the prompt from the "
+                    "data set (--input_key, --apply_chat_template): put that text in the data set instead"
+                )
+            self.text = prompt
+
+        def step(self, response_text: str, turn: int) -> StepResult:
+            state = {"observation_text": self.text, "action_text": response_text, "label": self.label}
+            result = _Loop.run(self.env.step({**state, "sampling_params": None}))
+            if not isinstance(result, Result) and type(result).__name__ != "Result":
+                raise AgentError(f"{env_cls.__name__}.step returned {type(result).__name__}; return a Result")
+            reward = _scalar(result.reward)
+            if reward is None:
+                raise AgentError(f"{env_cls.__name__}.step returned a Result without a scalar reward")
+            if result.images:
+                raise AgentError(f"{env_cls.__name__}.step returned images: openppo's agents give text feedback only")
+            if result.sampling_params is not None:
+                raise AgentError(
+                    f"{env_cls.__name__}.step returned sampling_params: openppo samples every turn with the run's "
+                    "settings (--temperature, --top_p, --generate_max_len)"
+                )
+            logged = {str(k): _scalar(v) for k, v in (result.info or {}).items()}
+            extra = {k: v for k, v in logged.items() if v is not None}
+            if _scalar(result.score) is not None:
+                extra["score"] = _scalar(result.score)
+            self.text += response_text + (result.observation or "")
+            return StepResult(
+                feedback=result.observation or "",
+                reward=reward,
+                done=bool(result.terminated or result.truncated),
+                extra=extra,
+            )
+
+    MoltEnv.__name__ = MoltEnv.__qualname__ = f"Molt{env_cls.__name__}"
+    return MoltEnv

@@ -1,0 +1,132 @@
+"""Molt's agent interface (`--train.agent_path`, openppo/agents/molt.py): a Molt agent file, which imports
+`molt.agents`, is played as an openppo multi-turn environment. Scripted engine and character tokenizer as in
+test_agent_rollout.py, so every state the environment sees and every token of the samples is written out by hand;
+the run with real engines is tests/ppo/test_molt_quick_start.py."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+from openppo.agents import AgentError, load_agent_env, run_agent_episodes
+from openppo.errors import UserError
+from tests.agents.test_agent_rollout import EOS, CharTokenizer
+
+VOWELS_AGENT = Path(__file__).resolve().parent / "molt_vowels_agent.py"
+FB = [ord(c) for c in " Vowels only: "]
+
+
+def answer(contexts, budgets):
+    """Every turn answers "ax" and EOS: a third of its characters (EOS included, as Molt decodes it) are vowels."""
+    return [{"token_ids": [ord("a"), ord("x"), EOS], "logprobs": [-0.5, -0.25, -0.125], "finish_reason": "stop"}] * len(
+        contexts
+    )
+
+
+def play(path, *, n=2, max_turns=4):
+    """`n` episodes of one prompt; returns the samples and every state the Molt environment saw, in order."""
+    items = [{"prompt": "P", "prompt_ids": [ord("P")], "label": "7", "index": 3}]
+    env_cls = load_agent_env(path, "--train.agent_path")
+    seen = getattr(sys.modules[env_cls.molt_env_cls.__module__], "SEEN", [])
+    seen.clear()
+    samples = run_agent_episodes(
+        answer,
+        CharTokenizer(),
+        items,
+        n_samples_per_prompt=n,
+        env_cls=env_cls,
+        max_turns=max_turns,
+        max_new_tokens=3,
+        max_total_len=100,
+    )
+    return samples, list(seen)
+
+
+def test_a_molt_env_plays_its_turns_with_molts_state_and_result():
+    samples, seen = play(VOWELS_AGENT)
+    turn = [ord("a"), ord("x"), EOS]
+    assert len(samples) == 2
+    for s in samples:
+        # two model turns with the raw feedback between them (masked out), then the environment's terminated
+        assert s.response_ids == turn + FB + turn and s.action_mask == [1] * 3 + [0] * len(FB) + [1] * 3
+        assert s.rollout_log_probs == [-0.5, -0.25, -0.125] + [0.0] * len(FB) + [-0.5, -0.25, -0.125]
+        assert s.reward == pytest.approx(2 / 3)  # the turns' rewards summed, each the first element of its tensor
+        assert s.extra["rollout/agent_turns"] == 2.0 and s.finish_reason == "stop"
+        # info's numbers and the score logged (the last turn's), its text not
+        assert s.extra["env/vowel_share"] == pytest.approx(1 / 3) and s.extra["env/score"] == 0.0
+        assert "env/answer" not in s.extra
+    # Molt's state, turn by turn (both episodes' first turns, then their second): the context so far as text, the
+    # turn decoded with its special tokens (EOS is chr(0)), the label, no sampling parameters
+    assert [st["observation_text"] for st in seen] == ["P", "P", "Pax\x00 Vowels only: ", "Pax\x00 Vowels only: "]
+    assert all(st["action_text"] == "ax\x00" and st["label"] == "7" and st["sampling_params"] is None for st in seen)
+
+
+def test_max_turns_still_caps_a_molt_episode():
+    samples, seen = play(VOWELS_AGENT, n=1, max_turns=1)
+    assert samples[0].response_ids == [ord("a"), ord("x"), EOS] and len(seen) == 1
+
+
+MOLT_FILE = """
+import torch
+from molt.agents.base import Env, Result, StepEnvRunner
+
+
+class E(Env):
+    async def reset(self, state):
+        return {BODY_RESET}
+
+    async def step(self, state):
+        return {BODY_STEP}
+
+
+class AgentRunner(StepEnvRunner):
+    def __init__(self):
+        super().__init__(E)
+"""
+
+
+def molt_file(tmp_path, reset="state", step="Result(reward=1.0)"):
+    path = tmp_path / "agent.py"
+    path.write_text(MOLT_FILE.replace("{BODY_RESET}", reset).replace("{BODY_STEP}", step))
+    return path
+
+
+@pytest.mark.parametrize(
+    "reset, step, message",
+    [
+        ("{**state, 'observation': 'other'}", "Result(reward=1.0)", "E.reset rewrote the first observation"),
+        ("state", "Result(reward=None)", "E.step returned a Result without a scalar reward"),
+        ("state", "Result(reward=1.0, images=['x.png'])", "E.step returned images"),
+        ("state", "Result(reward=1.0, sampling_params=object())", "E.step returned sampling_params"),
+        ("state", "1.0", "E.step returned float; return a Result"),
+    ],
+)
+def test_what_openppo_does_not_do_is_refused_naming_the_env(tmp_path, reset, step, message):
+    with pytest.raises(AgentError, match=message):
+        play(molt_file(tmp_path, reset, step), n=1)
+
+
+def test_a_molt_file_loads_with_its_errors_named(tmp_path):
+    # a terminated=False episode runs to --agent_max_turns, as an --agent_func_path one does
+    samples, _ = play(molt_file(tmp_path, step="Result(reward=0.25, observation='again', terminated=False)"), n=1)
+    assert samples[0].reward == 1.0 and samples[0].extra["rollout/agent_turns"] == 4.0
+    chat = tmp_path / "chat.py"
+    chat.write_text(
+        "from molt.agents import ChatAgent, ChatAgentRunner\n"
+        "class A(ChatAgent):\n    pass\n"
+        "class AgentRunner(ChatAgentRunner):\n    def __init__(self):\n        super().__init__(A)\n"
+    )
+    with pytest.raises(
+        UserError, match=r"--train.agent_path: .*chat.py: AgentRunner is not a StepEnvRunner.*--agent_program"
+    ):
+        load_agent_env(chat, "--train.agent_path")
+    broken = tmp_path / "broken.py"
+    broken.write_text("from molt.agents import Env\nfrom molt.utils import grader\n")
+    with pytest.raises(UserError, match=r"--train.agent_path: importing .*broken.py failed: ModuleNotFoundError"):
+        load_agent_env(broken, "--train.agent_path")
+    neither = tmp_path / "neither.py"
+    neither.write_text("x = 1\n")
+    with pytest.raises(UserError, match="defines no Agent; add class Agent.*or Molt's class AgentRunner"):
+        load_agent_env(neither, "--train.agent_path")
