@@ -390,6 +390,20 @@ MOLT_IS_CORRECTION: dict[tuple[str, str], str] = {
     ("geo", "mask"): "geo-mask",
 }
 
+
+def molt_only(name: str) -> bool:
+    """Whether the option `name` (no dashes) is one of Molt's own, which no OpenRLHF generation has."""
+    return (
+        name.startswith(("fsdp.", "no-fsdp."))
+        or name in MOLT_COMMON
+        or name in MOLT_RL
+        or name in MOLT_RL_ONLY
+        or name in MOLT_RL_NO_EFFECT
+        or name in MOLT_CHECKPOINT_MODES.values()
+        or name in (MOLT_IS_LEVEL, MOLT_IS_MODE)
+    )
+
+
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 

@@ -302,6 +302,46 @@ def _molt_cispo_ceiling(ns: argparse.Namespace, argv: list[str], parser: argpars
     )
 
 
+def _molt_recipe(argv: list[str]) -> str | None:
+    """A Molt recipe is told by its names: all dotted, the model given as --actor.model_name_or_path (a whole run,
+    as every Molt script is), and one of Molt's own (`openrlhf_names.molt_only`); returns the first such name. None
+    for a recipe that mixes in flat names (openppo's or OpenRLHF 0.9's) or uses OpenRLHF 0.10's dotted names only."""
+    names = [name for name, _ in _options(argv)]
+    molt = sorted(n for n in names if openrlhf_names.molt_only(n))
+    whole = "actor.model_name_or_path" in names and all("." in n for n in names)
+    return molt[0] if molt and whole else None
+
+
+def _molt_rollout(ns: argparse.Namespace, argv: list[str]) -> None:
+    """Two rollout settings mean otherwise in a Molt recipe (`_molt_recipe`), each rewritten with one log line.
+
+    - Molt's trainer always generates ahead of training (up to --train.async_queue_size batches, one weight sync
+      stale at 1) unless --train.force_sync_mode; openppo, like OpenRLHF, generates in sync unless --async_train
+      (OpenRLHF 0.10: --train.async_enable). A Molt recipe runs with --async_train.
+    - Molt's --rollout.vllm_generate_batch_size caps the prompts in flight, below --rollout.batch_size too (a
+      scheduling knob: vLLM schedules a round's prompts itself in openppo, so such a value has no effect); above
+      it, both generate the surplus ahead for later batches."""
+    if not hasattr(ns, "async_train") or (first := _molt_recipe(argv)) is None:
+        return
+    if not ns.async_train and not ns.force_sync_mode:
+        ns.async_train = True
+        logger.info(
+            "a Molt recipe (--%s): batches are generated ahead of training as in Molt (--async_train, up to "
+            "--train.async_queue_size %d ahead); --train.force_sync_mode generates each with the weights that train "
+            "on it",
+            first,
+            ns.async_queue_size,
+        )
+    if ns.vllm_generate_batch_size is not None and ns.vllm_generate_batch_size < ns.rollout_batch_size:
+        logger.info(
+            "--rollout.vllm_generate_batch_size %d has no effect: Molt's cap on the prompts in flight, below "
+            "--rollout.batch_size %d (openppo's engines schedule a round's prompts themselves)",
+            ns.vllm_generate_batch_size,
+            ns.rollout_batch_size,
+        )
+        ns.vllm_generate_batch_size = None
+
+
 def checkpoint_mode(value: str) -> bool:
     """Molt's `--actor.gradient_checkpoint` modes on openppo's `--gradient_checkpointing`: full, or selective (per-op
     checkpointing, which openppo does not have: full instead, with one log line), or none/off/empty."""
@@ -359,6 +399,7 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
     _molt_is_correction(ns, argv, names, parser)
     _molt_distill(ns, argv, names, parser)
     _molt_cispo_ceiling(ns, argv, parser)
+    _molt_rollout(ns, argv)
     return _from_namespace(config_cls, ns)
 
 

@@ -318,3 +318,27 @@ def test_molt_on_policy_distill_is_a_teacher_run(capsys, tmp_path):
             parse_config(config_cls, base + argv, "t")
         err = capsys.readouterr().err.strip()
         assert err.startswith("error: --") and reason in err and "\n" not in err, err
+
+
+def test_a_molt_recipe_runs_async(caplog):
+    """Molt generates ahead of training unless --train.force_sync_mode, and its --rollout.vllm_generate_batch_size
+    caps the prompts in flight: a whole recipe of dotted names with one of Molt's own runs with --async_train, and a
+    cap below the batch has no effect; a recipe with a flat name, or OpenRLHF's dotted names only, keeps the
+    default, and so does a Molt flag alone (not a recipe: no model)."""
+    config_cls = clis()["train_ppo_ray"]
+    molt = ["--actor.model_name_or_path", "m", "--fsdp.param_dtype", "fp32", "--rollout.batch_size", "4"]
+    molt += ["--rollout.vllm_generate_batch_size", "2"]
+    with caplog.at_level(logging.INFO):
+        r = parse_config(config_cls, molt + ["--train.async_queue_size", "2"], "t").rollout
+    assert r.async_train and r.async_queue_size == 2 and r.vllm_generate_batch_size is None
+    assert "a Molt recipe (--fsdp.param_dtype): batches are generated ahead of training" in caplog.text
+    assert "--rollout.vllm_generate_batch_size 2 has no effect: Molt's cap on the prompts in flight" in caplog.text
+    # a cap above the batch generates the surplus ahead in both
+    assert parse_config(config_cls, molt[:-1] + ["6"], "t").rollout.vllm_generate_batch_size == 6
+    strict = parse_config(config_cls, molt + ["--train.force_sync_mode"], "t").rollout
+    assert not strict.async_train and strict.force_sync_mode
+    openrlhf = ["--actor.model_name_or_path", "m", "--rollout.batch_size", "4", "--train.async_queue_size", "2"]
+    for other in (molt + ["--seed", "1"], openrlhf, molt[2:]):
+        r = parse_config(config_cls, other, "t").rollout
+        assert not r.async_train, other
+    assert parse_config(config_cls, molt + ["--seed", "1"], "t").rollout.vllm_generate_batch_size == 2
