@@ -28,6 +28,7 @@ LONGEST_FIRST = (
     "tests/cli/test_supervised_parallel.py",  # 65
     "tests/agents/test_endpoint.py",  # 94 alone on the AMD EPYC
     "tests/rollout/test_engine_images.py",  # 125 alone on the AMD EPYC
+    "tests/ppo/test_molt_quick_start.py",  # 56
     "tests/cli/test_lora_and_packing.py",  # 55
     "tests/ppo/test_memory_plan.py",  # 44
     "tests/agents/test_agent_rollout.py",  # 43
