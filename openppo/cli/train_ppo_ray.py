@@ -98,6 +98,9 @@ def train(cfg: PPOConfig) -> None:
                     engine_restarts = groups.engines.restarts
                     launch.teardown(groups)
                     groups = None
+            if cfg.data.eval_only:
+                logger.info("--eval_only: evaluated; metrics.jsonl: %s", cfg.ckpt.save_path)
+                return
             critic_dir = launch.critic_export_dir(cfg) if groups.critic is not None else None
             if cfg.ckpt.disable_final_save:
                 logger.info("--disable_final_save: the trained models are not exported to %s", cfg.ckpt.save_path)

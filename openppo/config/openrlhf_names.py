@@ -272,6 +272,7 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "algo.advantage.no_whiten": "no_advantage_whiten",
     "critic.max_epochs": "critic_max_epochs",
     "eval.eval_at_start": "eval_at_start",
+    "eval.eval_only": "eval_only",  # (Molt starts only its engines; openppo the run's groups too: docs/flags.md)
     "train.force_on_policy": "force_on_policy",
     "train.force_sync_mode": "force_sync_mode",
     "train.agent_path": "agent_func_path",  # a Molt agent file (AgentRunner(StepEnvRunner)): openppo/agents/molt.py

@@ -312,6 +312,12 @@ class PromptDataConfig:
     eval_at_start: bool = opt(
         False, "evaluate once before the first update, logged at step 0 (fresh runs only: a resumed run does not)"
     )
+    eval_only: bool = opt(
+        False,
+        "evaluate the model (--pretrain, or the checkpoint --load_checkpoint resumes) on --eval_dataset, log it at "
+        "its step, and stop: nothing is trained or exported (the run's groups still start: the engines' weights "
+        "come from them after a resume)",
+    )
 
     def total_len(self) -> int:
         """The most tokens of one sample, prompt and response (the engines' context length)."""

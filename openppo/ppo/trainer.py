@@ -523,6 +523,11 @@ class PPOTrainer:
         if cfg.ckpt.load_checkpoint or restarted:
             self.resume()
         self.swap.start()
+        if cfg.data.eval_only:  # (validation: there is an eval set) the model as it starts, then nothing else
+            self.tracker.log(self.global_step, self.evaluate(), echo=True)
+            self.collector.source.close()
+            self._rollout_log.close()
+            return RunHistory()
         if cfg.data.eval_at_start and self.global_step == 0 and self.eval_prompts is not None:
             # the model the run starts from, before the first rollout is asked for (no producer yet)
             self.tracker.log(0, self.evaluate(), echo=True)

@@ -242,6 +242,10 @@ def _batches(cfg: PPOConfig) -> None:
         f"--force_on_policy trains one step on each batch, and --max_epochs {t.max_epochs} would step again on it: "
         "pass --max_epochs 1",
     )
+    require(
+        not d.eval_only or d.eval_dataset,
+        "--eval_only evaluates on --eval_dataset: pass one (a prompt file or folder, as --prompt_data)",
+    )
     if d.eval_dataset:
         _positive(d.eval_n_samples_per_prompt, "--eval_n_samples_per_prompt")
         _positive(d.eval_temperature, "--eval_temperature")

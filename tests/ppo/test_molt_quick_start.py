@@ -4,7 +4,8 @@ Molt's spelling, with paths and sizes changed to a tiny Qwen3 on CPU (issue 36).
 The recipe: REINFORCE++-baseline, the geometric-mean IS correction, dual clip, a k2 KL loss against a reference
 colocated with the actor, dynamic filtering, packed rows, full gradient checkpointing, an eval set, checkpoints, and
 its agent file (`--train.agent_path`) written against Molt's agent interface: tests/agents/molt_vowels_agent.py, a
-two-turn environment that imports `molt.agents` and runs unchanged (openppo/agents/molt.py). Three steps.
+two-turn environment that imports `molt.agents` and runs unchanged (openppo/agents/molt.py). Three steps; then the
+recipe again with --eval.eval_only on the model it exported.
 """
 
 from __future__ import annotations
@@ -127,3 +128,15 @@ def test_molts_rl_quick_start_runs_three_steps(tmp_path):
     # the recipe's CUDA-only settings, each said in one line
     assert "--attn_implementation flash_attention_2 needs a CUDA device: sdpa instead" in log
     assert "--rollout.vllm_generate_batch_size 1 has no effect: Molt's cap on the prompts in flight" in log
+
+    # then the same recipe with --eval.eval_only on what it exported: evaluated at step 0; nothing trained, saved or
+    # exported, only the metrics written
+    out = tmp_path / "evaluated"
+    argv = quick_start_args(save / "hf", data, eval_data, out) + ["--eval.eval_only"]
+    proc = run_cli("train_ppo_ray", argv, nproc=1)
+    (evaluated,) = read_metrics(out / "hf")
+    assert evaluated["step"] == 0 and 0 < evaluated["eval/pass@1"] < 2, evaluated
+    assert not [k for k in evaluated if k.startswith(("train/", "rollout/"))], evaluated
+    assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["metrics.jsonl", "rollouts.jsonl", "run_info.json"]
+    assert (out / "hf" / "rollouts.jsonl").stat().st_size == 0
+    assert "--eval_only: evaluated" in proc.stdout + proc.stderr
