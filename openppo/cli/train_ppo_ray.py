@@ -16,6 +16,7 @@ from openppo.ppo import launch
 from openppo.ppo.config import PPOConfig
 from openppo.ppo.plan import make_plan
 from openppo.ppo.reporting import advice_text, advise, summary_table
+from openppo.ppo.rollout_archive import check_replay_dir
 from openppo.ppo.trainer import PPOTrainer
 from openppo.ppo.validate import validate_devices, validate_flags
 from openppo.rewards import build_reward_source
@@ -37,6 +38,8 @@ def train(cfg: PPOConfig) -> None:
         timeout_s=m.remote_rm_timeout,
         max_retries=m.remote_rm_retries,
     )
+    if cfg.train.rollout_replay_dir:
+        check_replay_dir(cfg.train.rollout_replay_dir)
     rows = launch.load_prompt_rows(cfg)
     routes = launch.teacher_routes(cfg, rows)
     eval_rows = launch.load_prompt_rows(cfg, eval=True) if cfg.data.eval_dataset else None

@@ -275,6 +275,8 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "eval.eval_only": "eval_only",  # (Molt starts only its engines; openppo the run's groups too: docs/flags.md)
     "train.force_on_policy": "force_on_policy",
     "train.force_sync_mode": "force_sync_mode",
+    "train.rollout_dump_dir": "rollout_dump_dir",
+    "train.rollout_replay_dir": "rollout_replay_dir",
     "train.agent_path": "agent_func_path",  # a Molt agent file (AgentRunner(StepEnvRunner)): openppo/agents/molt.py
     "data.tools_key": "tools_key",
     "eval.batch_size": "eval_batch_size",

@@ -449,6 +449,17 @@ class PPOTrainConfig:
     )
     ema_beta: float = opt(0.992, "--enable_ema: e <- beta e + (1 - beta) w after each actor optimizer step")
     seed: int = opt(42, "random seed")
+    rollout_dump_dir: str = opt(
+        None,
+        "save the batch that trains each step N to DIR/rollout_step{N}.pt, for --rollout_replay_dir",
+        metavar="DIR",
+    )
+    rollout_replay_dir: str = opt(
+        None,
+        "train on the batches a --rollout_dump_dir run saved (DIR/rollout_step{N}.pt for step N) instead of "
+        "generating, up to the first step without one; engines still start and take each update",
+        metavar="DIR",
+    )
     max_rank_restarts: int = opt(
         0,
         "when a rank of the actor, critic, reference or reward model dies (its process killed, its node lost), tear "

@@ -37,6 +37,7 @@ from tqdm import tqdm
 
 from openppo.algorithms import build_kl_controller, engine_gap, masked_mean, sequence_kl
 from openppo.errors import UserError
+from openppo.ppo import rollout_archive
 from openppo.ppo.collector import (
     Collector,
     PromptStream,
@@ -99,6 +100,7 @@ class PPOTrainer:
         )
         # prompts (PromptDataset items: prompt, prompt_ids, label, index, datasource) -> scored rollout batches
         self.collector = Collector(cfg, prompts, source, scorer, self.stream, lambda: self.policy_version)
+        self._collect = self.collector.collect  # (`fit` puts --rollout_dump_dir / --rollout_replay_dir around it)
         self.total_steps = plan.rl_steps
         self.global_step = 0
         self.policy_version = 0  # weight syncs done: the version the engines generate with
@@ -173,7 +175,7 @@ class PPOTrainer:
         start = time.perf_counter()
         # generate + score: n responses per prompt from the engines, rewards from the reward source or model
         # (--async_train: generated ahead by older weights while the last step trained)
-        rollout = self.collector.collect() if self._producer is None else self._rollout_ahead()
+        rollout = self._collect() if self._producer is None else self._rollout_ahead()
         if rollout is None:
             return None
         with g.actor.lock:  # the step's actor calls, up to its weight sync (`ActorGroup.lock`)
@@ -531,9 +533,15 @@ class PPOTrainer:
         if cfg.data.eval_at_start and self.global_step == 0 and self.eval_prompts is not None:
             # the model the run starts from, before the first rollout is asked for (no producer yet)
             self.tracker.log(0, self.evaluate(), echo=True)
+        t = cfg.train
+        self._collect = self.collector.collect
+        if t.rollout_replay_dir:
+            self._collect = rollout_archive.replaying(t.rollout_replay_dir, self.global_step + 1)
+        elif t.rollout_dump_dir:
+            self._collect = rollout_archive.dumping(self.collector.collect, t.rollout_dump_dir, self.global_step + 1)
         if cfg.rollout.async_train:
             self._producer = RolloutProducer(
-                self.collector.collect,
+                self._collect,
                 ahead=cfg.rollout.async_queue_size,
                 limit=self.total_steps - self.global_step,
                 timeout_s=float(cfg.ds.dist_timeout),

@@ -243,6 +243,10 @@ def _batches(cfg: PPOConfig) -> None:
         "pass --max_epochs 1",
     )
     require(
+        not (t.rollout_dump_dir and t.rollout_replay_dir),
+        "--rollout_dump_dir and --rollout_replay_dir both given: a replaying run generates nothing to dump; drop one",
+    )
+    require(
         not d.eval_only or d.eval_dataset,
         "--eval_only evaluates on --eval_dataset: pass one (a prompt file or folder, as --prompt_data)",
     )

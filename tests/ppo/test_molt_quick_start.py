@@ -4,8 +4,9 @@ Molt's spelling, with paths and sizes changed to a tiny Qwen3 on CPU (issue 36).
 The recipe: REINFORCE++-baseline, the geometric-mean IS correction, dual clip, a k2 KL loss against a reference
 colocated with the actor, dynamic filtering, packed rows, full gradient checkpointing, an eval set, checkpoints, and
 its agent file (`--train.agent_path`) written against Molt's agent interface: tests/agents/molt_vowels_agent.py, a
-two-turn environment that imports `molt.agents` and runs unchanged (openppo/agents/molt.py). Three steps; then the
-recipe again with --eval.eval_only on the model it exported.
+two-turn environment that imports `molt.agents` and runs unchanged (openppo/agents/molt.py). Three steps, dumping
+their rollout batches; then the recipe again replaying them (Molt's train-only replay, the same steps), and once
+more with --eval.eval_only on the model it exported.
 """
 
 from __future__ import annotations
@@ -102,7 +103,9 @@ def test_molts_rl_quick_start_runs_three_steps(tmp_path):
     data = write_rows(tmp_path / "train.jsonl", 6)  # 3 steps of 2 prompts
     eval_data = write_rows(tmp_path / "eval.jsonl", 2, offset=100)
     save = tmp_path / "run"
-    proc = run_cli("train_ppo_ray", quick_start_args(tiny_model_dir(arch="qwen3"), data, eval_data, save), nproc=1)
+    model, dump = tiny_model_dir(arch="qwen3"), tmp_path / "rollouts"
+    argv = quick_start_args(model, data, eval_data, save) + ["--train.rollout_dump_dir", str(dump)]
+    proc = run_cli("train_ppo_ray", argv, nproc=1)
     log = proc.stdout + proc.stderr
     records = read_metrics(save / "hf")
     assert [r["step"] for r in records] == [1, 2, 3]
@@ -128,6 +131,20 @@ def test_molts_rl_quick_start_runs_three_steps(tmp_path):
     # the recipe's CUDA-only settings, each said in one line
     assert "--attn_implementation flash_attention_2 needs a CUDA device: sdpa instead" in log
     assert "--rollout.vllm_generate_batch_size 1 has no effect: Molt's cap on the prompts in flight" in log
+
+    # the same recipe replaying the batches it dumped (Molt's train-only replay): nothing generated, every step's
+    # training the same as the run's (from the same start and seed)
+    assert sorted(p.name for p in dump.iterdir()) == [f"rollout_step{n}.pt" for n in (1, 2, 3)]
+    replayed = tmp_path / "replayed"
+    argv = quick_start_args(model, data, eval_data, replayed) + ["--train.rollout_replay_dir", str(dump)]
+    log = (lambda p: p.stdout + p.stderr)(run_cli("train_ppo_ray", argv, nproc=1))
+    again = read_metrics(replayed / "hf")
+    assert [r["step"] for r in again] == [1, 2, 3] and "timing/generate" not in again[0]
+    same = ["train/policy_loss", "train/kl_loss", "train/entropy", "train/advantage_abs", "train/reward"]
+    same += ["rollout/logprob_diff", "rollout/staleness_max", "env/vowel_share"]
+    for r, original in zip(again, records):
+        assert {k: r[k] for k in same} == pytest.approx({k: original[k] for k in same}, rel=1e-5, abs=1e-9), r
+    assert f"--rollout_replay_dir: step 3 trains on the 8 samples of {dump / 'rollout_step3.pt'}" in log
 
     # then the same recipe with --eval.eval_only on what it exported: evaluated at step 0; nothing trained, saved or
     # exported, only the metrics written

@@ -107,6 +107,10 @@ BAD = [
     (["--train.force_sync_mode", "--async_train"], ["--force_sync_mode", "--async_train"]),
     (["--eval_dataset", "e.jsonl", "--eval.batch_size", "0"], ["--eval_batch_size"]),
     (["--eval.eval_only"], ["--eval_only", "--eval_dataset"]),
+    (
+        ["--train.rollout_dump_dir", "d", "--train.rollout_replay_dir", "d"],
+        ["--rollout_dump_dir", "--rollout_replay_dir"],
+    ),
     # an agent's turns keep the rollout's sampling
     (
         ["--remote_rm_url", "", "--agent_func_path", "a.py", "--eval_dataset", "e.jsonl", "--eval.max_new_tokens", "4"],
