@@ -54,6 +54,7 @@ def train(cfg: PPOConfig) -> None:
         devices = launch.run_devices()
         logger.info(devices.describe())
         launch.resolve_run_precision(cfg, devices)
+        launch.resolve_attention(cfg, devices)
         for notice in validate_devices(cfg, devices.on_gpu):
             logger.info("note: %s", notice)
         kv_bytes = launch.kv_cache_bytes(cfg, devices.on_gpu)  # before any model loads (it reads the free RAM)

@@ -211,6 +211,17 @@ def resolve_run_precision(cfg: PPOConfig, devices: ClusterDevices) -> str:
     return dtype
 
 
+def resolve_attention(cfg: PPOConfig, devices: ClusterDevices) -> None:
+    """--attn_implementation flash_attention_2 on a cluster of CPUs is sdpa (as `openppo.models.hf.attention_kernel`
+    loads it in each rank), decided once here so that what depends on the kernel (shared prompts) sees the one the
+    ranks load. On GPUs each rank decides: whether flash-attn is installed is the nodes' business."""
+    if not devices.on_gpu and cfg.model.attn_implementation == "flash_attention_2":
+        logger.info(
+            "note: --attn_implementation flash_attention_2 needs CUDA devices: sdpa instead (the same attention)"
+        )
+        cfg.model.attn_implementation = "sdpa"
+
+
 def check_layout_fits(cfg: PPOConfig, plan: RunPlan, devices: ClusterDevices) -> None:
     """Refuse, in one line naming the flags, a layout the cluster cannot place: more devices than it has (counted
     as `colocation.device_demand` asks for them); a placement group that --placement_strategy STRICT_SPREAD or

@@ -129,7 +129,8 @@ def test_molts_rl_quick_start_runs_three_steps(tmp_path):
     assert sorted(p.name for p in (save / "state" / "actor").glob("global_step*")) == ["global_step2", "global_step3"]
     assert (save / "hf" / "model.safetensors").is_file()
     # the recipe's CUDA-only settings, each said in one line
-    assert "--attn_implementation flash_attention_2 needs a CUDA device: sdpa instead" in log
+    assert "--attn_implementation flash_attention_2 needs CUDA devices: sdpa instead" in log
+    assert "shared prompts (--share_prompt_in_group): on" in log  # (the kernel decided before the plan)
     assert "--rollout.vllm_generate_batch_size 1 has no effect: Molt's cap on the prompts in flight" in log
 
     # the same recipe replaying the batches it dumped (Molt's train-only replay): nothing generated, every step's
