@@ -10,6 +10,16 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+# A run with capped vector instructions (docs/platform.md, "Checking an AVX2-only CPU on a newer one") gets an Inductor
+# cache of its own: the shared one holds an uncapped run's kernels, which scored NaN under the caps
+if any(os.environ.get(cap) for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")):
+    import atexit
+    import shutil
+    import tempfile
+
+    if "TORCHINDUCTOR_CACHE_DIR" not in os.environ:
+        os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="openppo-inductor-capped-")
+        atexit.register(shutil.rmtree, os.environ["TORCHINDUCTOR_CACHE_DIR"], True)
 
 
 # The longest files, longest first (seconds one at a time on a 2-core box, 2026-11-27). `make test` runs two pytest
