@@ -92,8 +92,42 @@ class ModelConfig(ModelBuildConfig):
     )
 
 
+@dataclass(frozen=True)
+class MuonSettings:
+    """What DeepSpeed's Muon needs beyond the Adam settings: the matrices' learning rate, momentum and decay."""
+
+    lr: float
+    momentum: float
+    weight_decay: float
+
+
 @dataclass
-class OptimConfig:
+class OptimizerChoice:
+    """AdamW, or DeepSpeed's Muon for the weight matrices with AdamW for the rest (OpenRLHF >= 0.10, Molt)."""
+
+    optim: str = opt(
+        "adam",
+        "adam = AdamW for every weight; muon = DeepSpeed's Muon (orthogonalised momentum) for the 2-D weights except "
+        "embeddings and the LM head, AdamW at the Adam settings for those and the biases and norms",
+        choices=("adam", "muon"),
+    )
+    muon_lr: float = opt(0.02, "--optim muon: learning rate of the Muon matrices (the Adam group keeps its own)")
+    muon_momentum: float = opt(0.95, "--optim muon: momentum (Nesterov: DeepSpeed's Muon has no other)")
+    muon_weight_decay: float = opt(None, "--optim muon: decoupled weight decay of the Muon matrices; default: --l2")
+    muon_ns_steps: int = opt(
+        5, "--optim muon: Newton-Schulz steps; DeepSpeed's Muon runs 5, the one value taken", choices=(5,)
+    )
+
+    def muon_settings(self, weight_decay: float) -> MuonSettings | None:
+        """The Muon group's settings when `--optim muon`, else None (AdamW for everything)."""
+        if self.optim != "muon":
+            return None
+        decay = weight_decay if self.muon_weight_decay is None else self.muon_weight_decay
+        return MuonSettings(lr=self.muon_lr, momentum=self.muon_momentum, weight_decay=decay)
+
+
+@dataclass
+class OptimConfig(OptimizerChoice):
     """Batch arithmetic, optimiser and learning-rate schedule."""
 
     train_batch_size: int = opt(128, "global samples per optimizer step (all ranks, all micro-batches)")
@@ -104,7 +138,6 @@ class OptimConfig:
     lr_scheduler: str = opt("cosine_with_min_lr", "learning-rate schedule after warm-up", choices=LR_SCHEDULERS)
     lr_warmup_ratio: float = opt(0.03, "share of the optimizer steps spent warming the LR up from 0")
     min_lr_ratio: float = opt(0.1, "floor of cosine_with_min_lr as a share of the peak LR")
-    optim: str = opt("adam", "optimizer: AdamW (DeepSpeed's Muon is not wired in)", choices=("adam",))
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam beta1 beta2")
     adam_eps: float = opt(1e-8, "Adam epsilon (added to the root of the second moment)")
     l2: float = opt(0.0, "weight decay (not applied to biases and norms)")

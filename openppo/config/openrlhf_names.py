@@ -261,12 +261,15 @@ MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
     "fsdp.packing_samples": "packing_samples",
     "fsdp.param_dtype": "param_dtype",
     "fsdp.tp_size": "ds_tensor_parallel_size",
+    "muon.weight_decay": "muon_weight_decay",  # train_sft
 }
 # Molt's train_rl_ray only
 MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "actor.freezing_steps": "freezing_actor_steps",  # OpenRLHF's critic.freezing_steps: the actor waits N steps
     "actor.freeze_moe_router": "freeze_moe_router",  # one setting for actor and critic in openppo
     "critic.freeze_moe_router": "freeze_moe_router",
+    "actor.muon.weight_decay": "muon_weight_decay",  # one optimizer setting for actor and critic in openppo
+    "critic.muon.weight_decay": "muon_weight_decay",
     "actor.loss_mode": "policy_loss_type",  # ppo | gspo | cispo (cispo's ceiling: `schema._molt_cispo_ceiling`)
     "algo.advantage.lam": "lambd",
     "algo.advantage.no_whiten": "no_advantage_whiten",
@@ -414,7 +417,6 @@ _IMAGES_RL_ONLY = (
     "openppo trains vision-language models on image prompts with RL only (train_ppo_ray --image_key, docs/vlm.md); "
     "its SFT reads text"
 )
-_MUON = "openppo builds AdamW only (DeepSpeed's Muon is not wired in); drop the Muon flags and keep --optim adam"
 
 # flat field name (or dotted-only name) -> why a CLI without that field stops, and what to do instead
 REFUSED: dict[str, str] = {
@@ -423,16 +425,9 @@ REFUSED: dict[str, str] = {
     "use_ms": "openppo loads models from local folders (or the Hugging Face hub where reachable), not ModelScope; "
     "download the model and pass its folder",
     "deepcompile": "DeepSpeed's deepcompile needs CUDA; drop it",
-    "muon_lr": _MUON,
-    "muon_momentum": _MUON,
-    "muon_nesterov": _MUON,
-    "muon_no_nesterov": _MUON,
-    "muon_ns_steps": _MUON,
+    "muon_no_nesterov": "DeepSpeed's Muon, which --optim muon runs, always applies Nesterov momentum; drop it",
     "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
     # Molt's names
-    "muon.weight_decay": _MUON,
-    "actor.muon.weight_decay": _MUON,
-    "critic.muon.weight_decay": _MUON,
     "data.image_key": _IMAGES_RL_ONLY,
     "data.max_images_per_prompt": _IMAGES_RL_ONLY,
     "model.freeze_visual_encoder": _IMAGES_RL_ONLY,
@@ -451,6 +446,7 @@ NO_EFFECT: dict[str, tuple[bool, str]] = {
         "train_ppo_ray tokenizes the prompts once in the driver and uses no data loader (the supervised CLIs do)",
     ),
     "train_split": (True, "OpenRLHF 0.9 declared it but read --dataset_split (removed in 0.10); use --dataset_split"),
+    "muon_nesterov": (False, "DeepSpeed's Muon, which --optim muon runs, always applies Nesterov momentum"),
 }
 
 

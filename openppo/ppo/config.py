@@ -23,6 +23,7 @@ from openppo.config.common import (
     CheckpointConfig,
     LoggingConfig,
     ModelBuildConfig,
+    OptimizerChoice,
     value_head_prefix_opt,
 )
 from openppo.config.schema import opt
@@ -224,12 +225,9 @@ class VLLMConfig:
 
 
 @dataclass
-class PPODeepSpeedConfig(DeepSpeedConfig):
-    """DeepSpeed ZeRO, precision and memory options of the trained models."""
+class PPODeepSpeedConfig(DeepSpeedConfig, OptimizerChoice):
+    """DeepSpeed ZeRO, precision and memory options of the trained models; the optimizer of the actor and critic."""
 
-    optim: str = opt(
-        "adam", "optimizer of the actor and critic: AdamW (DeepSpeed's Muon is not wired in)", choices=("adam",)
-    )
     adam_betas: tuple[float, float] = opt((0.9, 0.95), "Adam beta1 beta2")
     adam_eps: float = opt(1e-8, "Adam epsilon (added to the root of the second moment)")
     l2: float = opt(0.0, "weight decay")

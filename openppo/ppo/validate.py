@@ -358,6 +358,11 @@ def _tensor_parallel(cfg: PPOConfig) -> None:
             "--ds_tensor_parallel_size does not split LoRA adapters: drop --lora_rank or use "
             "--ds_tensor_parallel_size 1"
         )
+    if ds.optim == "muon":
+        raise UserError(
+            "--ds_tensor_parallel_size with --optim muon: Muon orthogonalises each weight matrix whole, and AutoTP "
+            "leaves each rank a slice of it; use --optim adam or --ds_tensor_parallel_size 1"
+        )
 
 
 def _resources(cfg: PPOConfig, notices: list[str]) -> None:

@@ -94,6 +94,7 @@ def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dic
         warmup_ratio=t.lr_warmup_ratio,
         min_lr_ratio=t.min_lr_ratio,
         num_training_steps=num_training_steps,
+        muon=cfg.ds.muon_settings(cfg.ds.l2),
     )
 
 

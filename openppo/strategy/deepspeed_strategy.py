@@ -20,6 +20,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from openppo.config.common import MuonSettings
 from openppo.errors import UserError
 from openppo.strategy import checkpoint as ckpt
 from openppo.strategy.config import DeepSpeedConfig, eval_ds_config, train_ds_config
@@ -55,17 +56,37 @@ def set_seed(seed: int) -> None:
     torch.manual_seed(seed)
 
 
-def _param_groups(model: nn.Module, weight_decay: float) -> list[dict]:
-    """Weight decay on matrices only: biases and norm weights (1-D) are exempt."""
-    decay, no_decay = [], []
+def _param_groups(model: nn.Module, weight_decay: float, muon: MuonSettings | None = None) -> list[dict]:
+    """Weight decay on matrices only: biases and norm weights (1-D) are exempt. With Muon its matrices form a group
+    of their own, with Muon's decay."""
+    decay, no_decay, matrices = [], [], []
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
         ndim = len(getattr(p, "ds_shape", p.shape))  # ZeRO-3 params are flattened shards
-        (decay if ndim >= 2 and "norm" not in name else no_decay).append(p)
+        if muon is not None and muon_trains(name, ndim):
+            matrices.append(p)
+        else:
+            (decay if ndim >= 2 and "norm" not in name else no_decay).append(p)
     groups = [{"params": decay, "weight_decay": weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
+    if muon is not None:
+        groups.insert(0, {"params": matrices, "weight_decay": muon.weight_decay})
     # ZeRO drops empty groups (LoRA has no 1-D trainable params); the LR scheduler must see the same groups.
     return [g for g in groups if g["params"]]
+
+
+def muon_trains(name: str, ndim: int) -> bool:
+    """Whether DeepSpeed's Muon takes a parameter (its own rule, which `deepspeed.initialize` applies by tagging
+    `use_muon`): a matrix that is not an embedding or the LM head. The value head of a critic is a 1-row matrix, so
+    Muon takes it too (its update is the normalised gradient)."""
+    return ndim >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+
+
+def muon_optimizer_config(muon: MuonSettings, *, lr: float, betas: tuple[float, float], eps: float) -> dict:
+    """DeepSpeed's `optimizer` entry for Muon: `muon_lr` for the matrices and `adam_lr` for the AdamW half (without
+    them both halves would take `lr`); the weight decay of each group comes with the group."""
+    params = {"lr": lr, "muon_lr": muon.lr, "adam_lr": lr, "momentum": muon.momentum, "betas": list(betas), "eps": eps}
+    return {"type": "Muon", "params": params}
 
 
 class DeepSpeedStrategy:
@@ -187,27 +208,40 @@ class DeepSpeedStrategy:
         min_lr_ratio: float,
         num_training_steps: int,
         eps: float = 1e-8,
+        muon: MuonSettings | None = None,
     ):
-        """Wrap a trainable model in a DeepSpeed engine with AdamW and an LR schedule."""
+        """Wrap a trainable model in a DeepSpeed engine with AdamW (or Muon, `muon` given) and an LR schedule."""
         import deepspeed
         from transformers import get_scheduler
 
         if not self.on_gpu:  # a CPU rank's activations and gradients are host memory, made again every micro-batch
             keep_freed_host_memory()
-        optimizer = self._optimizer(model, lr, betas, weight_decay, eps)
         kwargs = {"min_lr_rate": min_lr_ratio} if scheduler == "cosine_with_min_lr" else {}
-        lr_scheduler = get_scheduler(
-            scheduler,
-            optimizer,
-            num_warmup_steps=int(warmup_ratio * num_training_steps),
-            num_training_steps=max(1, num_training_steps),
-            scheduler_specific_kwargs=kwargs,
-        )
+
+        def schedule(optimizer):  # scales each group's own starting LR, so Muon's and Adam's keep their ratio
+            return get_scheduler(
+                scheduler,
+                optimizer,
+                num_warmup_steps=int(warmup_ratio * num_training_steps),
+                num_training_steps=max(1, num_training_steps),
+                scheduler_specific_kwargs=kwargs,
+            )
+
+        config = self.train_config()
+        if muon is None:
+            optimizer = self._optimizer(model, lr, betas, weight_decay, eps)
+            groups, lr_scheduler = None, schedule(optimizer)
+        else:  # DeepSpeed builds Muon itself: its ZeRO stages orthogonalise whole matrices across the partitions
+            config["optimizer"] = muon_optimizer_config(muon, lr=lr, betas=betas, eps=eps)
+            # ZeRO-3 refuses Muon with reduce-scatter ("cannot be used together"): the gradients are all-reduced
+            config["zero_optimization"]["reduce_scatter"] = False
+            optimizer, groups, lr_scheduler = None, _param_groups(model, weight_decay, muon), schedule
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,
+            model_parameters=groups,
             lr_scheduler=lr_scheduler,
-            config=self.train_config(),
+            config=config,
             dist_init_required=False,
         )
         if getattr(self.cfg, "deepcompile", False):  # GPU only (validated): compiled on the first forward

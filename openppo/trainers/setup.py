@@ -183,4 +183,5 @@ def optimizer_kwargs(cfg: Any, num_training_steps: int) -> dict[str, Any]:
         warmup_ratio=o.lr_warmup_ratio,
         min_lr_ratio=o.min_lr_ratio,
         num_training_steps=num_training_steps,
+        muon=o.muon_settings(o.l2),
     )

@@ -82,6 +82,7 @@ BAD = [
         ["--ds_tensor_parallel_size", "--ring_attn_size"],
     ),
     (["--ds_tensor_parallel_size", "2", "--lora_rank", "4"], ["--ds_tensor_parallel_size", "--lora_rank"]),
+    (["--ds_tensor_parallel_size", "2", "--optim", "muon"], ["--ds_tensor_parallel_size", "--optim muon"]),
     (["--use_dynamic_batch", "--train_max_tokens_per_gpu", "0"], ["--train_max_tokens_per_gpu"]),
     (["--torch_compile", "--zero_stage", "3"], ["--torch_compile", "--zero_stage"]),
     (["--torch_compile", "--ring_attn_size", "2", "--packing_samples"], ["--torch_compile", "--ring_attn_size"]),

@@ -102,3 +102,45 @@ def test_help_shows_the_flat_name_and_the_dotted_alias():
     text = build_parser(CONFIGS["train_ppo_ray"], "train_ppo_ray", "").format_help()
     assert "--colocate_all_models, --train.colocate_all" in text
     assert "--max_norm, --actor.max_norm, --critic.max_norm" in text
+
+
+def test_muon_turns_clipping_off_unless_given(capsys, caplog):
+    """DeepSpeed's ZeRO-1/2/3 clip Muon's orthogonalised update, not the gradient (schema._muon_clipping): with
+    `--optim muon` clipping is off unless `--max_norm` is given; a given norm stops a ZeRO >= 1 run, ZeRO-0 keeps it."""
+    ppo, sft = CONFIGS["train_ppo_ray"], CONFIGS["train_sft"]
+    with caplog.at_level(logging.INFO):
+        cfg = parse_config(ppo, ["--actor.optim", "muon"], "train_ppo_ray")
+    assert cfg.ds.optim == "muon" and cfg.train.max_norm == 0.0 and "gradient clipping off" in caplog.text
+    assert parse_config(ppo, ["--actor.optim", "adam"], "train_ppo_ray").train.max_norm == 1.0
+    assert parse_config(ppo, "--actor.optim muon --actor.max_norm 0".split(), "train_ppo_ray").train.max_norm == 0
+    with pytest.raises(SystemExit):
+        parse_config(ppo, "--actor.optim muon --actor.max_norm 1.0".split(), "train_ppo_ray")
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error: --actor.max_norm 1.0 with --optim muon: DeepSpeed's ZeRO-2") and "\n" not in err
+    kept = parse_config(sft, "--optim muon --zero_stage 0 --max_norm 0.5".split(), "train_sft")
+    assert kept.optim.max_norm == 0.5
+
+
+def test_muon_settings_reach_the_strategy():
+    """The Muon group's settings: Molt's own decay (`--actor.muon.weight_decay`, `--muon.weight_decay`), else --l2;
+    none under AdamW."""
+    from openppo.config.common import MuonSettings
+
+    ppo, sft = CONFIGS["train_ppo_ray"], CONFIGS["train_sft"]
+    argv = "--actor.optim muon --actor.muon.lr 0.01 --actor.muon.momentum 0.9 --actor.adam.weight_decay 0.05"
+    ds = parse_config(ppo, argv.split(), "train_ppo_ray").ds
+    assert ds.muon_settings(ds.l2) == MuonSettings(lr=0.01, momentum=0.9, weight_decay=0.05)
+    ds = parse_config(ppo, (argv + " --actor.muon.weight_decay 0.2").split(), "train_ppo_ray").ds
+    assert ds.muon_settings(ds.l2) == MuonSettings(lr=0.01, momentum=0.9, weight_decay=0.2)
+    o = parse_config(sft, "--optim muon --muon.weight_decay 0.3".split(), "train_sft").optim
+    assert o.muon_settings(o.l2) == MuonSettings(lr=0.02, momentum=0.95, weight_decay=0.3)
+    o = parse_config(sft, [], "train_sft").optim
+    assert o.muon_settings(o.l2) is None
+    # what the CLIs hand `DeepSpeedStrategy.prepare_train` (tests/strategy/test_muon.py takes it from there)
+    from openppo.ppo.workers import _optimizer_kwargs
+    from openppo.trainers.setup import optimizer_kwargs
+
+    cfg = parse_config(sft, "--optim muon --muon.lr 0.03".split(), "train_sft")
+    assert optimizer_kwargs(cfg, 10)["muon"] == MuonSettings(lr=0.03, momentum=0.95, weight_decay=0.0)
+    cfg = parse_config(ppo, argv.split(), "train_ppo_ray")
+    assert _optimizer_kwargs(cfg, 1e-6, 10)["muon"] == MuonSettings(lr=0.01, momentum=0.9, weight_decay=0.05)
