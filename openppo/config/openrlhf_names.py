@@ -431,9 +431,10 @@ REFUSED: dict[str, str] = {
     "data.image_key": _IMAGES_RL_ONLY,
     "data.max_images_per_prompt": _IMAGES_RL_ONLY,
     "model.freeze_visual_encoder": _IMAGES_RL_ONLY,
-    "train.routing_replay": "openppo's training forward does not replay the engines' expert choices (vLLM 0.32 can "
-    "return them, but nothing feeds them to the trained MoE model yet); hold routing alike with --freeze_moe_router "
-    "and weigh the mismatch with --enable_vllm_is_correction",
+    "train.routing_replay": "openppo does not replay MoE routing: vLLM 0.32 returns the routed experts from its "
+    "Model Runner V2 only, which on CPU needs a Triton with a CPU backend that no PyPI Triton has "
+    "(tests/rollout/test_routed_experts.py), so no CPU test could run the replay; hold routing alike with "
+    "--freeze_moe_router and weigh the mismatch with --enable_vllm_is_correction",
 }
 
 # flags that do nothing in a CLI without the field: (takes a value, why it is ignored)
