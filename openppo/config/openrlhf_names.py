@@ -262,6 +262,9 @@ MOLT_COMMON: dict[str, str | tuple[str, ...]] = {
     "fsdp.param_dtype": "param_dtype",
     "fsdp.tp_size": "ds_tensor_parallel_size",
     "muon.weight_decay": "muon_weight_decay",  # train_sft
+    "data.image_key": "image_key",  # train_sft's image samples (train_ppo_ray's are OpenRLHF's names too)
+    "data.max_images_per_prompt": "max_images_per_prompt",
+    "model.freeze_visual_encoder": "freeze_visual_encoder",  # train_sft
 }
 # Molt's train_rl_ray only
 MOLT_RL: dict[str, str | tuple[str, ...]] = {
@@ -413,10 +416,6 @@ def molt_only(name: str) -> bool:
 # other flat spellings of a field (OpenRLHF 0.9's generation limit)
 OLDER: dict[str, str] = {"max_new_tokens": "generate_max_len"}
 
-_IMAGES_RL_ONLY = (
-    "openppo trains vision-language models on image prompts with RL only (train_ppo_ray --image_key, docs/vlm.md); "
-    "its SFT reads text"
-)
 
 # flat field name (or dotted-only name) -> why a CLI without that field stops, and what to do instead
 REFUSED: dict[str, str] = {
@@ -428,9 +427,6 @@ REFUSED: dict[str, str] = {
     "muon_no_nesterov": "DeepSpeed's Muon, which --optim muon runs, always applies Nesterov momentum; drop it",
     "experts_implementation": "openppo loads MoE models with transformers' default expert kernels; drop it",
     # Molt's names
-    "data.image_key": _IMAGES_RL_ONLY,
-    "data.max_images_per_prompt": _IMAGES_RL_ONLY,
-    "model.freeze_visual_encoder": _IMAGES_RL_ONLY,
     "train.routing_replay": "openppo does not replay MoE routing: vLLM 0.32 returns the routed experts from its "
     "Model Runner V2 only, which on CPU needs a Triton with a CPU backend that no PyPI Triton has "
     "(tests/rollout/test_routed_experts.py), so no CPU test could run the replay; hold routing alike with "

@@ -8,6 +8,16 @@ rendering and the EOS at the end). Multi-turn: `input_key` holds a whole convers
 is a target (see templates.py). Pretrain mode (`--pretrain_mode`): `input_key` holds plain text, used as is
 (no template), and every token is a target. Samples are tokenized once, up front; a sample whose prompt alone
 fills `max_len` is dropped (it has nothing left to learn), the others are cut to `max_len` tokens.
+
+Images (`--image_key`, a vision-language model's `processor` given). A row's images go, in order, to the image
+items of its prompt messages, which the chat template writes as the processor's image placeholder
+(`processor.image_token`). A segment holding placeholders is encoded by the processor, which expands each into the
+model's image tokens, as its forward will fill them; the other segments by the tokenizer, as for text. Items then
+also carry `images` (the row's references), which the collator passes on and the actor makes into pixel inputs.
+A row is never cut inside its image tokens: one whose last image token lies beyond `max_len` is dropped and
+counted. Bad images (missing or undecodable, more than `--max_images_per_prompt`, a count other than the prompt's
+image items) skip their row with one log line (`openppo.datasets.images`), and the run stops only when no row is
+left.
 """
 
 from __future__ import annotations
@@ -20,6 +30,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
+from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, check_row_images, no_rows_left
 from openppo.datasets.loading import require_columns
 from openppo.datasets.templates import (
     Segments,
@@ -34,6 +45,7 @@ from openppo.datasets.templates import (
     validate_template_options,
 )
 from openppo.errors import UserError, require
+from openppo.utils.images import BadImage, encode_image_rows, open_image
 
 logger = logging.getLogger(__name__)
 
@@ -56,6 +68,9 @@ class SFTDataset(Dataset):
         multiturn: bool = False,
         pretrain_mode: bool = False,
         last_turn_only: bool = False,
+        image_key: str | None = None,
+        max_images: int = 4,
+        processor=None,
     ):
         require(max_len > 0, f"--max_len must be positive, got {max_len}")
         require(not (pretrain_mode and multiturn), "--pretrain_mode learns plain text: drop --multiturn")
@@ -70,8 +85,17 @@ class SFTDataset(Dataset):
             "--output_key is required unless --multiturn or --pretrain_mode is set",
         )
         validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
+        if image_key is not None:
+            require(max_images > 0, f"--max_images_per_prompt must be positive with --image_key, got {max_images}")
+            require(
+                apply_chat_template and not pretrain_mode,
+                "--image_key: image samples are chat messages with image items; pass --apply_chat_template",
+            )
+            require(processor is not None, "--image_key needs a vision-language model (one with a processor)")
         keys = {"--input_key": input_key, "--output_key": output_key if not multiturn else None}
+        keys["--image_key"] = image_key
         require_columns(ds, keys, "the SFT data")
+        self.processor = processor if image_key is not None else None
         self.tokenizer = tokenizer
         self.input_key, self.output_key, self.multiturn = input_key, output_key, multiturn
         self.last_turn_only = last_turn_only
@@ -80,17 +104,54 @@ class SFTDataset(Dataset):
         prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
 
         self.samples: list[tuple[torch.Tensor, torch.Tensor]] = []
-        too_long = no_target = 0
+        self.images: list[list[Any]] = []  # per sample, with --image_key
+        too_long = no_target = images_cut = 0
+        bad_images: list[str] = []
         rows = ds.select_columns([k for k in keys.values() if k is not None])
-        for row in tqdm(rows, desc="tokenizing SFT data", disable=len(rows) <= PROGRESS_MIN_SAMPLES):
-            ids, mask = encode_segments(tokenizer, self._segments(row), prefix)
+        for index, row in enumerate(
+            tqdm(rows, desc="tokenizing SFT data", disable=len(rows) <= PROGRESS_MIN_SAMPLES)
+        ):
+            refs: list[Any] = []
+            if image_key is not None:
+                try:
+                    refs = check_row_images(
+                        row[input_key], row[image_key], max_images=max_images, image_flag=f"--image_key {image_key!r}"
+                    )
+                    ids, mask = self._encode_with_images(self._segments(row), refs, prefix)
+                except BadImage as err:
+                    bad_images.append(f"row {index}: {err}")
+                    if len(bad_images) <= MAX_BAD_ROWS_LOGGED:
+                        logger.warning("SFT data: skipping %s", bad_images[-1])
+                    continue
+            else:
+                ids, mask = encode_segments(tokenizer, self._segments(row), prefix)
             num_prompt = num_context_tokens(mask)
             if num_prompt == len(mask):
                 no_target += 1
             elif num_prompt >= max_len:
                 too_long += 1
+            elif refs and self._last_image_token(ids) >= max_len:
+                images_cut += 1
             else:
                 self.samples.append(as_tensors(ids[:max_len], mask[:max_len]))
+                if image_key is not None:
+                    self.images.append(refs)
+        if bad_images:
+            logger.warning(
+                "SFT data: skipped %d of %d samples with bad images (--image_key %s)",
+                len(bad_images),
+                len(rows),
+                image_key,
+            )
+            if len(bad_images) == len(rows):
+                raise no_rows_left(len(rows), bad_images[0])
+        if images_cut:
+            logger.warning(
+                "SFT data: dropped %d of %d samples whose image tokens reach past --max_len %d (an image is never cut)",
+                images_cut,
+                len(rows),
+                max_len,
+            )
         if no_target:
             logger.warning(
                 "SFT data: dropped %d of %d conversations in %s without an assistant turn after a prompt",
@@ -132,12 +193,42 @@ class SFTDataset(Dataset):
         response = render_response(value, row[self.output_key], self.tokenizer, **options)
         return [(prompt, False), (response, True)]
 
+    def _encode_with_images(self, segments: Segments, refs: list[Any], prefix) -> tuple[list[int], list[int]]:
+        """`encode_segments`, but a segment holding image placeholders is encoded by the processor with its images
+        (the next ones in order), which expands each placeholder into the model's image tokens."""
+        placeholder = self.processor.image_token
+        counts = [text.count(placeholder) for text, _ in segments]
+        if sum(counts) != len(refs):
+            raise BadImage(f"the chat template wrote {sum(counts)} image placeholder(s) for {len(refs)} image(s)")
+        ids: list[int] = []
+        mask: list[int] = []
+        taken = 0
+        for (text, target), count in zip(segments, counts):
+            if count:
+                images = [open_image(ref) for ref in refs[taken : taken + count]]
+                seg = self.processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
+                taken += count
+            else:
+                seg = self.tokenizer(text, add_special_tokens=False)["input_ids"]
+            ids.extend(seg)
+            mask.extend([int(target)] * len(seg))
+        if prefix and ids[: len(prefix)] != list(prefix):
+            ids, mask = list(prefix) + ids, [0] * len(prefix) + mask
+        return ids, mask
+
+    def _last_image_token(self, ids: list[int]) -> int:
+        image_id = self.tokenizer.convert_tokens_to_ids(self.processor.image_token)
+        return max((i for i, t in enumerate(ids) if t == image_id), default=-1)
+
     def __len__(self) -> int:
         return len(self.samples)
 
-    def __getitem__(self, index: int) -> dict[str, torch.Tensor]:
+    def __getitem__(self, index: int) -> dict[str, Any]:
         ids, mask = self.samples[index]
-        return {"input_ids": ids.long(), "loss_mask": mask.long()}
+        item: dict[str, Any] = {"input_ids": ids.long(), "loss_mask": mask.long()}
+        if self.images:
+            item["images"] = self.images[index]
+        return item
 
 
 def collate_padded(items: list[dict[str, torch.Tensor]], pad_token_id: int) -> dict[str, torch.Tensor]:
@@ -151,7 +242,10 @@ def collate_padded(items: list[dict[str, torch.Tensor]], pad_token_id: int) -> d
         input_ids[row, :n] = item["input_ids"]
         attention_mask[row, :n] = 1
         loss_mask[row, :n] = item["loss_mask"]
-    return {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    batch = {"input_ids": input_ids, "attention_mask": attention_mask, "loss_mask": loss_mask}
+    if "images" in items[0]:  # image samples: their references ride the batch as bytes (`encode_image_rows`)
+        batch["images"] = encode_image_rows([item["images"] for item in items])
+    return batch
 
 
 def collate_packed(items: list[dict[str, torch.Tensor]]) -> dict[str, Any]:

@@ -316,7 +316,10 @@ def save_hf_folder(
         config.save_pretrained(tmp)  # the base config (with extras) beside the adapter
     else:
         model.save_pretrained(tmp, state_dict=state, safe_serialization=True)
-    if tokenizer is not None:
+    processor = getattr(module, "processor", None)  # a vision-language Actor's: serving its images needs it
+    if processor is not None:
+        processor.save_pretrained(tmp)
+    if tokenizer is not None:  # after the processor's copy of it: the run's tokenizer (its chat template) wins
         tokenizer.save_pretrained(tmp)
     # The save path also holds metrics, run info and checkpoints: move the model files in one by one
     # (each os.replace is atomic) instead of swapping the whole folder.

@@ -68,6 +68,23 @@ class SFTDataConfig(DataConfig):
         False, "--input_key holds plain text, used as is; every token is learned (no --output_key)"
     )
     packing_samples: bool = opt(False, "pack several samples into one row (no padding, no cross-attention)")
+    image_key: str = opt(
+        None,
+        "a vision-language model: the column holding each sample's images, in the order of its prompt's "
+        "{'type': 'image'} items (paths, data: URIs or base64; docs/vlm.md); default: text only",
+    )
+    max_images_per_prompt: int = opt(
+        4, "with --image_key: images one sample may carry; rows with more are skipped and counted (Molt's default)"
+    )
+
+
+@dataclass
+class SFTModelConfig(ModelConfig):
+    """Model to train and how to build it."""
+
+    freeze_visual_encoder: bool = opt(
+        False, "a vision-language model: train its language model only; the vision tower and connector stay as loaded"
+    )
 
 
 @dataclass
@@ -84,7 +101,7 @@ class PreferenceDataConfig(DataConfig):
 class SFTConfig:
     openrlhf_cli: ClassVar[str] = "train_sft"
 
-    model: ModelConfig = field(default_factory=ModelConfig)
+    model: SFTModelConfig = field(default_factory=SFTModelConfig)
     data: SFTDataConfig = field(default_factory=SFTDataConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     ds: SupervisedDeepSpeedConfig = field(default_factory=SupervisedDeepSpeedConfig)

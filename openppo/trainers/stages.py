@@ -41,6 +41,7 @@ class SFTTrainer(SupervisedTrainer):
             batch.get("attention_mask"),
             batch.get("position_ids"),
             return_aux_loss=self.aux_loss_coef > 0,
+            images=batch.get("images"),  # image samples (--image_key): the actor makes them its pixel inputs
         )
         loss, tokens = masked_nll(out.log_probs, batch["loss_mask"])
         metrics = {"train/loss": loss.item(), "train/target_tokens": tokens.item()}

@@ -13,7 +13,7 @@ import pytest
 from openppo.tasks.arithmetic import make_rows
 from tests.cli.data import preference_rows, sft_rows
 from tests.cli.helpers import REPO, write_jsonl
-from tests.model_cache import tiny_model_dir
+from tests.model_cache import tiny_model_dir, tiny_vlm_dir
 
 
 @pytest.fixture(scope="module")
@@ -29,6 +29,7 @@ def files(tmp_path_factory):
         "pairs": write_jsonl(tmp / "p.jsonl", preference_rows(8)),
         "empty": write_jsonl(tmp / "empty.jsonl", []),
         "model": tiny_model_dir(),
+        "vlm": tiny_vlm_dir(),
         "prompts": write_jsonl(tmp / "prompts.jsonl", make_rows(8, seed=1)),
         "long": write_jsonl(tmp / "long.jsonl", [{"input": "word " * 200, "label": "1"}] * 4),
         "reward": REPO / "examples" / "reward_funcs" / "arithmetic.py",
@@ -55,6 +56,8 @@ CASES = [
     ("train_sft", ["--train_batch_size", "6", "--micro_train_batch_size", "4"], "--train_batch_size"),
     ("train_sft", ["--dataset", "{empty}"], "--dataset"),
     ("train_sft", ["--max_len", "-5"], "--max_len"),
+    ("train_sft", ["--image_key", "images"], "--image_key"),  # a text model has no processor for images
+    ("train_sft", ["--pretrain", "{vlm}", "--image_key", "images", "--packing_samples"], "--image_key"),
     ("train_sft", ["--multiturn", "--apply_chat_template_off"], "--multiturn"),
     ("train_sft", ["--input_template", "no placeholder", "--apply_chat_template_off"], "--input_template"),
     ("train_rm", ["--chosen_key", "good"], "--chosen_key"),
