@@ -108,9 +108,7 @@ class SFTDataset(Dataset):
         too_long = no_target = images_cut = 0
         bad_images: list[str] = []
         rows = ds.select_columns([k for k in keys.values() if k is not None])
-        for index, row in enumerate(
-            tqdm(rows, desc="tokenizing SFT data", disable=len(rows) <= PROGRESS_MIN_SAMPLES)
-        ):
+        for index, row in enumerate(tqdm(rows, desc="tokenizing SFT data", disable=len(rows) <= PROGRESS_MIN_SAMPLES)):
             refs: list[Any] = []
             if image_key is not None:
                 try:

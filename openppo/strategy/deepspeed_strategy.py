@@ -236,6 +236,8 @@ class DeepSpeedStrategy:
             # ZeRO-3 refuses Muon with reduce-scatter ("cannot be used together"): the gradients are all-reduced
             config["zero_optimization"]["reduce_scatter"] = False
             optimizer, groups, lr_scheduler = None, _param_groups(model, weight_decay, muon), schedule
+            if self.on_gpu:  # its Adam half is DeepSpeed's FusedAdam (CPUAdam with --adam_offload), JIT-built
+                readable_cuda_arch_list()
         engine, *_ = deepspeed.initialize(
             model=model,
             optimizer=optimizer,

@@ -86,7 +86,9 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             engine.step()
             weights.append(full_weights(strategy, engine))
         if rank == 0:
-            groups = [(g["use_muon"], g["lr"], g["weight_decay"], len(g["params"])) for g in engine.optimizer.param_groups]
+            groups = [
+                (g["use_muon"], g["lr"], g["weight_decay"], len(g["params"])) for g in engine.optimizer.param_groups
+            ]
             torch.save(weights, Path(out_dir) / f"zero{zero}.pt")
             (Path(out_dir) / f"zero{zero}.json").write_text(json.dumps(groups))
     Path(out_dir, f"rank{rank}.json").write_text("{}")
