@@ -401,7 +401,10 @@ MOLT_IS_CORRECTION: dict[tuple[str, str], str] = {
 
 
 def molt_only(name: str) -> bool:
-    """Whether the option `name` (no dashes) is one of Molt's own, which no OpenRLHF generation has."""
+    """Whether the option `name` (no dashes) is one of Molt's own, which no OpenRLHF generation has (Molt's SFT
+    image names are OpenRLHF's RL ones)."""
+    if name in DOTTED_COMMON or name in DOTTED_RL or name in DOTTED_SUPERVISED:
+        return False
     return (
         name.startswith(("fsdp.", "no-fsdp."))
         or name in MOLT_COMMON

@@ -338,7 +338,8 @@ def test_a_molt_recipe_runs_async(caplog):
     strict = parse_config(config_cls, molt + ["--train.force_sync_mode"], "t").rollout
     assert not strict.async_train and strict.force_sync_mode
     openrlhf = ["--actor.model_name_or_path", "m", "--rollout.batch_size", "4", "--train.async_queue_size", "2"]
-    for other in (molt + ["--seed", "1"], openrlhf, molt[2:]):
+    images = openrlhf + ["--data.image_key", "images"]  # Molt's SFT name, but OpenRLHF's RL one too
+    for other in (molt + ["--seed", "1"], openrlhf, images, molt[2:]):
         r = parse_config(config_cls, other, "t").rollout
         assert not r.async_train, other
     assert parse_config(config_cls, molt + ["--seed", "1"], "t").rollout.vllm_generate_batch_size == 2
