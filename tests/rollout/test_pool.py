@@ -17,6 +17,8 @@ from openppo.distributed.logs import ActorDiedError, actor_infos, actor_location
 from openppo.rollout.pool import EnginePool
 from tests import ray_cluster
 
+HANG_S = 300
+
 
 class Answering:
     """The part of `VLLMEngine`'s interface the pool calls: `generate`, `ready`, `info`."""
@@ -47,8 +49,10 @@ def _pool(size: int, *, max_restarts: int, start=None) -> tuple[EnginePool, list
         started.append(i)
         return actor.remote()
 
+    # a bound on a hang, not on speed: a replacement actor took over 60 s to start on a loaded 2-core AVX2 box in
+    # the suite (7-8 s alone)
     pool = EnginePool(
-        engines, actor_infos(engines, 60), timeout_s=60, start=start or restart, max_restarts=max_restarts
+        engines, actor_infos(engines, HANG_S), timeout_s=HANG_S, start=start or restart, max_restarts=max_restarts
     )
     return pool, started
 
