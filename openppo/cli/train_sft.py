@@ -13,7 +13,7 @@ from openppo.models.actor import Actor, use_chunked_head
 from openppo.models.hf import load_tokenizer, resolve_model_path
 from openppo.models.vision import is_vision_language
 from openppo.trainers import setup
-from openppo.trainers.configs import SFTConfig
+from openppo.trainers.configs import SFTConfig, SFTDataConfig
 from openppo.trainers.loop import SupervisedTrainer
 from openppo.trainers.stages import SFTTrainer
 
@@ -91,6 +91,8 @@ def image_processor(cfg: SFTConfig):
         cfg.data.image_key is None or not cfg.data.packing_samples,
         "--image_key: image samples are padded rows (their pixels go with the row); drop --packing_samples",
     )
+    if cfg.data.image_key is None and cfg.data.max_images_per_prompt != SFTDataConfig.max_images_per_prompt:
+        logger.info("note: --max_images_per_prompt has no effect without --image_key: the samples are text only")
     if cfg.data.image_key is None and not cfg.model.freeze_visual_encoder:
         return None
     path = resolve_model_path(cfg.model.pretrain, "--pretrain")

@@ -661,6 +661,11 @@ def _images(cfg: PPOConfig, notices: list[str]) -> None:
     if d.max_images_per_prompt == 0:  # (a text run reads no model config here)
         if m.freeze_visual_encoder and m.pretrain and _is_vision_language(m.pretrain) is False:
             notices.append(f"--freeze_visual_encoder has no effect: {m.pretrain} has no vision tower")
+        if d.image_key != "images":  # (a recipe that names the column but not the cap trains on text only)
+            notices.append(
+                f"--image_key {d.image_key} has no effect with --max_images_per_prompt 0 (text only): set "
+                "--max_images_per_prompt to read the column's images"
+            )
         return
     vision = _is_vision_language(m.pretrain) if m.pretrain else None
     require(

@@ -284,6 +284,7 @@ NO_EFFECT = [
     (["--no_advantage_whiten"], "--no_advantage_whiten has no effect with --advantage_estimator group_norm"),
     (["--no_advantage_std_norm"], "--no_advantage_std_norm has no effect with --advantage_estimator group_norm"),
     (["--freeze_visual_encoder"], "--freeze_visual_encoder has no effect:"),
+    (["--image_key", "pics"], "--image_key pics has no effect with --max_images_per_prompt 0 (text only)"),
     (["--vllm_attention_backend", "TRITON_ATTN"], "--vllm_attention_backend has no effect on CPU"),
     (["--vllm.disable_custom_all_reduce"], "--vllm_disable_custom_all_reduce has no effect on CPU"),
     (

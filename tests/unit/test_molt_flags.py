@@ -123,6 +123,17 @@ def test_molt_names_for_values(caplog):
     assert parse_config(config_cls, ["--input_key", "grpo"], "t").data.input_key == "grpo"  # other flags' values
 
 
+def test_sft_image_cap_without_the_column_says_so(caplog):
+    """Molt's `--data.max_images_per_prompt` without `--data.image_key` trains on text only, and says so in one
+    line (train_ppo_ray's `--image_key` without the cap: tests/ppo/test_validate.py)."""
+    from openppo.cli.train_sft import image_processor
+
+    sft = parse_config(clis()["train_sft"], ["--data.max_images_per_prompt", "2"], "t")
+    with caplog.at_level(logging.INFO):
+        assert image_processor(sft) is None
+    assert "note: --max_images_per_prompt has no effect without --image_key" in caplog.text
+
+
 @pytest.mark.parametrize(
     "cli, flag", [("train_ppo_ray", "actor.gradient_checkpoint"), ("train_sft", "model.gradient_checkpoint")]
 )
