@@ -89,8 +89,11 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             groups = [
                 (g["use_muon"], g["lr"], g["weight_decay"], len(g["params"])) for g in engine.optimizer.param_groups
             ]
+            muon = getattr(engine.optimizer, "optimizer", engine.optimizer)  # (under ZeRO's wrapper from stage 1)
+            adam = type(muon.aux_optimizer)
             torch.save(weights, Path(out_dir) / f"zero{zero}.pt")
-            (Path(out_dir) / f"zero{zero}.json").write_text(json.dumps(groups))
+            record = {"groups": groups, "adam": f"{adam.__module__}.{adam.__qualname__}"}
+            (Path(out_dir) / f"zero{zero}.json").write_text(json.dumps(record))
     Path(out_dir, f"rank{rank}.json").write_text("{}")
 
 
@@ -150,7 +153,10 @@ def _reference(max_norm: float, beta: float = MUON["momentum"]) -> list[dict[str
 
 @pytest.mark.parametrize("zero, max_norm", CONFIGS, ids=[f"zero{z}" for z, _ in CONFIGS])
 def test_muon_step_is_the_formula_step(muon_run, zero, max_norm):
-    groups = json.loads((muon_run / f"zero{zero}.json").read_text())
+    record = json.loads((muon_run / f"zero{zero}.json").read_text())
+    # on CPU the Adam half is torch's AdamW, as in AdamW runs (DeepSpeed's FusedAdam would JIT-build a CPU op first)
+    assert record["adam"] == "torch.optim.adamw.AdamW", record["adam"]
+    groups = record["groups"]
     # one Muon group at Muon's LR and decay, the Adam groups at Adam's (the decayed matrices, the exempt 1-D ones)
     assert sorted((m, lr, wd) for m, lr, wd, _ in groups) == [
         (False, ADAM["lr"], 0.0),
