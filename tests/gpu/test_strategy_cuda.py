@@ -33,7 +33,10 @@ def _rows(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
     }
 
 
-def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, checkpointing: bool = False):
+def _train_engine(
+    model_dir, *, zero_stage: int, adam_offload: bool = False, checkpointing: bool = False, muon: bool = False
+):
+    from openppo.config.common import MuonSettings
     from openppo.models.actor import Actor
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
@@ -43,13 +46,27 @@ def _train_engine(model_dir, *, zero_stage: int, adam_offload: bool = False, che
         DeepSpeedConfig(zero_stage=zero_stage, param_dtype="bf16", adam_offload=adam_offload, dist_timeout=600),
         train_batch_size=ROWS,
         micro_batch_size=MICRO,
-        max_norm=1.0,
+        max_norm=0.0 if muon else 1.0,  # (Muon runs clip nothing unless asked: docs/algorithms.md, "Optimizer")
         seed=0,
     )
     strategy.setup_distributed()
     with strategy.zero3_init():
         actor = Actor.from_pretrained(str(model_dir), dtype=torch.bfloat16, gradient_checkpointing=checkpointing)
-    engine = train_engine(strategy, actor, lr=1e-3, steps=4)
+    if muon:
+        settings = MuonSettings(lr=0.02, momentum=0.95, weight_decay=0.0)
+        engine = strategy.prepare_train(
+            actor,
+            lr=1e-3,
+            betas=(0.9, 0.95),
+            weight_decay=0.0,
+            scheduler="constant",
+            warmup_ratio=0.0,
+            min_lr_ratio=0.1,
+            num_training_steps=4,
+            muon=settings,
+        )
+    else:
+        engine = train_engine(strategy, actor, lr=1e-3, steps=4)
     return strategy, engine
 
 
@@ -99,6 +116,21 @@ def test_zero3_bf16_update_changes_every_parameter(single_rank, gpu_model_dir, a
     DeepSpeedCPUAdam with --adam_offload), the loss is finite, and one step moves every parameter."""
     strategy, engine = _train_engine(gpu_model_dir, zero_stage=3, adam_offload=adam_offload, checkpointing=True)
     assert type(engine.basic_optimizer).__name__ == ("DeepSpeedCPUAdam" if adam_offload else "FusedAdam")
+    before = _master_weights(engine)
+    metrics = _update(strategy, engine)
+    after = _master_weights(engine)
+    assert math.isfinite(metrics["train/policy_loss"]) and metrics.get("train/actor_skipped_steps", 0) == 0
+    frozen = [name for name in before if torch.equal(before[name], after[name])]
+    assert not frozen, f"{len(frozen)} of {len(before)} parameters did not change: {frozen[:5]}"
+
+
+def test_zero3_bf16_muon_update_changes_every_parameter(single_rank, gpu_model_dir):
+    """--optim muon on CUDA, ZeRO-3, bf16: DeepSpeed's Muon takes the matrices and its AdamW half is DeepSpeed's
+    FusedAdam, JIT-built for the GPU (CPU runs take torch's AdamW: tests/strategy/test_muon.py checks the formulas);
+    the loss is finite, and one step moves every parameter."""
+    strategy, engine = _train_engine(gpu_model_dir, zero_stage=3, muon=True)
+    assert type(engine.basic_optimizer).__name__ == "MuonWithAuxAdam"
+    assert type(engine.basic_optimizer.aux_optimizer).__name__ == "FusedAdam"
     before = _master_weights(engine)
     metrics = _update(strategy, engine)
     after = _master_weights(engine)
