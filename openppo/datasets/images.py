@@ -15,10 +15,13 @@ were lost, and a run whose data is wholesale wrong (a wrong folder, a wrong colu
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
 from openppo.errors import UserError
 from openppo.utils.images import BadImage, image_refs, open_image
+
+logger = logging.getLogger(__name__)
 
 # Log lines for the first few bad rows; the rest are only counted.
 MAX_BAD_ROWS_LOGGED = 5
@@ -49,9 +52,16 @@ def check_row_images(prompt: Any, value: Any, *, max_images: int, image_flag: st
     return refs
 
 
-def no_rows_left(num_rows: int, first_error: str) -> UserError:
-    """The error for a dataset whose every row had bad images."""
-    return UserError(
-        f"--image_key: all {num_rows} prompts have bad images (first: {first_error}); "
-        "fix the image paths or the column named by --image_key"
+def report_bad_images(data: str, items: str, bad_images: list[str], num_rows: int, image_key: str) -> None:
+    """One log line counting the `items` (prompts, samples) of `data` skipped for bad images; the error when no row
+    is left. `bad_images`: each skipped row's reason, first first."""
+    if not bad_images:
+        return
+    logger.warning(
+        "%s: skipped %d of %d %s with bad images (--image_key %s)", data, len(bad_images), num_rows, items, image_key
     )
+    if len(bad_images) == num_rows:
+        raise UserError(
+            f"--image_key: all {num_rows} prompts have bad images (first: {bad_images[0]}); "
+            "fix the image paths or the column named by --image_key"
+        )

@@ -17,7 +17,7 @@ import datasets
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, BadImage, check_row_images, no_rows_left
+from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, BadImage, check_row_images, report_bad_images
 from openppo.datasets.loading import require_columns
 from openppo.datasets.sft import PROGRESS_MIN_SAMPLES
 from openppo.datasets.templates import bos_ids, encode_segments, render_prompt, row_tools, validate_template_options
@@ -111,15 +111,7 @@ class PromptDataset(Dataset):
                     **extra,
                 }
             )
-        if bad_images:
-            logger.warning(
-                "prompt data: skipped %d of %d prompts with bad images (--image_key %s)",
-                len(bad_images),
-                len(rows),
-                image_key,
-            )
-            if len(bad_images) == len(rows):
-                raise no_rows_left(len(rows), bad_images[0])
+        report_bad_images("prompt data", "prompts", bad_images, len(rows), image_key)
         if too_long:
             logger.warning(
                 "prompt data: dropped %d of %d prompts longer than %d tokens (--prompt_max_len)",

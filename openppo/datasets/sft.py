@@ -30,7 +30,7 @@ import torch
 from torch.utils.data import Dataset
 from tqdm import tqdm
 
-from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, check_row_images, no_rows_left
+from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, check_row_images, report_bad_images
 from openppo.datasets.loading import require_columns
 from openppo.datasets.templates import (
     Segments,
@@ -134,15 +134,7 @@ class SFTDataset(Dataset):
                 self.samples.append(as_tensors(ids[:max_len], mask[:max_len]))
                 if image_key is not None:
                     self.images.append(refs)
-        if bad_images:
-            logger.warning(
-                "SFT data: skipped %d of %d samples with bad images (--image_key %s)",
-                len(bad_images),
-                len(rows),
-                image_key,
-            )
-            if len(bad_images) == len(rows):
-                raise no_rows_left(len(rows), bad_images[0])
+        report_bad_images("SFT data", "samples", bad_images, len(rows), image_key)
         if images_cut:
             logger.warning(
                 "SFT data: dropped %d of %d samples whose image tokens reach past --max_len %d (an image is never cut)",
