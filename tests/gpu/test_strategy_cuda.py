@@ -52,21 +52,8 @@ def _train_engine(
     strategy.setup_distributed()
     with strategy.zero3_init():
         actor = Actor.from_pretrained(str(model_dir), dtype=torch.bfloat16, gradient_checkpointing=checkpointing)
-    if muon:
-        settings = MuonSettings(lr=0.02, momentum=0.95, weight_decay=0.0)
-        engine = strategy.prepare_train(
-            actor,
-            lr=1e-3,
-            betas=(0.9, 0.95),
-            weight_decay=0.0,
-            scheduler="constant",
-            warmup_ratio=0.0,
-            min_lr_ratio=0.1,
-            num_training_steps=4,
-            muon=settings,
-        )
-    else:
-        engine = train_engine(strategy, actor, lr=1e-3, steps=4)
+    muon_settings = MuonSettings(lr=0.02, momentum=0.95, weight_decay=0.0) if muon else None
+    engine = train_engine(strategy, actor, lr=1e-3, steps=4, muon=muon_settings)
     return strategy, engine
 
 
@@ -110,18 +97,23 @@ def _master_weights(engine) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("adam_offload", [False, True], ids=["fused_adam", "adam_offload"])
-def test_zero3_bf16_update_changes_every_parameter(single_rank, gpu_model_dir, adam_offload):
-    """ZeRO-3, bf16, gradient checkpointing, packed rows: the optimizer is DeepSpeed's GPU FusedAdam (or its
-    DeepSpeedCPUAdam with --adam_offload), the loss is finite, and one step moves every parameter."""
-    strategy, engine = _train_engine(gpu_model_dir, zero_stage=3, adam_offload=adam_offload, checkpointing=True)
-    assert type(engine.basic_optimizer).__name__ == ("DeepSpeedCPUAdam" if adam_offload else "FusedAdam")
+def _assert_a_step_moves_every_parameter(strategy, engine) -> None:
+    """One update: the loss is finite, no step is skipped, and every parameter's master copy moves."""
     before = _master_weights(engine)
     metrics = _update(strategy, engine)
     after = _master_weights(engine)
     assert math.isfinite(metrics["train/policy_loss"]) and metrics.get("train/actor_skipped_steps", 0) == 0
     frozen = [name for name in before if torch.equal(before[name], after[name])]
     assert not frozen, f"{len(frozen)} of {len(before)} parameters did not change: {frozen[:5]}"
+
+
+@pytest.mark.parametrize("adam_offload", [False, True], ids=["fused_adam", "adam_offload"])
+def test_zero3_bf16_update_changes_every_parameter(single_rank, gpu_model_dir, adam_offload):
+    """ZeRO-3, bf16, gradient checkpointing, packed rows: the optimizer is DeepSpeed's GPU FusedAdam (or its
+    DeepSpeedCPUAdam with --adam_offload), the loss is finite, and one step moves every parameter."""
+    strategy, engine = _train_engine(gpu_model_dir, zero_stage=3, adam_offload=adam_offload, checkpointing=True)
+    assert type(engine.basic_optimizer).__name__ == ("DeepSpeedCPUAdam" if adam_offload else "FusedAdam")
+    _assert_a_step_moves_every_parameter(strategy, engine)
 
 
 def test_zero3_bf16_muon_update_changes_every_parameter(single_rank, gpu_model_dir):
@@ -131,12 +123,7 @@ def test_zero3_bf16_muon_update_changes_every_parameter(single_rank, gpu_model_d
     strategy, engine = _train_engine(gpu_model_dir, zero_stage=3, muon=True)
     assert type(engine.basic_optimizer).__name__ == "MuonWithAuxAdam"
     assert type(engine.basic_optimizer.aux_optimizer).__name__ == "FusedAdam"
-    before = _master_weights(engine)
-    metrics = _update(strategy, engine)
-    after = _master_weights(engine)
-    assert math.isfinite(metrics["train/policy_loss"]) and metrics.get("train/actor_skipped_steps", 0) == 0
-    frozen = [name for name in before if torch.equal(before[name], after[name])]
-    assert not frozen, f"{len(frozen)} of {len(before)} parameters did not change: {frozen[:5]}"
+    _assert_a_step_moves_every_parameter(strategy, engine)
 
 
 def test_zero3_state_offload_frees_and_restores_gpu_memory(single_rank, gpu_model_dir):

@@ -108,14 +108,14 @@ class GradAtBoundary:
         self.engine.step()
 
 
-def fp32_strategy(zero_stage: int, *, max_norm: float = 1.0):
-    """A set-up fp32 DeepSpeed strategy of the spawned group: 8 rows a step, micro-batches of 2."""
+def fp32_strategy(zero_stage: int, *, max_norm: float = 1.0, train_batch_size: int = 8):
+    """A set-up fp32 DeepSpeed strategy of the spawned group: 8 rows a step by default, micro-batches of 2."""
     from openppo.strategy.config import DeepSpeedConfig
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 
     strategy = DeepSpeedStrategy(
         DeepSpeedConfig(zero_stage=zero_stage, param_dtype="fp32", dist_timeout=120),
-        train_batch_size=8,
+        train_batch_size=train_batch_size,
         micro_batch_size=2,
         max_norm=max_norm,
         seed=0,
@@ -166,9 +166,9 @@ def reduce_global(per_token: torch.Tensor, mask: torch.Tensor, mode: str, norm_l
     return sums.sum() / (kept.sum() * norm_len)  # Dr. GRPO
 
 
-def train_engine(strategy, model, *, lr: float, steps: int, min_lr_ratio: float = 0.1, eps: float = 1e-8):
+def train_engine(strategy, model, *, lr: float, steps: int, min_lr_ratio: float = 0.1, eps: float = 1e-8, muon=None):
     """`strategy.prepare_train` with the tests' fixed schedule: AdamW betas (0.9, 0.95), no weight decay, a constant
-    LR over `steps` optimizer steps."""
+    LR over `steps` optimizer steps; DeepSpeed's Muon for the matrices with `muon` (a `MuonSettings`)."""
     return strategy.prepare_train(
         model,
         lr=lr,
@@ -179,4 +179,5 @@ def train_engine(strategy, model, *, lr: float, steps: int, min_lr_ratio: float 
         min_lr_ratio=min_lr_ratio,
         num_training_steps=steps,
         eps=eps,
+        muon=muon,
     )

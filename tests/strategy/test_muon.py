@@ -53,19 +53,11 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     join_gloo_group(rank, port, WORLD)
     from openppo.config.common import MuonSettings
     from openppo.models.actor import Actor
-    from openppo.strategy.config import DeepSpeedConfig
-    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
     from tests.model_cache import tiny_model_dir
+    from tests.ppo.rank_helpers import fp32_strategy
 
     for zero, max_norm in CONFIGS:
-        strategy = DeepSpeedStrategy(
-            DeepSpeedConfig(zero_stage=zero, param_dtype="fp32", dist_timeout=120),
-            train_batch_size=4,
-            micro_batch_size=2,
-            max_norm=max_norm,
-            seed=0,
-        )
-        strategy.setup_distributed()
+        strategy = fp32_strategy(zero, max_norm=max_norm, train_batch_size=4)
         with strategy.zero3_init():
             model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
         engine = strategy.prepare_train(
