@@ -4,17 +4,17 @@ STAGE DTYPE` prints one JSON line with the peak RSS growth (GiB) from just befor
 One rank (gloo), DeepSpeed ZeRO STAGE with AdamW, micro-batches of MICRO rows x (PROMPT + RESPONSE) tokens, padded
 (not packed), STEPS optimizer steps of ROWS rows each: what `openppo.cli.plan` sees with the same flags. The first step
 allocates Adam's states after the micro-batches' activations are freed; from the second on, the states, the gradients
-and a micro-batch's activations live at once, which is the peak of any real run and what the plan adds up. RSS is
-sampled every 2 ms by a thread; a fresh process, so nothing else this test session did is counted.
+and a micro-batch's activations live at once, which is the peak of any real run and what the plan adds up. The peak
+is the kernel's high-water mark of the RSS (ru_maxrss: no short peak is missed, and no sampling thread competes with
+the step); a fresh process, so nothing else this test session did is counted.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import resource
 import sys
-import threading
-import time
 
 ROWS, MICRO, PROMPT, RESPONSE, STEPS = 8, 4, 32, 64, 2
 
@@ -44,16 +44,7 @@ def main(model: str, stage: int, dtype: str) -> dict:
         seed=0,
     )
     strategy.setup_distributed()
-    proc, peak, done = psutil.Process(), [0], threading.Event()
-
-    def sample():
-        while not done.is_set():
-            peak[0] = max(peak[0], proc.memory_info().rss)
-            time.sleep(0.002)
-
-    base = proc.memory_info().rss
-    thread = threading.Thread(target=sample, daemon=True)
-    thread.start()
+    base = psutil.Process().memory_info().rss
     path = str(tiny_model_dir() if model == "tiny" else smollm2_dir())
     engine = train_engine(strategy, Actor.from_pretrained(path, dtype=strategy.torch_dtype), lr=1e-6, steps=2 * STEPS)
     width = PROMPT + RESPONSE
@@ -87,9 +78,8 @@ def main(model: str, stage: int, dtype: str) -> dict:
         seed=0,
         device=strategy.device,
     )
-    done.set()
-    thread.join()
-    return {"peak_growth_gib": (peak[0] - base) / 2**30}
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return {"peak_growth_gib": (peak - base) / 2**30}
 
 
 if __name__ == "__main__":
