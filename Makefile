@@ -1,6 +1,8 @@
 # Quick start: `make demo` and `make test`. Both install the CPU stack into .venv first.
 SHELL := /bin/bash
 VENV ?= .venv
+# The interpreter .venv is made from: a CPython 3.11 on PATH, a statically linked one first (tools/venv_python.sh).
+PYTHON ?= $(shell bash tools/venv_python.sh)
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 # One shared, repo-local folder for DeepSpeed/torch JIT builds: each op is built at most once.
@@ -19,7 +21,7 @@ install: $(VENV)/.installed
 # handed over, and UV_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu gives that torch on a machine without them.
 UV := $(VENV)/bin/uv
 $(VENV)/.installed: requirements/cpu.txt requirements/cpu-excludes.txt requirements/uv.txt setup.py
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	# (The box's pip config lists extra local indexes that print one warning per package: filter those.)
 	set -o pipefail; $(PIP) install -q -r requirements/uv.txt 2>&1 | { grep -v "^WARNING: Location" || true; }
 	UV_FIND_LINKS="$${UV_FIND_LINKS:-$${PIP_FIND_LINKS:-}}" $(UV) pip install -q -p $(PY) --compile-bytecode \
@@ -33,7 +35,7 @@ $(VENV)/.installed: requirements/cpu.txt requirements/cpu-excludes.txt requireme
 # The GPU stack (a CUDA machine), pinned in requirements/gpu.txt: torch first, so that flash-attn and DeepSpeed's
 # ops build against it (hence no build isolation for the rest).
 install-gpu:
-	test -x $(PY) || python3 -m venv $(VENV)
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PIP) install -q -r requirements/gpu-build.txt
 	$(PIP) install -q --no-build-isolation -r requirements/gpu.txt
 	$(PIP) install -q --no-deps --no-build-isolation -e .

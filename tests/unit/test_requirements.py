@@ -2,6 +2,13 @@
 
 from __future__ import annotations
 
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import pytest
+
 from openppo.utils.pins import installed_mismatches, read_pins
 from tests.conftest import REPO
 
@@ -38,3 +45,40 @@ def test_the_gpu_install_paths_use_the_pins():
 def test_this_environment_is_the_pinned_cpu_stack():
     """`make install` gives what requirements/cpu.txt pins (torch's +cpu build tag aside)."""
     assert installed_mismatches(read_pins(CPU)) == {}
+
+
+def _interpreters_311() -> dict[bool, Path]:
+    """This box's CPython 3.11 executables by whether they load libpython from a shared library."""
+    found: dict[bool, Path] = {}
+    for line in subprocess.run(["bash", "-c", "type -ap python3.11"], capture_output=True, text=True).stdout.split():
+        real = subprocess.run([line, "-c", "import sys; print(sys.executable)"], capture_output=True, text=True)
+        exe = Path(real.stdout.strip())
+        if real.returncode == 0 and exe.is_file():
+            found.setdefault("libpython3" in subprocess.run(["ldd", exe], capture_output=True, text=True).stdout, exe)
+    return found
+
+
+def test_the_venv_is_made_from_a_statically_linked_311_when_there_is_one(tmp_path):
+    """tools/venv_python.sh picks a static CPython 3.11 even when a shared-library one comes first on PATH, and the
+    shared one when it is the only 3.11."""
+    found = _interpreters_311()
+    if set(found) != {True, False}:
+        pytest.skip(f"needs a shared-library and a static CPython 3.11 on PATH, found {found}")
+    dirs = []
+    for shared in (True, False):
+        (folder := tmp_path / ("shared" if shared else "static")).mkdir()
+        (folder / "python3.11").symlink_to(found[shared])
+        dirs.append(str(folder))
+
+    # the script's own tools, and no other python on PATH
+    (tools := tmp_path / "tools").mkdir()
+    for name in ("bash", "ldd", "grep"):
+        (tools / name).symlink_to(shutil.which(name))
+
+    def pick(*path: str) -> subprocess.CompletedProcess:
+        env = {**os.environ, "PATH": os.pathsep.join((*path, str(tools)))}
+        script = str(REPO / "tools" / "venv_python.sh")
+        return subprocess.run([shutil.which("bash"), script], capture_output=True, text=True, env=env)
+
+    assert Path(pick(*dirs).stdout.strip()).resolve() == found[False].resolve()
+    assert Path(pick(dirs[0]).stdout.strip()).resolve() == found[True].resolve()
