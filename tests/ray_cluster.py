@@ -33,6 +33,10 @@ def address() -> str:
         os.environ.clear()
         os.environ.update(env)
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        # Ray's log monitor globs the session's log folder on every 0.1 s pass while it holds under 1000 files, and
+        # this cluster's folder gathers every test's workers (213 files seen): 0 makes it glob every 0.5 s, Ray's own
+        # rule for big folders (a monitor of 200 idle files: 0.39 -> 0.17 CPU-s per 40 s, docs/benchmarks.md)
+        os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
         try:
             _cluster = Cluster(
                 initialize_head=True,
