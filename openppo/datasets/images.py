@@ -62,6 +62,6 @@ def report_bad_images(data: str, items: str, bad_images: list[str], num_rows: in
     )
     if len(bad_images) == num_rows:
         raise UserError(
-            f"--image_key: all {num_rows} prompts have bad images (first: {bad_images[0]}); "
+            f"--image_key: all {num_rows} {items} have bad images (first: {bad_images[0]}); "
             "fix the image paths or the column named by --image_key"
         )

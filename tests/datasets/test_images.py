@@ -164,3 +164,12 @@ def test_jsonl_rows_with_base64_and_paths(files, processor, tmp_path):
         processor=processor,
     )
     assert len(prompts) == 2 and open_image(prompts[0]["images"][0]).getpixel((0, 0)) == (0, 0, 255)
+
+
+def test_the_all_bad_error_names_what_the_rows_are(caplog):
+    from openppo.datasets.images import report_bad_images
+
+    report_bad_images("SFT data", "samples", ["row 0: a.png"], 2, "images")  # one row left: counted, no error
+    assert "SFT data: skipped 1 of 2 samples with bad images (--image_key images)" in caplog.text
+    with pytest.raises(UserError, match=r"--image_key: all 2 samples have bad images \(first: row 0: a.png\)"):
+        report_bad_images("SFT data", "samples", ["row 0: a.png", "row 1: b.png"], 2, "images")
