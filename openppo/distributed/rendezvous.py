@@ -5,6 +5,7 @@ Port 0 makes the OS pick a free port and keeps it bound from then on. Probing a 
 outgoing connection's ephemeral port on a busy node, or another run's rendezvous. That failed runs with EADDRINUSE
 when two runs shared a 2-core box. So rank 0 serves the store first and sends its port; every rank then builds its
 process group on a store passed in (`torch.distributed.init_process_group(store=...)`), rank 0 on the one it holds.
+A group of one process (a plain `python -m openppo.cli...` run) needs no port at all: its store lives in the process.
 """
 
 from __future__ import annotations
@@ -47,10 +48,13 @@ def hold_store(master_addr: str, world_size: int, timeout_s: float) -> int:
 
 def group_store(timeout_s: float) -> dist.TCPStore | None:
     """This rank's store for its default process group: the one it holds (rank 0), a connection to MASTER_ADDR and
-    MASTER_PORT (the other ranks), or None where the group's rank 0 serves none (`env://` start-up, as torchrun's)."""
+    MASTER_PORT (the other ranks), an in-process store (a world of one), or None where the group's rank 0 serves
+    none (`env://` start-up, as torchrun's)."""
     global _held
     if os.environ.get(STORE_ENV) != "1":
-        return None
+        # A world of one meets nobody: `env://` would bind a MASTER_PORT probed free earlier, which another process
+        # can take in between (CI failed so once: EADDRINUSE while the other test worker ran Ray jobs).
+        return dist.HashStore() if os.environ.get("WORLD_SIZE") == "1" else None
     if _held is not None:
         store, _held = _held, None
         return store

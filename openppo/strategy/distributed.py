@@ -28,7 +28,8 @@ def free_port() -> int:
 def ensure_launcher_env() -> None:
     """Fill the torch.distributed env for a plain `python -m` run (world size 1).
 
-    Without these DeepSpeed falls back to MPI discovery, which is absent here.
+    Without these DeepSpeed falls back to MPI discovery, which is absent here. Nothing binds MASTER_PORT in a world of
+    one: its group meets on an in-process store (`rendezvous.group_store`).
     """
     if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
         os.environ.setdefault("LOCAL_RANK", os.environ["RANK"])
@@ -73,7 +74,7 @@ def init_distributed(timeout_s: int) -> tuple[int, int]:
     if not torch.distributed.is_initialized():
         backend, timeout = "nccl" if on_gpu else "gloo", timedelta(seconds=timeout_s)
         store = group_store(timeout_s)
-        if store is not None:  # a WorkerGroup's rank: its rank 0 serves the store already (DeepSpeed adopts the group)
+        if store is not None:  # a WorkerGroup's rank or a world of one: DeepSpeed adopts the group
             rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
             # bound to its GPU as DeepSpeed's own start-up binds it (NCCL then knows each rank's device up front)
             device = {"device_id": torch.device("cuda", torch.cuda.current_device())} if on_gpu and world > 1 else {}

@@ -16,7 +16,7 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU ch
 @pytest.fixture
 def single_rank(monkeypatch):
     """This process as rank 0 of a world of 1 (DeepSpeed's env:// rendezvous)."""
-    from tests.spawn import free_port
+    from openppo.strategy.distributed import free_port
 
     for key, value in {
         "RANK": "0",

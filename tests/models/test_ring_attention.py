@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import datetime
 import json
-import os
 from pathlib import Path
 
 import pytest
 import torch
 import torch.distributed as dist
 
+from openppo.distributed.rendezvous import join_store
 from openppo.models.ring_attention import (
     ATTN_IMPLEMENTATION,
     enable_ring_attention,
@@ -159,9 +159,9 @@ def _attention_case(group, dtype: torch.dtype, head_stride: int) -> dict[str, fl
 
 
 def _worker(rank: int, out_dir: str, port: int) -> None:
-    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     torch.set_num_threads(1)  # 2 ranks on 2 cores
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
+    store = join_store("127.0.0.1", port, WORLD, timeout_s=60)  # run_ranks's process serves it
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD, timeout=datetime.timedelta(seconds=60))
     try:
         group = dist.new_group(list(range(WORLD)))  # a subgroup, like the trainer's ring groups
         model = tiny_model()

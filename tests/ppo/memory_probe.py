@@ -21,7 +21,7 @@ ROWS, MICRO, PROMPT, RESPONSE, STEPS = 8, 4, 32, 64, 2
 
 def main(model: str, stage: int, dtype: str) -> dict:
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from tests.spawn import free_port
+    from openppo.strategy.distributed import free_port
 
     os.environ["MASTER_PORT"] = str(free_port())
     import psutil

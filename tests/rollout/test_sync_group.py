@@ -11,18 +11,19 @@ import torch.distributed as dist
 
 from openppo.distributed.rendezvous import serve_store
 from openppo.errors import UserError
-from openppo.rollout.sync_group import create_sync_group, free_port
+from openppo.rollout.sync_group import create_sync_group
 
 
 def _run_ranks(world_size: int, fn, timeout_s: float = 30.0) -> list:
-    """Run fn(rank, port) in one thread per rank; return the results, re-raising the first error."""
-    port = free_port("127.0.0.1")
+    """Run fn(rank, port, store) in one thread per rank; return the results, re-raising the first error. `store` is
+    rank 0's, served on a port the OS picked (None for the other ranks), as the trainer serves it."""
+    store = serve_store("127.0.0.1", 0, world_size, timeout_s)
     results: list = [None] * world_size
     errors: list = []
 
     def target(rank: int) -> None:
         try:
-            results[rank] = fn(rank, port)
+            results[rank] = fn(rank, store.port, store if rank == 0 else None)
         except BaseException as exc:  # noqa: BLE001 -- handed to the test thread
             errors.append(exc)
 
@@ -44,8 +45,8 @@ def test_broadcast_reaches_every_rank_without_touching_the_default_group():
         torch.randint(0, 255, (1000,), dtype=torch.uint8),
     ]
 
-    def rank_fn(rank: int, port: int):
-        group = create_sync_group("gloo", "127.0.0.1", port, rank, 3, timeout_s=20)
+    def rank_fn(rank: int, port: int, store):
+        group = create_sync_group("gloo", "127.0.0.1", port, rank, 3, timeout_s=20, store=store)
         got = []
         for p in payloads:
             buf = p.clone() if rank == 0 else torch.zeros_like(p)
@@ -68,11 +69,11 @@ def test_broadcast_reaches_every_rank_without_touching_the_default_group():
 def test_waits_are_bounded_by_the_timeout():
     t0 = time.monotonic()
     with pytest.raises(RuntimeError):  # DistStoreError (a RuntimeError) or RuntimeError by step: must not hang
-        create_sync_group("gloo", "127.0.0.1", free_port("127.0.0.1"), 0, 2, timeout_s=2)
+        create_sync_group("gloo", "127.0.0.1", 0, 0, 2, timeout_s=2)  # rank 0 alone, on a port the OS picks
     assert time.monotonic() - t0 < 15
 
-    def rank_fn(rank: int, port: int):
-        group = create_sync_group("gloo", "127.0.0.1", port, rank, 2, timeout_s=2)
+    def rank_fn(rank: int, port: int, store):
+        group = create_sync_group("gloo", "127.0.0.1", port, rank, 2, timeout_s=2, store=store)
         if rank == 0:  # rank 1 never posts its side of the broadcast
             t = time.monotonic()
             with pytest.raises(RuntimeError):  # gloo's timeout
@@ -96,20 +97,10 @@ def test_bad_backend_and_nccl_without_cuda_are_user_errors():
 
 def test_rank_zero_listens_on_a_port_the_os_gave_it_before_anyone_hears_it():
     """`serve_store(port 0)` binds first and reports the port: nothing can take it between choosing it and using it
-    (a probed-free port bound later was taken in between once, when two runs shared a box: EADDRINUSE)."""
+    (a probed-free port bound later was taken in between once, when two runs shared a box: EADDRINUSE). Every test
+    here meets on such a store (`_run_ranks`)."""
     import socket
 
     store = serve_store("127.0.0.1", 0, 2, timeout_s=20)
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe, pytest.raises(OSError):
         probe.bind(("127.0.0.1", store.port))
-
-    def rank_fn(rank: int, _unused_port: int):
-        group = create_sync_group(
-            "gloo", "127.0.0.1", store.port, rank, 2, timeout_s=20, store=store if rank == 0 else None
-        )
-        buf = torch.arange(5.0) if rank == 0 else torch.zeros(5)
-        group.broadcast(buf, src=0)
-        group.destroy()
-        return buf
-
-    assert all(torch.equal(b, torch.arange(5.0)) for b in _run_ranks(2, rank_fn))

@@ -9,32 +9,20 @@ import json
 import os
 import sys
 
-from openppo.strategy.distributed import free_port
-
 
 def main() -> None:
-    os.environ.update(
-        {
-            "RANK": "0",
-            "WORLD_SIZE": "1",
-            "LOCAL_RANK": "0",
-            "MASTER_ADDR": "127.0.0.1",
-            "MASTER_PORT": str(free_port()),
-            "DS_ACCELERATOR": "cpu",
-        }
-    )
+    os.environ.update({"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "DS_ACCELERATOR": "cpu"})
     import deepspeed
-    import deepspeed.ops
     import torch
     from transformers import AutoModelForCausalLM
     from transformers.integrations import HfDeepSpeedConfig
 
     from openppo.models.actor import Actor
     from openppo.rollout.sender import iter_full_weights, unwrap_model
+    from openppo.strategy.distributed import init_distributed
     from tests.model_cache import tiny_model_dir
 
-    deepspeed.ops.__compatible_ops__["deepspeed_shm_comm"] = False  # skip a 60-160 s JIT build on CPU
-    deepspeed.init_distributed(dist_backend="gloo")
+    init_distributed(timeout_s=60)  # gloo on an in-process store, no JIT build of DeepSpeed's shm op
     reference = dict(AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).named_parameters())
     config = {
         "zero_optimization": {"stage": 3},
