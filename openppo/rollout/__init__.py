@@ -28,7 +28,7 @@ from openppo.rollout.sender import (
     tensors_checksum,
     unwrap_model,
 )
-from openppo.rollout.sync_group import SyncGroup, create_sync_group, free_port
+from openppo.rollout.sync_group import SyncGroup, create_sync_group
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -49,5 +49,4 @@ __all__ = [
     "unwrap_model",
     "SyncGroup",
     "create_sync_group",
-    "free_port",
 ]

@@ -12,7 +12,6 @@ constructor, and each broadcast (a peer that never shows up raises instead of ha
 from __future__ import annotations
 
 import logging
-import socket
 from datetime import timedelta
 
 import torch
@@ -24,13 +23,6 @@ from openppo.errors import UserError
 logger = logging.getLogger(__name__)
 
 BACKENDS = ("gloo", "nccl")
-
-
-def free_port(host: str = "") -> int:
-    """A TCP port free on `host` right now (racy by nature: bind it soon)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return s.getsockname()[1]
 
 
 class SyncGroup:

@@ -19,7 +19,8 @@ if not torch.cuda.is_available():
 
 
 def free_port() -> int:
-    """An unused TCP port on localhost (racy by nature; fine for single-host launches and tests)."""
+    """A TCP port unused on localhost right now (racy by nature: what binds it later may find it taken, so a group
+    that meets across processes meets on a store served first, `openppo.distributed.rendezvous`)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]

@@ -128,10 +128,10 @@ def test_full_determinism_makes_the_trainer_ranks_deterministic(flags):
     import subprocess
     import sys
 
-    from openppo.rollout.sync_group import free_port
+    from openppo.strategy.distributed import free_port
 
     proc = subprocess.run(
-        [sys.executable, "-c", SETUP_RANKS, str(free_port("127.0.0.1")), str(tiny_model_dir()), *flags],
+        [sys.executable, "-c", SETUP_RANKS, str(free_port()), str(tiny_model_dir()), *flags],
         capture_output=True,
         text=True,
         timeout=300,
