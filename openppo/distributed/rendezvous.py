@@ -46,7 +46,7 @@ def hold_store(master_addr: str, world_size: int, timeout_s: float) -> int:
     return _held.port
 
 
-def group_store(timeout_s: float) -> dist.TCPStore | None:
+def group_store(timeout_s: float) -> dist.Store | None:
     """This rank's store for its default process group: the one it holds (rank 0), a connection to MASTER_ADDR and
     MASTER_PORT (the other ranks), an in-process store (a world of one), or None where the group's rank 0 serves
     none (`env://` start-up, as torchrun's)."""
