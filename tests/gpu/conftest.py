@@ -15,7 +15,8 @@ requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="GPU ch
 
 @pytest.fixture
 def single_rank(monkeypatch):
-    """This process as rank 0 of a world of 1 (DeepSpeed's env:// rendezvous)."""
+    """This process as rank 0 of a world of 1 (its group meets on a store inside the process; MASTER_PORT is only
+    set because DeepSpeed reads it)."""
     from openppo.strategy.distributed import free_port
 
     for key, value in {
