@@ -10,6 +10,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from tests.cli import preloaded
+
 REPO = Path(__file__).resolve().parents[2]
 RAY_CLIS = {"train_ppo_ray"}
 
@@ -64,7 +66,11 @@ def run_cli(
         ]
     else:
         cmd = [sys.executable, "-m", f"openppo.cli.{module}", *args]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
+    server = preloaded.server_for(env, str(REPO)) if nproc == 1 else None
+    if server is not None:  # the same run, forked from a Python that imported its libraries once (preloaded.py)
+        proc = server.run(f"openppo.cli.{module}", args, env, str(REPO), timeout)
+    else:
+        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if check and proc.returncode != 0:
         raise AssertionError(
             f"{module} exited {proc.returncode}\nSTDOUT:\n{proc.stdout[-6000:]}\nSTDERR:\n{proc.stderr[-6000:]}"

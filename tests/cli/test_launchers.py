@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -68,3 +69,25 @@ def test_deepspeed_launcher_zero1(tmp_path):
     assert len(chosen) == 1 and all(f"-> {auto_param_dtype()} on " in line for line in chosen), chosen
     info = json.loads((tmp_path / "out" / "run_info.json").read_text())
     assert info["config"]["ds"]["param_dtype"] == auto_param_dtype()
+
+
+def test_a_preloaded_run_prints_and_exits_as_python_m_does(tmp_path):
+    """The suite's single-process CLI runs fork from a preloaded Python (tests/cli/preloaded.py): the same output
+    and status as `python -m` for help, a bad flag and a bad file; a run past its timeout is killed, the next runs."""
+    from tests.cli import preloaded
+
+    env = cli_env()
+    server = preloaded.server_for(env, str(REPO))
+    assert server is not None
+    missing = ["--pretrain", str(tmp_path / "nothing"), "--dataset", "x", "--save_path", str(tmp_path / "out")]
+    for argv in (["--help"], ["--no_such_flag"], missing):
+        forked = server.run("openppo.cli.train_sft", argv, env, str(REPO), 300)
+        fresh = subprocess.run(
+            [sys.executable, "-m", "openppo.cli.train_sft", *argv], capture_output=True, text=True, env=env, cwd=REPO
+        )
+        assert (forked.returncode, forked.stderr) == (fresh.returncode, fresh.stderr), (forked, fresh)
+        # (stdout: the log lines carry their time, and the bf16 probe its measured ratio)
+        assert re.sub(r"[\d.]+", "#", forked.stdout) == re.sub(r"[\d.]+", "#", fresh.stdout), (forked, fresh)
+    with pytest.raises(subprocess.TimeoutExpired):
+        server.run("openppo.cli.train_sft", _args(tmp_path, "0"), env, str(REPO), 1)
+    assert server.run("openppo.cli.train_sft", ["--help"], env, str(REPO), 300).returncode == 0
