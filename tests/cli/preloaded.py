@@ -53,7 +53,7 @@ def _serve() -> None:
         importlib.import_module(name)
     # what the imports set in the environment (DS_ACCELERATOR): a fresh run's imports set the same
     added = {k: v for k, v in os.environ.items() if before.get(k) != v}
-    channel.write(json.dumps({"ready": os.getpid()}) + "\n")
+    channel.write(json.dumps({"ready": added}) + "\n")
     for line in requests:
         request = json.loads(line)
         sys.stdout.flush()
@@ -115,10 +115,12 @@ class Preloaded:
         )
         self._buffer = b""
         atexit.register(self.close)
-        self._read(time.monotonic() + START_TIMEOUT_S, "ready")
+        # what the server's imports set (DS_ACCELERATOR): the pytest process may have it or not, as a run's imports
+        # set it either way
+        self.added = self._read(time.monotonic() + START_TIMEOUT_S, "ready")
 
     def serves(self, env: dict[str, str]) -> bool:
-        return self.proc.poll() is None and _comparable(env) == self.env
+        return self.proc.poll() is None and _comparable({**self.added, **env}) == {**self.added, **self.env}
 
     def run(self, module: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float):
         """`python -m <module> argv` in a child: a CompletedProcess as `subprocess.run(capture_output=True,
@@ -172,13 +174,17 @@ _server: Preloaded | None = None
 
 
 def server_for(env: dict[str, str], cwd: str) -> Preloaded | None:
-    """This test worker's server if a run with `env` may go to it (started on first use), else None."""
+    """This test worker's server for runs with `env` (started on first use, and again when the environment of the
+    runs changed), or None with OPENPPO_TEST_PRELOADED=0."""
     global _server
     if os.environ.get("OPENPPO_TEST_PRELOADED", "1") == "0":
         return None
+    if _server is not None and not _server.serves(env):  # an earlier test changed the environment for good
+        _server.close()
+        _server = None
     if _server is None:
         _server = Preloaded(env, cwd)
-    return _server if _server.serves(env) else None
+    return _server
 
 
 if __name__ == "__main__":

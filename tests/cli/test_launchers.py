@@ -76,9 +76,14 @@ def test_a_preloaded_run_prints_and_exits_as_python_m_does(tmp_path):
     and status as `python -m` for help, a bad flag and a bad file; a run past its timeout is killed, the next runs."""
     from tests.cli import preloaded
 
+    env = {k: v for k, v in cli_env().items() if k != "DS_ACCELERATOR"}
+    server = preloaded.server_for(env, str(REPO))
+    # importing openppo.strategy.distributed in this process sets DS_ACCELERATOR, as a run's imports do: same server
+    assert server is not None and server.serves({**env, "DS_ACCELERATOR": "cpu"})
+    changed = {**env, "OPENPPO_TEST_VARIABLE": "1"}  # any other change: a server of that environment
+    assert not server.serves(changed) and preloaded.server_for(changed, str(REPO)).serves(changed)
     env = cli_env()
     server = preloaded.server_for(env, str(REPO))
-    assert server is not None
     missing = ["--pretrain", str(tmp_path / "nothing"), "--dataset", "x", "--save_path", str(tmp_path / "out")]
     for argv in (["--help"], ["--no_such_flag"], missing):
         forked = server.run("openppo.cli.train_sft", argv, env, str(REPO), 300)
