@@ -6,11 +6,20 @@ or fails the test with the worker's traceback, or after `timeout_s` (a mismatche
 The test process serves the ranks' TCPStore on a port the OS picked and keeps it until they end, and every rank joins
 it as a client (`rendezvous.STORE_ENV`, as a WorkerGroup's ranks do): a port probed free and bound later by rank 0 was
 taken in between once in CI (EADDRINUSE) while the other test worker ran Ray jobs.
+
+The ranks are forked from multiprocessing's fork server, which this test worker starts once with the libraries every
+rank imports already imported (`PRELOAD`): a spawned rank spent 8-10 of its CPU-seconds importing torch, DeepSpeed,
+transformers and openppo, and the suite starts dozens of them on a 2-core box. The server is a fresh interpreter
+(not a fork of the test worker and its threads), started from the environment the session began with; each rank
+then takes the environment `run_ranks` was called with, as a spawned one would. What the preloaded libraries read
+from the environment as they load is read in the server: the ranks set what they need before their own imports of
+torch._dynamo and the models (`PRELOAD` stops short of those: test_muon disables Dynamo by its variable).
 """
 
 from __future__ import annotations
 
 import json
+import multiprocessing.forkserver
 import os
 import time
 from collections.abc import Callable
@@ -21,8 +30,30 @@ import torch.multiprocessing as mp
 
 from openppo.distributed.rendezvous import STORE_ENV, serve_store
 
+# Imported once by the fork server: the training ranks' libraries (a torch.compile decorator reads
+# TORCHDYNAMO_DISABLE as it decorates: DeepSpeed's Muon module, which test_muon runs eagerly, is not among them)
+PRELOAD = ("deepspeed", "openppo.strategy.distributed", "openppo.ppo.workers")
+_SESSION_ENV = dict(os.environ)  # as the test session began (conftest's defaults set)
 
-def _joining_rank(rank: int, worker: Callable[[int, str, int], None], out_dir: str, port: int) -> None:
+
+def _fork_server() -> None:
+    """Start the fork server unless it runs, from the session's environment (a test's own variables stay its own)."""
+    mp.set_forkserver_preload(list(PRELOAD))
+    during = dict(os.environ)
+    os.environ.clear()
+    os.environ.update(_SESSION_ENV)
+    try:
+        multiprocessing.forkserver.ensure_running()
+    finally:
+        os.environ.clear()
+        os.environ.update(during)
+
+
+def _joining_rank(
+    rank: int, worker: Callable[[int, str, int], None], out_dir: str, port: int, env: dict[str, str]
+) -> None:
+    os.environ.clear()
+    os.environ.update(env)  # the caller's, as a spawned rank inherits it
     os.environ[STORE_ENV] = "1"  # openppo's init_distributed then joins the store at MASTER_PORT as a client
     worker(rank, out_dir, port)
 
@@ -30,10 +61,10 @@ def _joining_rank(rank: int, worker: Callable[[int, str, int], None], out_dir: s
 def run_ranks(
     worker: Callable[[int, str, int], None], world: int, out_dir: Path, timeout_s: float, what: str
 ) -> list[dict]:
+    _fork_server()
     store = serve_store("127.0.0.1", 0, world, timeout_s)
-    procs = mp.start_processes(
-        _joining_rank, args=(worker, str(out_dir), store.port), nprocs=world, start_method="spawn", join=False
-    )
+    args = (worker, str(out_dir), store.port, dict(os.environ))
+    procs = mp.start_processes(_joining_rank, args=args, nprocs=world, start_method="forkserver", join=False)
     deadline = time.monotonic() + timeout_s
     try:
         while not procs.join(timeout=1):  # raises with the worker's traceback if one failed
