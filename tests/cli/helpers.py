@@ -66,9 +66,9 @@ def run_cli(
         ]
     else:
         cmd = [sys.executable, "-m", f"openppo.cli.{module}", *args]
-    server = preloaded.server_for(env, str(REPO)) if nproc == 1 else None
+    server = preloaded.server_for(env, str(REPO))
     if server is not None:  # the same run, forked from a Python that imported its libraries once (preloaded.py)
-        proc = server.run(f"openppo.cli.{module}", args, env, str(REPO), timeout)
+        proc = server.run(f"openppo.cli.{module}", args, env, str(REPO), timeout, nproc)
     else:
         proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=REPO)
     if check and proc.returncode != 0:

@@ -7,13 +7,22 @@ the CLI modules' dependencies, then forks one child per run. The child is what `
 session, stdin from /dev/null, stdout and stderr to files, the run's working directory, environment and argv, the
 module run as `__main__` by runpy, exiting through the interpreter's normal shutdown (atexit: Ray's and W&B's).
 
-Only runs whose environment is the server's (up to `PER_RUN_VARS`, read when a run starts, not when a library is
-imported: OMP_NUM_THREADS is read by the OpenMP runtime as it loads) come here: `helpers.run_cli` runs the others,
-and every multi-rank run (torchrun starts its ranks itself), as subprocesses. Runs that a test kills or submits to
-Ray jobs (`BackgroundRun`, `ray job submit`) start as users start them, so the plain start stays covered.
+A run of N ranks (`torchrun --standalone --nproc_per_node N`) is N children, each with the variables torchrun 2.13
+gives its ranks (`torchrun_env`, read off a real launch: RANK, LOCAL_RANK, WORLD_SIZE, the TORCHELASTIC_* ones) and
+the rendezvous torchrun's ranks take: torch's `env://` start-up joins the agent's store as a client
+(TORCHELASTIC_USE_AGENT_STORE), here a store the test worker serves on a port the OS picked. Their output goes to
+one stdout and one stderr, as under torchrun; when one rank fails the others are stopped (SIGTERM, then SIGKILL
+after `STOP_GRACE_S`) and the run's status is 1, torchrun's. tests/cli/test_launchers.py runs torchrun and
+DeepSpeed's launcher themselves, so the launchers stay covered.
 
-Protocol, one JSON line each way: the client sends {module, argv, env, cwd, stdout, stderr}; the server answers
-{"pid"} once the child runs and {"rc"} once it ended (a negative signal number if a signal ended it, as subprocess).
+Only runs whose environment is the server's (up to `PER_RUN_VARS`, read when a run starts, not when a library is
+imported: OMP_NUM_THREADS is read by the OpenMP runtime as it loads) come here: `helpers.run_cli` runs the others as
+subprocesses. Runs that a test kills or submits to Ray jobs (`BackgroundRun`, `ray job submit`) start as users start
+them, so the plain start stays covered.
+
+Protocol, one JSON line each way: the client sends {module, argv, env, cwd, stdout, stderr, ranks} (`ranks`: each
+rank's variables over `env`); the server answers {"pids"} once the children run and {"rc"} once they ended (one
+process: a negative signal number if a signal ended it, as subprocess).
 """
 
 from __future__ import annotations
@@ -29,12 +38,16 @@ import subprocess
 import sys
 import tempfile
 import time
+import uuid
+
+from openppo.distributed.rendezvous import serve_store
 
 # Imported once by the server: the CLIs whose runs come here (their dependencies stay loaded; the modules themselves
 # are dropped in each child, which runs its own as __main__ the way `python -m` does).
 PRELOAD = ("openppo.cli.train_ppo_ray", "openppo.cli.train_sft", "openppo.cli.train_rm", "openppo.cli.train_dpo")
 PER_RUN_VARS = frozenset({"RAY_ADDRESS"})  # may differ between runs of one server
 START_TIMEOUT_S = 300  # the server's imports on a busy 2-core box
+STOP_GRACE_S = 30  # after one rank failed, how long the others get to end on SIGTERM
 
 
 def _comparable(env: dict[str, str]) -> dict[str, str]:
@@ -58,29 +71,58 @@ def _serve() -> None:
         request = json.loads(line)
         sys.stdout.flush()
         sys.stderr.flush()
-        pid = os.fork()
+        for path in (request["stdout"], request["stderr"]):
+            open(path, "w").close()  # the ranks append to them
+        pids = []
+        for rank_env in request["ranks"]:
+            pid = os.fork()
+            if pid == 0:
+                channel.close()
+                requests.close()
+                _child(request, {**added, **request["env"], **rank_env})  # never returns
+            pids.append(pid)
+        channel.write(json.dumps({"pids": pids}) + "\n")
+        channel.write(json.dumps({"rc": _wait(pids)}) + "\n")
+
+
+def _wait(pids: list[int]) -> int:
+    """The run's status once every child ended: one child's own; for ranks, 0 or (one failed) 1, as torchrun's."""
+    if len(pids) == 1:
+        return os.waitstatus_to_exitcode(os.waitpid(pids[0], 0)[1])
+    running, failed, stop_at = set(pids), False, None
+    while running:
+        pid, status = os.waitpid(-1, os.WNOHANG)
         if pid == 0:
-            channel.close()
-            requests.close()
-            _child(request, added)  # never returns
-        channel.write(json.dumps({"pid": pid}) + "\n")
-        _, status = os.waitpid(pid, 0)
-        channel.write(json.dumps({"rc": os.waitstatus_to_exitcode(status)}) + "\n")
+            if failed and time.monotonic() > stop_at:
+                _signal_groups(running, signal.SIGKILL)
+            time.sleep(0.1)
+            continue
+        running.discard(pid)
+        if os.waitstatus_to_exitcode(status) != 0 and not failed:
+            failed, stop_at = True, time.monotonic() + STOP_GRACE_S
+            _signal_groups(running, signal.SIGTERM)
+    return int(failed)
 
 
-def _child(request: dict, added: dict[str, str]) -> None:
+def _signal_groups(pids, sig: int) -> None:
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(pid, sig)
+
+
+def _child(request: dict, env: dict[str, str]) -> None:
     os.setsid()  # a process group of its own: a timeout kills the run and whatever it started
     for fd, path, flags in (
         (0, os.devnull, os.O_RDONLY),
-        (1, request["stdout"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
-        (2, request["stderr"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC),
+        (1, request["stdout"], os.O_WRONLY | os.O_APPEND),
+        (2, request["stderr"], os.O_WRONLY | os.O_APPEND),
     ):
-        opened = os.open(path, flags, 0o644)
+        opened = os.open(path, flags)
         os.dup2(opened, fd)
         os.close(opened)
     os.chdir(request["cwd"])
     os.environ.clear()
-    os.environ.update({**added, **request["env"]})
+    os.environ.update(env)
     module = request["module"]
     sys.modules.pop(module, None)  # run as __main__ only, as `python -m` does (runpy warns of a second copy)
     sys.argv = [module, *request["argv"]]  # runpy puts the module's path first
@@ -122,22 +164,29 @@ class Preloaded:
     def serves(self, env: dict[str, str]) -> bool:
         return self.proc.poll() is None and _comparable({**self.added, **env}) == {**self.added, **self.env}
 
-    def run(self, module: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float):
-        """`python -m <module> argv` in a child: a CompletedProcess as `subprocess.run(capture_output=True,
-        text=True)` gives, or subprocess.TimeoutExpired after `timeout` seconds (the child's group killed)."""
+    def run(self, module: str, argv: list[str], env: dict[str, str], cwd: str, timeout: float, nproc: int = 1):
+        """`python -m <module> argv` in a child (`nproc` > 1: `torchrun --standalone --nproc_per_node nproc -m
+        <module> argv`, in `nproc` children): a CompletedProcess as `subprocess.run(capture_output=True, text=True)`
+        gives, or subprocess.TimeoutExpired after `timeout` seconds (the children's groups killed)."""
         cmd = [sys.executable, "-m", module, *argv]
+        if nproc > 1:
+            cmd[1:3] = ["-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={nproc}", "-m", module]
+        store = serve_store("localhost", 0, nproc, timeout) if nproc > 1 else None  # torchrun's agent store
         with tempfile.TemporaryDirectory(prefix="openppo-run-") as tmp:
             out, err = os.path.join(tmp, "stdout"), os.path.join(tmp, "stderr")
+            run_id = str(uuid.uuid4())
+            ranks = [torchrun_env(r, nproc, store.port, run_id, tmp) for r in range(nproc)] if store else [{}]
             request = {"module": module, "argv": argv, "env": env, "cwd": cwd, "stdout": out, "stderr": err}
-            self.proc.stdin.write(json.dumps(request).encode() + b"\n")
-            pid = self._read(time.monotonic() + 60, "pid")
+            self.proc.stdin.write(json.dumps({**request, "ranks": ranks}).encode() + b"\n")
+            pids = self._read(time.monotonic() + 60, "pids")
             try:
                 rc = self._read(time.monotonic() + timeout, "rc")
             except TimeoutError:
-                with contextlib.suppress(ProcessLookupError):  # (ended meanwhile)
-                    os.killpg(pid, signal.SIGKILL)
+                _signal_groups(pids, signal.SIGKILL)
                 self._read(time.monotonic() + 60, "rc")
                 raise subprocess.TimeoutExpired(cmd, timeout, _text(out), _text(err)) from None
+            finally:
+                del store
             return subprocess.CompletedProcess(cmd, rc, _text(out), _text(err))
 
     def _read(self, deadline: float, key: str):
@@ -163,6 +212,32 @@ class Preloaded:
             self.proc.kill()
             self.proc.wait()
         self.log.close()
+
+
+def torchrun_env(rank: int, nproc: int, port: int, run_id: str, tmp: str) -> dict[str, str]:
+    """What `torchrun --standalone --nproc_per_node nproc` (torch 2.13) sets for local rank `rank`, over its own
+    environment, with its agent's store at localhost:`port`."""
+    os.makedirs(error_dir := os.path.join(tmp, str(rank)), exist_ok=True)
+    return {
+        "RANK": str(rank),
+        "LOCAL_RANK": str(rank),
+        "GROUP_RANK": "0",
+        "ROLE_RANK": str(rank),
+        "ROLE_NAME": "default",
+        "LOCAL_WORLD_SIZE": str(nproc),
+        "WORLD_SIZE": str(nproc),
+        "GROUP_WORLD_SIZE": "1",
+        "ROLE_WORLD_SIZE": str(nproc),
+        "MASTER_ADDR": "localhost",
+        "MASTER_PORT": str(port),
+        "TORCHELASTIC_RESTART_COUNT": "0",
+        "TORCHELASTIC_MAX_RESTARTS": "0",
+        "TORCHELASTIC_RUN_ID": run_id,
+        "TORCHELASTIC_USE_AGENT_STORE": "True",
+        "TORCHELASTIC_ERROR_FILE": os.path.join(error_dir, "error.json"),
+        "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGINT,SIGHUP,SIGQUIT",
+        "TORCH_NCCL_ASYNC_ERROR_HANDLING": "1",
+    }
 
 
 def _text(path: str) -> str:

@@ -96,3 +96,26 @@ def test_a_preloaded_run_prints_and_exits_as_python_m_does(tmp_path):
     with pytest.raises(subprocess.TimeoutExpired):
         server.run("openppo.cli.train_sft", _args(tmp_path, "0"), env, str(REPO), 1)
     assert server.run("openppo.cli.train_sft", ["--help"], env, str(REPO), 300).returncode == 0
+
+
+def test_preloaded_ranks_meet_with_the_environment_torchrun_gives(tmp_path):
+    """A multi-rank run of the suite forks its ranks from the preloaded server (tests/cli/preloaded.py): each gets
+    the variables torchrun's own ranks get, and they meet on `env://` as torchrun's do (on the agent's store)."""
+    from tests.cli import preloaded
+
+    env = cli_env()
+    server = preloaded.server_for(env, str(REPO))
+    forked = server.run("tests.cli.launch_env", [], env, str(REPO), 300, nproc=2)
+    torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
+    fresh = subprocess.run([*torchrun, "-m", "tests.cli.launch_env"], capture_output=True, text=True, env=env, cwd=REPO)
+    assert forked.returncode == fresh.returncode == 0, (forked, fresh)
+
+    def ranks(proc) -> dict[str, dict]:
+        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
+        assert [line["sum"] for line in lines] == [1, 1], proc  # 0 + 1: both ranks met
+        # the values a launch picks anew: its port, run id and error files; what the server's imports set (the
+        # fresh ranks' imports set it too, later)
+        masked = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", *server.added}
+        return {line["env"]["RANK"]: {k: v for k, v in line["env"].items() if k not in masked} for line in lines}
+
+    assert ranks(forked) == ranks(fresh)
