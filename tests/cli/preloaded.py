@@ -1,4 +1,4 @@
-"""CLI runs of one process forked from a Python that has imported the CLIs' libraries already.
+"""CLI runs (one process, or torchrun's ranks) forked from a Python that has imported the CLIs' libraries already.
 
 `python -m openppo.cli.train_ppo_ray ...` spends ~10 CPU-seconds importing torch, transformers, datasets and ray
 before its first line runs, and the suite starts dozens of such runs on a 2-core box. A test worker starts this
