@@ -12,8 +12,8 @@ rank imports already imported (`PRELOAD`): a spawned rank spent 8-10 of its CPU-
 transformers and openppo, and the suite starts dozens of them on a 2-core box. The server is a fresh interpreter
 (not a fork of the test worker and its threads), started from the environment the session began with; each rank
 then takes the environment `run_ranks` was called with, as a spawned one would. What the preloaded libraries read
-from the environment as they load is read in the server: the ranks set what they need before their own imports of
-torch._dynamo and the models (`PRELOAD` stops short of those: test_muon disables Dynamo by its variable).
+from the environment as they load is read in the server, from the session's environment; a module that reads a
+test's own variable as it loads stays out of `PRELOAD` (DeepSpeed's Muon module: test_muon sets TORCHDYNAMO_DISABLE).
 """
 
 from __future__ import annotations
