@@ -105,17 +105,20 @@ def test_preloaded_ranks_meet_with_the_environment_torchrun_gives(tmp_path):
 
     env = cli_env()
     server = preloaded.server_for(env, str(REPO))
-    forked = server.run("tests.cli.launch_env", [], env, str(REPO), 300, nproc=2)
+    (tmp_path / "forked").mkdir()
+    (tmp_path / "fresh").mkdir()
+    forked = server.run("tests.cli.launch_env", [str(tmp_path / "forked")], env, str(REPO), 300, nproc=2)
     torchrun = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node=2"]
-    fresh = subprocess.run([*torchrun, "-m", "tests.cli.launch_env"], capture_output=True, text=True, env=env, cwd=REPO)
+    launch = [*torchrun, "-m", "tests.cli.launch_env", str(tmp_path / "fresh")]
+    fresh = subprocess.run(launch, capture_output=True, text=True, env=env, cwd=REPO)
     assert forked.returncode == fresh.returncode == 0, (forked, fresh)
 
-    def ranks(proc) -> dict[str, dict]:
-        lines = [json.loads(line) for line in proc.stdout.splitlines() if line.startswith("{")]
-        assert [line["sum"] for line in lines] == [1, 1], proc  # 0 + 1: both ranks met
+    def ranks(folder: str) -> dict[str, dict]:
+        lines = [json.loads((tmp_path / folder / f"rank{rank}.json").read_text()) for rank in (0, 1)]
+        assert [line["sum"] for line in lines] == [1, 1], folder  # 0 + 1: both ranks met
         # the values a launch picks anew: its port, run id and error files; what the server's imports set (the
         # fresh ranks' imports set it too, later)
         masked = {"MASTER_PORT", "TORCHELASTIC_RUN_ID", "TORCHELASTIC_ERROR_FILE", *server.added}
         return {line["env"]["RANK"]: {k: v for k, v in line["env"].items() if k not in masked} for line in lines}
 
-    assert ranks(forked) == ranks(fresh)
+    assert ranks("forked") == ranks("fresh")
