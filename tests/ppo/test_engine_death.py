@@ -141,11 +141,9 @@ def test_async_partial_rollout_outlives_a_dead_engine(tmp_path):
     text = run.text()
     assert code == 0, text[-6000:]
     warning = next(line for line in text.splitlines() if "(restart 1 of at most 3)" in line)
-    # killed while it generated ahead; the trainer's check before its weight sync may notice first, or the sync
-    # itself when it started before Ray marked the actor dead (seen in the suite, 2026-11-29)
+    # killed while it generated ahead; the trainer's check before its weight sync may notice first
     assert f"vLLM engine 0 (pid {killed} " in warning, warning
-    noticed = ("by a generation", "before a weight sync", "by a weight sync")
-    assert any(f"died (noticed {how}" in warning for how in noticed), warning
+    assert "died (noticed by a generation" in warning or "died (noticed before a weight sync" in warning, warning
     # a new broadcast group with the new engine (the driver's own lines: Ray folds an actor's repeated ones)
     assert text.count("weight sync: engine(s) 0 via gloo broadcast") == 2, text[-6000:]
     records = read_metrics(run.save)
