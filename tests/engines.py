@@ -9,6 +9,7 @@ from typing import Any
 
 from openppo.utils import shm
 from tests import ray_cluster
+from tests.engine_zygote import SPAWNED
 from tests.model_cache import tiny_model_dir
 
 
@@ -45,14 +46,15 @@ def shm_files_of(pid: int) -> set[str]:
     return shm.held_by(pid).union(*shm.held_by_descendants(pid).values())
 
 
-def start_tiny_engine(kv_cache_bytes: int = 64 << 20, **kwargs) -> Any:
-    """A `VLLMEngine` actor of the tiny fp32 model in the running Ray session, once it is ready."""
+def start_tiny_engine(kv_cache_bytes: int = 64 << 20, spawned: bool = True, **kwargs) -> Any:
+    """A `VLLMEngine` actor of the tiny fp32 model in the running Ray session, once it is ready. `spawned`: its engine
+    core is spawned, as users' are, not forked from the session's zygote (tests/engine_zygote)."""
     import ray
 
     from openppo.rollout import VLLMEngine
 
     t0 = time.monotonic()
-    actor = ray.remote(num_cpus=1)(VLLMEngine).remote(
+    actor = ray.remote(num_cpus=1, **(SPAWNED if spawned else {}))(VLLMEngine).remote(
         str(tiny_model_dir()),
         dtype="float32",
         seed=0,

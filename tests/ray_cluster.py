@@ -15,11 +15,12 @@ from __future__ import annotations
 import os
 
 _cluster = None
+_zygote = None
 
 
 def address() -> str:
     """The session cluster's address (started here on the first call)."""
-    global _cluster
+    global _cluster, _zygote
     if _cluster is None:
         from ray.cluster_utils import Cluster
 
@@ -37,6 +38,14 @@ def address() -> str:
         # this cluster's folder gathers every test's workers (213 files seen): 0 makes it glob every 0.5 s, Ray's own
         # rule for big folders (a monitor of 200 idle files: 0.39 -> 0.17 CPU-s per 40 s, docs/benchmarks.md)
         os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
+        if os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE", "1") != "0":
+            # the engine actors' engine cores fork from a Python that imported vLLM (tests/engine_zygote)
+            from tests.engine_zygote import Zygote, cluster_env
+
+            _zygote = Zygote(dict(os.environ))
+            env = cluster_env(dict(os.environ), _zygote)
+            os.environ.clear()
+            os.environ.update(env)
         try:
             _cluster = Cluster(
                 initialize_head=True,
@@ -54,10 +63,13 @@ def address() -> str:
 
 
 def shutdown() -> None:
-    global _cluster
+    global _cluster, _zygote
     if _cluster is not None:
         _cluster.shutdown()
         _cluster = None
+    if _zygote is not None:
+        _zygote.close()
+        _zygote = None
 
 
 def connect() -> None:

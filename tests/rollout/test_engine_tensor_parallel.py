@@ -17,6 +17,7 @@ from openppo.rollout.readback import check_engine_weights
 from openppo.rollout.sender import connect_engines, sync_weights
 from openppo.utils import shm
 from tests import ray_cluster
+from tests.engine_zygote import SPAWNED
 from tests.engines import logprob_gap, shm_files_of
 from tests.model_cache import tiny_model_dir
 
@@ -52,7 +53,7 @@ def test_tensor_parallel_engine_generates_and_syncs_exactly():
     model = AutoModelForCausalLM.from_pretrained(tiny_model_dir(), dtype=torch.float32).eval()
     ray_cluster.connect()
     try:
-        engine = ray.remote(num_cpus=1)(VLLMEngine).remote(
+        engine = ray.remote(num_cpus=1, **SPAWNED)(VLLMEngine).remote(
             str(tiny_model_dir()),
             dtype="float32",
             seed=0,
