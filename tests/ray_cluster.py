@@ -40,12 +40,11 @@ def address() -> str:
         os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
         if os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE", "1") != "0":
             # the engine actors' engine cores fork from a Python that imported vLLM (tests/engine_zygote)
-            from tests.engine_zygote import Zygote, cluster_env
+            from tests.engine_zygote import Zygote
 
             _zygote = Zygote(dict(os.environ))
-            env = cluster_env(dict(os.environ), _zygote)
             os.environ.clear()
-            os.environ.update(env)
+            os.environ.update(_zygote.env)
         try:
             _cluster = Cluster(
                 initialize_head=True,

@@ -1,4 +1,4 @@
-"""The session cluster's engine-core zygote (see `sitecustomize` here): started by tests/ray_cluster.py."""
+"""The session cluster's engine-core zygote (see `openppo_test_engine_zygote` here): started by tests/ray_cluster.py."""
 
 from __future__ import annotations
 
@@ -11,9 +11,9 @@ import tempfile
 import uuid
 from pathlib import Path
 
-from tests.engine_zygote.sitecustomize import ADDRESS_ENV, SERVER_ENV
+from tests.engine_zygote.openppo_test_engine_zygote import ADDRESS_ENV, SERVER_ENV
 
-FOLDER = Path(__file__).parent  # on the cluster's PYTHONPATH, for `sitecustomize`
+FOLDER = Path(__file__).parent  # on the cluster's PYTHONPATH, for its `sitecustomize`
 # What an engine core imports: the module of its target, its executor, CPU worker and attention backend, the modules
 # its model loader reaches, openppo's worker extension, and the main module of its parent, Ray's worker, which a
 # spawned child imports as `__mp_main__` (the fork server imports it first when "__main__" leads the list). The fork
@@ -27,6 +27,7 @@ PRELOAD = (
     "vllm.model_executor.layers.quantization.online.base",
     "compressed_tensors",
     "openppo.rollout.worker_extension",
+    "openppo_test_engine_zygote",  # (imported at start-up already, by `sitecustomize`)
 )
 
 
@@ -46,7 +47,10 @@ class Zygote:
     connects (not only the one that started it). It ends when this process closes `close()` or ends."""
 
     def __init__(self, env: dict[str, str]):
+        """`env`: the cluster's environment; `self.env` is it for the cluster's processes (and the server's own)."""
         self.address = os.path.join(tempfile.gettempdir(), f"openppo-zygote-{uuid.uuid4().hex[:12]}.sock")
+        path = [str(FOLDER), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
+        self.env = {**env, "PYTHONPATH": os.pathsep.join(path), ADDRESS_ENV: self.address}
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(self.address)
         os.chmod(self.address, 0o600)
@@ -60,7 +64,7 @@ class Zygote:
         self.proc = subprocess.Popen(
             [sys.executable, "-c", code],
             pass_fds=(listener.fileno(), alive_r),
-            env={**env, SERVER_ENV: "1"},
+            env={**self.env, SERVER_ENV: "1"},
             stdin=subprocess.DEVNULL,
             stdout=self.log,
             stderr=self.log,
@@ -80,9 +84,3 @@ class Zygote:
             self.log.close()
         if os.path.exists(self.address):
             os.unlink(self.address)
-
-
-def cluster_env(env: dict[str, str], zygote: Zygote) -> dict[str, str]:
-    """`env` for the processes of a cluster whose engine actors use `zygote`."""
-    path = [str(FOLDER), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
-    return {**env, "PYTHONPATH": os.pathsep.join(path), ADDRESS_ENV: zygote.address}

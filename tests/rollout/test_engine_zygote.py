@@ -11,13 +11,14 @@ import psutil
 import pytest
 
 from tests import ray_cluster
-from tests.engine_zygote import PRELOAD
+from tests.engine_zygote import FOLDER, PRELOAD
 from tests.engines import start_tiny_engine
 
 
-def test_every_preloaded_module_imports():
+def test_every_preloaded_module_imports(monkeypatch):
     """The fork server skips a name that fails to import without a word: a renamed module would cost every engine
     its import time again."""
+    monkeypatch.syspath_prepend(str(FOLDER))  # as on the cluster's PYTHONPATH
     for name in PRELOAD:
         if name != "__main__":
             importlib.import_module(name)
