@@ -9,6 +9,7 @@ import sys
 
 import pytest
 
+from openppo.strategy.distributed import free_port
 from tests.cli.data import sft_rows
 from tests.cli.helpers import REPO, cli_env, read_metrics, run_cli, series, write_jsonl
 from tests.model_cache import tiny_model_dir
@@ -53,7 +54,7 @@ def test_deepspeed_launcher_zero1(tmp_path):
         "--num_gpus",
         "2",
         "--master_port",
-        "29731",
+        str(free_port()),  # (a fixed one meets whatever else on the box holds it)
         "--module",
         "openppo.cli.train_sft",
         *_args(tmp_path, "1"),
