@@ -17,7 +17,7 @@ FOLDER = Path(__file__).parent  # on the cluster's PYTHONPATH, for its `sitecust
 # What an engine core imports: the module of its target, its executor, CPU worker and attention backend, the modules
 # its model loader reaches, openppo's worker extension, and the main module of its parent, Ray's worker, which a
 # spawned child imports as `__mp_main__` (the fork server imports it first when "__main__" leads the list). The fork
-# server skips a name it cannot import: tests/engine_zygote's test checks that each one imports.
+# server skips a name it cannot import: tests/rollout/test_engine_zygote.py checks that each one imports.
 PRELOAD = (
     "__main__",
     "vllm.v1.engine.core",
