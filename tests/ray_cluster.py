@@ -39,10 +39,11 @@ def address() -> str:
         # rule for big folders (a monitor of 200 idle files: 0.39 -> 0.17 CPU-s per 40 s, docs/benchmarks.md)
         os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
         if os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE", "1") != "0":
-            # the engine actors' engine cores fork from a Python that imported vLLM (tests/engine_zygote)
-            from tests.engine_zygote import Zygote
+            # Ray's workers, and the engine actors' engine cores, fork from Pythons that imported what they import
+            # (tests/engine_zygote); OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 keeps the zygote of the engine cores only
+            from tests.engine_zygote import Zygotes
 
-            _zygote = Zygote(dict(os.environ))
+            _zygote = Zygotes(dict(os.environ), ray_workers=os.environ.get("OPENPPO_TEST_RAY_WORKER_ZYGOTE") != "0")
             os.environ.clear()
             os.environ.update(_zygote.env)
         try:
@@ -69,6 +70,11 @@ def shutdown() -> None:
     if _zygote is not None:
         _zygote.close()
         _zygote = None
+
+
+def ray_worker_zygote_pid() -> int | None:
+    """The pid of the zygote of the session cluster's Ray workers (tests/engine_zygote), if it has one."""
+    return _zygote.ray_worker.proc.pid if _zygote is not None and _zygote.ray_worker is not None else None
 
 
 def connect() -> None:

@@ -1,42 +1,51 @@
-"""The test session's Ray cluster: vLLM's engine cores fork from a Python that has imported vLLM already.
+"""The test session's Ray cluster: Ray's workers, and vLLM's engine cores, fork from Pythons that have imported what
+they import.
 
 (Imported by this folder's `sitecustomize` in every Python process of the cluster; a module of its own, under a name
-no other package takes, so that the zygote's children find `_in_parent_env` whatever `sitecustomize` is elsewhere.)
+no other package takes, so that the zygotes' children find its functions whatever `sitecustomize` is elsewhere.)
 
-An engine actor starts vLLM's engine core with multiprocessing's spawn method (vLLM's choice in a Ray actor and on
-CPU), and the new Python spends ~17 CPU-seconds importing vLLM before the engine core's first line runs; the suite
-starts dozens of engines on a 2-core box. tests/ray_cluster.py starts one zygote per test worker (multiprocessing's
-fork server, `tests.engine_zygote.Zygote`, with vLLM's engine-core modules imported) and puts this folder on the
-cluster's PYTHONPATH, so that Python imports this module in every process of the cluster. In a process with
-OPENPPO_TEST_ENGINE_ZYGOTE_ADDRESS set, a spawned process whose target is vLLM's engine core comes from the zygote:
+A new Python spends ~15 CPU-seconds importing torch, transformers, DeepSpeed and vLLM before a trainer rank's or an
+engine actor's first line runs, and ~17 before an engine core's (vLLM's spawn start, its choice in a Ray actor and on
+CPU); the suite starts them by the dozen on a 2-core box. tests/ray_cluster.py starts two zygotes per test worker
+(multiprocessing's fork server, `tests.engine_zygote.Zygote`): one with vLLM's engine-core modules imported, one with
+what Ray's workers import, less Ray itself. It puts this folder on the cluster's PYTHONPATH, so that Python imports
+this module in every process of the cluster:
 
-- the child gets what a spawned one gets: the parent's pickled preparation data (sys.path, working directory, main
-  module) and process object, the parent's environment as it was at `start()` (OMP_NUM_THREADS and the thread
-  count it sets, VLLM_CPU_OMP_THREADS_BIND, the Ray node), and the parent's stdout and stderr (the actor's log,
-  which Ray streams to the driver);
-- the parent holds a `Popen` of multiprocessing's own fork-server kind: pid, exit code, `terminate`, `kill` and the
-  sentinel that vLLM's client watches work as for a spawned child;
-- the child is not the parent's child, so it watches its parent itself and exits when it dies (Ray kills a dead
-  actor's children; here the child does it).
+- a Python the raylet starts for a worker (OPENPPO_TEST_RAY_WORKER_ZYGOTE_ADDRESS set) hands its worker over to a
+  child of the Ray workers' zygote, and stays as its stand-in: it passes its signals on, exits as the child does, and
+  the child exits when it dies. The child takes the stand-in's environment, standard streams, working directory and
+  sys.path, then runs Ray's worker program as `__main__` and ends as a Python does (atexit hooks). The raylet knows
+  workers by the token it gave them, so the pid the child registers with is the worker's;
+- in a process with OPENPPO_TEST_ENGINE_ZYGOTE_ADDRESS set, a spawned process whose target is vLLM's engine core
+  comes from the engine cores' zygote. The child gets what a spawned one gets: the parent's pickled preparation data
+  (sys.path, working directory, main module) and process object, the parent's environment as it was at `start()`
+  (OMP_NUM_THREADS and the thread count it sets, VLLM_CPU_OMP_THREADS_BIND, the Ray node), and the parent's stdout
+  and stderr (the actor's log, which Ray streams to the driver). The parent holds a `Popen` of multiprocessing's own
+  fork-server kind: pid, exit code, `terminate`, `kill` and the sentinel that vLLM's client watches work as for a
+  spawned child. The child is not the parent's child, so it watches its parent itself and exits when it dies (Ray
+  kills a dead actor's children; here the child does it).
 
 Tensor-parallel workers are still spawned by the engine core (children of it). The spawn start stays covered: the
 clusters tests start themselves (two nodes, fake GPUs, killed runs) keep it, and so do the engines of the tests that
 check the process tree users get (`tests.engine_zygote.SPAWNED`); OPENPPO_TEST_ENGINE_ZYGOTE=0 in the session's
-environment turns the zygote off for the session's cluster too.
+environment turns both zygotes off for the session's cluster too, OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 the Ray workers'.
 """
 
 from __future__ import annotations
 
+import multiprocessing.context
 import os
 
-ADDRESS_ENV = "OPENPPO_TEST_ENGINE_ZYGOTE_ADDRESS"  # the zygote's socket
-SERVER_ENV = "OPENPPO_TEST_ENGINE_ZYGOTE_SERVER"  # set in the zygote itself, whose children fork no engine cores
+ADDRESS_ENV = "OPENPPO_TEST_ENGINE_ZYGOTE_ADDRESS"  # the engine cores' zygote's socket
+RAY_WORKER_ADDRESS_ENV = "OPENPPO_TEST_RAY_WORKER_ZYGOTE_ADDRESS"  # the socket of Ray's workers' zygote
+SERVER_ENV = "OPENPPO_TEST_ENGINE_ZYGOTE_SERVER"  # set in a zygote itself, which hands nothing over
 _ENGINE_CORE_MODULE = "vllm.v1.engine"  # the target's module: EngineCoreProc.run_engine_core
+RAY_WORKER_MAIN = os.path.join("ray", "_private", "workers", "default_worker.py")
 
 
-def _in_parent_env(env: dict[str, str], target, *args, **kwargs):
-    """The child's first step: the environment, output and thread count a spawned child would have had, and a watch
-    on its parent."""
+def _adopt(env: dict[str, str], fds: tuple[int, ...]) -> None:
+    """A zygote child's first step: the standard streams (`fds`, sent last by `_launch`), environment and thread count
+    of the process that asked for it, as a spawned child would have them, and a watch on that process."""
     import multiprocessing
     import signal
     import sys
@@ -46,7 +55,7 @@ def _in_parent_env(env: dict[str, str], target, *args, **kwargs):
 
     for stream in (sys.stdout, sys.stderr):
         stream.flush()
-    for fd, inherited in zip((1, 2), forkserver.get_inherited_fds()[-2:]):  # the parent's, sent last (`_launch`)
+    for fd, inherited in zip(fds, forkserver.get_inherited_fds()[-len(fds) :]):
         os.dup2(inherited, fd)
         os.close(inherited)
     try:  # setproctitle finds the memory it writes the title to from the C environment, which the next lines replace
@@ -69,11 +78,37 @@ def _in_parent_env(env: dict[str, str], target, *args, **kwargs):
         os.kill(os.getpid(), signal.SIGKILL)
 
     threading.Thread(target=watch, name="zygote-parent-watch", daemon=True).start()
+
+
+def _in_parent_env(env: dict[str, str], target, *args, **kwargs):
+    """An engine core's first step (`_adopt`), then vLLM's target."""
+    _adopt(env, (1, 2))
     return target(*args, **kwargs)
 
 
-def _install(address: str) -> None:
-    import functools
+def _ray_worker(env: dict[str, str], argv: list[str]) -> None:
+    """A Ray worker's life in a zygote child: `_adopt`, then Ray's worker program as `__main__` with the arguments
+    the raylet gave (the working directory and sys.path came with the preparation data), then what a Python does as
+    it ends (a multiprocessing child ends with `os._exit`, which runs no `atexit` hook)."""
+    import atexit
+    import runpy
+    import sys
+    import threading
+
+    _adopt(env, (0, 1, 2))
+    if env.get(ADDRESS_ENV):
+        _install(env[ADDRESS_ENV])  # (this process's engine cores fork from their zygote, as the stand-in's would)
+    sys.argv = list(argv)
+    sys.path.insert(0, os.path.dirname(argv[0]))  # what Python puts first for a script, after `sitecustomize` ran
+    try:
+        runpy.run_path(argv[0], run_name="__main__")
+    finally:
+        threading._shutdown()  # the non-daemon threads first, then the hooks, as Python's own finalization
+        atexit._run_exitfuncs()
+
+
+def _zygote_popen(address: str, stdio: tuple[int, ...]):
+    """multiprocessing's fork-server `Popen`, for the zygote at `address`; the child gets this process's `stdio`."""
     import io
     from multiprocessing import context, forkserver, popen_forkserver, reduction, resource_tracker, spawn, util
 
@@ -102,13 +137,22 @@ def _install(address: str) -> None:
                 reduction.dump(process_obj, buf)
             finally:
                 context.set_spawning_popen(None)
-            self.sentinel, w = zygote.connect_to_new_process([*self._fds, 1, 2])
+            self.sentinel, w = zygote.connect_to_new_process([*self._fds, *stdio])
             parent_w = os.dup(w)  # the child's sentinel of this process: closed when this process ends
             self.finalizer = util.Finalize(self, util.close_fds, (parent_w, self.sentinel))
             with open(w, "wb", closefd=True) as f:
                 f.write(buf.getbuffer())
             self.pid = forkserver.read_signed(self.sentinel)
 
+    return ZygotePopen
+
+
+def _install(address: str) -> None:
+    """Spawned processes whose target is vLLM's engine core come from the zygote at `address`."""
+    import functools
+    from multiprocessing import context
+
+    zygote_popen = _zygote_popen(address, (1, 2))
     spawn_popen = context.SpawnProcess._Popen
 
     def popen(process_obj):
@@ -116,10 +160,49 @@ def _install(address: str) -> None:
         if not getattr(target, "__module__", "").startswith(_ENGINE_CORE_MODULE):
             return spawn_popen(process_obj)
         process_obj._target = functools.partial(_in_parent_env, dict(os.environ), target)
-        return ZygotePopen(process_obj)
+        return zygote_popen(process_obj)
 
     context.SpawnProcess._Popen = staticmethod(popen)
 
 
-if os.environ.get(ADDRESS_ENV) and os.environ.get(SERVER_ENV) != "1":
-    _install(os.environ[ADDRESS_ENV])
+def _ray_worker_popen(process_obj):
+    return _zygote_popen(os.environ[RAY_WORKER_ADDRESS_ENV], (0, 1, 2))(process_obj)
+
+
+class _RayWorkerProcess(multiprocessing.context.SpawnProcess):
+    """A Ray worker's process, from the zygote (a class of this module's: the process object is pickled for it)."""
+
+    _Popen = staticmethod(_ray_worker_popen)
+
+
+def _hand_over_ray_worker() -> None:
+    """In a new Python that the raylet started to run its worker program: the worker runs in a zygote child instead,
+    and this process stays as its stand-in, passing on the signals it gets and exiting as the child does. Never
+    returns."""
+    import signal
+    import sys
+
+    # named as a Ray worker's process is (vLLM puts the name in its log lines)
+    worker = _RayWorkerProcess(target=_ray_worker, args=(dict(os.environ), list(sys.argv)), name="MainProcess")
+    worker.start()
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
+        signal.signal(sig, lambda signum, _: os.kill(worker.pid, signum))
+    worker.join()
+    code = worker.exitcode
+    if code is not None and code < 0:  # killed by a signal: end the same way
+        signal.signal(-code, signal.SIG_DFL)
+        os.kill(os.getpid(), -code)
+    os._exit(code or 0)
+
+
+def _is_ray_worker() -> bool:
+    import sys
+
+    return bool(sys.argv) and sys.argv[0].endswith(RAY_WORKER_MAIN)
+
+
+if os.environ.get(SERVER_ENV) != "1":
+    if os.environ.get(RAY_WORKER_ADDRESS_ENV) and _is_ray_worker():
+        _hand_over_ray_worker()
+    if os.environ.get(ADDRESS_ENV):
+        _install(os.environ[ADDRESS_ENV])

@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import importlib
 import os
+import subprocess
+import sys
 import time
 
 import psutil
 import pytest
 
 from tests import ray_cluster
-from tests.engine_zygote import FOLDER, PRELOAD
+from tests.engine_zygote import FOLDER, PRELOAD, RAY_WORKER_PRELOAD
 from tests.engines import start_tiny_engine
 
 
@@ -22,6 +24,20 @@ def test_every_preloaded_module_imports(monkeypatch):
     for name in PRELOAD:
         if name != "__main__":
             importlib.import_module(name)
+
+
+def test_the_ray_worker_preload_imports_without_ray():
+    """Each name of the Ray workers' zygote imports in a fresh Python, and none loads Ray (whose C++ settings a child
+    must read from its own environment): a new import of Ray in one of them would stop the session's cluster."""
+    code = (
+        "import sys\n"
+        f"for name in {list(RAY_WORKER_PRELOAD)!r}:\n"
+        "    __import__(name)\n"
+        "    assert 'ray' not in sys.modules, f'{name} imports Ray'\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(FOLDER), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
 
 
 @pytest.mark.slow
@@ -52,5 +68,81 @@ def test_an_engine_core_from_the_zygote_is_what_a_spawned_one_is():
         while psutil.pid_exists(core) and psutil.Process(core).status() != psutil.STATUS_ZOMBIE:
             assert time.monotonic() < deadline, "the engine core outlived its actor by 60 s"
             time.sleep(0.2)
+    finally:
+        ray.shutdown()
+
+
+@pytest.mark.skipif(
+    "0" in (os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE"), os.environ.get("OPENPPO_TEST_RAY_WORKER_ZYGOTE")),
+    reason="the zygote of Ray's workers is off",
+)
+def test_a_ray_worker_runs_in_a_zygote_child_behind_a_stand_in():
+    """An actor of the session cluster: its worker is a child of the zygote, with the modules the zygote imported, the
+    environment its runtime_env gave and the working directory Ray gave; the process the raylet started runs Ray's
+    worker program as its stand-in, and both are gone once the actor is killed."""
+    import ray
+
+    ray_cluster.connect()
+    try:
+
+        @ray.remote(num_cpus=0, runtime_env={"env_vars": {"OPENPPO_TEST_MARK": "7"}})
+        class Probe:
+            def facts(self) -> dict:
+                import multiprocessing
+                import sys
+
+                return {
+                    "pid": os.getpid(),
+                    "ppid": os.getppid(),
+                    "stand_in": multiprocessing.parent_process().pid,
+                    "preloaded": [m for m in ("deepspeed", "vllm", "openppo.ppo.workers") if m in sys.modules],
+                    "mark": os.environ.get("OPENPPO_TEST_MARK"),
+                    "name": multiprocessing.current_process().name,
+                    "cwd": os.getcwd(),
+                    "main": sys.modules["__main__"].__file__,
+                }
+
+        probe = Probe.remote()
+        facts = ray.get(probe.facts.remote(), timeout=120)
+        assert facts["ppid"] == ray_cluster.ray_worker_zygote_pid(), facts
+        assert facts["preloaded"] == ["deepspeed", "vllm", "openppo.ppo.workers"], facts
+        assert facts["mark"] == "7" and facts["main"].endswith("default_worker.py"), facts
+        assert facts["name"] == "MainProcess", facts
+        stand_in = psutil.Process(facts["stand_in"])
+        assert stand_in.cmdline()[1].endswith("default_worker.py") and facts["cwd"] == stand_in.cwd(), facts
+        ray.kill(probe)
+        deadline = time.monotonic() + 60
+        for pid in (facts["pid"], stand_in.pid):
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, f"process {pid} outlived its killed actor by 60 s"
+                time.sleep(0.2)
+    finally:
+        ray.shutdown()
+
+
+def test_an_actor_that_exits_runs_its_atexit_hooks(tmp_path):
+    """An actor ending by `exit_actor` ends its Python as a Ray worker does, hooks run, in the session's cluster
+    with or without the zygote of Ray's workers (whose children would otherwise end without them)."""
+    import ray
+
+    ray_cluster.connect()
+    try:
+
+        @ray.remote(num_cpus=0)
+        class Leaver:
+            def leave(self, path: str) -> None:
+                import atexit
+
+                atexit.register(lambda: open(path, "w").write("ran"))
+                ray.actor.exit_actor()
+
+        leaver = Leaver.remote()
+        with pytest.raises(ray.exceptions.RayActorError):
+            ray.get(leaver.leave.remote(str(tmp_path / "hook")), timeout=120)
+        deadline = time.monotonic() + 60
+        while not (tmp_path / "hook").exists():
+            assert time.monotonic() < deadline, "the actor's atexit hook did not run within 60 s of its exit"
+            time.sleep(0.2)
+        assert (tmp_path / "hook").read_text() == "ran"
     finally:
         ray.shutdown()
