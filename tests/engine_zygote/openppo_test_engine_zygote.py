@@ -201,7 +201,9 @@ def _is_ray_worker() -> bool:
     return bool(sys.argv) and sys.argv[0].endswith(RAY_WORKER_MAIN)
 
 
-if os.environ.get(SERVER_ENV) != "1":
+# Only as `sitecustomize` loads it at start-up: the tests import it as tests.engine_zygote.openppo_test_engine_zygote
+# too, and so may an actor unpickling a test's function (a second hand-over there would end the actor)
+if __name__ == "openppo_test_engine_zygote" and os.environ.get(SERVER_ENV) != "1":
     if os.environ.get(RAY_WORKER_ADDRESS_ENV) and _is_ray_worker():
         _hand_over_ray_worker()
     if os.environ.get(ADDRESS_ENV):

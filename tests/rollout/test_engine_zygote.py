@@ -88,9 +88,12 @@ def test_a_ray_worker_runs_in_a_zygote_child_behind_a_stand_in():
         @ray.remote(num_cpus=0, runtime_env={"env_vars": {"OPENPPO_TEST_MARK": "7"}})
         class Probe:
             def facts(self) -> dict:
+                import importlib
                 import multiprocessing
                 import sys
 
+                # (as an actor unpickling a test's function may: the module's start-up hand-over must not run again)
+                importlib.import_module("tests.engine_zygote.openppo_test_engine_zygote")
                 return {
                     "pid": os.getpid(),
                     "ppid": os.getppid(),
