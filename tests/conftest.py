@@ -10,6 +10,10 @@ os.environ.setdefault("WANDB_MODE", "offline")
 os.environ.setdefault("RAY_AUTH_MODE", "disabled")
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
 os.environ.setdefault("TORCH_EXTENSIONS_DIR", str(REPO / ".cache" / "torch_extensions"))
+# A Ray node starts one idle worker per CPU when its first driver connects. Most of the suite's actors carry
+# runtime_env variables and cannot take one, so most were Pythons importing Ray for nothing (22 still idle at the end,
+# 76 CPU-s, in the clusters tests start themselves, one suite run; four of those files: 216 -> 202 box CPU-s)
+os.environ.setdefault("RAY_prestart_worker_first_driver", "0")
 # A run with capped vector instructions (docs/platform.md, "Checking an AVX2-only CPU on a newer one") gets an Inductor
 # cache of its own: the shared one holds an uncapped run's kernels, which scored NaN under the caps
 if any(os.environ.get(cap) for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS")):
@@ -26,10 +30,10 @@ if any(os.environ.get(cap) for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_IS
 # workers, each taking whole files (`--dist loadfile`, module fixtures run once) in this order as it frees up: the
 # long ones start early and the short ones fill the end, instead of one long file running alone at the end.
 LONGEST_FIRST = (
+    "tests/ppo/test_two_nodes.py",  # 150; 421 in the suite on the AMD EPYC (2026-11-30), the longest file there
     "tests/ppo/test_train_ppo_ray.py",  # 304
     "tests/ppo/test_golden_trace.py",  # 191: 143, and 48 for the PPO run's restart
     "tests/ppo/test_train_ppo_features.py",  # 132
-    "tests/ppo/test_two_nodes.py",  # 150
     "tests/ppo/test_engine_death.py",  # 126
     "tests/ppo/test_distillation.py",  # 159 alone on a 2-core AMD EPYC (AVX2), which takes ~1.6x this list's box
     "tests/agents/test_served_agents.py",  # 115 alone on the AMD EPYC, building its tool-calling model (~50 s)
