@@ -15,12 +15,12 @@ from __future__ import annotations
 import os
 
 _cluster = None
-_zygote = None
+_zygotes = None
 
 
 def address() -> str:
     """The session cluster's address (started here on the first call)."""
-    global _cluster, _zygote
+    global _cluster, _zygotes
     if _cluster is None:
         from ray.cluster_utils import Cluster
 
@@ -43,9 +43,9 @@ def address() -> str:
             # (tests/engine_zygote); OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 keeps the zygote of the engine cores only
             from tests.engine_zygote import Zygotes
 
-            _zygote = Zygotes(dict(os.environ), ray_workers=os.environ.get("OPENPPO_TEST_RAY_WORKER_ZYGOTE") != "0")
+            _zygotes = Zygotes(dict(os.environ), ray_workers=os.environ.get("OPENPPO_TEST_RAY_WORKER_ZYGOTE") != "0")
             os.environ.clear()
-            os.environ.update(_zygote.env)
+            os.environ.update(_zygotes.env)
         try:
             _cluster = Cluster(
                 initialize_head=True,
@@ -63,18 +63,23 @@ def address() -> str:
 
 
 def shutdown() -> None:
-    global _cluster, _zygote
+    global _cluster, _zygotes
     if _cluster is not None:
         _cluster.shutdown()
         _cluster = None
-    if _zygote is not None:
-        _zygote.close()
-        _zygote = None
+    if _zygotes is not None:
+        _zygotes.close()
+        _zygotes = None
 
 
 def ray_worker_zygote_pid() -> int | None:
     """The pid of the zygote of the session cluster's Ray workers (tests/engine_zygote), if it has one."""
-    return _zygote.ray_worker.proc.pid if _zygote is not None and _zygote.ray_worker is not None else None
+    return _zygotes.ray_worker.proc.pid if _zygotes is not None and _zygotes.ray_worker is not None else None
+
+
+def engine_zygote_pid() -> int | None:
+    """The pid of the zygote of the session cluster's vLLM processes (tests/engine_zygote), if it has one."""
+    return _zygotes.engine.proc.pid if _zygotes is not None else None
 
 
 def connect() -> None:

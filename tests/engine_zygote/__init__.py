@@ -16,14 +16,16 @@ from pathlib import Path
 from tests.engine_zygote.openppo_test_engine_zygote import ADDRESS_ENV, RAY_WORKER_ADDRESS_ENV, SERVER_ENV
 
 FOLDER = Path(__file__).parent  # on the cluster's PYTHONPATH, for its `sitecustomize`
-# What an engine core imports: the module of its target, its executor, CPU worker and attention backend, the modules
-# its model loader reaches, openppo's worker extension, and the main module of its parent, Ray's worker, which a
-# spawned child imports as `__mp_main__` (the fork server imports it first when "__main__" leads the list). The fork
-# server skips a name it cannot import: tests/rollout/test_engine_zygote.py checks that each one imports.
+# What an engine core imports: the module of its target, its executors (one process; tensor-parallel workers), CPU
+# worker and attention backend, the modules its model loader reaches, openppo's worker extension, and the main module
+# of its parent, Ray's worker, which a spawned child imports as `__mp_main__` (the fork server imports it first when
+# "__main__" leads the list). The fork server skips a name it cannot import: tests/rollout/test_engine_zygote.py
+# checks that each one imports.
 PRELOAD = (
     "__main__",
     "vllm.v1.engine.core",
     "vllm.v1.executor.uniproc_executor",
+    "vllm.v1.executor.multiproc_executor",
     "vllm.v1.worker.cpu_worker",
     "vllm.v1.attention.backends.cpu_attn",
     "vllm.model_executor.layers.quantization.online.base",

@@ -25,9 +25,10 @@ this module in every process of the cluster:
   spawned child. The child is not the parent's child, so it watches its parent itself and exits when it dies (Ray
   kills a dead actor's children; here the child does it).
 
-Tensor-parallel workers are still spawned by the engine core (children of it). The spawn start stays covered: the
-clusters tests start themselves (two nodes, fake GPUs, killed runs) keep it, and so do the engines of the tests that
-check the process tree users get (`tests.engine_zygote.SPAWNED`); OPENPPO_TEST_ENGINE_ZYGOTE=0 in the session's
+An engine core's tensor-parallel workers (vLLM's multiprocessing executor, spawned by the engine core) come from the
+same zygote, the same way: the engine core is the process that asks. The spawn start stays covered: the clusters tests
+start themselves (two nodes, fake GPUs, killed runs) keep it, and so do the engines of the tests that check the
+process tree users get (`tests.engine_zygote.SPAWNED`); OPENPPO_TEST_ENGINE_ZYGOTE=0 in the session's
 environment turns both zygotes off for the session's cluster too, OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 the Ray workers'.
 """
 
@@ -39,7 +40,8 @@ import os
 ADDRESS_ENV = "OPENPPO_TEST_ENGINE_ZYGOTE_ADDRESS"  # the engine cores' zygote's socket
 RAY_WORKER_ADDRESS_ENV = "OPENPPO_TEST_RAY_WORKER_ZYGOTE_ADDRESS"  # the socket of Ray's workers' zygote
 SERVER_ENV = "OPENPPO_TEST_ENGINE_ZYGOTE_SERVER"  # set in a zygote itself, which hands nothing over
-_ENGINE_CORE_MODULE = "vllm.v1.engine"  # the target's module: EngineCoreProc.run_engine_core
+# the targets' modules: EngineCoreProc.run_engine_core, and WorkerProc.worker_main (a tensor-parallel worker)
+_ENGINE_MODULES = ("vllm.v1.engine.", "vllm.v1.executor.multiproc_executor")
 RAY_WORKER_MAIN = os.path.join("ray", "_private", "workers", "default_worker.py")
 
 
@@ -81,8 +83,10 @@ def _adopt(env: dict[str, str], fds: tuple[int, ...]) -> None:
 
 
 def _in_parent_env(env: dict[str, str], target, *args, **kwargs):
-    """An engine core's first step (`_adopt`), then vLLM's target."""
+    """An engine core's or a tensor-parallel worker's first step (`_adopt`), then vLLM's target."""
     _adopt(env, (1, 2))
+    if env.get(ADDRESS_ENV):
+        _install(env[ADDRESS_ENV])  # (an engine core's workers fork from the zygote, as its own process did)
     return target(*args, **kwargs)
 
 
@@ -148,7 +152,8 @@ def _zygote_popen(address: str, stdio: tuple[int, ...]):
 
 
 def _install(address: str) -> None:
-    """Spawned processes whose target is vLLM's engine core come from the zygote at `address`."""
+    """Spawned processes whose target is vLLM's engine core or a tensor-parallel worker come from the zygote at
+    `address`."""
     import functools
     from multiprocessing import context
 
@@ -157,7 +162,7 @@ def _install(address: str) -> None:
 
     def popen(process_obj):
         target = process_obj._target
-        if not getattr(target, "__module__", "").startswith(_ENGINE_CORE_MODULE):
+        if not getattr(target, "__module__", "").startswith(_ENGINE_MODULES):
             return spawn_popen(process_obj)
         process_obj._target = functools.partial(_in_parent_env, dict(os.environ), target)
         return zygote_popen(process_obj)

@@ -42,32 +42,40 @@ def test_the_ray_worker_preload_imports_without_ray():
 
 @pytest.mark.slow
 @pytest.mark.skipif(os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE") == "0", reason="the zygote is off")
-def test_an_engine_core_from_the_zygote_is_what_a_spawned_one_is():
-    """Forked from the zygote: not the actor's child, writing to the actor's stdout and stderr, generating, and gone
-    once the actor is killed (Ray kills a dead actor's children; the forked core watches its parent itself)."""
+def test_an_engine_core_and_its_workers_from_the_zygote_are_what_spawned_ones_are():
+    """A tensor-parallel engine: its engine core and both workers forked from the zygote, not children of the actor
+    and of the core, each writing to the actor's stdout and stderr, generating, and gone once the actor is killed
+    (Ray kills a dead actor's children; a forked process watches the process that asked for it itself)."""
     import ray
 
     ray_cluster.connect()
     try:
-        engine = start_tiny_engine(spawned=False)
+        zygote = psutil.Process(ray_cluster.engine_zygote_pid())
+        before = {p.pid for p in zygote.children()}
+        engine = start_tiny_engine(spawned=False, tensor_parallel_size=2)
 
         def pids(e):
             return os.getpid(), [p.pid for p in e.llm.llm_engine.engine_core.resources.engine_manager.processes]
 
         actor, [core] = ray.get(engine.__ray_call__.remote(pids), timeout=60)
-        assert psutil.Process(core).ppid() != actor and core not in {p.pid for p in psutil.Process(actor).children()}
-        assert psutil.Process(core).name() == "VLLM::EngineCore"
-        for fd in (1, 2):
-            assert os.readlink(f"/proc/{core}/fd/{fd}") == os.readlink(f"/proc/{actor}/fd/{fd}")
+        forked = {p.pid: p.name() for p in zygote.children() if p.pid not in before}
+        workers = [pid for pid, name in forked.items() if name.startswith("VLLM::Worker")]
+        assert forked[core] == "VLLM::EngineCore" and len(workers) == 2 and len(forked) == 3, forked
+        children = [" ".join(p.cmdline()) for p in psutil.Process(actor).children(recursive=True)]
+        assert all("resource_tracker" in child for child in children), children  # (multiprocessing's own)
+        for pid in forked:
+            for fd in (1, 2):
+                assert os.readlink(f"/proc/{pid}/fd/{fd}") == os.readlink(f"/proc/{actor}/fd/{fd}")
         [[sample]] = ray.get(
             engine.generate.remote([[100, 101, 102]], n=1, max_new_tokens=4, temperature=1.0, top_p=1.0), timeout=120
         )
         assert len(sample["token_ids"]) == 4
         ray.kill(engine)
         deadline = time.monotonic() + 60
-        while psutil.pid_exists(core) and psutil.Process(core).status() != psutil.STATUS_ZOMBIE:
-            assert time.monotonic() < deadline, "the engine core outlived its actor by 60 s"
-            time.sleep(0.2)
+        for pid in forked:
+            while psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE:
+                assert time.monotonic() < deadline, f"{forked[pid]} outlived its actor by 60 s"
+                time.sleep(0.2)
     finally:
         ray.shutdown()
 
