@@ -15,7 +15,9 @@ this module in every process of the cluster:
   child of the Ray workers' zygote, and stays as its stand-in: it passes its signals on, exits as the child does, and
   the child exits when it dies. The child takes the stand-in's environment, standard streams, working directory and
   sys.path, then runs Ray's worker program as `__main__` and ends as a Python does (atexit hooks). The raylet knows
-  workers by the token it gave them, so the pid the child registers with is the worker's;
+  workers by the token it gave them, so the pid the child registers with is the worker's. A worker with a runtime_env
+  is handed over by Ray's setup_worker.py, with the runtime_env's variables set, instead of by the Python that
+  setup_worker would exec;
 - in a process with OPENPPO_TEST_ENGINE_ZYGOTE_ADDRESS set, a spawned process whose target is vLLM's engine core
   comes from the engine cores' zygote. The child gets what a spawned one gets: the parent's pickled preparation data
   (sys.path, working directory, main module) and process object, the parent's environment as it was at `start()`
@@ -43,6 +45,7 @@ SERVER_ENV = "OPENPPO_TEST_ENGINE_ZYGOTE_SERVER"  # set in a zygote itself, whic
 # the targets' modules: EngineCoreProc.run_engine_core, and WorkerProc.worker_main (a tensor-parallel worker)
 _ENGINE_MODULES = ("vllm.v1.engine.", "vllm.v1.executor.multiproc_executor")
 RAY_WORKER_MAIN = os.path.join("ray", "_private", "workers", "default_worker.py")
+RAY_SETUP_WORKER = os.path.join("ray", "_private", "workers", "setup_worker.py")  # (a worker with a runtime_env)
 
 
 def _adopt(env: dict[str, str], fds: tuple[int, ...]) -> None:
@@ -180,15 +183,14 @@ class _RayWorkerProcess(multiprocessing.context.SpawnProcess):
     _Popen = staticmethod(_ray_worker_popen)
 
 
-def _hand_over_ray_worker() -> None:
-    """In a new Python that the raylet started to run its worker program: the worker runs in a zygote child instead,
-    and this process stays as its stand-in, passing on the signals it gets and exiting as the child does. Never
-    returns."""
+def _hand_over_ray_worker(env: dict[str, str], argv: list[str]) -> None:
+    """In a new Python that the raylet started for a worker (`_ray_worker_launch`): the worker runs in a zygote child
+    instead, with `env` and `argv`, and this process stays as its stand-in, passing on the signals it gets and exiting
+    as the child does. Never returns."""
     import signal
-    import sys
 
     # named as a Ray worker's process is (vLLM puts the name in its log lines)
-    worker = _RayWorkerProcess(target=_ray_worker, args=(dict(os.environ), list(sys.argv)), name="MainProcess")
+    worker = _RayWorkerProcess(target=_ray_worker, args=(env, argv), name="MainProcess")
     worker.start()
     for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
         signal.signal(sig, lambda signum, _: os.kill(worker.pid, signum))
@@ -200,16 +202,51 @@ def _hand_over_ray_worker() -> None:
     os._exit(code or 0)
 
 
-def _is_ray_worker() -> bool:
+def _ray_worker_launch() -> tuple[dict[str, str], list[str]] | None:
+    """If the raylet started this Python for a worker: the environment and command line of Ray's worker program.
+    A worker with a runtime_env starts as Ray's setup_worker.py, which sets the runtime_env's variables (`${VAR}`
+    expanded, unset ones empty: Ray's `update_envs`) and execs a new Python for the worker program through bash; that
+    Python (and setup_worker's import of Ray, 0.6 of the 0.8 CPU-s a stand-in took) is skipped by setting them here.
+    None for any other Python, and for a runtime_env that asks setup_worker for more (a command prefix, another Python
+    or entry point), which then runs as it does for users."""
     import sys
 
-    return bool(sys.argv) and sys.argv[0].endswith(RAY_WORKER_MAIN)
+    if sys.argv and sys.argv[0].endswith(RAY_WORKER_MAIN):
+        return dict(os.environ), list(sys.argv)
+    if not (sys.argv and sys.argv[0].endswith(RAY_SETUP_WORKER)):
+        return None
+    import argparse
+    import json
+    import re
+
+    parser = argparse.ArgumentParser(add_help=False)  # setup_worker.py's own options; the rest is the worker's
+    parser.add_argument("--serialized-runtime-env-context")
+    parser.add_argument("--language")
+    args, argv = parser.parse_known_args(sys.argv[1:])
+    context = json.loads(args.serialized_runtime_env_context or "{}")
+    if (
+        args.language != "PYTHON"
+        or context.get("command_prefix")
+        or context.get("py_executable") not in (None, sys.executable)
+        or context.get("override_worker_entrypoint")
+        or not (argv and argv[0].endswith(RAY_WORKER_MAIN))
+    ):
+        return None
+    saved = dict(os.environ)
+    try:  # set one by one, as Ray does: a value may name a variable set before it
+        for key, value in (context.get("env_vars") or {}).items():
+            os.environ[key] = re.sub(r"\$\{[A-Z0-9_]+\}", "", os.path.expandvars(value))
+        return dict(os.environ), argv
+    finally:  # (left as it was, for setup_worker.py itself if the worker is not handed over)
+        os.environ.clear()
+        os.environ.update(saved)
 
 
 # Only as `sitecustomize` loads it at start-up: the tests import it as tests.engine_zygote.openppo_test_engine_zygote
 # too, and so may an actor unpickling a test's function (a second hand-over there would end the actor)
 if __name__ == "openppo_test_engine_zygote" and os.environ.get(SERVER_ENV) != "1":
-    if os.environ.get(RAY_WORKER_ADDRESS_ENV) and _is_ray_worker():
-        _hand_over_ray_worker()
+    _launch = _ray_worker_launch() if os.environ.get(RAY_WORKER_ADDRESS_ENV) else None
+    if _launch is not None and _launch[0].get(RAY_WORKER_ADDRESS_ENV):  # (a runtime_env may turn the zygote off)
+        _hand_over_ray_worker(*_launch)
     if os.environ.get(ADDRESS_ENV):
         _install(os.environ[ADDRESS_ENV])

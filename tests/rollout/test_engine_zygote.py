@@ -86,14 +86,16 @@ def test_an_engine_core_and_its_workers_from_the_zygote_are_what_spawned_ones_ar
 )
 def test_a_ray_worker_runs_in_a_zygote_child_behind_a_stand_in():
     """An actor of the session cluster: its worker is a child of the zygote, with the modules the zygote imported, the
-    environment its runtime_env gave and the working directory Ray gave; the process the raylet started runs Ray's
-    worker program as its stand-in, and both are gone once the actor is killed."""
+    environment its runtime_env gave (`${VAR}` expanded as Ray's setup_worker.py does) and the working directory Ray
+    gave; the process the raylet started, Ray's setup_worker.py, is its stand-in (it never starts the Python that
+    setup_worker would exec), and both are gone once the actor is killed."""
     import ray
 
     ray_cluster.connect()
     try:
+        env_vars = {"OPENPPO_TEST_MARK": "7", "OPENPPO_TEST_MARKS": "${OPENPPO_TEST_MARK}${OPENPPO_TEST_UNSET}/$HOME"}
 
-        @ray.remote(num_cpus=0, runtime_env={"env_vars": {"OPENPPO_TEST_MARK": "7"}})
+        @ray.remote(num_cpus=0, runtime_env={"env_vars": env_vars})
         class Probe:
             def facts(self) -> dict:
                 import importlib
@@ -107,7 +109,7 @@ def test_a_ray_worker_runs_in_a_zygote_child_behind_a_stand_in():
                     "ppid": os.getppid(),
                     "stand_in": multiprocessing.parent_process().pid,
                     "preloaded": [m for m in ("deepspeed", "vllm", "openppo.ppo.workers") if m in sys.modules],
-                    "mark": os.environ.get("OPENPPO_TEST_MARK"),
+                    "marks": (os.environ.get("OPENPPO_TEST_MARK"), os.environ.get("OPENPPO_TEST_MARKS")),
                     "name": multiprocessing.current_process().name,
                     "cwd": os.getcwd(),
                     "main": sys.modules["__main__"].__file__,
@@ -117,10 +119,11 @@ def test_a_ray_worker_runs_in_a_zygote_child_behind_a_stand_in():
         facts = ray.get(probe.facts.remote(), timeout=120)
         assert facts["ppid"] == ray_cluster.ray_worker_zygote_pid(), facts
         assert facts["preloaded"] == ["deepspeed", "vllm", "openppo.ppo.workers"], facts
-        assert facts["mark"] == "7" and facts["main"].endswith("default_worker.py"), facts
+        assert facts["marks"] == ("7", f"7/{os.environ['HOME']}") and facts["main"].endswith("default_worker.py"), facts
         assert facts["name"] == "MainProcess", facts
         stand_in = psutil.Process(facts["stand_in"])
-        assert stand_in.cmdline()[1].endswith("default_worker.py") and facts["cwd"] == stand_in.cwd(), facts
+        assert [os.path.basename(arg) for arg in stand_in.cmdline()[1:3]] == ["setup_worker.py", "default_worker.py"]
+        assert facts["cwd"] == stand_in.cwd(), facts
         ray.kill(probe)
         deadline = time.monotonic() + 60
         for pid in (facts["pid"], stand_in.pid):
