@@ -18,6 +18,7 @@ test's own variable as it loads stays out of `PRELOAD` (DeepSpeed's Muon module:
 
 from __future__ import annotations
 
+import gc
 import json
 import multiprocessing.forkserver
 import os
@@ -52,6 +53,7 @@ def _fork_server() -> None:
 def _joining_rank(
     rank: int, worker: Callable[[int, str, int], None], out_dir: str, port: int, env: dict[str, str]
 ) -> None:
+    gc.freeze()  # what the fork server imported: this rank's collections skip it (see tests/engine_zygote's zygotes)
     os.environ.clear()
     os.environ.update(env)  # the caller's, as a spawned rank inherits it
     os.environ[STORE_ENV] = "1"  # openppo's init_distributed then joins the store at MASTER_PORT as a client

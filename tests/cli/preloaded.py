@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -64,6 +65,8 @@ def _serve() -> None:
     before = dict(os.environ)
     for name in PRELOAD:
         importlib.import_module(name)
+    gc.collect()
+    gc.freeze()  # the imports' objects: the runs' collections skip them (tests/engine_zygote's zygotes do the same)
     # what the imports set in the environment (DS_ACCELERATOR): a fresh run's imports set the same
     added = {k: v for k, v in os.environ.items() if before.get(k) != v}
     channel.write(json.dumps({"ready": added}) + "\n")
