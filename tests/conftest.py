@@ -30,7 +30,7 @@ if any(os.environ.get(cap) for cap in ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_IS
 # workers, each taking whole files (`--dist loadfile`, module fixtures run once) in this order as it frees up: the
 # long ones start early and the short ones fill the end, instead of one long file running alone at the end.
 LONGEST_FIRST = (
-    "tests/ppo/test_two_nodes.py",  # 150; 421 in the suite on the AMD EPYC (2026-11-30), the longest file there
+    "tests/ppo/test_two_nodes.py",  # 150; 134 on the AMD EPYC beside test_engine_death, its nodes' zygotes' start in
     "tests/ppo/test_train_ppo_ray.py",  # 304
     "tests/ppo/test_golden_trace.py",  # 191: 143, and 48 for the PPO run's restart
     "tests/ppo/test_train_ppo_features.py",  # 132

@@ -3,6 +3,7 @@ engine's actor process, or of vLLM's engine core under it), read from the driver
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -30,8 +31,15 @@ def engine_pid(log: str, index: int = 0) -> int:
 
 
 def engine_core(actor_pid: int) -> psutil.Process | None:
-    """vLLM's engine core process under an engine's actor (None when the core runs in the actor: partial rollouts)."""
+    """vLLM's engine core process of an engine's actor (None when the core runs in the actor: partial rollouts): its
+    child, or, forked from a test cluster's zygote (tests/engine_zygote), the engine core that writes to its stdout."""
     cores = [p for p in psutil.Process(actor_pid).children(recursive=True) if p.name() == "VLLM::EngineCore"]
+    if not cores:
+        log = os.readlink(f"/proc/{actor_pid}/fd/1")  # (the actor's own log file)
+        for proc in psutil.process_iter(["name"]):
+            with contextlib.suppress(OSError, psutil.Error):
+                if proc.info["name"] == "VLLM::EngineCore" and os.readlink(f"/proc/{proc.pid}/fd/1") == log:
+                    cores.append(proc)
     return cores[0] if cores else None
 
 

@@ -38,12 +38,12 @@ def address() -> str:
         # this cluster's folder gathers every test's workers (213 files seen): 0 makes it glob every 0.5 s, Ray's own
         # rule for big folders (a monitor of 200 idle files: 0.39 -> 0.17 CPU-s per 40 s, docs/benchmarks.md)
         os.environ.setdefault("RAY_LOG_MONITOR_MANY_FILES_THRESHOLD", "0")
-        if os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE", "1") != "0":
-            # Ray's workers, and the engine actors' engine cores, fork from Pythons that imported what they import
-            # (tests/engine_zygote); OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 keeps the zygote of the engine cores only
-            from tests.engine_zygote import Zygotes
+        # Ray's workers, and the engine actors' vLLM processes, fork from Pythons that imported what they import
+        # (tests/engine_zygote)
+        from tests.engine_zygote import for_cluster
 
-            _zygotes = Zygotes(dict(os.environ), ray_workers=os.environ.get("OPENPPO_TEST_RAY_WORKER_ZYGOTE") != "0")
+        _zygotes = for_cluster(dict(os.environ))
+        if _zygotes is not None:
             os.environ.clear()
             os.environ.update(_zygotes.env)
         try:

@@ -9,6 +9,11 @@ between two machines. Needs root (CI runs as root) and the `ip` tool.
 The namespaces share the box's process table and files: /tmp is "storage both nodes see". Each node is started with
 `ray start`; `ray stop` would stop every Ray process of the box (another test worker's cluster too), so teardown
 kills the processes of this cluster only, found by its temp dir in their command line.
+
+Each node's Ray workers and vLLM processes fork from zygotes of its own, started in its namespace
+(tests/engine_zygote, as the session cluster's): 7 engine actors, 7 engine cores and 6 trainer ranks started fresh
+took 330 of the test's 490 CPU-s. The runs of tests/cli/helpers.BackgroundRun (killed engines, a killed save) keep
+the start users get.
 """
 
 from __future__ import annotations
@@ -27,6 +32,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import psutil
+
+from tests.engine_zygote import for_cluster
 
 START_TIMEOUT_S = 120
 
@@ -97,6 +104,7 @@ def two_nodes(env: dict[str, str], *, head_cpus: int, worker_cpus: int) -> Itera
     temp = Path(tempfile.mkdtemp(prefix="rn", dir="/tmp"))  # short: Ray's socket paths must stay under 108 bytes
     ray = str(Path(sys.executable).parent / "ray")
     env = {"RAY_AUTH_MODE": "disabled", **env}  # as tests/ray_cluster.py's cluster, which the CLIs also join
+    zygotes = []
     try:
         _ip("netns", "add", netns)
         _ip("link", "add", head_dev, "type", "veth", "peer", "name", worker_dev)
@@ -118,12 +126,19 @@ def two_nodes(env: dict[str, str], *, head_cpus: int, worker_cpus: int) -> Itera
         ):
             node = ["--node-ip-address", ip, "--num-cpus", str(cpus), "--num-gpus", "0", "--disable-usage-stats"]
             # gloo binds to the address of this hostname unless told the interface: that is the box's, not the node's
-            _run([*where, ray, "start", *role, *node], timeout=START_TIMEOUT_S, env={**env, "GLOO_SOCKET_IFNAME": dev})
+            node_env = {**env, "GLOO_SOCKET_IFNAME": dev}
+            node_zygotes = for_cluster(node_env, prefix=tuple(where))
+            if node_zygotes is not None:
+                zygotes.append(node_zygotes)
+                node_env = node_zygotes.env
+            _run([*where, ray, "start", *role, *node], timeout=START_TIMEOUT_S, env=node_env)
         nodes = TwoNodes(head_ip, worker_ip, f"{head_ip}:{port}", f"http://{head_ip}:{dashboard_port}", netns)
         _wait_for_nodes(nodes, env)
         yield nodes
     finally:
-        _kill_tree_of(str(temp))
+        _kill_tree_of(str(temp))  # (a zygote's children end with the processes that asked for them)
+        for node_zygotes in zygotes:
+            node_zygotes.close()
         with contextlib.suppress(RuntimeError):
             _ip("link", "del", head_dev)
         with contextlib.suppress(RuntimeError):

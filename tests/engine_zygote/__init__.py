@@ -69,20 +69,34 @@ def ray_worker_main() -> str:
     return os.path.join(ray_dir, "_private", "workers", "default_worker.py")
 
 
-class Zygotes:
-    """The session cluster's zygotes: one for vLLM's engine cores and, with `ray_workers`, one for Ray's workers.
-    `env`: the cluster's environment; `self.env` is it for the cluster's processes, which find the zygotes by it."""
+def for_cluster(env: dict[str, str], prefix: tuple[str, ...] = ()) -> Zygotes | None:
+    """The zygotes of a test cluster whose processes get `env` (and run under the command `prefix`), unless the
+    session's environment turns them off: OPENPPO_TEST_ENGINE_ZYGOTE=0 both, OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 the
+    one of Ray's workers."""
+    if os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE") == "0":
+        return None
+    return Zygotes(env, ray_workers=os.environ.get("OPENPPO_TEST_RAY_WORKER_ZYGOTE") != "0", prefix=prefix)
 
-    def __init__(self, env: dict[str, str], ray_workers: bool = True):
+
+class Zygotes:
+    """A test cluster's zygotes: one for vLLM's engine cores and, with `ray_workers`, one for Ray's workers. `env`:
+    the cluster's environment; `self.env` is it for the cluster's processes, which find the zygotes by it. `prefix`:
+    the command they run under, the same as the node's (`ip netns exec NS` for a node in a network namespace of its
+    own: a child has its zygote's namespaces)."""
+
+    def __init__(self, env: dict[str, str], ray_workers: bool = True, prefix: tuple[str, ...] = ()):
         path = [str(FOLDER), *filter(None, env.get("PYTHONPATH", "").split(os.pathsep))]
         self.env = {**env, "PYTHONPATH": os.pathsep.join(path)}
-        self.engine = Zygote(self.env, PRELOAD, main_path=ray_worker_main())
+        self.engine = Zygote(self.env, PRELOAD, main_path=ray_worker_main(), prefix=prefix)
         self.ray_worker = None
         try:
             if ray_workers:
-                self.ray_worker = Zygote(self.env, RAY_WORKER_PRELOAD, without="ray")
+                self.ray_worker = Zygote(self.env, RAY_WORKER_PRELOAD, without="ray", prefix=prefix)
+            for zygote in (self.engine, self.ray_worker):  # (both import at once)
+                if zygote is not None:
+                    zygote.wait_ready()
         except BaseException:
-            self.engine.close()
+            self.close()
             raise
         self.env[ADDRESS_ENV] = self.engine.address
         if self.ray_worker is not None:
@@ -98,16 +112,25 @@ class Zygote:
     """multiprocessing's fork server on a socket of its own, with `preload` imported, serving every process that
     connects (not only the one that started it). It ends when this process closes `close()` or ends."""
 
-    def __init__(self, env: dict[str, str], preload: tuple[str, ...], main_path: str | None = None, without=None):
-        """`env`: its environment; `main_path`: what "__main__" in `preload` names; `without`: a module that the
-        imports must not load (it refuses to start if they do)."""
+    def __init__(
+        self,
+        env: dict[str, str],
+        preload: tuple[str, ...],
+        main_path: str | None = None,
+        without: str | None = None,
+        prefix: tuple[str, ...] = (),
+    ):
+        """Starts it: `env`, its environment; `main_path`, what "__main__" in `preload` names; `without`, a module
+        that the imports must not load (it refuses to start if they do); `prefix`, a command it runs under. Serves
+        once `wait_ready` returned."""
+        self.without = without
         self.address = os.path.join(tempfile.gettempdir(), f"openppo-zygote-{uuid.uuid4().hex[:12]}.sock")
         listener = socket.socket(socket.AF_UNIX)
         listener.bind(self.address)
         os.chmod(self.address, 0o600)
         listener.listen()
         alive_r, self._alive_w = os.pipe()
-        ready_r, ready_w = os.pipe()
+        self._ready_r, ready_w = os.pipe()
         # The imports first, then one byte on `ready_w` (b"1", or b"0" if they loaded `without`), then the server's
         # loop (whose own imports are then cached): the raylet waits 60 s for a worker it starts, so the cluster starts
         # once the zygotes can serve. The objects the imports made are then frozen (`gc.freeze`, what Python's docs
@@ -124,7 +147,7 @@ class Zygote:
         )
         self.log = tempfile.NamedTemporaryFile(prefix="openppo-zygote-", suffix=".log")
         self.proc = subprocess.Popen(
-            [sys.executable, "-c", code],
+            [*prefix, sys.executable, "-c", code],
             pass_fds=(listener.fileno(), alive_r, ready_w),
             env={**env, SERVER_ENV: "1"},
             stdin=subprocess.DEVNULL,
@@ -134,19 +157,26 @@ class Zygote:
         listener.close()
         os.close(alive_r)
         os.close(ready_w)
+
+    def wait_ready(self) -> None:
+        """Returns once its imports are done; raises if they loaded `without` or took over READY_TIMEOUT_S."""
         try:
-            ready, _, _ = select.select([ready_r], [], [], READY_TIMEOUT_S)
-            answer = os.read(ready_r, 1) if ready else b""
+            ready, _, _ = select.select([self._ready_r], [], [], READY_TIMEOUT_S)
+            answer = os.read(self._ready_r, 1) if ready else b""
         finally:
-            os.close(ready_r)
+            os.close(self._ready_r)
+            self._ready_r = None
         if answer != b"1":
             self.close()
-            why = f"its imports loaded {without}" if answer == b"0" else f"it was not ready within {READY_TIMEOUT_S} s"
+            why = f"its imports loaded {self.without}" if answer == b"0" else f"not ready in {READY_TIMEOUT_S} s"
             raise RuntimeError(
                 f"a zygote of the test cluster did not start: {why} (OPENPPO_TEST_ENGINE_ZYGOTE=0 runs without it)"
             )
 
     def close(self) -> None:
+        if self._ready_r is not None:
+            os.close(self._ready_r)
+            self._ready_r = None
         if self._alive_w is not None:
             os.close(self._alive_w)  # the server's loop ends
             self._alive_w = None
