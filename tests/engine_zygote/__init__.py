@@ -1,5 +1,5 @@
-"""The session cluster's zygotes, of engine cores and of Ray's workers (see `openppo_test_engine_zygote` here): started
-by tests/ray_cluster.py."""
+"""A test cluster's zygotes, of vLLM's processes and of Ray's workers (see `openppo_test_engine_zygote` here): started
+by tests/ray_cluster.py for the session cluster, and by tests/two_nodes.py for each of its nodes."""
 
 from __future__ import annotations
 

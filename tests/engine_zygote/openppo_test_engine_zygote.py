@@ -28,10 +28,11 @@ this module in every process of the cluster:
   kills a dead actor's children; here the child does it).
 
 An engine core's tensor-parallel workers (vLLM's multiprocessing executor, spawned by the engine core) come from the
-same zygote, the same way: the engine core is the process that asks. The spawn start stays covered: the clusters tests
-start themselves (two nodes, fake GPUs, killed runs) keep it, and so do the engines of the tests that check the
-process tree users get (`tests.engine_zygote.SPAWNED`); OPENPPO_TEST_ENGINE_ZYGOTE=0 in the session's
-environment turns both zygotes off for the session's cluster too, OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 the Ray workers'.
+same zygote, the same way: the engine core is the process that asks. The two-node cluster (tests/two_nodes.py) has a
+pair of zygotes per node. The spawn start stays covered: the clusters other tests start themselves (fake GPUs, killed
+runs) keep it, and so do the engines of the tests that check the process tree users get
+(`tests.engine_zygote.SPAWNED`); OPENPPO_TEST_ENGINE_ZYGOTE=0 in the session's environment turns both zygotes off for
+the test clusters too, OPENPPO_TEST_RAY_WORKER_ZYGOTE=0 the Ray workers'.
 """
 
 from __future__ import annotations
