@@ -466,22 +466,27 @@ def _check_spellings(
     argv: typing.Sequence[str], names: openrlhf_names.Spellings, parser: argparse.ArgumentParser
 ) -> None:
     """Stop at a flag this CLI refuses (with the reason), and at one setting given under two spellings."""
-    given: dict[str, dict[str, list[str]]] = {}  # field -> spelling -> values
+    # field -> spelling -> (the flag as given, its values); a switch's --no-x is x's spelling with the value "off",
+    # so `--x --no-x` is one spelling given twice (the last wins, as for any flag) and `--x --no-dotted.x` two
+    given: dict[str, dict[str, tuple[str, list[str]]]] = {}
     for name, values in _options(argv):
         why = names.refusal(name)
         if why is not None:
             parser.error(f"--{name}: {why}")
-        field = names.field_of(name)
+        spelling, field = name, names.field_of(name)
+        if field is None and name.startswith("no-"):
+            spelling, values = name[3:], ["<off>"]
+            field = names.field_of(spelling)
         if field is not None:
-            given.setdefault(field, {})[name] = values
+            given.setdefault(field, {})[spelling] = (name, values)
     for field, spellings in given.items():
         if len(spellings) < 2:
             continue
-        names = " and ".join(f"--{n}" for n in spellings)
+        names = " and ".join(f"--{given_as}" for given_as, _ in spellings.values())
         split = all(n != field and n.split(".")[0] in ("actor", "critic", "ref", "reward") for n in spellings)
         if not split:
             parser.error(f"{names} set the same option (--{field}); give it once")
-        if len({tuple(v) for v in spellings.values()}) > 1:
+        if len({tuple(v) for _, v in spellings.values()}) > 1:
             parser.error(f"{names} set one option for both models in openppo (--{field}); give them the same value")
 
 

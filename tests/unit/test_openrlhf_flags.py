@@ -89,6 +89,12 @@ def test_a_dotted_recipe_and_a_flat_one_resolve_to_the_same_config():
         ("--zero_stage 2 --ds.zero_stage=2", "--zero_stage and --ds.zero_stage set the same option"),
         ("--actor.max_norm 1 --critic.max_norm 2", "set one option for both models in openppo (--max_norm)"),
         ("--rollout.max_new_tokens 8 --max_new_tokens 8", "set the same option (--generate_max_len)"),
+        (
+            "--vllm_async_scheduling --no-vllm.async_scheduling",
+            "--vllm_async_scheduling and --no-vllm.async_scheduling set the same option (--vllm_async_scheduling)",
+        ),
+        ("--enable_prefix_caching --no-vllm.enable_prefix_caching", "set the same option (--enable_prefix_caching)"),
+        ("--no-vllm_enable_chunked_prefill --vllm.enable_chunked_prefill", "set the same option"),
     ],
 )
 def test_one_setting_under_two_spellings_is_an_error_naming_both(argv, message, capsys):
@@ -96,6 +102,12 @@ def test_one_setting_under_two_spellings_is_an_error_naming_both(argv, message, 
         parse_config(CONFIGS["train_ppo_ray"], argv.split(), "train_ppo_ray")
     err = capsys.readouterr().err
     assert exit_info.value.code == 2 and message in err and err.count("\n") == 1, err
+
+
+def test_a_switch_given_on_then_off_under_one_spelling_takes_the_last():
+    config_cls = CONFIGS["train_ppo_ray"]
+    cfg = parse_config(config_cls, "--vllm_async_scheduling --no-vllm_async_scheduling".split(), "train_ppo_ray")
+    assert cfg.vllm.vllm_async_scheduling is False
 
 
 def test_help_shows_the_flat_name_and_the_dotted_alias():
