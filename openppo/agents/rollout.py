@@ -16,7 +16,11 @@ min(max_new_tokens, room left); feedback that does not fit is cut to the room le
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Callable
+from concurrent.futures import Future
+from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,11 +54,50 @@ class _Episode:
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(token_ids)
 
 
-def _step(ep: _Episode, text: str, turn: int) -> StepResult:
-    """`env.step` with errors that say which environment, prompt and turn failed."""
+class _EnvThread:
+    """Every call into an environment (its construction and its steps) on one daemon thread, each waited for at
+    most `timeout_s`: a step that never returns (a remote tool that hangs) stops the rollout with an error instead
+    of hanging the run. One thread, not one per call, so that an environment may keep thread-bound objects (a
+    sqlite connection) from its construction to its steps. A late call's thread is left to it (daemon: it cannot
+    keep the process alive) and the next call gets a new one."""
+
+    _lock = threading.Lock()
+    _calls: queue.SimpleQueue | None = None
+
+    @classmethod
+    def run(cls, fn: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
+        with cls._lock:
+            if cls._calls is None:
+                cls._calls = queue.SimpleQueue()
+                threading.Thread(target=cls._serve, args=(cls._calls,), name="agent-env", daemon=True).start()
+            calls = cls._calls
+        done: Future = Future()
+        calls.put((fn, done))
+        try:
+            return done.result(timeout=timeout_s)
+        except FutureTimeout:
+            with cls._lock:
+                if cls._calls is calls:
+                    cls._calls = None
+            raise AgentError(f"{what} did not return within {timeout_s:g} s (--agent_timeout)") from None
+
+    @staticmethod
+    def _serve(calls: queue.SimpleQueue) -> None:
+        while True:
+            fn, done = calls.get()
+            try:
+                done.set_result(fn())
+            except BaseException as err:  # handed to the waiting caller, which raises it
+                done.set_exception(err)
+
+
+def _step(ep: _Episode, text: str, turn: int, timeout_s: float | None) -> StepResult:
+    """`env.step` within `timeout_s`, with errors that say which environment, prompt and turn failed."""
     where = f"{type(ep.env).__name__}.step (prompt index {ep.item['index']}, turn {turn})"
     try:
-        result = ep.env.step(text, turn)
+        result = _EnvThread.run(lambda: ep.env.step(text, turn), timeout_s, where)
+    except AgentError:
+        raise
     except Exception as err:
         raise AgentError(f"{where} raised {type(err).__name__}: {err}") from err
     if not isinstance(result, StepResult):
@@ -73,6 +116,7 @@ def run_agent_episodes(
     max_new_tokens: int,
     max_total_len: int,
     feedback_template: str = "{}",
+    env_timeout_s: float | None = None,
 ) -> list[Sample]:
     """Run `n_samples_per_prompt` episodes per item, all episodes' turns batched, and return one Sample each.
 
@@ -85,6 +129,8 @@ def run_agent_episodes(
         max_new_tokens: tokens per model turn at most.
         max_total_len: prompt + response tokens per sample at most.
         feedback_template: `feedback_template.format(feedback)` is what gets encoded (e.g. chat turn markers).
+        env_timeout_s: seconds one environment construction or step may take (None: no limit); a late one raises
+            AgentError.
 
     Returns samples in item order, n consecutive per item, with `group = item["index"]`, the summed step rewards
     in `reward`, `extra["rollout/agent_turns"]` plus the environment's last `extra` as `env/<name>`, and
@@ -101,9 +147,17 @@ def run_agent_episodes(
                 f"prompt index {item['index']} has {len(item['prompt_ids'])} tokens, which leaves no "
                 f"room under max_total_len={max_total_len}"
             )
-    episodes = [
-        _Episode(item, env_cls(item["prompt"], item["label"])) for item in items for _ in range(n_samples_per_prompt)
-    ]
+
+    def build(item: dict[str, Any]) -> AgentEnv:
+        what = f"{env_cls.__name__}(prompt index {item['index']})"
+        try:
+            return _EnvThread.run(lambda: env_cls(item["prompt"], item["label"]), env_timeout_s, what)
+        except AgentError:
+            raise
+        except Exception as err:
+            raise AgentError(f"{what} raised {type(err).__name__}: {err}") from err
+
+    episodes = [_Episode(item, build(item)) for item in items for _ in range(n_samples_per_prompt)]
     active = list(episodes)
     for turn in range(max_turns):
         if not active:
@@ -120,7 +174,7 @@ def run_agent_episodes(
             ep.append(token_ids, log_probs)
             ep.num_turns += 1
             text = tokenizer.decode(token_ids, skip_special_tokens=not ep.env.decode_special_tokens)
-            result = _step(ep, text, turn)
+            result = _step(ep, text, turn, env_timeout_s)
             ep.reward += float(result.reward)
             ep.extra.update({str(k): float(v) for k, v in result.extra.items()})
             if result.done or turn + 1 == max_turns:

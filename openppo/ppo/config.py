@@ -402,7 +402,11 @@ class RolloutConfig:
         "command prints it last) or None for the reward function to score (docs/agents.md)",
         metavar="SPEC",
     )
-    agent_timeout: float = opt(600.0, "--agent_program: seconds an episode may take; a late one is dropped")
+    agent_timeout: float = opt(
+        600.0,
+        "seconds an --agent_program episode may take (a late one is dropped), or one step (or construction) of an "
+        "--agent_func_path environment (a late one stops the run with an error naming it)",
+    )
     agent_concurrency: int = opt(0, "--agent_program: episodes running at once (0: every episode of the batch)")
     agent_tool_parser: str = opt(
         None,

@@ -144,6 +144,7 @@ def agent_episodes(cfg: PPOConfig, tokenizer):
             max_turns=cfg.rollout.agent_max_turns,
             max_new_tokens=d.generate_max_len,
             max_total_len=d.total_len(),
+            env_timeout_s=cfg.rollout.agent_timeout,
         )
 
     return rollout

@@ -6,6 +6,8 @@ The scripted tests use a character tokenizer (token id = ord(char), id 0 = EOS, 
 
 from __future__ import annotations
 
+import sqlite3
+import threading
 import time
 from pathlib import Path
 
@@ -308,3 +310,70 @@ def test_guess_number_on_vllm_masks_exactly_the_feedback(engine):
         p = len(s.prompt_ids)
         assert batch["action_mask"][row, p - 1 : p - 1 + len(s.response_ids)].tolist() == s.action_mask
         assert batch["action_mask"][row].sum().item() == sum(s.action_mask)
+
+
+def test_an_env_call_that_outlives_agent_timeout_stops_the_rollout_naming_it():
+    """A step (or construction) that never returns raises AgentError after `env_timeout_s`; the rollout after it
+    runs on a new thread while the late call's thread waits."""
+    release = threading.Event()
+
+    class Hangs(AgentEnv):
+        def step(self, response_text, turn):
+            release.wait(60)
+            return StepResult(reward=1.0, done=True)
+
+    class HangsBuilding(ScriptedEnv):
+        def __init__(self, prompt, label):
+            release.wait(60)
+            super().__init__(prompt, label)
+
+    def run(env_cls):
+        return run_agent_episodes(
+            ScriptedGenerate(),
+            CharTokenizer(),
+            _items(0),
+            n_samples_per_prompt=1,
+            env_cls=env_cls,
+            max_turns=2,
+            max_new_tokens=3,
+            max_total_len=50,
+            env_timeout_s=0.2,
+        )
+
+    try:
+        with pytest.raises(AgentError, match=r"^Hangs.step \(prompt index 10, turn 0\) did not return within 0.2 s "):
+            run(Hangs)
+        with pytest.raises(AgentError, match=r"^HangsBuilding\(prompt index 10\) did not return within 0.2 s \(--"):
+            run(HangsBuilding)
+        assert run(ScriptedEnv)[0].reward == 0.5  # two threads still wait in the late calls
+    finally:
+        release.set()
+
+
+def test_an_env_is_built_and_stepped_on_one_thread():
+    """Construction and steps share a thread, so an environment may hold thread-bound objects: a sqlite connection
+    refuses use from any thread but its creator's."""
+
+    class Counts(AgentEnv):
+        def __init__(self, prompt, label):
+            super().__init__(prompt, label)
+            self.db = sqlite3.connect(":memory:")
+            self.db.execute("create table turns (n integer)")
+
+        def step(self, response_text, turn):
+            self.db.execute("insert into turns values (?)", (turn,))
+            (count,) = self.db.execute("select count(*) from turns").fetchone()
+            return StepResult(feedback="FB", reward=float(count), done=turn == 1)
+
+    samples = run_agent_episodes(
+        ScriptedGenerate(),
+        CharTokenizer(),
+        _items(0, 0),
+        n_samples_per_prompt=2,
+        env_cls=Counts,
+        max_turns=3,
+        max_new_tokens=3,
+        max_total_len=50,
+        env_timeout_s=30,
+    )
+    assert [s.reward for s in samples] == [3.0] * 4  # 1 + 2: each episode's own table

@@ -25,7 +25,7 @@ def answer(contexts, budgets):
     )
 
 
-def play(path, *, n=2, max_turns=4):
+def play(path, *, n=2, max_turns=4, timeout_s=None):
     """`n` episodes of one prompt; returns the samples and every state the Molt environment saw, in order."""
     items = [{"prompt": "P", "prompt_ids": [ord("P")], "label": "7", "index": 3}]
     env_cls = load_agent_env(path, "--train.agent_path")
@@ -40,6 +40,7 @@ def play(path, *, n=2, max_turns=4):
         max_turns=max_turns,
         max_new_tokens=3,
         max_total_len=100,
+        env_timeout_s=timeout_s,
     )
     return samples, list(seen)
 
@@ -106,6 +107,12 @@ def molt_file(tmp_path, reset="state", step="Result(reward=1.0)"):
 def test_what_openppo_does_not_do_is_refused_naming_the_env(tmp_path, reset, step, message):
     with pytest.raises(AgentError, match=message):
         play(molt_file(tmp_path, reset, step), n=1)
+
+
+def test_a_molt_step_that_never_returns_stops_the_rollout_after_agent_timeout(tmp_path):
+    path = molt_file(tmp_path, step="await __import__('asyncio').sleep(3600)")
+    with pytest.raises(AgentError, match=r"^MoltE.step \(prompt index 3, turn 0\) did not return within 0.3 s"):
+        play(path, n=1, timeout_s=0.3)
 
 
 def test_a_molt_file_loads_with_its_errors_named(tmp_path):
