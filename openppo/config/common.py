@@ -108,7 +108,8 @@ class OptimizerChoice:
     optim: str = opt(
         "adam",
         "adam = AdamW for every weight; muon = DeepSpeed's Muon (orthogonalised momentum) for the 2-D weights except "
-        "embeddings and the LM head, AdamW at the Adam settings for those and the biases and norms",
+        "embeddings, the LM head and a critic's or reward model's scalar head, AdamW at the Adam settings for those "
+        "and the biases and norms",
         choices=("adam", "muon"),
     )
     muon_lr: float = opt(0.02, "--optim muon: learning rate of the Muon matrices (the Adam group keeps its own)")

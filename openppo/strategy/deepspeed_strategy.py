@@ -75,11 +75,42 @@ def _param_groups(model: nn.Module, weight_decay: float, muon: MuonSettings | No
     return [g for g in groups if g["params"]]
 
 
+SCALAR_HEADS = ("score", "value_head", "classifier")
+"""Module names of the scalar heads of critics and reward models (HF's `*ForSequenceClassification` use `score`)."""
+
+
 def muon_trains(name: str, ndim: int) -> bool:
-    """Whether DeepSpeed's Muon takes a parameter (its own rule, which `deepspeed.initialize` applies by tagging
-    `use_muon`): a matrix that is not an embedding or the LM head. The value head of a critic is a 1-row matrix, so
-    Muon takes it too (its update is the normalised gradient)."""
-    return ndim >= 2 and not any(word in name.lower() for word in ("embed", "lm_head"))
+    """Whether Muon takes a parameter: a hidden matrix, not an embedding, the LM head or a scalar head. DeepSpeed's
+    own rule (`deepspeed.set_optimizer_flags`) stops at the first two, so a critic's or reward model's 1-row value
+    head took Muon: its update was the gradient's direction at Muon's learning rate whatever the gradient's size
+    (0.02 of norm a step, where AdamW at 9e-6 moves a 896-wide head by about 3e-4). Muon's authors give classifier
+    heads to AdamW with the embeddings; `_muon_tags` applies this rule in place of DeepSpeed's."""
+    lowered = name.lower()
+    if ndim < 2 or "embed" in lowered or "lm_head" in lowered:
+        return False
+    return not any(part in SCALAR_HEADS for part in lowered.split("."))
+
+
+@contextlib.contextmanager
+def _muon_tags():
+    """Within `deepspeed.initialize`, tag each parameter's `use_muon` by `muon_trains` after DeepSpeed tags it by
+    its own rule: DeepSpeed reads the tag when it splits the groups into Muon and Adam halves, and tags every
+    parameter afresh inside `initialize`, so a tag set beforehand would be overwritten."""
+    import deepspeed
+
+    own = deepspeed.set_optimizer_flags
+
+    def tag(config_class, model: nn.Module) -> None:
+        own(config_class, model)
+        for name, p in model.named_parameters():
+            if getattr(p, "use_muon", False) and not muon_trains(name, len(getattr(p, "ds_shape", p.shape))):
+                p.use_muon = False
+
+    deepspeed.set_optimizer_flags = tag
+    try:
+        yield
+    finally:
+        deepspeed.set_optimizer_flags = own
 
 
 def muon_optimizer_config(
@@ -244,14 +275,15 @@ class DeepSpeedStrategy:
             optimizer, groups, lr_scheduler = None, _param_groups(model, weight_decay, muon), schedule
             if self.on_gpu:  # its Adam half is DeepSpeed's FusedAdam (CPUAdam with --adam_offload), JIT-built
                 readable_cuda_arch_list()
-        engine, *_ = deepspeed.initialize(
-            model=model,
-            optimizer=optimizer,
-            model_parameters=groups,
-            lr_scheduler=lr_scheduler,
-            config=config,
-            dist_init_required=False,
-        )
+        with _muon_tags() if muon is not None else contextlib.nullcontext():
+            engine, *_ = deepspeed.initialize(
+                model=model,
+                optimizer=optimizer,
+                model_parameters=groups,
+                lr_scheduler=lr_scheduler,
+                config=config,
+                dist_init_required=False,
+            )
         if getattr(self.cfg, "deepcompile", False):  # GPU only (validated): compiled on the first forward
             engine.compile()
         return engine

@@ -86,7 +86,42 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
             torch.save(weights, Path(out_dir) / f"zero{zero}.pt")
             record = {"groups": groups, "adam": f"{adam.__module__}.{adam.__qualname__}"}
             (Path(out_dir) / f"zero{zero}.json").write_text(json.dumps(record))
+    _critic_step(rank, out_dir)
     Path(out_dir, f"rank{rank}.json").write_text("{}")
+
+
+def _critic_step(rank: int, out_dir: str) -> None:
+    """One ZeRO-2 Muon step of the tiny critic; rank 0 saves its scalar head before and after, and the groups."""
+    from openppo.config.common import MuonSettings
+    from openppo.models.scalar import ScalarModel
+    from tests.model_cache import tiny_model_dir
+    from tests.ppo.rank_helpers import fp32_strategy
+
+    strategy = fp32_strategy(2, max_norm=0.0, train_batch_size=4)
+    critic = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--critic_pretrain")
+    engine = strategy.prepare_train(
+        critic,
+        lr=ADAM["lr"],
+        betas=ADAM["betas"],
+        eps=ADAM["eps"],
+        weight_decay=ADAM["weight_decay"],
+        scheduler="constant",
+        warmup_ratio=0.0,
+        min_lr_ratio=0.1,
+        num_training_steps=1,
+        muon=MuonSettings(**MUON),
+    )
+    (name,) = [n for n, _ in engine.module.named_parameters() if n.endswith("score.weight")]
+    head = [full_weights(strategy, engine)[name]]
+    rows = _rows(critic.config.vocab_size, rank, 0)
+    values = engine(rows["sequences"], rows["attention_mask"])
+    mask = rows["attention_mask"]
+    engine.backward(((values - 1.0) ** 2 * mask).sum() / mask.sum())
+    engine.step()
+    head.append(full_weights(strategy, engine)[name])
+    if rank == 0:  # DeepSpeed splits the Muon and Adam halves by this tag
+        muon = sorted(n for n, p in engine.module.named_parameters() if p.use_muon)
+        torch.save({"head": head, "muon": muon}, Path(out_dir) / "critic.pt")
 
 
 @pytest.fixture(scope="module")
@@ -173,3 +208,16 @@ def _rel_update(engine: list[dict], reference: list[dict], step: int, name: str)
     ours = engine[step][name] - engine[step - 1][name]
     want = reference[step][name] - reference[step - 1][name]
     return float((ours - want).norm() / want.norm())
+
+
+def test_a_critics_scalar_head_takes_adamw_under_muon(muon_run):
+    """The value head (a 1 x H matrix) is a classifier head, which Muon's authors leave to AdamW: its first step is
+    AdamW's, lr * g / (|g| + eps) = lr per element (with the matrices' decay), where Muon's would be one unit-norm
+    direction at --muon_lr. The critic's hidden matrices stay Muon's."""
+    record = torch.load(muon_run / "critic.pt")
+    before, after = record["head"]
+    assert before.shape[0] == 1 and before.shape[1] > 10
+    step = (after - before * (1 - ADAM["lr"] * ADAM["weight_decay"])).abs()
+    assert torch.allclose(step, torch.full_like(step, ADAM["lr"]), rtol=1e-3), step
+    assert not any("score" in n for n in record["muon"])
+    assert any("mlp" in n for n in record["muon"]) and any("q_proj" in n for n in record["muon"])
