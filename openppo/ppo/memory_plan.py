@@ -5,7 +5,8 @@ Pure arithmetic on the model's shape and the flags. Per rank of each model group
   weights + 2 of gradients + 12 of fp32 master copy and Adam moments per parameter; in fp32 4 + 4 + 12, the master
   copy being DeepSpeed's, not the paper's, and 4 + 4 + 8 under ZeRO-0), partitioned
   over the data-parallel ranks from stage 1 (optimizer), 2 (+ gradients) and 3 (+ weights); `--adam_offload` moves
-  the optimizer states to host memory; AutoTP splits the layers' weights;
+  the optimizer states to host memory; AutoTP splits the layers' weights; `--optim muon` keeps one 4-byte momentum
+  for the matrices in place of Adam's two moments;
 - what the optimizer step holds beyond those (DeepSpeed's implementation, not the paper): with 16-bit weights the
   fp32 gradient of the rank's partition, and on CPU the scratch tensor of torch's AdamW (`working_state_items`);
 - activations of one training micro-batch: the tensors a decoder layer keeps for its backward (about 6 x hidden +
@@ -89,8 +90,9 @@ def trained_items(
     data_parallel: int,
     tensor_parallel: int = 1,
     adam_offload: bool = False,
+    muon: bool = False,
 ) -> list[Item]:
-    """Weights, gradients and optimizer states of one rank of a trained model."""
+    """Weights, gradients and optimizer states of one rank of a trained model (`muon`: with --optim muon)."""
     p = dtype_bytes(param_dtype)
     split = shape.num_params - shape.embedding_params
     params = shape.embedding_params + split / tensor_parallel  # held by one rank of a tensor-parallel group
@@ -99,6 +101,9 @@ def trained_items(
     # `fp32_partitioned_groups_flat`); only ZeRO-0 in fp32 steps the model's own parameters
     master = 4 if param_dtype != "fp32" or zero_stage >= 1 else 0
     optimizer = (8 + master) * params
+    if muon:  # Muon keeps one fp32 momentum for the matrices outside the embeddings, where Adam keeps m and v (the
+        # norms, biases and a scalar head among them, Adam's, are under 0.1 % of a model: counted as Muon's)
+        optimizer -= 4 * split / tensor_parallel
     return [
         Item(f"{role} weights", p * params / (data_parallel if zero_stage >= 3 else 1)),
         Item(f"{role} gradients", p * params / (data_parallel if zero_stage >= 2 else 1)),
@@ -242,6 +247,7 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu
             data_parallel=actor_world_size(cfg) // tp,
             tensor_parallel=tp,
             adam_offload=ds.adam_offload,
+            muon=ds.optim == "muon",
         )
         + working_state_items(
             "actor",
@@ -273,6 +279,7 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu
                 zero_stage=ds.zero_stage,
                 data_parallel=ranks("critic"),
                 adam_offload=ds.adam_offload,
+                muon=ds.optim == "muon",
             )
             + working_state_items(
                 "critic",

@@ -29,6 +29,18 @@ def test_zero_keeps_an_fp32_master_copy_of_fp32_weights():
         assert items["a optimizer states"] == per_param * 1000, stage
 
 
+def test_muon_keeps_one_momentum_for_the_matrices():
+    """DeepSpeed's Muon keeps one fp32 momentum buffer for its matrices (everything but the embeddings here) and
+    Adam's m and v for the rest, beside the fp32 master copy of ZeRO >= 1 and 16-bit weights."""
+    shape = ModelShape(num_params=1000, embedding_params=200, num_layers=1, hidden=1, intermediate=1, vocab=1)
+    for dtype, stage, master in (("bf16", 2, 4), ("fp32", 0, 0), ("fp32", 3, 4)):
+        states = {
+            i.what: i.bytes
+            for i in trained_items("a", shape, param_dtype=dtype, zero_stage=stage, data_parallel=1, muon=True)
+        }
+        assert states["a optimizer states"] == (4 + master) * 800 + (8 + master) * 200, (dtype, stage)
+
+
 def test_offload_tensor_parallel_and_activations():
     shape = ModelShape(num_params=1000, embedding_params=200, num_layers=4, hidden=8, intermediate=16, vocab=50)
     items = {
