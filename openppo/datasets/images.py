@@ -39,17 +39,16 @@ def count_image_items(messages: Any) -> int:
     return count
 
 
-def check_row_images(prompt: Any, value: Any, *, max_images: int, image_flag: str) -> list[Any]:
-    """The row's image references after checking them all (each one decoded once); BadImage says what is wrong."""
+def check_row_images(prompt: Any, value: Any, *, max_images: int, image_flag: str) -> tuple[list[Any], list[Any]]:
+    """The row's image references and their decoded images, after checking them all (each one decoded once, here:
+    the caller measures or encodes with these); BadImage says what is wrong."""
     refs = image_refs(value)
     if len(refs) > max_images:
         raise BadImage(f"{len(refs)} images, more than --max_images_per_prompt {max_images}")
     slots = count_image_items(prompt)
     if slots != len(refs):
         raise BadImage(f"{len(refs)} image(s) in {image_flag} but {slots} image item(s) in the prompt")
-    for ref in refs:
-        open_image(ref)
-    return refs
+    return refs, [open_image(ref) for ref in refs]
 
 
 def report_bad_images(data: str, items: str, bad_images: list[str], num_rows: int, image_key: str) -> None:

@@ -6,6 +6,9 @@ and no chat template is used); `prompt` is the same text for logs and for engine
 Image prompts (`max_images > 0`): the row's images (the `image_key` column, see `openppo.datasets.images`) are
 checked once here and kept as references in `images`; their placeholders stay unexpanded in `prompt_ids`,
 which is what vLLM takes with the images beside it (it expands them itself, as the processor does).
+`max_prompt_len` counts such a prompt expanded (the processor's tokens for it), which is what the engines' context
+has to hold: counted unexpanded, a prompt with a few large images passed the filter and then stopped the run when
+vLLM refused it as longer than the model's context.
 """
 
 from __future__ import annotations
@@ -79,9 +82,10 @@ class PromptDataset(Dataset):
         bad_images: list[str] = []
         for index, row in enumerate(tqdm(rows, desc="tokenizing prompts", disable=len(rows) <= PROGRESS_MIN_SAMPLES)):
             extra: dict[str, Any] = {}
+            images: list[Any] = []
             if image_key is not None:
                 try:
-                    extra["images"] = check_row_images(
+                    extra["images"], images = check_row_images(
                         row[input_key], row[image_key], max_images=max_images, image_flag=f"--image_key {image_key!r}"
                     )
                 except BadImage as err:
@@ -98,7 +102,7 @@ class PromptDataset(Dataset):
                 tools=tools,
             )
             prompt_ids, _ = encode_segments(tokenizer, [(prompt, False)], prefix)
-            if max_prompt_len is not None and len(prompt_ids) > max_prompt_len:
+            if max_prompt_len is not None and _length(prompt_ids, prompt, images, processor) > max_prompt_len:
                 too_long += 1
                 continue
             self.items.append(
@@ -130,6 +134,16 @@ class PromptDataset(Dataset):
 
     def __getitem__(self, index: int) -> dict[str, Any]:
         return dict(self.items[index])  # a copy: a consumer that edits its item must not change the dataset
+
+
+def _length(prompt_ids: list[int], prompt: str, images: list[Any], processor) -> int:
+    """The prompt's length as the model sees it: with images, each placeholder expanded into the image's tokens by
+    the processor (as vLLM's processor expands it: the engine's context must hold that), else `prompt_ids`'. The
+    processor tokenizes the same text as `prompt_ids` (a chat template's prompt: no prefix) and replaces each
+    placeholder, so the difference is the images' alone."""
+    if not images:
+        return len(prompt_ids)
+    return len(processor(text=[prompt], images=[images], add_special_tokens=False)["input_ids"][0])
 
 
 def _datasource(row: dict[str, Any]) -> str:

@@ -45,7 +45,7 @@ from openppo.datasets.templates import (
     validate_template_options,
 )
 from openppo.errors import UserError, require
-from openppo.utils.images import BadImage, encode_image_rows, open_image
+from openppo.utils.images import BadImage, encode_image_rows
 
 logger = logging.getLogger(__name__)
 
@@ -112,10 +112,10 @@ class SFTDataset(Dataset):
             refs: list[Any] = []
             if image_key is not None:
                 try:
-                    refs = check_row_images(
+                    refs, images = check_row_images(
                         row[input_key], row[image_key], max_images=max_images, image_flag=f"--image_key {image_key!r}"
                     )
-                    ids, mask = self._encode_with_images(self._segments(row), refs, prefix)
+                    ids, mask = self._encode_with_images(self._segments(row), images, prefix)
                 except BadImage as err:
                     bad_images.append(f"row {index}: {err}")
                     if len(bad_images) <= MAX_BAD_ROWS_LOGGED:
@@ -183,20 +183,21 @@ class SFTDataset(Dataset):
         response = render_response(value, row[self.output_key], self.tokenizer, **options)
         return [(prompt, False), (response, True)]
 
-    def _encode_with_images(self, segments: Segments, refs: list[Any], prefix) -> tuple[list[int], list[int]]:
+    def _encode_with_images(self, segments: Segments, images: list[Any], prefix) -> tuple[list[int], list[int]]:
         """`encode_segments`, but a segment holding image placeholders is encoded by the processor with its images
-        (the next ones in order), which expands each placeholder into the model's image tokens."""
+        (the next ones of the decoded `images`, in order), which expands each placeholder into the model's image
+        tokens."""
         placeholder = self.processor.image_token
         counts = [text.count(placeholder) for text, _ in segments]
-        if sum(counts) != len(refs):
-            raise BadImage(f"the chat template wrote {sum(counts)} image placeholder(s) for {len(refs)} image(s)")
+        if sum(counts) != len(images):
+            raise BadImage(f"the chat template wrote {sum(counts)} image placeholder(s) for {len(images)} image(s)")
         ids: list[int] = []
         mask: list[int] = []
         taken = 0
         for (text, target), count in zip(segments, counts):
             if count:
-                images = [open_image(ref) for ref in refs[taken : taken + count]]
-                seg = self.processor(text=[text], images=[images], add_special_tokens=False)["input_ids"][0]
+                own = images[taken : taken + count]
+                seg = self.processor(text=[text], images=[own], add_special_tokens=False)["input_ids"][0]
                 taken += count
             else:
                 seg = self.tokenizer(text, add_special_tokens=False)["input_ids"]

@@ -271,7 +271,9 @@ class PromptDataConfig:
     apply_chat_template: bool = opt(False, "render prompts with the tokenizer's chat template")
     disable_fast_tokenizer: bool = opt(False, "use the model's slow (Python) tokenizer where it has one")
     max_samples: int = opt(100_000_000, "use at most this many prompts")
-    prompt_max_len: int = opt(1024, "longer prompts are dropped (counted in the log)")
+    prompt_max_len: int = opt(
+        1024, "longer prompts are dropped (counted in the log); an image prompt counts its images' tokens"
+    )
     generate_max_len: int = opt(1024, "maximum new tokens per response")
     max_len: int = opt(
         None,

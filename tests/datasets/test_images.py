@@ -173,3 +173,32 @@ def test_the_all_bad_error_names_what_the_rows_are(caplog):
     assert "SFT data: skipped 1 of 2 samples with bad images (--image_key images)" in caplog.text
     with pytest.raises(UserError, match=r"--image_key: all 2 samples have bad images \(first: row 0: a.png\)"):
         report_bad_images("SFT data", "samples", ["row 0: a.png", "row 1: b.png"], 2, "images")
+
+
+def test_prompt_max_len_counts_each_image_expanded(files, processor, caplog):
+    """An image prompt is as long as the processor makes it (each placeholder replaced by the image's tokens, as
+    vLLM's processor does), which is what the engines' context must hold: the limit is taken on that length."""
+    red, blue = str(files / "red.png"), str(files / "blue.png")
+    rows = [{"prompt": user("two", 2), "images": [red, blue]}, {"prompt": user("text", 0), "images": None}]
+    args = dict(input_key="prompt", label_key=None, apply_chat_template=True, input_template=None)
+    both = PromptDataset(datasets.Dataset.from_list(rows), processor.tokenizer, **args)  # text only: no limit
+    unexpanded = len(both[0]["prompt_ids"])
+    expanded = processor(text=[both[0]["prompt"]], images=[[open_image(red), open_image(blue)]])["input_ids"][0]
+    assert len(expanded) > unexpanded + 2  # several tokens per image
+
+    def kept(limit: int) -> list[int]:
+        prompts = PromptDataset(
+            datasets.Dataset.from_list(rows),
+            processor.tokenizer,
+            **args,
+            image_key="images",
+            max_images=2,
+            processor=processor,
+            max_prompt_len=limit,
+        )
+        return [prompts[i]["index"] for i in range(len(prompts))]
+
+    with caplog.at_level(logging.WARNING, logger="openppo.datasets.prompts"):
+        assert kept(len(expanded)) == [0, 1]
+        assert kept(len(expanded) - 1) == [1]
+    assert "dropped 1 of 2 prompts longer than" in caplog.text
