@@ -67,7 +67,18 @@ class AgentEnv(abc.ABC):
 
 
 def load_agent_env(path: str | Path, flag: str = FLAG) -> type[AgentEnv]:
-    """The `Agent` class of the .py file at `path`; a one-line UserError naming `flag` and the fix otherwise."""
+    """The `Agent` class of the .py file at `path`; a one-line UserError naming `flag` and the fix otherwise (also
+    for a Molt chat agent, which `load_agent` gives and the run plays through its endpoint)."""
+    agent = load_agent(path, flag)
+    if not isinstance(agent, type):
+        raise UserError(f"{flag}: {path} holds a Molt ChatAgentRunner, played through the run's endpoint; not here")
+    return agent
+
+
+def load_agent(path: str | Path, flag: str = FLAG) -> type[AgentEnv] | Any:
+    """What the .py file at `path` plays: its `Agent` class, the AgentEnv class of a Molt `StepEnvRunner`, or the
+    `AgentRunner` instance itself of a Molt `ChatAgentRunner` (an agent that calls the endpoint: `molt.chat_program`
+    plays it); a one-line UserError naming `flag` and the fix otherwise."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"{flag}: agent file {path} not found; pass an existing .py file that defines {_FIX}")
@@ -84,6 +95,8 @@ def load_agent_env(path: str | Path, flag: str = FLAG) -> type[AgentEnv]:
         except Exception as err:
             why = f"{type(err).__name__}: {err}"
             raise UserError(f"{flag}: AgentRunner() of {path} raised {why}; fix the file") from err
+        if getattr(runner, "env_cls", None) is None and getattr(runner, "agent_cls", None) is not None:
+            return runner  # a ChatAgentRunner
         return molt.agent_env(runner, str(path), flag)
     if cls is None:
         raise UserError(f"{flag}: {path} defines no Agent; add {_FIX}")

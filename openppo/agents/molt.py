@@ -13,8 +13,14 @@ None (openppo's sampling settings are the run's, one per run). The `Result`'s re
 `observation` is the next turn's feedback (encoded raw, no template, as in Molt), `terminated` or `truncated` ends
 the episode (so does --agent_max_turns), `info` and `score` are logged per sample. What openppo does not do is
 refused in one line naming the episode: a `reset` that rewrites the first observation (the prompt is rendered from
-the data set), images in the feedback, per-turn sampling parameters. Molt's `ChatAgentRunner` (an agent that calls
-the OpenAI API itself) runs as `--agent_program` instead.
+the data set), images in the feedback, per-turn sampling parameters.
+
+A file exporting `class AgentRunner(ChatAgentRunner)` bound to a `ChatAgent` (an async `run(ctx) -> Result` that
+calls the policy through the OpenAI API itself) is played as an --agent_program (`chat_program`): each episode's
+`ChatContext` carries the data set's prompt as unrendered chat messages, its tools and label, and the base URL of the
+episode's session on the run's endpoint (`openppo.agents.endpoint`), which renders every request with the chat
+template and records the tokens the engines generate; the `Result`'s scalar reward is the episode's. The endpoint
+speaks OpenAI's wire protocol only (Molt's also serves Anthropic's messages API), and takes text.
 """
 
 from __future__ import annotations
@@ -28,9 +34,11 @@ import threading
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any, ClassVar
 
 from openppo.agents.base import AgentEnv, AgentError, StepResult
+from openppo.agents.program import AgentProgram, PythonAgent
 from openppo.errors import UserError
 
 
@@ -73,20 +81,103 @@ class StepEnvRunner(Runner):
         self.env_cls = env_cls
 
 
-class ChatAgent:
-    """Molt's agent that calls the model through the OpenAI API itself (declared so that its files import)."""
-
-
+@dataclass
 class ChatContext:
-    """(declared so that Molt's chat-agent files import)"""
+    """What a `ChatAgent.run` gets for one episode (Molt's fields)."""
+
+    messages: list  # the data set's prompt as OpenAI chat messages, unrendered: send them as they are
+    tools: list | None  # the row's tool schemas (--tools_key), or None
+    prompt: str  # the last user message's text
+    label: Any
+    images: list | None  # always None here: the endpoint takes text
+    base_url: str  # the episode's session on the run's endpoint, with /v1: an OpenAI client's base_url
+    session_url: str  # the same without /v1
+    model_name: str  # the name the endpoint serves the policy under
+    api_key: str
+    session_id: str
+    sampling_params: Any  # .max_tokens, .temperature, .top_p, .top_k: the run's settings
+    max_length: int  # prompt + response tokens an episode's context may reach (--max_len)
+
+
+class ChatAgent(ABC):
+    """Molt's agent that calls the policy through the OpenAI API itself: an async `run(ctx) -> Result`."""
+
+    def __init__(self, *args, **kwargs):  # noqa: B027 (Molt's: a subclass need not call it)
+        pass
+
+    @abstractmethod
+    async def run(self, ctx: ChatContext) -> Result:
+        raise NotImplementedError
 
 
 class ChatAgentRunner(Runner):
-    """Molt's runner of a `ChatAgent`: openppo runs such agents with --agent_program; `agent_env` refuses it with
-    that pointer."""
+    """Molt's runner of a `ChatAgent`: openppo plays it through the run's endpoint (`chat_program`)."""
 
     def __init__(self, agent_cls: type):
+        if not (isinstance(agent_cls, type) and issubclass(agent_cls, ChatAgent)):
+            raise TypeError("ChatAgentRunner(agent_cls): agent_cls must be a subclass of molt.agents.ChatAgent")
         self.agent_cls = agent_cls
+
+
+@dataclass(frozen=True)
+class ChatSettings:
+    """The run's side of a `ChatContext`: the endpoint's model name and the sampling and length limits."""
+
+    model_name: str
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    max_length: int
+
+
+def _last_user_text(messages: list) -> str:
+    """The text of the last user message (the text parts of a list content)."""
+    last = next((m for m in reversed(messages) if m.get("role") == "user"), {})
+    content = last.get("content")
+    if isinstance(content, list):
+        return "".join(str(part.get("text") or "") for part in content if isinstance(part, dict))
+    return "" if content is None else str(content)
+
+
+def chat_program(runner: Any, path: str, settings: ChatSettings) -> AgentProgram:
+    """The --agent_program that plays the Molt `ChatAgentRunner` instance `runner` of the file `path`: each episode
+    builds a `ChatContext` from the task (`messages`, `tools`, `label`, the session's URL) and awaits the agent's
+    `run` on an event loop of the episode's own thread; the `Result`'s scalar reward is the episode's."""
+    agent_cls = runner.agent_cls
+    name = f"{Path(path).name}:{agent_cls.__name__}"
+
+    def play(base_url: str, task: dict[str, Any]) -> float:
+        messages = task["messages"]
+        ctx = ChatContext(
+            messages=[dict(m) for m in messages],
+            tools=task.get("tools"),
+            prompt=_last_user_text(messages),
+            label=task.get("label"),
+            images=None,
+            base_url=base_url,
+            session_url=base_url.removesuffix("/v1"),
+            model_name=settings.model_name,
+            api_key="EMPTY",
+            session_id=task["session"],
+            sampling_params=types.SimpleNamespace(
+                n=1,
+                max_tokens=settings.max_tokens,
+                temperature=settings.temperature,
+                top_p=settings.top_p,
+                top_k=settings.top_k,
+            ),
+            max_length=settings.max_length,
+        )
+        result = asyncio.run(agent_cls().run(ctx))
+        if not isinstance(result, Result) and type(result).__name__ != "Result":
+            raise AgentError(f"{agent_cls.__name__}.run returned {type(result).__name__}; return a Result")
+        reward = _scalar(result.reward)
+        if reward is None:
+            raise AgentError(f"{agent_cls.__name__}.run returned a Result without a scalar reward")
+        return reward
+
+    return PythonAgent(play, name)
 
 
 @contextlib.contextmanager
@@ -135,9 +226,8 @@ def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
     env_cls = getattr(runner, "env_cls", None)
     if env_cls is None:
         raise UserError(
-            f"{flag}: {path}: AgentRunner is not a StepEnvRunner(Env), the Molt agents openppo plays here; an "
-            "agent that calls the OpenAI API itself (Molt's ChatAgent) runs with --agent_program FILE.py:NAME "
-            "(docs/agents.md)"
+            f"{flag}: {path}: AgentRunner is neither a StepEnvRunner(Env) nor a ChatAgentRunner(ChatAgent), the Molt "
+            "agents openppo plays; bind it to one of them"
         )
 
     class MoltEnv(AgentEnv):

@@ -7,7 +7,6 @@ import logging
 import sys
 from pathlib import Path
 
-from openppo.agents.program import load_agent_program
 from openppo.cli.runner import run_cli
 from openppo.config.schema import to_dict
 from openppo.errors import headline
@@ -44,10 +43,10 @@ def train(cfg: PPOConfig) -> None:
     routes = launch.teacher_routes(cfg, rows)
     eval_rows = launch.load_prompt_rows(cfg, eval=True) if cfg.data.eval_dataset else None
     tokenizer = load_tokenizer(cfg.model.pretrain, use_fast=not cfg.data.disable_fast_tokenizer)
-    prompts = launch.load_prompts(cfg, tokenizer, rows)
-    eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows) if eval_rows is not None else None
-    agent_episodes = launch.agent_episodes(cfg, tokenizer) if cfg.rollout.agent_func_path else None
-    agent_program = load_agent_program(cfg.rollout.agent_program) if cfg.rollout.agent_program else None
+    agent_episodes, agent_program = launch.load_agent(cfg, tokenizer)
+    programmed = agent_program is not None  # its episodes take the prompts as chat messages
+    prompts = launch.load_prompts(cfg, tokenizer, rows, keep_messages=programmed)
+    eval_prompts = launch.load_prompts(cfg, tokenizer, eval_rows, programmed) if eval_rows is not None else None
     groups = None
     try:
         # The cluster's devices decide the run's, not this process's (a GPU-less head node under `ray job submit`)

@@ -23,7 +23,14 @@ from tqdm import tqdm
 from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, BadImage, check_row_images, report_bad_images
 from openppo.datasets.loading import require_columns
 from openppo.datasets.sft import PROGRESS_MIN_SAMPLES
-from openppo.datasets.templates import bos_ids, encode_segments, render_prompt, row_tools, validate_template_options
+from openppo.datasets.templates import (
+    as_messages,
+    bos_ids,
+    encode_segments,
+    render_prompt,
+    row_tools,
+    validate_template_options,
+)
 from openppo.errors import UserError, require
 
 logger = logging.getLogger(__name__)
@@ -38,6 +45,8 @@ class PromptDataset(Dataset):
     `index` is the row's position in `ds`, so it stays a stable id when rows are dropped for length or for bad
     images. With `max_images > 0` items also carry "images", the row's image references (possibly empty), and
     the chat template is the one of `processor` (a VLM's processor renders image items; its tokenizer may not).
+    With `keep_messages` they also carry "messages" (the prompt as chat messages, unrendered: a string becomes one
+    user message) and "tools" (the row's tool schemas, or None), the task of an agent that calls the endpoint.
     """
 
     def __init__(
@@ -54,6 +63,7 @@ class PromptDataset(Dataset):
         max_images: int = 0,
         processor=None,
         tools_key: str | None = None,
+        keep_messages: bool = False,
     ):
         require(max_images >= 0, f"--max_images_per_prompt must be 0 (text only) or more, got {max_images}")
         require(
@@ -105,6 +115,11 @@ class PromptDataset(Dataset):
             if max_prompt_len is not None and _length(prompt_ids, prompt, images, processor) > max_prompt_len:
                 too_long += 1
                 continue
+            if keep_messages:  # an agent program's task: the prompt before any template, and its tools
+                value = row[input_key]
+                user = [{"role": "user", "content": value}]
+                extra["messages"] = user if isinstance(value, str) else as_messages(value, "--input_key")
+                extra["tools"] = tools
             self.items.append(
                 {
                     "prompt": prompt,

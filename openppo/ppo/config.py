@@ -392,7 +392,7 @@ class RolloutConfig:
         None,
         "multi-turn agent: a .py file defining `Agent` (an openppo.agents.AgentEnv), or Molt's "
         "`AgentRunner` (a StepEnvRunner of a molt.agents.Env, run unchanged: docs/agents.md); its environment gives "
-        "the reward, feedback tokens are masked out of the loss",
+        "the reward, feedback tokens are masked out of the loss. A Molt ChatAgentRunner file runs as --agent_program",
         metavar="FILE",
     )
     agent_max_turns: int = opt(4, "most model turns per agent episode")

@@ -10,6 +10,7 @@ from typing import Any
 import datasets
 import torch
 
+from openppo.agents.program import AgentProgram
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
 from openppo.ppo.collector import RolloutSource, Scorer
 from openppo.ppo.colocation import EnginePlacement, colocation_pools, engine_placement
@@ -72,8 +73,10 @@ def critic_export_dir(cfg: PPOConfig) -> str | None:
     return f"{str(cfg.ckpt.save_path).rstrip('/')}_critic" if cfg.model.save_value_network else None
 
 
-def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptDataset:
-    """Rows of `load_prompt_rows` rendered and tokenized (prompts longer than --prompt_max_len dropped)."""
+def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset, keep_messages: bool = False) -> PromptDataset:
+    """Rows of `load_prompt_rows` rendered and tokenized (prompts longer than --prompt_max_len dropped);
+    `keep_messages`: each item also holds its prompt as unrendered chat messages and its tools (an agent program's
+    task)."""
     d = cfg.data
     processor = None
     if d.max_images_per_prompt > 0:  # the image prompts' chat template is the processor's (docs/vlm.md)
@@ -92,6 +95,7 @@ def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset) -> PromptData
         max_images=d.max_images_per_prompt,
         processor=processor,
         tools_key=d.tools_key,
+        keep_messages=keep_messages,
     )
 
 
@@ -123,15 +127,43 @@ def rollout_parts(
     return single, scorer or NoReward()
 
 
-def agent_episodes(cfg: PPOConfig, tokenizer):
-    """`(generate, items, n) -> samples` running the `--agent_func_path` environment's episodes.
+def load_agent(cfg: PPOConfig, tokenizer) -> tuple[Any, AgentProgram | None]:
+    """The run's agent, loaded before Ray starts so that a broken file fails first: (`agent_episodes`, None) for an
+    --agent_func_path environment, (None, the program) for an --agent_program or a Molt chat agent (a file whose
+    `AgentRunner` is a `ChatAgentRunner`, given as --agent_func_path / Molt's --train.agent_path: it calls the
+    policy through the endpoint, as an --agent_program does), (None, None) without an agent."""
+    from openppo.agents import load_agent as load_agent_file
+    from openppo.agents import molt
+    from openppo.agents.program import load_agent_program
+
+    r, d = cfg.rollout, cfg.data
+    if r.agent_program:
+        return None, load_agent_program(r.agent_program)
+    if not r.agent_func_path:
+        return None, None
+    agent = load_agent_file(r.agent_func_path)
+    if isinstance(agent, type):
+        return agent_episodes(cfg, tokenizer, agent), None
+    settings = molt.ChatSettings(
+        model_name=cfg.model.pretrain,
+        max_tokens=d.generate_max_len,
+        temperature=r.temperature,
+        top_p=r.top_p,
+        top_k=r.top_k,
+        max_length=d.total_len(),
+    )
+    logger.info("--agent_func_path %s: a Molt ChatAgent, played through the run's endpoint", r.agent_func_path)
+    return None, molt.chat_program(agent, r.agent_func_path, settings)
+
+
+def agent_episodes(cfg: PPOConfig, tokenizer, env_cls):
+    """`(generate, items, n) -> samples` running the `--agent_func_path` environment `env_cls`'s episodes.
 
     Each model turn may use up to --generate_max_len new tokens; prompt, every turn and the environment's feedback
     together stay within the engines' context length (--max_len, default --prompt_max_len + --generate_max_len).
     """
-    from openppo.agents import load_agent_env, run_agent_episodes
+    from openppo.agents import run_agent_episodes
 
-    env_cls = load_agent_env(cfg.rollout.agent_func_path)
     d = cfg.data
 
     def rollout(generate, items, n):

@@ -109,6 +109,8 @@ class ServedAgents(RolloutSource):
             item, k, session = episode
             task = {
                 "prompt": item["prompt"],
+                "messages": item.get("messages"),
+                "tools": item.get("tools"),
                 "label": item.get("label"),
                 "index": item["index"],
                 "sample": k,

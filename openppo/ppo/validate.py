@@ -624,7 +624,7 @@ def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
     r = cfg.rollout
     require(r.agent_timeout > 0, f"--agent_timeout must be positive (seconds), got {r.agent_timeout}")
     if not r.agent_program:
-        if r.agent_tool_parser:
+        if r.agent_tool_parser and not r.agent_func_path:  # (a Molt chat agent file is played through the endpoint)
             notices.append(f"--agent_tool_parser {r.agent_tool_parser} has no effect without --agent_program")
         return
     if r.agent_func_path:

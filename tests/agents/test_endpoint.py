@@ -153,3 +153,79 @@ def test_32_sessions_at_once_are_batched(served):
     assert all(sum(len(s.versions) for s in t.segments) > 0 for t in transcripts)
     made = len(calls) - before
     assert sum(calls[before:]) == 64 and made < 64, calls[before:]  # 64 requests in fewer engine calls
+
+
+MOLT_CHAT_AGENT = '''
+import json
+
+from openai import AsyncOpenAI
+
+from molt.agents import ChatAgent, ChatAgentRunner, Result
+
+SEEN, ANSWERS = [], []
+
+
+class Calculator(ChatAgent):
+    """Asks, answers with a tool's result, asks again; its reward is the second answer's length over 100."""
+
+    async def run(self, ctx):
+        SEEN.append(ctx)
+        client = AsyncOpenAI(base_url=ctx.base_url, api_key=ctx.api_key, max_retries=0, timeout=120)
+        messages = list(ctx.messages)
+        budget = ctx.sampling_params.max_tokens
+        first = await client.chat.completions.create(model=ctx.model_name, messages=messages, max_tokens=budget)
+        messages += [{"role": "assistant", "content": first.choices[0].message.content}]
+        messages += [{"role": "user", "content": "calculator: " + json.dumps(ctx.label)}]
+        second = await client.chat.completions.create(model=ctx.model_name, messages=messages, max_tokens=budget)
+        ANSWERS.append(second.choices[0].message.content)
+        return Result(reward=len(ANSWERS[-1]) / 100, info={"turns": 2})
+
+
+class AgentRunner(ChatAgentRunner):
+    def __init__(self):
+        super().__init__(Calculator)
+'''
+
+
+def test_a_molt_chat_agent_plays_an_episode_through_the_endpoint(served, tmp_path):
+    """A Molt file with `AgentRunner(ChatAgentRunner)` (given as --train.agent_path) runs unchanged as an agent
+    program: its ChatAgent gets the data set's prompt as unrendered messages, the session's base URL, the served
+    model's name and the run's max_tokens; every call it makes lands in the episode's transcript; the Result's
+    reward is the episode's."""
+    from transformers import AutoTokenizer
+
+    from openppo.agents import load_agent, load_agent_env
+    from openppo.agents.molt import ChatSettings, chat_program
+    from openppo.errors import UserError
+
+    path = tmp_path / "chat_agent.py"
+    path.write_text(MOLT_CHAT_AGENT)
+    runner = load_agent(path, "--train.agent_path")
+    with pytest.raises(UserError, match="holds a Molt ChatAgentRunner, played through the run's endpoint"):
+        load_agent_env(path, "--train.agent_path")
+    settings = ChatSettings(model_name=MODEL, max_tokens=6, temperature=1.0, top_p=1.0, top_k=-1, max_length=64)
+    program = chat_program(runner, str(path), settings)
+    base_url, sessions, _ = served
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "What is 2 + 3?"}]
+    task = {"prompt": "(rendered)", "messages": messages, "tools": None, "label": 5, "index": 0, "sample": 0}
+    task["session"] = "molt-1"
+    outcome = program.run(base_url.removesuffix("/v1") + "/sessions/molt-1/v1", task, timeout_s=120)
+    assert outcome.error is None, outcome.error
+    module = runner.agent_cls.run.__globals__  # (the file's, as the runner's class saw it)
+    (ctx,), (answer,) = module["SEEN"], module["ANSWERS"]
+    assert ctx.messages == messages and ctx.prompt == "What is 2 + 3?" and ctx.label == 5
+    assert ctx.base_url.endswith("/sessions/molt-1/v1") and ctx.session_url == ctx.base_url.removesuffix("/v1")
+    assert ctx.model_name == MODEL and ctx.sampling_params.max_tokens == 6 and ctx.max_length == 64
+    assert outcome.reward == pytest.approx(len(answer) / 100)
+    transcript = sessions.close("molt-1")
+    assert transcript.calls == 2 and len(transcript.last.output_ids) <= 6
+    # the endpoint rendered the unrendered messages with the chat template, the system turn and the tool's too
+    rendered = AutoTokenizer.from_pretrained(tiny_model_dir()).decode(transcript.last.prompt_ids)
+    assert "Be brief." in rendered and "What is 2 + 3?" in rendered and "calculator: 5" in rendered
+    bad = tmp_path / "bad_agent.py"
+    bad.write_text(MOLT_CHAT_AGENT.replace("return Result(reward=", "return (").replace(", info={", ", {"))
+    failed = chat_program(load_agent(bad, "--train.agent_path"), str(bad), settings).run(
+        base_url.removesuffix("/v1") + "/sessions/molt-2/v1", {**task, "session": "molt-2"}, timeout_s=120
+    )
+    assert "Calculator.run returned tuple; return a Result" in failed.error
+    sessions.close("molt-2")

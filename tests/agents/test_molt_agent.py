@@ -125,10 +125,12 @@ def test_a_molt_file_loads_with_its_errors_named(tmp_path):
         "class A(ChatAgent):\n    pass\n"
         "class AgentRunner(ChatAgentRunner):\n    def __init__(self):\n        super().__init__(A)\n"
     )
-    with pytest.raises(
-        UserError, match=r"--train.agent_path: .*chat.py: AgentRunner is not a StepEnvRunner.*--agent_program"
-    ):
+    with pytest.raises(UserError, match=r"--train.agent_path: .*chat.py holds a Molt ChatAgentRunner, played through"):
         load_agent_env(chat, "--train.agent_path")
+    odd = tmp_path / "odd.py"
+    odd.write_text("from molt.agents.base import Runner\nclass AgentRunner(Runner):\n    pass\n")
+    with pytest.raises(UserError, match=r"odd.py: AgentRunner is neither a StepEnvRunner\(Env\) nor a ChatAgentRunner"):
+        load_agent_env(odd, "--train.agent_path")
     broken = tmp_path / "broken.py"
     broken.write_text("from molt.agents import Env\nfrom molt.utils import grader\n")
     with pytest.raises(UserError, match=r"--train.agent_path: importing .*broken.py failed: ModuleNotFoundError"):
@@ -137,3 +139,44 @@ def test_a_molt_file_loads_with_its_errors_named(tmp_path):
     neither.write_text("x = 1\n")
     with pytest.raises(UserError, match="defines no Agent; add class Agent.*or Molt's class AgentRunner"):
         load_agent_env(neither, "--train.agent_path")
+
+
+def test_a_molt_chat_file_is_the_runs_agent_program_and_its_prompts_keep_their_messages(tmp_path):
+    """--train.agent_path with a ChatAgentRunner file: the run plays it through its endpoint (an agent program,
+    no step episodes), and the prompts it gets keep their unrendered messages and tools; a StepEnvRunner file stays
+    a multi-turn environment."""
+    import datasets
+
+    from openppo.cli.flags_doc import clis
+    from openppo.config.schema import parse_config
+    from openppo.ppo import launch
+    from tests.model_cache import tiny_model_dir
+
+    chat = tmp_path / "chat.py"
+    chat.write_text(
+        "from molt.agents import ChatAgent, ChatAgentRunner, Result\n"
+        "class A(ChatAgent):\n    async def run(self, ctx):\n        return Result(reward=1.0)\n"
+        "class AgentRunner(ChatAgentRunner):\n    def __init__(self):\n        super().__init__(A)\n"
+    )
+    base = ["--pretrain", str(tiny_model_dir()), "--apply_chat_template", "--generate_max_len", "12"]
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir())
+    PPO = clis()["train_ppo_ray"]
+    cfg = parse_config(PPO, [*base, "--train.agent_path", str(chat), "--top_k", "5"], "train_ppo_ray")
+    episodes, program = launch.load_agent(cfg, tokenizer)
+    assert episodes is None and program.name == "chat.py:A"
+    step_cfg = parse_config(PPO, [*base, "--train.agent_path", str(VOWELS_AGENT)], "train_ppo_ray")
+    episodes, program = launch.load_agent(step_cfg, tokenizer)
+    assert callable(episodes) and program is None
+    tools = [{"type": "function", "function": {"name": "add", "parameters": {"type": "object"}}}]
+    rows = [
+        {"q": [{"role": "system", "content": "S"}, {"role": "user", "content": "Q1"}], "tools": tools},
+        {"q": [{"role": "user", "content": "Q2"}], "tools": None},
+    ]
+    cfg.data.input_key, cfg.data.tools_key = "q", "tools"
+    prompts = launch.load_prompts(cfg, tokenizer, datasets.Dataset.from_list(rows), keep_messages=True)
+    assert [prompts[i]["messages"] for i in range(2)] == [rows[0]["q"], rows[1]["q"]]
+    assert prompts[0]["tools"] == tools and prompts[1]["tools"] is None
+    assert prompts[0]["prompt"].startswith("<|im_start|>system\nS")  # the rendered text stays the prompt
+    assert "messages" not in launch.load_prompts(cfg, tokenizer, datasets.Dataset.from_list(rows))[0]

@@ -21,6 +21,7 @@ from tests.model_cache import tiny_model_dir
 pytestmark = pytest.mark.slow
 
 AGENT = REPO / "tests/agents/molt_vowels_agent.py"
+CHAT_AGENT = REPO / "tests/agents/molt_chat_agent.py"
 
 
 def quick_start_args(model, data, eval_data, save) -> list[str]:
@@ -158,3 +159,20 @@ def test_molts_rl_quick_start_runs_three_steps(tmp_path):
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["metrics.jsonl", "rollouts.jsonl", "run_info.json"]
     assert (out / "hf" / "rollouts.jsonl").stat().st_size == 0
     assert "--eval_only: evaluated" in proc.stdout + proc.stderr
+
+
+def test_molts_rl_quick_start_runs_a_chat_agent(tmp_path):
+    """The recipe with a Molt ChatAgentRunner file as --train.agent_path: openppo plays it through the run's
+    OpenAI-compatible endpoint (the agent calls the policy itself) and trains on what the endpoint recorded."""
+    data = write_rows(tmp_path / "train.jsonl", 6)
+    eval_data = write_rows(tmp_path / "eval.jsonl", 2, offset=100)
+    save = tmp_path / "run"
+    argv = quick_start_args(tiny_model_dir(arch="qwen3"), data, eval_data, save)
+    argv[argv.index("--train.agent_path") + 1] = str(CHAT_AGENT)
+    log = (lambda p: p.stdout + p.stderr)(run_cli("train_ppo_ray", argv, nproc=1))
+    assert "molt_chat_agent.py: a Molt ChatAgent, played through the run's endpoint" in log
+    assert "agent endpoint serving" in log
+    records = read_metrics(save / "hf")
+    assert [r["step"] for r in records] == [1, 2, 3]
+    for r in records:  # the agent's rewards: vowel shares of its answers
+        assert 0 < r["train/reward"] < 1 and "rollout/agent_turns" not in r, r
