@@ -19,8 +19,9 @@ A file exporting `class AgentRunner(ChatAgentRunner)` bound to a `ChatAgent` (an
 calls the policy through the OpenAI API itself) is played as an --agent_program (`chat_program`): each episode's
 `ChatContext` carries the data set's prompt as unrendered chat messages, its tools and label, and the base URL of the
 episode's session on the run's endpoint (`openppo.agents.endpoint`), which renders every request with the chat
-template and records the tokens the engines generate; the `Result`'s scalar reward is the episode's. The endpoint
-speaks OpenAI's wire protocol only (Molt's also serves Anthropic's messages API), and takes text.
+template and records the tokens the engines generate; the `Result`'s scalar reward is the episode's, and the
+numbers in its `info` and `score` are logged as `env/<name>`, as an environment's are. The endpoint speaks OpenAI's
+wire protocol only (Molt's also serves Anthropic's messages API), and takes text.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 from openppo.agents.base import AgentEnv, AgentError, StepResult
-from openppo.agents.program import AgentProgram, PythonAgent
+from openppo.agents.program import AgentProgram, Outcome, PythonAgent
 from openppo.errors import UserError
 
 
@@ -143,11 +144,12 @@ def _last_user_text(messages: list) -> str:
 def chat_program(runner: Any, path: str, settings: ChatSettings) -> AgentProgram:
     """The --agent_program that plays the Molt `ChatAgentRunner` instance `runner` of the file `path`: each episode
     builds a `ChatContext` from the task (`messages`, `tools`, `label`, the session's URL) and awaits the agent's
-    `run` on an event loop of the episode's own thread; the `Result`'s scalar reward is the episode's."""
+    `run` on an event loop of the episode's own thread; the `Result`'s scalar reward is the episode's, its `info`
+    and `score` numbers the episode's logged extras."""
     agent_cls = runner.agent_cls
     name = f"{Path(path).name}:{agent_cls.__name__}"
 
-    def play(base_url: str, task: dict[str, Any]) -> float:
+    def play(base_url: str, task: dict[str, Any]) -> Outcome:
         messages = task["messages"]
         ctx = ChatContext(
             messages=[dict(m) for m in messages],
@@ -175,7 +177,7 @@ def chat_program(runner: Any, path: str, settings: ChatSettings) -> AgentProgram
         reward = _scalar(result.reward)
         if reward is None:
             raise AgentError(f"{agent_cls.__name__}.run returned a Result without a scalar reward")
-        return reward
+        return Outcome(reward=reward, extra=_logged(result))
 
     return PythonAgent(play, name)
 
@@ -221,6 +223,15 @@ def _scalar(value: Any) -> float | None:
     return float(value) if isinstance(value, numbers.Real) else None
 
 
+def _logged(result: Any) -> dict[str, float]:
+    """What Molt logs of a Result: the numbers in `info` (a string is not logged), and `score` when it is one."""
+    logged = {str(k): _scalar(v) for k, v in (result.info or {}).items()}
+    extra = {k: v for k, v in logged.items() if v is not None}
+    if _scalar(result.score) is not None:
+        extra["score"] = _scalar(result.score)
+    return extra
+
+
 def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
     """The openppo environment class that plays the Molt `AgentRunner` instance `runner` of the file `path`."""
     env_cls = getattr(runner, "env_cls", None)
@@ -260,10 +271,7 @@ def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
                     f"{env_cls.__name__}.step returned sampling_params: openppo samples every turn with the run's "
                     "settings (--temperature, --top_p, --generate_max_len)"
                 )
-            logged = {str(k): _scalar(v) for k, v in (result.info or {}).items()}
-            extra = {k: v for k, v in logged.items() if v is not None}
-            if _scalar(result.score) is not None:
-                extra["score"] = _scalar(result.score)
+            extra = _logged(result)
             self.text += response_text + (result.observation or "")
             return StepResult(
                 feedback=result.observation or "",

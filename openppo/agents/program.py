@@ -25,7 +25,7 @@ import subprocess
 import threading
 import traceback
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -40,6 +40,7 @@ STDERR_TAIL = 2000  # characters of a failed command's stderr kept in its error
 class Outcome:
     reward: float | None = None
     error: str | None = None  # why the episode is dropped (None: it finished)
+    extra: dict[str, float] = field(default_factory=dict)  # the episode's numbers to log, as env/<name>
 
 
 def _reward(value: Any, where: str) -> Outcome:
@@ -68,7 +69,8 @@ class PythonAgent(AgentProgram):
 
         def play() -> None:
             try:
-                result.append(_reward(self.fn(base_url, task), self.name))
+                value = self.fn(base_url, task)
+                result.append(value if isinstance(value, Outcome) else _reward(value, self.name))
             except BaseException:  # the agent's own failure: its traceback is the message
                 result.append(Outcome(error=f"{self.name} raised:\n{traceback.format_exc().rstrip()}"))
 

@@ -166,6 +166,7 @@ class ServedAgents(RolloutSource):
                 "rollout/agent_calls": float(transcript.calls),
                 "rollout/agent_segments": float(len(transcript.segments)),
                 "rollout/agent_sealed": float(transcript.sealed),
+                **{f"env/{name}": value for name, value in outcome.extra.items()},
             },
             **base,
         )

@@ -1,6 +1,7 @@
 """A Molt chat agent (`AgentRunner(ChatAgentRunner)`), written against Molt's interface and the `openai` package only:
 it sends the data set's messages to the policy through the OpenAI API, once, and its reward is the share of vowels
-in the answer (tests/ppo/test_molt_quick_start.py runs it with Molt's quick-start recipe)."""
+in the answer; its length goes to `info` (tests/ppo/test_molt_quick_start.py runs it with Molt's quick-start
+recipe)."""
 
 from molt.agents import ChatAgent, ChatAgentRunner, Result
 from openai import AsyncOpenAI
@@ -13,7 +14,7 @@ class VowelChat(ChatAgent):
             model=ctx.model_name, messages=list(ctx.messages), max_tokens=ctx.sampling_params.max_tokens
         )
         text = reply.choices[0].message.content or ""
-        return Result(reward=sum(c in "aeiou" for c in text) / max(1, len(text)))
+        return Result(reward=sum(c in "aeiou" for c in text) / max(1, len(text)), info={"chars": len(text)})
 
 
 class AgentRunner(ChatAgentRunner):

@@ -216,7 +216,7 @@ def test_a_molt_chat_agent_plays_an_episode_through_the_endpoint(served, tmp_pat
     assert ctx.messages == messages and ctx.prompt == "What is 2 + 3?" and ctx.label == 5
     assert ctx.base_url.endswith("/sessions/molt-1/v1") and ctx.session_url == ctx.base_url.removesuffix("/v1")
     assert ctx.model_name == MODEL and ctx.sampling_params.max_tokens == 6 and ctx.max_length == 64
-    assert outcome.reward == pytest.approx(len(answer) / 100)
+    assert outcome.reward == pytest.approx(len(answer) / 100) and outcome.extra == {"turns": 2.0}
     transcript = sessions.close("molt-1")
     assert transcript.calls == 2 and len(transcript.last.output_ids) <= 6
     # the endpoint rendered the unrendered messages with the chat template, the system turn and the tool's too

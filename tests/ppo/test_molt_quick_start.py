@@ -176,3 +176,4 @@ def test_molts_rl_quick_start_runs_a_chat_agent(tmp_path):
     assert [r["step"] for r in records] == [1, 2, 3]
     for r in records:  # the agent's rewards: vowel shares of its answers
         assert 0 < r["train/reward"] < 1 and "rollout/agent_turns" not in r, r
+        assert r["rollout/agent_calls"] == 1.0 and r["env/chars"] > 0, r  # one call each; its info logged
