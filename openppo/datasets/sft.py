@@ -10,7 +10,8 @@ is a target (see templates.py). Pretrain mode (`--pretrain_mode`): `input_key` h
 fills `max_len` is dropped (it has nothing left to learn), the others are cut to `max_len` tokens.
 
 Images (`--image_key`, a vision-language model's `processor` given). A row's images go, in order, to the image
-items of its prompt messages, which the chat template writes as the processor's image placeholder
+items of its prompt messages, which the processor's chat template (the one RL's image prompts use; the tokenizer's
+may render image items otherwise, or not at all) writes as the processor's image placeholder
 (`processor.image_token`). A segment holding placeholders is encoded by the processor, which expands each into the
 model's image tokens, as its forward will fill them; the other segments by the tokenizer, as for text. Items then
 also carry `images` (the row's references), which the collator passes on and the actor makes into pixel inputs.
@@ -33,6 +34,7 @@ from tqdm import tqdm
 from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, check_row_images, report_bad_images
 from openppo.datasets.loading import require_columns
 from openppo.datasets.templates import (
+    ProcessorTemplate,
     Segments,
     as_messages,
     as_tensors,
@@ -97,6 +99,8 @@ class SFTDataset(Dataset):
         require_columns(ds, keys, "the SFT data")
         self.processor = processor if image_key is not None else None
         self.tokenizer = tokenizer
+        # image samples render with the processor's chat template, as RL's image prompts do
+        self.renderer = ProcessorTemplate(self.processor) if self.processor is not None else tokenizer
         self.input_key, self.output_key, self.multiturn = input_key, output_key, multiturn
         self.last_turn_only = last_turn_only
         self.pretrain_mode = pretrain_mode
@@ -170,7 +174,7 @@ class SFTDataset(Dataset):
     def _segments(self, row: dict[str, Any]) -> Segments:
         value = row[self.input_key]
         if self.multiturn:
-            segments = conversation_segments(as_messages(value, "--input_key"), self.tokenizer)
+            segments = conversation_segments(as_messages(value, "--input_key"), self.renderer)
             if self.last_turn_only:  # the earlier assistant turns are context (per-turn-flattened data)
                 last = max((i for i, (_, trained) in enumerate(segments) if trained), default=-1)
                 segments = [(text, trained and i == last) for i, (text, trained) in enumerate(segments)]
@@ -179,8 +183,8 @@ class SFTDataset(Dataset):
             require(isinstance(value, str), f"--pretrain_mode: column '{self.input_key}' must hold plain text")
             return [(value, True)]
         options = dict(apply_chat_template=self.apply_chat_template, input_template=self.input_template)
-        prompt = render_prompt(value, self.tokenizer, **options)
-        response = render_response(value, row[self.output_key], self.tokenizer, **options)
+        prompt = render_prompt(value, self.renderer, **options)
+        response = render_response(value, row[self.output_key], self.renderer, **options)
         return [(prompt, False), (response, True)]
 
     def _encode_with_images(self, segments: Segments, images: list[Any], prefix) -> tuple[list[int], list[int]]:

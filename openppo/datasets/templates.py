@@ -60,6 +60,18 @@ def validate_template_options(tokenizer, *, apply_chat_template: bool, input_tem
         raise UserError("--pretrain: the tokenizer defines no eos_token; set eos_token in its tokenizer_config.json")
 
 
+class ProcessorTemplate:
+    """A vision-language model's processor as the template functions here read a tokenizer: the processor's chat
+    template (the one that renders image items for it, and the one RL's image prompts use), the tokenizer's EOS."""
+
+    def __init__(self, processor):
+        self.processor = processor
+        self.eos_token = processor.tokenizer.eos_token
+
+    def apply_chat_template(self, messages: Messages, **kwargs: Any) -> str:
+        return self.processor.apply_chat_template(messages, **kwargs)
+
+
 def as_messages(value: Any, key_flag: str) -> Messages:
     """`value` as a list of chat messages, or UserError naming the column's flag."""
     if not isinstance(value, list) or not all(isinstance(m, dict) and "role" in m for m in value):

@@ -202,3 +202,24 @@ def test_prompt_max_len_counts_each_image_expanded(files, processor, caplog):
         assert kept(len(expanded)) == [0, 1]
         assert kept(len(expanded) - 1) == [1]
     assert "dropped 1 of 2 prompts longer than" in caplog.text
+
+
+def test_sft_image_samples_render_with_the_processors_chat_template(files):
+    """An image SFT sample is rendered as RL renders an image prompt: with the processor's chat template, which
+    here writes a system line the tokenizer's does not; the response follows it and ends with EOS."""
+    from transformers import AutoProcessor
+
+    from openppo.datasets import SFTDataset
+
+    own = AutoProcessor.from_pretrained(tiny_vlm_dir())
+    own.chat_template = "{{- '<|im_start|>system\\nLook.<|im_end|>\\n' }}" + own.chat_template
+    tok = own.tokenizer
+    assert "Look." not in tok.chat_template
+    rows = [{"q": user("How many?", 1), "a": "3", "images": [str(files / "red.png")]}]
+    args = dict(input_key="q", output_key="a", apply_chat_template=True, input_template=None, max_len=64)
+    ds = SFTDataset(datasets.Dataset.from_list(rows), tok, **args, image_key="images", max_images=1, processor=own)
+    sample = ds[0]
+    text = tok.decode(sample["input_ids"])
+    assert text.startswith("<|im_start|>system\nLook.<|im_end|>\n<|im_start|>user\n<fake_token_around_image>"), text
+    trained = tok.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
+    assert trained == "3" + tok.eos_token, trained
