@@ -24,6 +24,7 @@ from openppo.datasets.images import MAX_BAD_ROWS_LOGGED, BadImage, check_row_ima
 from openppo.datasets.loading import require_columns
 from openppo.datasets.sft import PROGRESS_MIN_SAMPLES
 from openppo.datasets.templates import (
+    ProcessorTemplate,
     as_messages,
     bos_ids,
     encode_segments,
@@ -69,8 +70,10 @@ class PromptDataset(Dataset):
         require(
             max_prompt_len is None or max_prompt_len > 0, f"--prompt_max_len must be positive, got {max_prompt_len}"
         )
-        validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
         image_key = image_key if max_images > 0 else None
+        # image prompts render with the processor's chat template (a VLM's processor renders image items)
+        renderer = ProcessorTemplate(processor) if image_key is not None and processor is not None else tokenizer
+        validate_template_options(renderer, apply_chat_template=apply_chat_template, input_template=input_template)
         require(
             image_key is None or apply_chat_template,
             "--image_key: image prompts are chat messages with image items; pass --apply_chat_template",
@@ -82,7 +85,6 @@ class PromptDataset(Dataset):
         keys = {"--input_key": input_key, "--label_key": label_key, "--image_key": image_key, "--tools_key": tools_key}
         require_columns(ds, keys, "the prompt data")
         prefix = bos_ids(tokenizer, apply_chat_template=apply_chat_template)
-        renderer = processor if image_key is not None and processor is not None else tokenizer
         has_source = DATASOURCE_COLUMN in ds.column_names
         columns = [c for c in (input_key, label_key, image_key, tools_key, has_source and DATASOURCE_COLUMN) if c]
         rows = ds.select_columns(list(dict.fromkeys(columns)))

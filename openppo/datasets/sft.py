@@ -86,7 +86,9 @@ class SFTDataset(Dataset):
             multiturn or pretrain_mode or output_key is not None,
             "--output_key is required unless --multiturn or --pretrain_mode is set",
         )
-        validate_template_options(tokenizer, apply_chat_template=apply_chat_template, input_template=input_template)
+        # image samples render with the processor's chat template, as RL's image prompts do
+        self.renderer = ProcessorTemplate(processor) if image_key is not None and processor is not None else tokenizer
+        validate_template_options(self.renderer, apply_chat_template=apply_chat_template, input_template=input_template)
         if image_key is not None:
             require(max_images > 0, f"--max_images_per_prompt must be positive with --image_key, got {max_images}")
             require(
@@ -99,8 +101,6 @@ class SFTDataset(Dataset):
         require_columns(ds, keys, "the SFT data")
         self.processor = processor if image_key is not None else None
         self.tokenizer = tokenizer
-        # image samples render with the processor's chat template, as RL's image prompts do
-        self.renderer = ProcessorTemplate(self.processor) if self.processor is not None else tokenizer
         self.input_key, self.output_key, self.multiturn = input_key, output_key, multiturn
         self.last_turn_only = last_turn_only
         self.pretrain_mode = pretrain_mode

@@ -45,13 +45,15 @@ Messages = list[dict[str, Any]]
 
 
 def validate_template_options(tokenizer, *, apply_chat_template: bool, input_template: str | None) -> None:
-    """Check the template flags once per dataset: fail on a bad combination, log an ignored option."""
+    """Check the template flags once per dataset: fail on a bad combination, log an ignored option. `tokenizer`: what
+    renders the data (a `ProcessorTemplate` for image data)."""
     if input_template is not None and "{}" not in input_template:
         raise UserError(f"--input_template must contain '{{}}' where the prompt goes, got {input_template!r}")
     if apply_chat_template:
         if not getattr(tokenizer, "chat_template", None):
+            owner = "processor" if isinstance(tokenizer, ProcessorTemplate) else "tokenizer"
             raise UserError(
-                "--apply_chat_template: the tokenizer of --pretrain has no chat template; "
+                f"--apply_chat_template: the {owner} of --pretrain has no chat template; "
                 "drop --apply_chat_template (and pass --input_template if needed)"
             )
         if input_template is not None:
@@ -67,6 +69,7 @@ class ProcessorTemplate:
     def __init__(self, processor):
         self.processor = processor
         self.eos_token = processor.tokenizer.eos_token
+        self.chat_template = getattr(processor, "chat_template", None)
 
     def apply_chat_template(self, messages: Messages, **kwargs: Any) -> str:
         return self.processor.apply_chat_template(messages, **kwargs)

@@ -223,3 +223,28 @@ def test_sft_image_samples_render_with_the_processors_chat_template(files):
     assert text.startswith("<|im_start|>system\nLook.<|im_end|>\n<|im_start|>user\n<fake_token_around_image>"), text
     trained = tok.decode([t for t, m in zip(sample["input_ids"], sample["loss_mask"]) if m])
     assert trained == "3" + tok.eos_token, trained
+
+
+def test_image_data_needs_the_processors_chat_template_not_the_tokenizers(files):
+    """Image prompts and samples are rendered by the processor's template: a tokenizer without one is no reason to
+    refuse them, and a processor without one is named in the error."""
+    import copy
+
+    from transformers import AutoProcessor
+
+    from openppo.datasets import SFTDataset
+
+    own = AutoProcessor.from_pretrained(tiny_vlm_dir())
+    tok = copy.deepcopy(own.tokenizer)
+    tok.chat_template = None
+    rows = [{"q": user("How many?", 1), "a": "3", "images": [str(files / "red.png")]}]
+    data = datasets.Dataset.from_list(rows)
+    common = dict(input_key="q", apply_chat_template=True, input_template=None, image_key="images", max_images=1)
+    sft = dict(output_key="a", max_len=64)
+    assert len(SFTDataset(data, tok, **common, **sft, processor=own)) == 1
+    assert len(PromptDataset(data, tok, **common, label_key=None, processor=own)) == 1
+    own.chat_template = None
+    with pytest.raises(UserError, match="--apply_chat_template: the processor of --pretrain has no chat template"):
+        SFTDataset(data, tok, **common, **sft, processor=own)
+    with pytest.raises(UserError, match="--apply_chat_template: the processor of --pretrain has no chat template"):
+        PromptDataset(data, tok, **common, label_key=None, processor=own)
