@@ -86,12 +86,41 @@ def _adopt(env: dict[str, str], fds: tuple[int, ...]) -> None:
     threading.Thread(target=watch, name="zygote-parent-watch", daemon=True).start()
 
 
-def _in_parent_env(env: dict[str, str], target, *args, **kwargs):
-    """An engine core's or a tensor-parallel worker's first step (`_adopt`), then vLLM's target."""
+def _in_parent_env(env: dict[str, str], target, *args, **kwargs) -> None:
+    """An engine core's or a tensor-parallel worker's first step (`_adopt`), then vLLM's target, then the end of a
+    spawned child (`_exit_as_spawned`)."""
+    import traceback
+
     _adopt(env, (1, 2))
     if env.get(ADDRESS_ENV):
         _install(env[ADDRESS_ENV])  # (an engine core's workers fork from the zygote, as its own process did)
-    return target(*args, **kwargs)
+    try:
+        target(*args, **kwargs)
+        code = 0
+    except SystemExit as end:  # multiprocessing's rule for a child's exit code
+        code = end.code if isinstance(end.code, int) else int(end.code is not None)
+    except BaseException:
+        traceback.print_exc()
+        code = 1
+    _exit_as_spawned(code)
+
+
+def _exit_as_spawned(code: int) -> None:
+    """End this process as a spawned multiprocessing child ends, not as a fork-server child (`os._exit`, right after
+    its target): multiprocessing's finalizers, the other threads joined, the `atexit` hooks, the streams flushed, and
+    then the C library's `exit`, which runs the C++ static destructors. vLLM's CPU shared-memory communicator (its
+    AVX512 build: `_C_AVX512`) unlinks its /dev/shm files (`vllm_dist_*-cpushm_*`, 4 MiB each) in one; ended with
+    `os._exit`, a tensor-parallel engine's workers left them behind on every AVX512 CPU."""
+    import atexit
+    import ctypes
+    import threading
+    from multiprocessing import util
+
+    util._exit_function()
+    threading._shutdown()
+    atexit._run_exitfuncs()
+    util._flush_std_streams()
+    ctypes.CDLL(None).exit(code)
 
 
 def _ray_worker(env: dict[str, str], argv: list[str]) -> None:

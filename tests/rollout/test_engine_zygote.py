@@ -14,7 +14,7 @@ import pytest
 
 from tests import ray_cluster
 from tests.engine_zygote import FOLDER, PRELOAD, RAY_WORKER_PRELOAD
-from tests.engines import start_tiny_engine
+from tests.engines import shm_files_of, start_tiny_engine
 
 
 def test_every_preloaded_module_imports(monkeypatch):
@@ -44,8 +44,9 @@ def test_the_ray_worker_preload_imports_without_ray():
 @pytest.mark.skipif(os.environ.get("OPENPPO_TEST_ENGINE_ZYGOTE") == "0", reason="the zygote is off")
 def test_an_engine_core_and_its_workers_from_the_zygote_are_what_spawned_ones_are():
     """A tensor-parallel engine: its engine core and both workers forked from the zygote, not children of the actor
-    and of the core, each writing to the actor's stdout and stderr, generating, and gone once the actor is killed
-    (Ray kills a dead actor's children; a forked process watches the process that asked for it itself)."""
+    and of the core, each writing to the actor's stdout and stderr, generating, leaving nothing in /dev/shm when the
+    engine shuts down, and gone once the actor is killed (Ray kills a dead actor's children; a forked process watches
+    the process that asked for it itself)."""
     import ray
 
     ray_cluster.connect()
@@ -70,6 +71,12 @@ def test_an_engine_core_and_its_workers_from_the_zygote_are_what_spawned_ones_ar
             engine.generate.remote([[100, 101, 102]], n=1, max_new_tokens=4, temperature=1.0, top_p=1.0), timeout=120
         )
         assert len(sample["token_ids"]) == 4
+        # shut down, they end as spawned ones do, and remove their shared memory: the message queues, and on an
+        # AVX512 CPU vLLM's CPU communicator's files, which its C++ static destructors unlink
+        held = set().union(*(shm_files_of(pid) for pid in forked))
+        assert any("/psm_" in path for path in held), held
+        ray.get(engine.shutdown.remote(), timeout=120)
+        assert not [path for path in held if os.path.exists(path)], held
         ray.kill(engine)
         deadline = time.monotonic() + 60
         for pid in forked:
