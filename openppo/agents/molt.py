@@ -11,7 +11,9 @@ The mapping, per model turn: Molt's state is `observation_text` (the prompt and 
 text), `action_text` (this turn, decoded with its special tokens, as Molt does) and `label`; `sampling_params` is
 None (openppo's sampling settings are the run's, one per run). The `Result`'s reward adds to the episode's, its
 `observation` is the next turn's feedback (encoded raw, no template, as in Molt), `terminated` or `truncated` ends
-the episode (so does --agent_max_turns), `info` and `score` are logged per sample. What openppo does not do is
+the episode (so does --agent_max_turns), `info` and `score` are logged per sample. The steps of a turn's running
+episodes are awaited concurrently on one event loop (`MoltEnv.step_all`), as Molt awaits them, each within
+--agent_timeout. What openppo does not do is
 refused in one line naming the episode: a `reset` that rewrites the first observation (the prompt is rendered from
 the data set), images in the feedback, per-turn sampling parameters.
 
@@ -257,8 +259,35 @@ def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
             self.text = prompt
 
         def step(self, response_text: str, turn: int) -> StepResult:
+            return self._finish(_Loop.run(self.env.step(self._state(response_text))), response_text)
+
+        @classmethod
+        def step_all(
+            cls, envs: list[MoltEnv], texts: list[str], turn: int, timeout_s: float | None
+        ) -> list[StepResult | BaseException]:
+            """Every running episode's step of a turn at once, as Molt awaits them: concurrently on the one event
+            loop, each within `timeout_s` (a late one gets TimeoutError); an episode's error is its entry."""
+
+            async def one(env: MoltEnv, text: str):
+                return await asyncio.wait_for(env.env.step(env._state(text)), timeout_s)
+
+            async def together():
+                return await asyncio.gather(*(one(e, t) for e, t in zip(envs, texts)), return_exceptions=True)
+
+            out: list[StepResult | BaseException] = []
+            for env, text, result in zip(envs, texts, _Loop.run(together())):
+                try:
+                    out.append(result if isinstance(result, BaseException) else env._finish(result, text))
+                except AgentError as err:
+                    out.append(err)
+            return out
+
+        def _state(self, response_text: str) -> dict:
             state = {"observation_text": self.text, "action_text": response_text, "label": self.label}
-            result = _Loop.run(self.env.step({**state, "sampling_params": None}))
+            return {**state, "sampling_params": None}
+
+        def _finish(self, result: Any, response_text: str) -> StepResult:
+            """The StepResult of a step's `Result`, checked; the episode's text grows by the turn and feedback."""
             if not isinstance(result, Result) and type(result).__name__ != "Result":
                 raise AgentError(f"{env_cls.__name__}.step returned {type(result).__name__}; return a Result")
             reward = _scalar(result.reward)

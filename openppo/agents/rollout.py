@@ -7,7 +7,9 @@ encoded once, on its own, and appended; it stays in the sequence as context for 
 `action_mask` 0 and rollout log-prob 0.0, so the loss ignores it.
 
 Batching: every turn sends all still-running episodes to the engine in one `generate` call, so a whole batch costs
-at most `max_turns` calls. An episode's next context is its prompt plus its whole
+at most `max_turns` calls. Their steps then run one by one, or together where the environment class has a
+`step_all` (Molt's async environments: awaited concurrently, as Molt does, so a turn of episodes that each wait on a
+tool server takes one wait, not one per episode). An episode's next context is its prompt plus its whole
 response so far, so an engine with prefix caching reuses the earlier turns' KV blocks.
 
 Length: no sample grows past `max_total_len` tokens (prompt included). A turn may generate
@@ -54,6 +56,10 @@ class _Episode:
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(token_ids)
 
 
+class EnvTimeout(AgentError):
+    """An environment call that did not return within --agent_timeout."""
+
+
 class _EnvThread:
     """Every call into an environment (its construction and its steps) on one daemon thread, each waited for at
     most `timeout_s`: a step that never returns (a remote tool that hangs) stops the rollout with an error instead
@@ -79,7 +85,7 @@ class _EnvThread:
             with cls._lock:
                 if cls._calls is calls:
                     cls._calls = None
-            raise AgentError(f"{what} did not return within {timeout_s:g} s (--agent_timeout)") from None
+            raise EnvTimeout(f"{what} did not return within {timeout_s:g} s (--agent_timeout)") from None
 
     @staticmethod
     def _serve(calls: queue.SimpleQueue) -> None:
@@ -91,18 +97,41 @@ class _EnvThread:
                 done.set_exception(err)
 
 
+def _where(ep: _Episode, turn: int) -> str:
+    return f"{type(ep.env).__name__}.step (prompt index {ep.item['index']}, turn {turn})"
+
+
 def _step(ep: _Episode, text: str, turn: int, timeout_s: float | None) -> StepResult:
     """`env.step` within `timeout_s`, with errors that say which environment, prompt and turn failed."""
-    where = f"{type(ep.env).__name__}.step (prompt index {ep.item['index']}, turn {turn})"
     try:
-        result = _EnvThread.run(lambda: ep.env.step(text, turn), timeout_s, where)
-    except AgentError:
+        result = _EnvThread.run(lambda: ep.env.step(text, turn), timeout_s, _where(ep, turn))
+    except EnvTimeout:
         raise
     except Exception as err:
-        raise AgentError(f"{where} raised {type(err).__name__}: {err}") from err
+        result = err
+    return _checked(ep, turn, result, timeout_s)
+
+
+def _checked(ep: _Episode, turn: int, result: Any, timeout_s: float | None) -> StepResult:
+    """A step's StepResult, or the AgentError its failure (`result` an exception) or wrong return is."""
+    where = _where(ep, turn)
+    if isinstance(result, TimeoutError):
+        raise EnvTimeout(f"{where} did not return within {timeout_s:g} s (--agent_timeout)") from result
+    if isinstance(result, BaseException):
+        raise AgentError(f"{where} raised {type(result).__name__}: {result}") from result
     if not isinstance(result, StepResult):
         raise AgentError(f"{where} returned {type(result).__name__}; return openppo.agents.StepResult(...)")
     return result
+
+
+def _step_all(eps: list[_Episode], texts: list[str], turn: int, timeout_s: float | None) -> list[StepResult]:
+    """Every running episode's step of a turn: together where the environment class takes them so
+    (`step_all(envs, texts, turn, timeout_s)`, Molt's async environments, awaited concurrently), else one by one."""
+    together = getattr(type(eps[0].env), "step_all", None) if eps else None
+    if together is None:
+        return [_step(ep, text, turn, timeout_s) for ep, text in zip(eps, texts)]
+    results = together([ep.env for ep in eps], texts, turn, timeout_s)
+    return [_checked(ep, turn, result, timeout_s) for ep, result in zip(eps, results)]
 
 
 def run_agent_episodes(
@@ -167,14 +196,15 @@ def run_agent_episodes(
         budgets = [min(max_new_tokens, max_total_len - len(ctx)) for ctx in contexts]
         outputs = generate(contexts, budgets)
         assert len(outputs) == len(active), f"generate returned {len(outputs)} completions for {len(active)}"
-        still_active = []
+        texts = []
         for ep, budget, out in zip(active, budgets, outputs):
             token_ids, log_probs = list(out["token_ids"]), list(out["logprobs"])
             assert len(token_ids) <= budget and len(log_probs) == len(token_ids), "generate broke its contract"
             ep.append(token_ids, log_probs)
             ep.num_turns += 1
-            text = tokenizer.decode(token_ids, skip_special_tokens=not ep.env.decode_special_tokens)
-            result = _step(ep, text, turn, env_timeout_s)
+            texts.append(tokenizer.decode(token_ids, skip_special_tokens=not ep.env.decode_special_tokens))
+        still_active = []
+        for ep, out, result in zip(active, outputs, _step_all(active, texts, turn, env_timeout_s)):
             ep.reward += float(result.reward)
             ep.extra.update({str(k): float(v) for k, v in result.extra.items()})
             if result.done or turn + 1 == max_turns:

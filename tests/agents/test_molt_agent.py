@@ -180,3 +180,18 @@ def test_a_molt_chat_file_is_the_runs_agent_program_and_its_prompts_keep_their_m
     assert prompts[0]["tools"] == tools and prompts[1]["tools"] is None
     assert prompts[0]["prompt"].startswith("<|im_start|>system\nS")  # the rendered text stays the prompt
     assert "messages" not in launch.load_prompts(cfg, tokenizer, datasets.Dataset.from_list(rows))[0]
+
+
+def test_a_turns_molt_steps_are_awaited_together(tmp_path):
+    """Every running episode's step of a turn is awaited at once, as Molt awaits them: here each step waits at a
+    barrier for all four episodes' steps of the turn, which one-by-one stepping never reaches (its first step would
+    wait out --agent_timeout). A late step is named; the others are cancelled with it."""
+    body = "(await BARRIER.wait(), Result(reward=1.0, observation='next', terminated=False))[1]"
+    path = molt_file(tmp_path, step=body)
+    path.write_text("import asyncio\nBARRIER = asyncio.Barrier(4)\n" + path.read_text())
+    samples, _ = play(path, n=4, max_turns=2, timeout_s=30)
+    assert [s.reward for s in samples] == [2.0] * 4  # two turns of four concurrent steps
+    late = molt_file(tmp_path, step="(await asyncio.sleep(3600), Result(reward=1.0))[1]")
+    late.write_text("import asyncio\n" + late.read_text())
+    with pytest.raises(AgentError, match=r"^MoltE.step \(prompt index 3, turn 0\) did not return within 0.5 s"):
+        play(late, n=2, timeout_s=0.5)
