@@ -623,6 +623,7 @@ def validate(cfg: PPOConfig, on_gpu: bool) -> list[str]:
 def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
     r = cfg.rollout
     require(r.agent_timeout > 0, f"--agent_timeout must be positive (seconds), got {r.agent_timeout}")
+    require(r.agent_concurrency >= 0, f"--agent_concurrency must be >= 0 (0: all at once), got {r.agent_concurrency}")
     if not r.agent_program:
         if r.agent_tool_parser and not r.agent_func_path:  # (a Molt chat agent file is played through the endpoint)
             notices.append(f"--agent_tool_parser {r.agent_tool_parser} has no effect without --agent_program")
@@ -637,7 +638,6 @@ def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
             "--apply_chat_template with --agent_program: the endpoint renders each of the agent's requests with the "
             "chat template, and the agent gets the data set's text; drop --apply_chat_template"
         )
-    require(r.agent_concurrency >= 0, f"--agent_concurrency must be >= 0 (0: all at once), got {r.agent_concurrency}")
     if r.agent_tool_parser:
         from openppo.agents.endpoint import tool_parser_names
 
