@@ -32,6 +32,10 @@ class AgentError(RuntimeError):
     """An environment raised or returned something other than a `StepResult` during a rollout."""
 
 
+class EnvTimeout(AgentError):
+    """An environment call that did not return within --agent_timeout."""
+
+
 @dataclass
 class StepResult:
     """What the environment returns after one model turn."""

@@ -40,7 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from openppo.agents.base import AgentEnv, AgentError, StepResult
+from openppo.agents.base import AgentEnv, AgentError, EnvTimeout, StepResult
 from openppo.agents.program import AgentProgram, Outcome, PythonAgent
 from openppo.errors import UserError
 
@@ -266,10 +266,20 @@ def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
             cls, envs: list[MoltEnv], texts: list[str], turn: int, timeout_s: float | None
         ) -> list[StepResult | BaseException]:
             """Every running episode's step of a turn at once, as Molt awaits them: concurrently on the one event
-            loop, each within `timeout_s` (a late one gets TimeoutError); an episode's error is its entry."""
+            loop, each within `timeout_s` (a late one is cancelled, and its entry an EnvTimeout); an episode's error
+            is its entry."""
+
+            async def own(env: MoltEnv, text: str):
+                try:
+                    return await env.env.step(env._state(text))
+                except Exception as err:  # the step's own, a TimeoutError among them, kept apart from wait_for's
+                    return err
 
             async def one(env: MoltEnv, text: str):
-                return await asyncio.wait_for(env.env.step(env._state(text)), timeout_s)
+                try:
+                    return await asyncio.wait_for(own(env, text), timeout_s)
+                except asyncio.TimeoutError:
+                    return EnvTimeout()
 
             async def together():
                 return await asyncio.gather(*(one(e, t) for e, t in zip(envs, texts)), return_exceptions=True)

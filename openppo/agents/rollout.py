@@ -26,7 +26,7 @@ from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
-from openppo.agents.base import AgentEnv, AgentError, StepResult
+from openppo.agents.base import AgentEnv, AgentError, EnvTimeout, StepResult
 from openppo.rollout.pool import Sample
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[dict]]
@@ -54,10 +54,6 @@ class _Episode:
         self.response_ids += token_ids
         self.action_mask += [1 if log_probs is not None else 0] * len(token_ids)
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(token_ids)
-
-
-class EnvTimeout(AgentError):
-    """An environment call that did not return within --agent_timeout."""
 
 
 class _EnvThread:
@@ -115,8 +111,8 @@ def _step(ep: _Episode, text: str, turn: int, timeout_s: float | None) -> StepRe
 def _checked(ep: _Episode, turn: int, result: Any, timeout_s: float | None) -> StepResult:
     """A step's StepResult, or the AgentError its failure (`result` an exception) or wrong return is."""
     where = _where(ep, turn)
-    if isinstance(result, TimeoutError):
-        raise EnvTimeout(f"{where} did not return within {timeout_s:g} s (--agent_timeout)") from result
+    if isinstance(result, EnvTimeout):  # (a `step_all`'s late step)
+        raise EnvTimeout(f"{where} did not return within {timeout_s:g} s (--agent_timeout)")
     if isinstance(result, BaseException):
         raise AgentError(f"{where} raised {type(result).__name__}: {result}") from result
     if not isinstance(result, StepResult):

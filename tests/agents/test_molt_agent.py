@@ -195,3 +195,7 @@ def test_a_turns_molt_steps_are_awaited_together(tmp_path):
     late.write_text("import asyncio\n" + late.read_text())
     with pytest.raises(AgentError, match=r"^MoltE.step \(prompt index 3, turn 0\) did not return within 0.5 s"):
         play(late, n=2, timeout_s=0.5)
+    # a step's own TimeoutError (its tool server's) is its error, not a late step
+    own = molt_file(tmp_path, step="(_ for _ in ()).throw(TimeoutError('tool server'))")
+    with pytest.raises(AgentError, match=r"^MoltE.step \(prompt index 3, turn 0\) raised TimeoutError: tool server"):
+        play(own, n=2, timeout_s=30)
