@@ -71,7 +71,7 @@ def _items(*labels) -> list[dict]:
     ]
 
 
-def _run(labels, *, n=1, max_turns=3, max_new_tokens=3, max_total_len=100, template="{}"):
+def _run(labels, *, n=1, max_turns=3, max_new_tokens=3, max_total_len=100, template="{}", env_cls=None, timeout_s=None):
     generate = ScriptedGenerate()
     ScriptedEnv.seen = []
     samples = run_agent_episodes(
@@ -79,11 +79,12 @@ def _run(labels, *, n=1, max_turns=3, max_new_tokens=3, max_total_len=100, templ
         CharTokenizer(),
         _items(*labels),
         n_samples_per_prompt=n,
-        env_cls=ScriptedEnv,
+        env_cls=env_cls or ScriptedEnv,
         max_turns=max_turns,
         max_new_tokens=max_new_tokens,
         max_total_len=max_total_len,
         feedback_template=template,
+        env_timeout_s=timeout_s,
     )
     return samples, generate
 
@@ -165,16 +166,7 @@ def test_env_errors_name_the_env_prompt_and_turn():
             return {"reward": 1.0}
 
     with pytest.raises(AgentError, match=r"Broken.step \(prompt index 10, turn 0\) returned dict"):
-        run_agent_episodes(
-            ScriptedGenerate(),
-            CharTokenizer(),
-            _items(0),
-            n_samples_per_prompt=1,
-            env_cls=Broken,
-            max_turns=2,
-            max_new_tokens=3,
-            max_total_len=50,
-        )
+        _run([0], env_cls=Broken)
 
 
 def test_engine_generate_fn_sends_each_prompt_its_own_budget_in_one_call():
@@ -328,17 +320,7 @@ def test_an_env_call_that_outlives_agent_timeout_stops_the_rollout_naming_it():
             super().__init__(prompt, label)
 
     def run(env_cls):
-        return run_agent_episodes(
-            ScriptedGenerate(),
-            CharTokenizer(),
-            _items(0),
-            n_samples_per_prompt=1,
-            env_cls=env_cls,
-            max_turns=2,
-            max_new_tokens=3,
-            max_total_len=50,
-            env_timeout_s=0.2,
-        )
+        return _run([0], env_cls=env_cls, timeout_s=0.2)[0]
 
     try:
         with pytest.raises(AgentError, match=r"^Hangs.step \(prompt index 10, turn 0\) did not return within 0.2 s "):
@@ -365,15 +347,5 @@ def test_an_env_is_built_and_stepped_on_one_thread():
             (count,) = self.db.execute("select count(*) from turns").fetchone()
             return StepResult(feedback="FB", reward=float(count), done=turn == 1)
 
-    samples = run_agent_episodes(
-        ScriptedGenerate(),
-        CharTokenizer(),
-        _items(0, 0),
-        n_samples_per_prompt=2,
-        env_cls=Counts,
-        max_turns=3,
-        max_new_tokens=3,
-        max_total_len=50,
-        env_timeout_s=30,
-    )
+    samples, _ = _run([0, 0], n=2, env_cls=Counts, timeout_s=30)
     assert [s.reward for s in samples] == [3.0] * 4  # 1 + 2: each episode's own table

@@ -51,7 +51,6 @@ def _loss(model, rows: dict[str, torch.Tensor]) -> torch.Tensor:
 def _worker(rank: int, out_dir: str, port: int) -> None:
     os.environ["TORCHDYNAMO_DISABLE"] = "1"  # before torch._dynamo is first imported (the module's docstring)
     join_gloo_group(rank, port, WORLD)
-    from openppo.config.common import MuonSettings
     from openppo.models.actor import Actor
     from tests.model_cache import tiny_model_dir
     from tests.ppo.rank_helpers import fp32_strategy
@@ -60,18 +59,7 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
         strategy = fp32_strategy(zero, max_norm=max_norm, train_batch_size=4)
         with strategy.zero3_init():
             model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)
-        engine = strategy.prepare_train(
-            model,
-            lr=ADAM["lr"],
-            betas=ADAM["betas"],
-            eps=ADAM["eps"],
-            weight_decay=ADAM["weight_decay"],
-            scheduler="constant",
-            warmup_ratio=0.0,
-            min_lr_ratio=0.1,
-            num_training_steps=STEPS,
-            muon=MuonSettings(**MUON),
-        )
+        engine = _muon_engine(strategy, model, STEPS)
         weights = [full_weights(strategy, engine)]
         for step in range(STEPS):
             engine.backward(_loss(engine, _rows(model.config.vocab_size, rank, step)))
@@ -90,17 +78,12 @@ def _worker(rank: int, out_dir: str, port: int) -> None:
     Path(out_dir, f"rank{rank}.json").write_text("{}")
 
 
-def _critic_step(rank: int, out_dir: str) -> None:
-    """One ZeRO-2 Muon step of the tiny critic; rank 0 saves its scalar head before and after, and the groups."""
+def _muon_engine(strategy, model, steps: int):
+    """`prepare_train` with Muon's settings for the matrices and Adam's for the rest (the module's docstring)."""
     from openppo.config.common import MuonSettings
-    from openppo.models.scalar import ScalarModel
-    from tests.model_cache import tiny_model_dir
-    from tests.ppo.rank_helpers import fp32_strategy
 
-    strategy = fp32_strategy(2, max_norm=0.0, train_batch_size=4)
-    critic = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--critic_pretrain")
-    engine = strategy.prepare_train(
-        critic,
+    return strategy.prepare_train(
+        model,
         lr=ADAM["lr"],
         betas=ADAM["betas"],
         eps=ADAM["eps"],
@@ -108,9 +91,20 @@ def _critic_step(rank: int, out_dir: str) -> None:
         scheduler="constant",
         warmup_ratio=0.0,
         min_lr_ratio=0.1,
-        num_training_steps=1,
+        num_training_steps=steps,
         muon=MuonSettings(**MUON),
     )
+
+
+def _critic_step(rank: int, out_dir: str) -> None:
+    """One ZeRO-2 Muon step of the tiny critic; rank 0 saves its scalar head before and after, and the groups."""
+    from openppo.models.scalar import ScalarModel
+    from tests.model_cache import tiny_model_dir
+    from tests.ppo.rank_helpers import fp32_strategy
+
+    strategy = fp32_strategy(2, max_norm=0.0, train_batch_size=4)
+    critic = ScalarModel.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, flag="--critic_pretrain")
+    engine = _muon_engine(strategy, critic, 1)
     (name,) = [n for n, _ in engine.module.named_parameters() if n.endswith("score.weight")]
     head = [full_weights(strategy, engine)[name]]
     rows = _rows(critic.config.vocab_size, rank, 0)
