@@ -18,16 +18,13 @@ min(max_new_tokens, room left); feedback that does not fit is cut to the room le
 
 from __future__ import annotations
 
-import queue
-import threading
 from collections.abc import Callable
-from concurrent.futures import Future
-from concurrent.futures import TimeoutError as FutureTimeout
 from dataclasses import dataclass, field
 from typing import Any
 
 from openppo.agents.base import AgentEnv, AgentError, EnvTimeout, StepResult
 from openppo.rollout.pool import Sample
+from openppo.utils.time_limit import CallThread, Late
 
 GenerateFn = Callable[[list[list[int]], list[int]], list[dict]]
 """(prompt token ids per request, max_new_tokens per request) -> one {token_ids, logprobs, finish_reason} each"""
@@ -56,41 +53,17 @@ class _Episode:
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(token_ids)
 
 
-class _EnvThread:
-    """Every call into an environment (its construction and its steps) on one daemon thread, each waited for at
-    most `timeout_s`: a step that never returns (a remote tool that hangs) stops the rollout with an error instead
-    of hanging the run. One thread, not one per call, so that an environment may keep thread-bound objects (a
-    sqlite connection) from its construction to its steps. A late call's thread is left to it (daemon: it cannot
-    keep the process alive) and the next call gets a new one."""
+_ENV_THREAD = CallThread("agent-env")
+"""every call into an environment, its construction and its steps (see CallThread: thread-bound objects work)"""
 
-    _lock = threading.Lock()
-    _calls: queue.SimpleQueue | None = None
 
-    @classmethod
-    def run(cls, fn: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
-        with cls._lock:
-            if cls._calls is None:
-                cls._calls = queue.SimpleQueue()
-                threading.Thread(target=cls._serve, args=(cls._calls,), name="agent-env", daemon=True).start()
-            calls = cls._calls
-        done: Future = Future()
-        calls.put((fn, done))
-        try:
-            return done.result(timeout=timeout_s)
-        except FutureTimeout:
-            with cls._lock:
-                if cls._calls is calls:
-                    cls._calls = None
-            raise EnvTimeout(f"{what} did not return within {timeout_s:g} s (--agent_timeout)") from None
-
-    @staticmethod
-    def _serve(calls: queue.SimpleQueue) -> None:
-        while True:
-            fn, done = calls.get()
-            try:
-                done.set_result(fn())
-            except BaseException as err:  # handed to the waiting caller, which raises it
-                done.set_exception(err)
+def _env_call(fn: Callable[[], Any], timeout_s: float | None, what: str) -> Any:
+    """`fn()` on the environments' thread; EnvTimeout naming `what` when it has not returned after `timeout_s`:
+    a step that never returns (a remote tool that hangs) stops the rollout instead of hanging the run."""
+    try:
+        return _ENV_THREAD.run(fn, timeout_s)
+    except Late:
+        raise EnvTimeout(f"{what} did not return within {timeout_s:g} s (--agent_timeout)") from None
 
 
 def _where(ep: _Episode, turn: int) -> str:
@@ -100,7 +73,7 @@ def _where(ep: _Episode, turn: int) -> str:
 def _step(ep: _Episode, text: str, turn: int, timeout_s: float | None) -> StepResult:
     """`env.step` within `timeout_s`, with errors that say which environment, prompt and turn failed."""
     try:
-        result = _EnvThread.run(lambda: ep.env.step(text, turn), timeout_s, _where(ep, turn))
+        result = _env_call(lambda: ep.env.step(text, turn), timeout_s, _where(ep, turn))
     except EnvTimeout:
         raise
     except Exception as err:
@@ -176,7 +149,7 @@ def run_agent_episodes(
     def build(item: dict[str, Any]) -> AgentEnv:
         what = f"{env_cls.__name__}(prompt index {item['index']})"
         try:
-            return _EnvThread.run(lambda: env_cls(item["prompt"], item["label"]), env_timeout_s, what)
+            return _env_call(lambda: env_cls(item["prompt"], item["label"]), env_timeout_s, what)
         except AgentError:
             raise
         except Exception as err:
