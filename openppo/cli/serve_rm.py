@@ -29,6 +29,9 @@ class ServeRMConfig:
         None, "reward model folder to serve (a scalar-head model, e.g. from train_rm)", metavar="DIR"
     )
     reward_func: str = opt(None, "serve reward_func from this .py file instead of a model", metavar="FILE.py")
+    reward_func_timeout: float = opt(
+        600.0, "--reward_func: seconds one call may take; a late request gets HTTP 500 naming the limit"
+    )
     host: str = opt(
         "127.0.0.1",
         "address to listen on; there is no authentication, so keep it on loopback unless the network is trusted",
@@ -104,7 +107,7 @@ def build_source(cfg: ServeRMConfig):
     if cfg.reward_func:
         from openppo.rewards.function import FunctionReward
 
-        return FunctionReward(cfg.reward_func, flag="--reward_func")
+        return FunctionReward(cfg.reward_func, flag="--reward_func", timeout_s=cfg.reward_func_timeout)
     import torch
 
     from openppo.rewards.model import ModelReward

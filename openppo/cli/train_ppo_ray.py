@@ -36,6 +36,7 @@ def train(cfg: PPOConfig) -> None:
         default_reward=m.remote_rm_default_reward,
         timeout_s=m.remote_rm_timeout,
         max_retries=m.remote_rm_retries,
+        func_timeout_s=m.reward_func_timeout,
     )
     if cfg.train.rollout_replay_dir:
         check_replay_dir(cfg.train.rollout_replay_dir)

@@ -48,6 +48,11 @@ class PPOModelConfig(ModelBuildConfig):
         "(python -m openppo.cli.serve_rm) or a .py file exporting reward_func",
     )
     remote_rm_timeout: float = opt(60.0, "seconds one reward request may take (HTTP sources) before it is retried")
+    reward_func_timeout: float = opt(
+        600.0,
+        "seconds a .py --remote_rm_url's reward_func may take on one batch; a late call stops the run with an error "
+        "naming it (with --remote_rm_default_reward: the batch gets that reward)",
+    )
     remote_rm_retries: int = opt(
         3,
         "retries of a failed reward request (connection error, timeout, HTTP 5xx), "

@@ -74,6 +74,7 @@ def _models(cfg: PPOConfig) -> None:
             "--pretrain: drop it (rollout/logprob_diff still shows a bad sync)"
         )
     require(m.remote_rm_timeout > 0, f"--remote_rm_timeout must be positive (seconds), got {m.remote_rm_timeout}")
+    require(m.reward_func_timeout > 0, f"--reward_func_timeout must be positive (seconds), got {m.reward_func_timeout}")
     require(m.remote_rm_retries >= 0, f"--remote_rm_retries must be >= 0, got {m.remote_rm_retries}")
     if m.reward_pretrain and m.remote_rm_url:
         raise UserError("--reward_pretrain and --remote_rm_url both given: pick one reward source")

@@ -42,11 +42,12 @@ def build_reward_source(
     max_retries: int = 3,
     backoff_s: float = 1.0,
     batch_size: int = 64,
+    func_timeout_s: float = 600.0,
 ) -> RewardSource | None:
     """None when no URL is given (the trainer then scores with --reward_pretrain), else the reward source.
 
     `default_reward`: reward used for a batch (function) or chunk (server) whose source fails; None = raise.
-    The other arguments configure `RemoteReward` and are unused for a .py file.
+    `func_timeout_s` bounds a .py file's calls; the other arguments configure `RemoteReward`.
     """
     if remote_rm_url is None:
         return None
@@ -70,5 +71,5 @@ def build_reward_source(
     if value.endswith(".py"):
         if "," in value:
             raise UserError(f"{FLAG}: {value!r} looks like several files; pass a single .py file")
-        return FunctionReward(value, default_reward=default_reward)
+        return FunctionReward(value, default_reward=default_reward, timeout_s=func_timeout_s)
     raise UserError(f"{FLAG}: cannot use {value!r}; pass {ACCEPTED}")

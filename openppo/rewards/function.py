@@ -4,6 +4,10 @@ The file defines `reward_func(queries, prompts, labels, **kwargs)` and returns, 
 (a list or 1-d tensor of floats, one per query) or a dict {"rewards", "scores" (optional), "extra_logs"
 (optional)}; see `openppo.rewards.base.to_result`. `examples/reward_funcs/` has two such files.
 
+Each call runs on a thread of its own and may take `timeout_s` (--reward_func_timeout): a call that never returns
+stops the run with an error naming the function and the batch, or with a `default_reward` gives the batch that
+reward, instead of hanging the run (its thread is left to it; the next call gets a new one).
+
 When `reward_func` raises, the error names the first sample that fails on its own (found by scoring the samples
 one at a time, only on this error path), so the user sees which input broke their function. With a
 `default_reward` the batch gets that value instead and a warning says how many samples it replaced.
@@ -18,10 +22,13 @@ from pathlib import Path
 from openppo.errors import UserError
 from openppo.rewards.base import RewardError, RewardResult, RewardSource, check_inputs, to_result
 from openppo.utils.imports import import_file
+from openppo.utils.time_limit import CallThread, Late
 
 logger = logging.getLogger(__name__)
 
 FLAG = "--remote_rm_url"
+TIMEOUT_FLAG = "--reward_func_timeout"
+DEFAULT_TIMEOUT_S = 600.0
 _PROBE_LIMIT = 256  # samples re-scored one by one to find the failing one (error path only)
 
 
@@ -53,34 +60,52 @@ def load_reward_func(path: str | Path, flag: str = FLAG) -> Callable:
 class FunctionReward(RewardSource):
     """Calls `reward_func` from a .py file on each batch, in this process."""
 
-    def __init__(self, path: str, *, default_reward: float | None = None, flag: str = FLAG):
+    def __init__(
+        self,
+        path: str,
+        *,
+        default_reward: float | None = None,
+        flag: str = FLAG,
+        timeout_s: float = DEFAULT_TIMEOUT_S,
+    ):
+        if not timeout_s > 0:
+            raise UserError(f"{TIMEOUT_FLAG} must be positive (seconds one reward_func call may take), got {timeout_s}")
         self.path = str(path)
         self.name = f"reward_func in {self.path}"
         self.func = load_reward_func(path, flag)
         self.default_reward = default_reward
+        self.timeout_s = timeout_s
+        self._thread = CallThread("reward-func")
         self.num_defaulted = 0
-        """samples that got `default_reward` because reward_func raised (for the trainer to log)"""
+        """samples that got `default_reward` because reward_func raised or was late (for the trainer to log)"""
 
     def score(self, queries: list[str], prompts: list[str], labels: list) -> RewardResult:
         check_inputs(queries, prompts, labels)
         if not queries:
             return RewardResult(rewards=[])
         try:
-            output = self.func(list(queries), list(prompts), list(labels))
+            output = self._call(queries, prompts, labels)
+        except Late:
+            late = (
+                f"{self.name} did not return within {self.timeout_s:g} s on a batch of {len(queries)} samples "
+                f"({TIMEOUT_FLAG}: raise it if the function is slow, or find where it hangs)"
+            )
+            if self.default_reward is None:
+                raise RewardError(f"{late}; first sample: query={_clip(queries[0])}") from None
+            return self._defaulted(late, len(queries))
         except Exception as err:
-            if self.default_reward is not None:
-                self.num_defaulted += len(queries)
-                logger.warning(
-                    "%s raised %s: %s; using default_reward=%s for the %d samples of this batch",
-                    self.name,
-                    type(err).__name__,
-                    err,
-                    self.default_reward,
-                    len(queries),
-                )
-                return RewardResult(rewards=[float(self.default_reward)] * len(queries))
-            raise RewardError(self._describe_failure(err, queries, prompts, labels)) from err
+            if self.default_reward is None:
+                raise RewardError(self._describe_failure(err, queries, prompts, labels)) from err
+            return self._defaulted(f"{self.name} raised {type(err).__name__}: {err}", len(queries))
         return to_result(output, len(queries), self.name)
+
+    def _defaulted(self, why: str, n: int) -> RewardResult:
+        self.num_defaulted += n
+        logger.warning("%s; using default_reward=%s for the %d samples of this batch", why, self.default_reward, n)
+        return RewardResult(rewards=[float(self.default_reward)] * n)
+
+    def _call(self, queries, prompts, labels):
+        return self._thread.run(lambda: self.func(list(queries), list(prompts), list(labels)), self.timeout_s)
 
     def _describe_failure(self, err: Exception, queries, prompts, labels) -> str:
         """The error message: the exception and the first sample that fails alone (or the first sample)."""
@@ -88,7 +113,9 @@ class FunctionReward(RewardSource):
         if len(queries) > 1:
             for i, triple in enumerate(list(zip(queries, prompts, labels))[:_PROBE_LIMIT]):
                 try:
-                    self.func(*[[x] for x in triple])
+                    self._call(*[[x] for x in triple])
+                except Late:
+                    break  # a sample hangs on its own: the batch's error stands (probing would wait on each)
                 except Exception as single_err:
                     index, failure = i, single_err
                     break

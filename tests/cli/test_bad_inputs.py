@@ -152,6 +152,7 @@ CASES = [
     ("train_ppo_ray", ["--advantage_estimator", "ppo_magic"], "--advantage_estimator"),
     ("train_ppo_ray", ["--remote_rm_timeout", "0"], "--remote_rm_timeout"),
     ("train_ppo_ray", ["--remote_rm_retries", "-1"], "--remote_rm_retries"),
+    ("train_ppo_ray", ["--reward_func_timeout", "0"], "--reward_func_timeout"),
     ("train_ppo_ray", ["--max_engine_restarts", "-1"], "--max_engine_restarts must be >= 0"),
     ("train_ppo_ray", ["--max_rank_restarts", "-2"], "--max_rank_restarts must be >= 0"),
     ("train_ppo_ray", ["--n_samples_per_prompt", "1", "--train_batch_size", "4"], "--n_samples_per_prompt"),
@@ -167,6 +168,7 @@ CASES = [
     ("plan", ["--device_memory_gib", "-1"], "--device_memory_gib"),
     ("serve_rm", ["--reward_func", "/nonexistent/reward.py"], "--reward_func"),
     ("serve_rm", ["--reward_func", "{no_func}"], "--reward_func"),
+    ("serve_rm", ["--reward_func", "{no_func}", "--reward_func_timeout", "-1"], "--reward_func_timeout"),
     ("serve_rm", ["--reward_func_off", "--reward_pretrain", "/nonexistent/rm"], "--reward_pretrain"),
     ("serve_rm", ["--port", "70000"], "--port"),
     ("serve_rm", ["--host", "192.0.2.1"], "--host"),  # TEST-NET-1: never an address of this machine

@@ -130,3 +130,52 @@ def test_function_receives_lists_and_output_is_checked(tmp_path):
     path.write_text("def reward_func(queries, prompts, labels, **kwargs):\n    return [0.0]\n")
     with pytest.raises(RewardError, match=r"reward_func in .*short.py: rewards has 1 values for 2 queries"):
         FunctionReward(str(path)).score(["a", "b"], ["", ""], [None, None])
+
+
+HANGING = """
+import threading
+
+RELEASE = threading.Event()
+THREADS = []
+
+
+def reward_func(queries, prompts, labels, **kwargs):
+    THREADS.append(threading.get_ident())
+    if "hang" in labels:
+        RELEASE.wait()
+    return [float(len(q)) for q in queries]
+"""
+
+
+def test_a_late_reward_func_stops_the_run_or_gets_the_default(tmp_path, caplog):
+    """A reward_func that never returns is an error naming the function, the batch and --reward_func_timeout (or,
+    with a default_reward, that reward and a warning), not a hang; the next batch is scored on a new thread, and
+    calls that return stay on one thread (a thread-bound object made in one call works in the next)."""
+    path = tmp_path / "hangs.py"
+    path.write_text(HANGING)
+    source = FunctionReward(str(path), timeout_s=0.5)
+    defaulting = FunctionReward(str(path), timeout_s=0.5, default_reward=-1.0)
+    module = source.func.__globals__
+    try:
+        assert source.score(["ab", "c"], ["", ""], ["x", "y"]).rewards == [2.0, 1.0]
+        assert source.score(["abc"], [""], ["x"]).rewards == [3.0]
+        assert len(set(module["THREADS"])) == 1
+        with pytest.raises(RewardError) as info:
+            source.score(["abcd", "e"], ["", ""], ["x", "hang"])
+        text = str(info.value)
+        assert "hangs.py did not return within 0.5 s on a batch of 2 samples (--reward_func_timeout" in text
+        assert "'abcd'" in text
+        assert source.score(["ab"], [""], ["x"]).rewards == [2.0]  # a new thread: not queued behind the hung call
+        assert len(set(module["THREADS"])) == 2
+
+        with caplog.at_level(logging.WARNING):
+            assert defaulting.score(["a", "b"], ["", ""], ["hang", "x"]).rewards == [-1.0, -1.0]
+        assert defaulting.num_defaulted == 2 and "did not return within 0.5 s" in caplog.text
+    finally:  # the hung calls return, their threads end
+        module["RELEASE"].set()
+        defaulting.func.__globals__["RELEASE"].set()
+
+
+def test_reward_func_timeout_must_be_positive(tmp_path):
+    with pytest.raises(UserError, match="--reward_func_timeout must be positive"):
+        FunctionReward(raising_file(tmp_path), timeout_s=0)
