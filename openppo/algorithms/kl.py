@@ -10,11 +10,20 @@ for KL(pi || pi_ref) sampled from pi. With x = log pi - log pi_ref per token:
 KL enters training in one of two places (`--use_kl_loss`):
   * as a reward penalty: `-beta * k(x)` per token, added by `rewards.token_level_rewards` (detached);
   * as a loss term: `beta * aggregate(kl_loss(...))`, with a gradient through log pi only.
+
+As a loss term no estimator's own gradient is that of KL(pi || pi_ref) in the loop as it runs: the tokens were
+sampled from pi_old, not pi, and differentiated directly, E[grad k1] = 0, E[grad k3] = grad KL(pi_ref || pi) (the
+forward KL), and k2's gradient is exact only while pi = pi_old. The reverse KL's gradient is
+E_{pi_old}[w x grad log pi] with w = pi / pi_old, which `kl_loss(..., unbiased_gradient=True)` backpropagates
+(`--kl_unbiased_gradient`; the DeepSeek-V3.2 report's correction of k3, OpenRLHF's `--algo.kl.unbiased_gradient`),
+keeping the estimator's value for the loss and its log.
 The coefficient beta comes from `FixedKLController` or, with `--kl_target`, `AdaptiveKLController`
 (Ziegler et al. 2019, "Fine-Tuning Language Models from Human Preferences", arXiv:1909.08593).
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
@@ -25,6 +34,9 @@ KL_ESTIMATORS = ("k1", "k2", "k3")
 # exp(20) ~ 4.9e8 is finite in fp32 and fp64; beyond it k3 would overflow to inf for a token whose reference
 # log-prob is far above the policy's, and one inf token would turn the whole loss into NaN.
 _LOG_RATIO_CLAMP = 20.0
+# the unbiased gradient's importance weight pi / pi_old is capped: a token the update has made far likelier than it was
+# at sampling (a rare, noisy estimate) pulls with at most this weight
+KL_WEIGHT_MAX = 10.0
 
 
 def compute_approx_kl(
@@ -63,14 +75,36 @@ def compute_approx_kl(
 
 
 def kl_loss(
-    log_probs: torch.Tensor, ref_log_probs: torch.Tensor, mask: torch.Tensor, estimator: str = "k3"
+    log_probs: torch.Tensor,
+    ref_log_probs: torch.Tensor,
+    mask: torch.Tensor,
+    estimator: str = "k3",
+    *,
+    unbiased_gradient: bool = False,
+    old_log_probs: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Per-token KL loss term, to be reduced by `aggregate_loss` and scaled by beta (`--use_kl_loss`).
 
     Shapes: [B, T] -> [B, T], no reduction, masked positions 0. Gradient flows to `log_probs` only; the reference
-    is detached. k3 by default (verl's GRPO recipe); k2 gives the exact KL gradient (Schulman 2020).
+    is detached. k3 by default (verl's GRPO recipe); k2 gives the exact KL gradient on-policy (Schulman 2020).
+    `unbiased_gradient`: the value stays the estimator's, the gradient becomes w * x * grad log pi (module
+    docstring), x = log pi - log pi_ref clamped to [-20, 20], w = pi / pi_old from `old_log_probs` (detached, capped
+    at KL_WEIGHT_MAX; 1 without them: the on-policy step, where pi_old = pi).
     """
-    return compute_approx_kl(log_probs, ref_log_probs.detach(), estimator, mask=mask)
+    ref = ref_log_probs.detach()
+    value = compute_approx_kl(log_probs, ref, estimator, mask=mask)
+    if not unbiased_gradient:
+        return value
+    check_same_shape(log_probs=log_probs, old_log_probs=old_log_probs)
+    coef = (log_probs.detach() - ref).clamp(-_LOG_RATIO_CLAMP, _LOG_RATIO_CLAMP)
+    if old_log_probs is not None:
+        log_w = (log_probs.detach() - old_log_probs.detach()).clamp(max=math.log(KL_WEIGHT_MAX))
+        coef = coef * log_w.exp()
+    # masked before the product: padding may hold inf log-probs, and inf * 0 is NaN
+    keep = bool_mask(mask)
+    zero = torch.zeros((), dtype=log_probs.dtype, device=log_probs.device)
+    surrogate = torch.where(keep, coef, zero) * torch.where(keep, log_probs, zero)
+    return value.detach() + (surrogate - surrogate.detach())
 
 
 def sequence_kl(kl: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:

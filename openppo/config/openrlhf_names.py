@@ -129,6 +129,7 @@ DOTTED_RL: dict[str, str | tuple[str, ...]] = {
     "algo.kl.init_coef": "init_kl_coef",
     "algo.kl.target": "kl_target",
     "algo.kl.use_loss": "use_kl_loss",
+    "algo.kl.unbiased_gradient": "kl_unbiased_gradient",  # (OpenRLHF after v0.11.0: its PR #1309)
     # ckpt.*
     "ckpt.best_metric_key": "best_metric_key",
     # critic.*

@@ -513,6 +513,11 @@ class AlgoConfig:
     kl_horizon: int = opt(10000, "adaptive KL controller horizon (samples)")
     use_kl_loss: bool = opt(False, "KL as a loss term (GRPO style) instead of a per-token reward penalty")
     kl_estimator: str = opt("k1", "KL estimator: k1 for the reward penalty, k2/k3 for the loss", choices=KL_ESTIMATORS)
+    kl_unbiased_gradient: bool = opt(
+        False,
+        "--use_kl_loss: keep the estimator's value but backpropagate the reverse KL's unbiased gradient, "
+        "(pi/pi_old) * (log pi - log pi_ref) * grad log pi (k3's own descends the forward KL; docs/algorithms.md)",
+    )
     eps_clip: float = opt(0.2, "PPO clip range")
     eps_clip_low_high: tuple[float, float] = opt(None, "asymmetric clip (DAPO clip-higher), e.g. 0.2 0.28")
     dual_clip: float = opt(None, "dual-clip constant c > 1 for negative advantages")

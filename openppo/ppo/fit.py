@@ -265,7 +265,16 @@ def actor_loss(
                 }
             )
         if algo.use_kl_loss and "ref_log_probs" in batch:
-            kl_term = agg(kl_loss(out.log_probs, batch["ref_log_probs"], mask, algo.kl_estimator))
+            kl_term = agg(
+                kl_loss(
+                    out.log_probs,
+                    batch["ref_log_probs"],
+                    mask,
+                    algo.kl_estimator,
+                    unbiased_gradient=algo.kl_unbiased_gradient,
+                    old_log_probs=old,
+                )
+            )
             loss = loss + kl_coef * kl_term
             metrics["train/kl_loss"] = kl_term.item()
         if entropy_in_loss:

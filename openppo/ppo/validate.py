@@ -138,6 +138,11 @@ def _algorithm(cfg: PPOConfig) -> None:
         raise UserError(
             "--use_kl_loss with --init_kl_coef 0 adds nothing: set --init_kl_coef > 0 or drop --use_kl_loss"
         )
+    require(
+        algo.use_kl_loss or not algo.kl_unbiased_gradient,
+        "--kl_unbiased_gradient sets the KL loss's gradient: add --use_kl_loss (a KL reward penalty is detached), "
+        "or drop it",
+    )
     require(algo.init_kl_coef >= 0, f"--init_kl_coef must be >= 0, got {algo.init_kl_coef}")
     if algo.kl_target is not None:
         _positive(algo.kl_target, "--kl_target")

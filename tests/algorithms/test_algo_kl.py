@@ -74,6 +74,74 @@ def test_kl_loss_and_sequence_kl():
     assert not sequence_kl(kl, mask).requires_grad
 
 
+def _expected_kl_loss_gradient(estimator: str, unbiased: bool, off_policy: bool) -> tuple[torch.Tensor, ...]:
+    """Over one position with a 6-token vocabulary, sampled from pi_old: the exact expectation of the KL loss's
+    gradient wrt the logits, sum_a pi_old(a) grad loss(a), and the exact gradients of the reverse and forward KL."""
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(6, generator=g, dtype=torch.float64).requires_grad_(True)
+    ref = torch.randn(6, generator=g, dtype=torch.float64).log_softmax(-1)
+    log_pi = logits.log_softmax(-1)
+    old = (
+        (log_pi + 0.3 * torch.randn(6, generator=g, dtype=torch.float64)).log_softmax(-1).detach()
+        if off_policy
+        else None
+    )
+    per_token = kl_loss(
+        log_pi[:, None],
+        ref[:, None],
+        torch.ones(6, 1),
+        estimator,
+        unbiased_gradient=unbiased,
+        old_log_probs=None if old is None else old[:, None],
+    )[:, 0]
+    weights = (log_pi.detach() if old is None else old).exp()
+    (expected,) = torch.autograd.grad((weights * per_token).sum(), logits, retain_graph=True)
+    pi = log_pi.exp()
+    (reverse,) = torch.autograd.grad((pi * (log_pi - ref)).sum(), logits, retain_graph=True)
+    (forward,) = torch.autograd.grad((ref.exp() * (ref - log_pi)).sum(), logits)
+    return expected, reverse, forward, per_token
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+@pytest.mark.parametrize("off_policy", [False, True])
+def test_the_unbiased_kl_gradient_is_the_reverse_kls_in_expectation(estimator, off_policy):
+    """Computed exactly, not sampled: with the correction every estimator's expected gradient is grad KL(pi || ref),
+    on-policy and off (pi_old != pi, weights well under the cap); without it, on-policy, k1's is 0 and k3's the forward
+    KL's, and k2's is right only on-policy (module docstring of openppo.algorithms.kl). The value is the estimator's."""
+    expected, reverse, forward, per_token = _expected_kl_loss_gradient(estimator, True, off_policy)
+    torch.testing.assert_close(expected, reverse, rtol=1e-10, atol=1e-12)
+    plain, _, _, plain_value = _expected_kl_loss_gradient(estimator, False, off_policy)
+    torch.testing.assert_close(per_token, plain_value, rtol=0, atol=0)
+    assert reverse.abs().max() > 0.05 and (reverse - forward).abs().max() > 0.05
+    if estimator == "k1" and not off_policy:
+        torch.testing.assert_close(plain, torch.zeros_like(plain), rtol=0, atol=1e-12)
+    elif estimator == "k3" and not off_policy:
+        torch.testing.assert_close(plain, forward, rtol=1e-10, atol=1e-12)
+    if estimator == "k2" and not off_policy:
+        torch.testing.assert_close(plain, reverse, rtol=1e-10, atol=1e-12)
+    else:
+        assert (plain - reverse).abs().max() > 1e-3
+
+
+def test_the_unbiased_kl_gradient_by_hand():
+    """Per token: d loss / d log pi = min(pi / pi_old, 10) * (log pi - log pi_ref), 0 where masked (even over an
+    infinite padding log-prob); the value is k3's."""
+    log_probs = torch.tensor([[-1.0, -2.0, -0.5, -math.inf]], requires_grad=True)
+    ref = torch.tensor([[-1.5, -1.0, -0.5, -1.0]])
+    old = torch.tensor([[-1.2, -2.0, -3.5, -1.0]])  # weights e^0.2, 1, e^3 -> capped at 10
+    mask = torch.tensor([[1, 1, 1, 0]])
+    loss = kl_loss(log_probs, ref, mask, "k3", unbiased_gradient=True, old_log_probs=old)
+    loss.sum().backward()
+    torch.testing.assert_close(log_probs.grad, torch.tensor([[math.exp(0.2) * 0.5, -1.0, 0.0, 0.0]]))
+    k3 = [math.exp(-x) - 1 + x for x in (0.5, -1.0, 0.0)]
+    torch.testing.assert_close(loss.detach(), torch.tensor([k3 + [0.0]]))
+    log_probs.grad = None
+    kl_loss(
+        log_probs, ref + torch.tensor([[0.0, 0.0, 1.0, 0.0]]), mask, "k2", unbiased_gradient=True, old_log_probs=old
+    )[:, 2].backward()
+    torch.testing.assert_close(log_probs.grad[0, 2], torch.tensor(10.0 * -1.0))  # the capped weight
+
+
 def test_fixed_controller():
     ctl = build_kl_controller(0.01)
     assert isinstance(ctl, FixedKLController)

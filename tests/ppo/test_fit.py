@@ -100,6 +100,44 @@ def test_logged_means_are_token_means_of_the_step(batching):
     assert metrics["train/clip_ratio"] == pytest.approx(clipped.float().mean().item(), abs=1e-6)
 
 
+def test_the_kl_loss_takes_the_unbiased_gradient():
+    """--kl_unbiased_gradient reaches the actor's loss: with zero advantages the micro-batch's gradient is beta times
+    the token-mean of min(pi / pi_old, 10) (log pi - log pi_ref) grad log pi, computed here from a plain forward;
+    the logged KL loss is still k3's mean."""
+    data = _experience()
+    data["advantages"].zero_()
+    model = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32)  # (no engine: grads by autograd)
+    mask = data["action_mask"].bool()
+    g = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        log_probs = model(data["sequences"], data["attention_mask"]).log_probs
+    data["old_log_probs"] = log_probs - 0.3 * torch.randn(mask.shape, generator=g)
+    data["ref_log_probs"] = log_probs + 0.5 * torch.randn(mask.shape, generator=g)
+    algo = AlgoConfig(
+        advantage_estimator="reinforce",
+        init_kl_coef=0.1,
+        use_kl_loss=True,
+        kl_estimator="k3",
+        kl_unbiased_gradient=True,
+        loss_agg_mode="token-mean",
+    )
+    loss_fn = actor_loss(
+        model, algo, kl_coef=0.1, temperature=1.0, generate_max_len=8, is_correction=None, is_threshold=(0.5, 5.0)
+    )
+    n = int(mask.sum())
+    params = [p for p in model.parameters() if p.requires_grad]
+    loss, metrics = loss_fn(data, torch.tensor([n, 4]))
+    got = torch.autograd.grad(loss, params)
+    fresh = model(data["sequences"], data["attention_mask"]).log_probs
+    x = fresh.detach() - data["ref_log_probs"]
+    w = (fresh.detach() - data["old_log_probs"]).exp().clamp(max=10.0)
+    want = torch.autograd.grad((w * x * fresh)[mask].sum() * (0.1 / n), params)
+    for grad, expected in zip(got, want):
+        torch.testing.assert_close(grad, expected, rtol=1e-4, atol=1e-7)
+    assert max(g.abs().max().item() for g in got) > 1e-4
+    assert metrics["train/kl_loss"] == pytest.approx((x.neg().expm1() + x)[mask].mean().item(), rel=1e-5)
+
+
 def test_critic_learns_returns():
     data = _experience()
     data["returns"] = torch.full((4, 8), 2.0)

@@ -53,6 +53,7 @@ BAD = [
     (["--critic_pretrain", "{model}"], ["--critic_pretrain", "--advantage_estimator"]),
     (["--n_samples_per_prompt", "1", "--train_batch_size", "4"], ["--advantage_estimator", "--n_samples_per_prompt"]),
     (["--use_kl_loss"], ["--use_kl_loss", "--init_kl_coef"]),
+    (["--kl_unbiased_gradient", "--init_kl_coef", "0.01"], ["--kl_unbiased_gradient", "--use_kl_loss"]),
     (["--vllm_enable_sleep"], ["--vllm_enable_sleep", "--colocate_all_models"]),
     (["--deepspeed_enable_sleep", "--adam_offload"], ["--deepspeed_enable_sleep", "--adam_offload"]),
     (["--colocate_all_models", "--vllm_num_engines", "1"], ["--colocate_all_models", "--vllm_num_engines"]),
@@ -313,6 +314,7 @@ def test_options_with_effect_say_nothing(base):
         "--ref_reward_offload": ["--ref_reward_offload", "--init_kl_coef", "0.01", "--zero_stage", "3"],
         "--zpg": ["--zpg", "2", "--zero_stage", "3"],
         "--kl_estimator": ["--init_kl_coef", "0.01", "--kl_estimator", "k3", "--use_kl_loss"],
+        "--kl_unbiased_gradient": ["--init_kl_coef", "0.01", "--use_kl_loss", "--kl_unbiased_gradient"],
         # a critic reads them; an adaptive KL controller reads its horizon
         "--lambd": ["--advantage_estimator", "gae", "--lambd", "0.95", "--value_clip", "0.2"],
         "--kl_horizon": ["--init_kl_coef", "0.01", "--kl_target", "6", "--kl_horizon", "500"],
