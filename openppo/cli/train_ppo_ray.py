@@ -66,10 +66,13 @@ def train(cfg: PPOConfig) -> None:
         logger.info(plan.describe())
         logger.info("shared prompts (--share_prompt_in_group): %s", plan.shared_prompts)
         tracker = MetricsTracker.for_run(cfg, config, "ppo")
+        eval_only = launch.evaluates_pretrain(cfg)
+        if eval_only:
+            logger.info("--eval_only of %s: only the engines and a reward model start", cfg.model.pretrain)
         try:
             restarts = engine_restarts = 0
             while True:
-                groups = launch.build_groups(cfg, plan, reward_source, kv_bytes, devices.on_gpu)
+                groups = launch.build_groups(cfg, plan, reward_source, kv_bytes, devices.on_gpu, eval_only=eval_only)
                 groups.engines.restarts = engine_restarts  # the run's count and bound go on over a restart
                 source, scorer = launch.rollout_parts(cfg, groups, tokenizer, agent_episodes, agent_program)
                 trainer = PPOTrainer(

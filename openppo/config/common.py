@@ -6,6 +6,7 @@ Field names are the flat OpenRLHF flag names; each help line is what `--help` pr
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 from openppo.config.schema import opt
 from openppo.errors import UserError, require
@@ -173,6 +174,10 @@ class CheckpointConfig:
     disable_final_save: bool = opt(
         False, "do not export the trained model to --save_path at the end (the run's records still go there)"
     )
+
+    def checkpoint_dir(self) -> str:
+        """Where the resumable checkpoints are: --ckpt_path, else <save_path>/checkpoints."""
+        return self.ckpt_path or str(Path(self.save_path) / "checkpoints")
 
     def resumable_keep(self) -> int:
         """How many resumable checkpoints are kept."""

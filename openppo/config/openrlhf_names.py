@@ -279,7 +279,7 @@ MOLT_RL: dict[str, str | tuple[str, ...]] = {
     "algo.advantage.no_whiten": "no_advantage_whiten",
     "critic.max_epochs": "critic_max_epochs",
     "eval.eval_at_start": "eval_at_start",
-    "eval.eval_only": "eval_only",  # (Molt starts only its engines; openppo the run's groups too: docs/flags.md)
+    "eval.eval_only": "eval_only",  # (engines only, as Molt, but for a checkpoint: docs/flags.md)
     "train.force_on_policy": "force_on_policy",
     "train.force_sync_mode": "force_sync_mode",
     "train.rollout_dump_dir": "rollout_dump_dir",

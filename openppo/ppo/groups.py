@@ -196,9 +196,10 @@ class RewardGroup(ModelGroup):
 
 @dataclass
 class Groups:
-    """The model groups and engines the controller drives (None where the run does not need one)."""
+    """The model groups and engines the controller drives (None where the run does not need one: no actor when
+    --eval_only evaluates --pretrain, `launch.evaluates_pretrain`)."""
 
-    actor: ActorGroup
+    actor: ActorGroup | None
     engines: EnginePool
     critic: CriticGroup | None = None
     reference: ReferenceGroup | None = None

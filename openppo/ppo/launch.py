@@ -377,9 +377,23 @@ def local_cpu_slots() -> int:
     return max(16, os.cpu_count() or 1)
 
 
-def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | None, on_gpu: bool) -> Groups:
+def evaluates_pretrain(cfg: PPOConfig) -> bool:
+    """--eval_only of --pretrain (no --load_checkpoint, or no checkpoint yet): the engines load it themselves, so the
+    trained groups need not start. Evaluating a checkpoint needs them: its weights reach the engines through the
+    actor."""
+    from openppo.strategy import checkpoint
+
+    return cfg.data.eval_only and not (
+        cfg.ckpt.load_checkpoint and checkpoint.resolve(cfg.ckpt.checkpoint_dir()) is not None
+    )
+
+
+def build_groups(
+    cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | None, on_gpu: bool, *, eval_only: bool = False
+) -> Groups:
     """Start every model group and the engines; `kv_bytes` is each engine worker's KV cache (`kv_cache_bytes`),
-    `on_gpu` whether the cluster's devices are GPUs (`cluster_devices`)."""
+    `on_gpu` whether the cluster's devices are GPUs (`cluster_devices`). `eval_only` (`evaluates_pretrain`): the
+    engines and the reward model only, the engines serving --pretrain as loaded (no actor: no weight sync)."""
     import ray
 
     from openppo.distributed.logs import actor_infos
@@ -393,7 +407,8 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     timeout = float(cfg.ds.dist_timeout)
     env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg, on_gpu))}
     gpu = 1.0 if on_gpu else 0.0
-    shared = shared_placement_groups(cfg, set(plan.roles), on_gpu, timeout)
+    roles = {name: role for name, role in plan.roles.items() if not eval_only or name == "reward"}
+    shared = shared_placement_groups(cfg, set(roles), on_gpu, timeout)
     # Everything is asked for before anything is waited for, the engines first (the longest start: vLLM's client,
     # then its engine core process, each importing vLLM): the groups' processes start and load side by side.
     engine_cls = ray.remote(VLLMEngine)
@@ -425,9 +440,9 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         "critic": (CriticGroup, CriticWorker),
         "reward": (RewardGroup, RewardWorker),
     }
-    handles.update({name: (TeacherGroup, TeacherWorker) for name in plan.roles if name.startswith("teacher")})
+    handles.update({name: (TeacherGroup, TeacherWorker) for name in roles if name.startswith("teacher")})
     launched = {}
-    for name, role in plan.roles.items():
+    for name, role in roles.items():
         pg, share = shared.get(name, (None, 1.0))
         launched[name] = WorkerGroup(
             handles[name][1],
@@ -444,7 +459,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     started = {}
     for name, workers in launched.items():  # each group's `setup` starts once its ranks are up (models load)
         workers.connect()
-        role = plan.roles[name]
+        role = roles[name]
         group = handles[name][0](workers, replicas=role.replicas, balance=plan.balance, share=role.share_prompts)
         started[name] = (group, workers.run_async(handles[name][1].setup, cfg, role))
     groups = {name: group for name, (group, _) in started.items()}
@@ -468,9 +483,11 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
     results = {name: group.workers.get(setups) for name, (group, setups) in started.items()}
     if "reward" in groups:
         groups["reward"].normalization = check_reward_normalization(cfg, results["reward"][0])
-    actor = groups["actor"]
-    link = EngineLink(cfg, actor, pool, plan.engine_dtype, on_gpu)
-    link.connect()
+    actor = groups.get("actor")
+    link = None
+    if actor is not None:
+        link = EngineLink(cfg, actor, pool, plan.engine_dtype, on_gpu)
+        link.connect()
     return Groups(
         actor=actor,
         engines=pool,
@@ -480,7 +497,7 @@ def build_groups(cfg: PPOConfig, plan: RunPlan, reward_source, kv_bytes: int | N
         reward_source=reward_source,
         link=link,
         placement_groups=list({id(pg): pg for pg, _ in shared.values()}.values()),
-        teachers=[groups[name] for name in plan.roles if name.startswith("teacher")],
+        teachers=[groups[name] for name in roles if name.startswith("teacher")],
     )
 
 

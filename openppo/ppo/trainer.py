@@ -105,7 +105,7 @@ class PPOTrainer:
         self.global_step = 0
         self.policy_version = 0  # weight syncs done: the version the engines generate with
         self._syncs_checked = 0  # syncs --vllm_sync_check checked
-        self.ckpt_dir = Path(cfg.ckpt.ckpt_path or Path(cfg.ckpt.save_path) / "checkpoints")
+        self.ckpt_dir = Path(cfg.ckpt.checkpoint_dir())
         self._timing: dict[str, float] = {}  # this step's timing/* (the batch's own come with it)
         self._data_position = self.stream.state_dict()  # the prompt position of the last trained batch
         self._producer: RolloutProducer | None = None
@@ -369,6 +369,9 @@ class PPOTrainer:
         --async_train): once the actor is between steps, bring every engine to its weights as the current version
         (unless a step's sync got there first). The swap makes room as a step's sync does."""
         g = self.groups
+        if g.actor is None:  # --eval_only of --pretrain: a new engine loads it, as the others did
+            g.engines.stale.clear()
+            return
         with g.actor.lock:
             if not g.engines.stale:
                 return

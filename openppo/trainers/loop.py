@@ -94,7 +94,7 @@ class SupervisedTrainer:
         self.replicas, self.ring_size = replicas, ring_size
         self.data_rank, self.data_ranks = strategy.rank // replicas, strategy.world_size // replicas
         self.guard = strategy.step_guard(engine, self.name)  # skips NaN/Inf steps (--max_nonfinite_steps)
-        self.ckpt_dir = ckpt.ckpt_path or str(Path(ckpt.save_path) / "checkpoints")
+        self.ckpt_dir = ckpt.checkpoint_dir()
         self.micro = optim.micro_train_batch_size
         self.accum = strategy.grad_accum_steps
         self.sampler = ResumableSampler(

@@ -5,8 +5,8 @@ The recipe: REINFORCE++-baseline, the geometric-mean IS correction, dual clip, a
 colocated with the actor, dynamic filtering, packed rows, full gradient checkpointing, an eval set, checkpoints, and
 its agent file (`--train.agent_path`) written against Molt's agent interface: tests/agents/molt_vowels_agent.py, a
 two-turn environment that imports `molt.agents` and runs unchanged (openppo/agents/molt.py). Three steps, dumping
-their rollout batches; then the recipe again replaying them (Molt's train-only replay, the same steps), and once
-more with --eval.eval_only on the model it exported.
+their rollout batches; then the recipe again replaying them (Molt's train-only replay, the same steps), and with
+--eval.eval_only on the model it exported (the engine alone) and on its last checkpoint (the groups too).
 """
 
 from __future__ import annotations
@@ -158,7 +158,27 @@ def test_molts_rl_quick_start_runs_three_steps(tmp_path):
     assert not [k for k in evaluated if k.startswith(("train/", "rollout/"))], evaluated
     assert sorted(p.name for p in out.rglob("*") if p.is_file()) == ["metrics.jsonl", "rollouts.jsonl", "run_info.json"]
     assert (out / "hf" / "rollouts.jsonl").stat().st_size == 0
-    assert "--eval_only: evaluated" in proc.stdout + proc.stderr
+    log = proc.stdout + proc.stderr
+    assert "--eval_only: evaluated" in log
+    # of a model folder, only the engine starts (no actor or reference ranks: nothing to sync from)
+    assert "only the engines and a reward model start" in log and "vLLM engine 0: pid" in log
+    assert "actor ranks:" not in log and "reference ranks:" not in log, log[-3000:]
+
+    # and of the run's last checkpoint (--ckpt.load_enable): the groups start, the actor loads step 3 and syncs the
+    # engine, which evaluates it at step 3; nothing trained or saved
+    resumed = tmp_path / "resumed"
+    argv = quick_start_args(model, data, eval_data, resumed) + ["--eval.eval_only", "--ckpt.load_enable"]
+    argv[argv.index("--ckpt.path") + 1] = str(save / "state")
+    log = (lambda p: p.stdout + p.stderr)(run_cli("train_ppo_ray", argv, nproc=1))
+    (again,) = read_metrics(resumed / "hf")
+    assert "actor ranks:" in log and "at step 3 (prompt" in log and "engines re-synced" in log, log[-3000:]
+    assert again["step"] == 3 and 0 < again["eval/pass@1"] < 2, again
+    assert not [k for k in again if k.startswith(("train/", "rollout/"))], again
+    assert sorted(p.name for p in resumed.rglob("*") if p.is_file()) == [
+        "metrics.jsonl",
+        "rollouts.jsonl",
+        "run_info.json",
+    ]
 
 
 def test_molts_rl_quick_start_runs_a_chat_agent(tmp_path):
