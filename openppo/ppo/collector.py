@@ -299,6 +299,9 @@ class _Group:
     position: int  # PromptStream cursor at which the prompt was drawn
 
 
+_EVAL_POSITIONS = 1 << 40  # eval rounds' seeds sit at prompt positions past any training round's
+
+
 class Collector:
     """One rollout batch of `--rollout_batch_size` groups per `collect()`, drawn from `stream`.
 
@@ -326,6 +329,12 @@ class Collector:
         """The sampling seed of the generation round that starts at prompt position `cursor` (each request of the
         round adds its own offset, each agent turn one more)."""
         return (self.cfg.train.seed * 1_000_003 + cursor) * 1_000_000 % 2**62
+
+    def eval_seed(self, start: int) -> int | None:
+        """--full_determinism: the seed of the eval round that starts at eval prompt `start`, the same at every
+        eval (the steps' evals then differ by their weights alone, and an eval of the same weights repeats);
+        positions past any training round's. None otherwise (the engines' own RNG)."""
+        return self.round_seed(_EVAL_POSITIONS + start) if self.cfg.train.full_determinism else None
 
     def collect(self) -> Rollout | None:
         """The next batch, or None when the prompts ran out first. With `--dynamic_filtering`, groups outside the
@@ -415,7 +424,7 @@ class Collector:
                     min(max_new_tokens, d.response_budget(len(it["prompt_ids"]))) for it in chunk
                 ]
             samples += self.source.generate(
-                chunk, n=n, temperature=temperature, seed=None, version=self.version(), **extra
+                chunk, n=n, temperature=temperature, seed=self.eval_seed(start), version=self.version(), **extra
             )
         scores, _ = self.scorer.score(samples)
         return eval_metrics(

@@ -479,7 +479,8 @@ class PPOTrainConfig:
         False,
         "reseed the engines' sampling at every generation round from --seed and "
         "the prompt position, so a resumed run repeats the unbroken one step for "
-        "step (fp32), and run the trainer ranks with deterministic kernels only "
+        "step (fp32), and every eval alike (an eval of the same weights repeats), "
+        "and run the trainer ranks with deterministic kernels only "
         "(transformers' enable_full_determinism: slower; an op without one raises); "
         "without it the engines' RNG restarts at a resume",
     )

@@ -49,9 +49,11 @@ class _ParitySource(RolloutSource):
     def __init__(self, cfg):
         super().__init__(cfg)
         self.rounds: list[list[int]] = []
+        self.seeds: list[int | None] = []
 
     def generate(self, items, *, n, temperature, seed, version):
         self.rounds.append([it["index"] for it in items])
+        self.seeds.append(seed)
         return [
             Sample(
                 prompt_ids=[1],
@@ -101,6 +103,23 @@ def test_oversampling_keeps_the_surplus_groups_for_the_next_batch():
     # without the flag no group waits and nothing is logged about it
     collector, source = _collector()
     assert "rollout/groups_ahead" not in collector.collect().logs and collector.ahead == []
+
+
+def test_full_determinism_seeds_every_eval_round_alike():
+    """--full_determinism: each eval round has a seed of its own, the same at every eval (an eval of the same weights
+    draws the same samples; tests/ppo/test_molt_quick_start.py compares two), apart from the training rounds' seeds;
+    without the flag the engines' own RNG draws (seed None)."""
+    collector, source = _collector("--full_determinism")
+    items = [{"index": i, "prompt_ids": [1]} for i in range(5)]
+    collector.collect()
+    for _ in range(2):
+        collector.evaluate(items, 2, 1.0, batch_size=2)
+    training, first, second = source.seeds[0], source.seeds[1:4], source.seeds[4:]
+    assert first == second and len(set(first)) == 3 and training not in first, source.seeds
+    assert [len(r) for r in source.rounds[1:4]] == [2, 2, 1]
+    collector, source = _collector()
+    collector.evaluate(items, 2, 1.0)
+    assert source.seeds == [None]
 
 
 def test_pass_at_k_by_hand():
