@@ -8,24 +8,27 @@ import sys
 from pathlib import Path
 
 from openppo.cli.runner import run_cli
-from openppo.config.schema import to_dict
-from openppo.errors import headline
-from openppo.models.hf import load_tokenizer
-from openppo.ppo import launch
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.plan import make_plan
-from openppo.ppo.reporting import advice_text, advise, summary_table
-from openppo.ppo.rollout_archive import check_replay_dir
-from openppo.ppo.trainer import PPOTrainer
-from openppo.ppo.validate import validate_devices, validate_flags
-from openppo.rewards import build_reward_source
-from openppo.utils.hardware import host_memory_gib
-from openppo.utils.tracking import MetricsTracker, log_run_info, run_info
 
 logger = logging.getLogger("openppo.train_ppo_ray")
 
 
 def train(cfg: PPOConfig) -> None:
+    # imported here, not at the top: `--help` and a bad flag need the config alone (transformers, datasets and the
+    # trainer's modules took 5 s of a 6 s --help)
+    from openppo.config.schema import to_dict
+    from openppo.errors import headline
+    from openppo.models.hf import load_tokenizer
+    from openppo.ppo import launch
+    from openppo.ppo.plan import make_plan
+    from openppo.ppo.reporting import advice_text, advise, summary_table
+    from openppo.ppo.rollout_archive import check_replay_dir
+    from openppo.ppo.trainer import PPOTrainer
+    from openppo.ppo.validate import validate_devices, validate_flags
+    from openppo.rewards import build_reward_source
+    from openppo.utils.hardware import host_memory_gib
+    from openppo.utils.tracking import MetricsTracker, log_run_info, run_info
+
     for notice in validate_flags(cfg):  # everything that needs no device, before Ray starts
         logger.info("note: %s", notice)
     # The user's files first (cheap): a wrong path or key fails before the tokenizer loads, and everything

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import logging
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -114,6 +116,19 @@ def test_help_shows_the_flat_name_and_the_dotted_alias():
     text = build_parser(CONFIGS["train_ppo_ray"], "train_ppo_ray", "").format_help()
     assert "--colocate_all_models, --train.colocate_all" in text
     assert "--max_norm, --actor.max_norm, --critic.max_norm" in text
+
+
+def test_train_ppo_ray_help_loads_the_config_only():
+    """`--help` (and a bad flag) parse before anything runs: no model, data or cluster library is imported for it."""
+    code = (
+        "import sys\n"
+        "from openppo.cli.train_ppo_ray import main\n"
+        "try:\n    main(['--help'])\nexcept SystemExit:\n    pass\n"
+        "heavy = ('transformers', 'datasets', 'deepspeed', 'ray', 'vllm')\n"
+        "print('imported:', [m for m in heavy if m in sys.modules], file=sys.stderr)\n"
+    )
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert "--colocate_all_models" in proc.stdout and "imported: []" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_muon_turns_clipping_off_unless_given(capsys, caplog):
