@@ -5,6 +5,8 @@ Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver), 
 - `POST /v1/chat/completions`: `messages` (and `tools`, handed to the chat template) rendered by the policy's chat
   template; `max_tokens` or `max_completion_tokens`, `temperature`, `top_p`; `n` 1;
 - `POST /v1/completions`: `prompt` as text (tokenized without special tokens) or token ids;
+- `POST /v1/messages`: Anthropic's Messages API (`anthropic_wire`: translated to and from the chat route's shapes),
+  for agents written against the Anthropic SDK (its base URL: the session's, without `/v1`);
 - `GET /v1/models`: the one model served.
 Every completion request names its episode: by its path (`/sessions/<id>/v1/...`: the base URL a training run
 hands each episode's agent, so an unmodified OpenAI client needs nothing else), else the `X-Session-Id` header, else
@@ -39,6 +41,7 @@ from typing import Any
 from fastapi import FastAPI, Request, Response
 from starlette.concurrency import run_in_threadpool
 
+from openppo.agents import anthropic_wire
 from openppo.agents.transcript import Call, Transcript
 
 logger = logging.getLogger(__name__)
@@ -268,13 +271,17 @@ def create_app(
         body = {"error": {"message": str(exc), "type": kind, "code": exc.code, "param": exc.param}}
         return reply(body, exc.status)
 
-    async def parse(request: Request, path_session: str | None) -> tuple[dict, str, dict]:
+    async def read(request: Request) -> dict:
         try:
             body = json.loads(await request.body())
         except ValueError as exc:
             raise EndpointError(400, f"the body is not JSON: {exc}", "invalid_json") from exc
         if not isinstance(body, dict):
             raise EndpointError(400, "the body must be a JSON object", "invalid_json")
+        return body
+
+    def admit(body: dict, request: Request, path_session: str | None) -> tuple[str, dict]:
+        """The request's session and sampling settings, once its model and session are checked."""
         if body.get("model") != model_name:
             raise EndpointError(
                 404,
@@ -305,7 +312,11 @@ def create_app(
                         value,
                         key,
                     )
-        return body, str(session), _sampling(body, max_tokens_limit, sampling)
+        return str(session), _sampling(body, max_tokens_limit, sampling)
+
+    async def parse(request: Request, path_session: str | None) -> tuple[dict, str, dict]:
+        body = await read(request)
+        return (body, *admit(body, request, path_session))
 
     def complete(session: str, prompt_ids: list[int], params: dict) -> Generated:
         if max_context is not None:
@@ -353,28 +364,46 @@ def create_app(
     async def models():
         return reply({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "openppo"}]})
 
+    async def chat_reply(body: dict, session: str, params: dict) -> tuple[dict, bool, list[int], Generated]:
+        """A chat request's assistant message (and whether it called a tool), its prompt ids and the generation."""
+        messages = body.get("messages")
+        if not isinstance(messages, list) or not messages:
+            raise EndpointError(400, "'messages' must be a non-empty list", "invalid_messages", "messages")
+        try:
+            text = tokenizer.apply_chat_template(
+                template_messages(messages), tools=body.get("tools"), add_generation_prompt=True, tokenize=False
+            )
+        except Exception as exc:  # the template's own complaint (a role it does not know, ...)
+            raise EndpointError(400, f"the chat template cannot render the messages: {exc}", "bad_messages") from exc
+        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        out = await run_in_threadpool(complete, session, prompt_ids, params)
+        parser = tool_parser(body.get("tools")) if tool_parser is not None and body.get("tools") else None
+        message, called = assistant_message(text_of(out, parser is not None), body, parser)
+        return message, called, prompt_ids, out
+
     async def chat(request: Request, session: str | None = None):
         try:
             body, session, params = await parse(request, session)
-            messages = body.get("messages")
-            if not isinstance(messages, list) or not messages:
-                raise EndpointError(400, "'messages' must be a non-empty list", "invalid_messages", "messages")
-            try:
-                text = tokenizer.apply_chat_template(
-                    template_messages(messages), tools=body.get("tools"), add_generation_prompt=True, tokenize=False
-                )
-            except Exception as exc:  # the template's own complaint (a role it does not know, ...)
-                raise EndpointError(
-                    400, f"the chat template cannot render the messages: {exc}", "bad_messages"
-                ) from exc
-            prompt_ids = tokenizer.encode(text, add_special_tokens=False)
-            out = await run_in_threadpool(complete, session, prompt_ids, params)
-            parser = tool_parser(body.get("tools")) if tool_parser is not None and body.get("tools") else None
-            message, called = assistant_message(text_of(out, parser is not None), body, parser)
+            message, called, prompt_ids, out = await chat_reply(body, session, params)
         except EndpointError as exc:
             return error(exc)
         choice = {"message": message, **({"finish_reason": "tool_calls"} if called else {})}
         return completion("chat.completion", choice, prompt_ids, out)
+
+    async def anthropic_messages(request: Request, session: str | None = None):
+        """Anthropic's Messages API (`anthropic_wire`): the chat route's reply, in and out of Anthropic's shapes."""
+        try:
+            try:
+                body = anthropic_wire.to_chat_body(await read(request))
+            except ValueError as exc:
+                raise EndpointError(400, str(exc), "invalid_messages", "messages") from exc
+            session, params = admit(body, request, session)
+            message, _, prompt_ids, out = await chat_reply(body, session, params)
+        except EndpointError as exc:
+            return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
+        return reply(
+            anthropic_wire.to_message(message, out.finish_reason, len(prompt_ids), len(out.token_ids), model_name)
+        )
 
     async def completions(request: Request, session: str | None = None):
         try:
@@ -404,6 +433,7 @@ def create_app(
         app.add_api_route(f"{prefix}/models", models, methods=["GET"])
         app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
+        app.add_api_route(f"{prefix}/messages", anthropic_messages, methods=["POST"])
     return app
 
 

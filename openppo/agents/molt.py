@@ -23,7 +23,7 @@ calls the policy through the OpenAI API itself) is played as an --agent_program 
 episode's session on the run's endpoint (`openppo.agents.endpoint`), which renders every request with the chat
 template and records the tokens the engines generate; the `Result`'s scalar reward is the episode's, and the
 numbers in its `info` and `score` are logged as `env/<name>`, as an environment's are. The endpoint speaks OpenAI's
-wire protocol only (Molt's also serves Anthropic's messages API), and takes text.
+wire protocol and, at the session URL, Anthropic's Messages API (`openppo.agents.anthropic_wire`), and takes text.
 """
 
 from __future__ import annotations

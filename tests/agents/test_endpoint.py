@@ -138,6 +138,55 @@ def test_a_session_named_by_the_path_ends_when_collected(served):
     assert sessions.close("episode-9").calls == 0
 
 
+def test_an_anthropic_sdk_agent_is_served_and_recorded(served, hf_model):
+    """An agent written against the `anthropic` package, its base URL the session's (the SDK appends /v1/messages):
+    the system prompt, its tool call and the tool's result are rendered by the chat template, the replies come back
+    as Anthropic Messages, and both calls land in the session's transcript with the engine's log-probs; errors come
+    in Anthropic's shape, which the SDK raises."""
+    import anthropic
+    from transformers import AutoTokenizer
+
+    base_url, sessions, _ = served
+    client = anthropic.Anthropic(
+        base_url=base_url.removesuffix("/v1") + "/sessions/claude-1", api_key="unused", max_retries=0, timeout=120
+    )
+    messages = [{"role": "user", "content": "What is 2 + 3?"}]
+    first = client.messages.create(model=MODEL, system="Be brief.", messages=messages, max_tokens=6)
+    assert first.type == "message" and first.role == "assistant" and first.model == MODEL
+    assert first.stop_reason in ("end_turn", "max_tokens") and first.content[0].type == "text"
+    messages += [
+        {
+            "role": "assistant",
+            "content": [
+                {"type": "text", "text": first.content[0].text},
+                {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}},
+            ],
+        },
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sum: 5"}]},
+    ]
+    second = client.messages.create(model=MODEL, system="Be brief.", messages=messages, max_tokens=6)
+    transcript = sessions.close("claude-1")
+    assert transcript.calls == 2
+    last = transcript.last
+    assert second.usage.input_tokens == len(last.prompt_ids) and second.usage.output_tokens == len(last.output_ids)
+    rendered = AutoTokenizer.from_pretrained(tiny_model_dir()).decode(last.prompt_ids)
+    assert "Be brief." in rendered and "What is 2 + 3?" in rendered and "sum: 5" in rendered, rendered
+    assert '"a": 2' in rendered and "add" in rendered, rendered  # the tool call, as the template renders one
+    # the reply is the engine's tokens with the engine's log-probs (against an independent HF forward)
+    ids = torch.tensor([list(last.prompt_ids) + list(last.output_ids)])
+    with torch.no_grad():
+        logits = hf_model(ids).logits[0, len(last.prompt_ids) - 1 : -1]
+    expected = torch.log_softmax(logits.float(), -1).gather(-1, torch.tensor(last.output_ids)[:, None])[:, 0]
+    assert (expected - torch.tensor(last.log_probs)).abs().max() < 1e-4
+    with pytest.raises(anthropic.NotFoundError, match="model 'claude-x' is not served here"):
+        client.messages.create(model="claude-x", messages=messages, max_tokens=4)
+    with pytest.raises(anthropic.BadRequestError, match="image blocks are not served"):
+        image = {"type": "image", "source": {"type": "base64", "media_type": "image/png", "data": "AA=="}}
+        client.messages.create(model=MODEL, messages=[{"role": "user", "content": [image]}], max_tokens=4)
+    with pytest.raises(anthropic.ConflictError, match="session claude-1 has ended"):
+        client.messages.create(model=MODEL, messages=messages, max_tokens=4)
+
+
 def test_32_sessions_at_once_are_batched(served):
     base_url, sessions, calls = served
     before = len(calls)

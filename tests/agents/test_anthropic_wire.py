@@ -1,0 +1,104 @@
+"""Anthropic's Messages API to and from the endpoint's OpenAI chat shape (openppo/agents/anthropic_wire.py), by
+hand; tests/agents/test_endpoint.py serves it to the `anthropic` package over a real engine."""
+
+from __future__ import annotations
+
+import pytest
+
+from openppo.agents.anthropic_wire import error_body, to_chat_body, to_message
+
+
+def test_a_conversation_with_a_tool_becomes_chat_messages():
+    body = {
+        "model": "m",
+        "max_tokens": 32,
+        "temperature": 0.5,
+        "system": [{"type": "text", "text": "Be "}, {"type": "text", "text": "brief."}],
+        "metadata": {"user_id": "ep-1"},
+        "tools": [{"name": "add", "description": "adds", "input_schema": {"type": "object", "properties": {}}}],
+        "stop_sequences": ["\n\n"],
+        "messages": [
+            {"role": "user", "content": "What is 2 + 3?"},
+            {
+                "role": "assistant",
+                "content": [
+                    {"type": "text", "text": "Let me add."},
+                    {"type": "tool_use", "id": "toolu_1", "name": "add", "input": {"a": 2, "b": 3}},
+                ],
+            },
+            {
+                "role": "user",
+                "content": [
+                    {"type": "tool_result", "tool_use_id": "toolu_1", "content": [{"type": "text", "text": "5"}]},
+                    {"type": "text", "text": "Go on."},
+                ],
+            },
+        ],
+    }
+    assert to_chat_body(body) == {
+        "model": "m",
+        "max_tokens": 32,
+        "temperature": 0.5,
+        "user": "ep-1",
+        "messages": [
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "What is 2 + 3?"},
+            {
+                "role": "assistant",
+                "content": "Let me add.",
+                "tool_calls": [
+                    {"id": "toolu_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2, "b": 3}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "toolu_1", "content": "5"},
+            {"role": "user", "content": "Go on."},
+        ],
+        "tools": [
+            {
+                "type": "function",
+                "function": {"name": "add", "parameters": {"type": "object", "properties": {}}, "description": "adds"},
+            }
+        ],
+    }
+    # a turn of tool results alone is no user message
+    only = to_chat_body({"messages": [{"role": "user", "content": [{"type": "tool_result", "tool_use_id": "t"}]}]})
+    assert only["messages"] == [{"role": "tool", "tool_call_id": "t", "content": ""}]
+
+
+@pytest.mark.parametrize(
+    "messages, match",
+    [
+        ([], "'messages' must be a non-empty list"),
+        ([{"role": "system", "content": "x"}], r"messages\[0\] must be an object with role 'user' or 'assistant'"),
+        ([{"role": "user", "content": 3}], r"messages\[0\]: content must be a string or a list"),
+        (
+            [{"role": "user", "content": [{"type": "image", "source": {}}]}],
+            r"messages\[0\]: image blocks are not served by this endpoint",
+        ),
+        ([{"role": "user", "content": [{"type": "thinking", "thinking": "hm"}]}], "only text blocks may appear"),
+    ],
+)
+def test_what_cannot_be_served_is_named(messages, match):
+    with pytest.raises(ValueError, match=match):
+        to_chat_body({"messages": messages})
+
+
+def test_replies_in_anthropics_shape():
+    text = to_message({"role": "assistant", "content": "5"}, "stop", 12, 2, "m")
+    assert text["type"] == "message" and text["id"].startswith("msg_") and text["model"] == "m"
+    assert text["content"] == [{"type": "text", "text": "5"}] and text["stop_reason"] == "end_turn"
+    assert text["usage"] == {"input_tokens": 12, "output_tokens": 2}
+    assert to_message({"role": "assistant", "content": "55"}, "length", 12, 8, "m")["stop_reason"] == "max_tokens"
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    bad = {"id": "c2", "type": "function", "function": {"name": "add", "arguments": "{a"}}
+    used = to_message({"role": "assistant", "content": None, "tool_calls": [call, bad]}, "stop", 1, 1, "m")
+    assert used["stop_reason"] == "tool_use"
+    assert used["content"] == [
+        {"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 2}},
+        {"type": "tool_use", "id": "c2", "name": "add", "input": {"arguments": "{a"}},
+    ]
+    assert error_body("no such model", 404) == {
+        "type": "error",
+        "error": {"type": "not_found_error", "message": "no such model"},
+    }
+    assert error_body("boom", 500)["error"]["type"] == "api_error"
