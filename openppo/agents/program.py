@@ -7,7 +7,8 @@ episode, and returns its reward, or None to leave the scoring to the run's rewar
 - `FILE.py[:NAME]`: a Python callable `NAME(base_url, task)` (default name `agent`), run on a thread of the driver;
   `task` is a dict: prompt (the data set's text), label, index (the prompt's), sample (0..n-1), session;
 - anything else is a command, run once per episode through the shell with OPENAI_BASE_URL, OPENAI_API_KEY (unused by
-  the endpoint) and OPENPPO_TASK (the task as JSON) in its environment; the last line it prints is the reward, a
+  the endpoint), ANTHROPIC_BASE_URL (the session's URL without /v1, for an agent on the Anthropic SDK),
+  ANTHROPIC_API_KEY and OPENPPO_TASK (the task as JSON) in its environment; the last line it prints is the reward, a
   number or "none".
 
 An episode that raises, exits non-zero, returns something else or outlives --agent_timeout is dropped (`Outcome.error`
@@ -89,7 +90,15 @@ class CommandAgent(AgentProgram):
         self.command = self.name = command
 
     def run(self, base_url: str, task: dict[str, Any], timeout_s: float) -> Outcome:
-        env = {**os.environ, "OPENAI_BASE_URL": base_url, "OPENAI_API_KEY": "openppo", "OPENPPO_TASK": json.dumps(task)}
+        env = {
+            **os.environ,
+            "OPENAI_BASE_URL": base_url,
+            "OPENAI_API_KEY": "openppo",
+            # the Anthropic SDK (and CLIs built on it) append /v1/messages to the session's URL themselves
+            "ANTHROPIC_BASE_URL": base_url.removesuffix("/v1"),
+            "ANTHROPIC_API_KEY": "openppo",
+            "OPENPPO_TASK": json.dumps(task),
+        }
         proc = subprocess.Popen(
             self.command,
             shell=True,

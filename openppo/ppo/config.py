@@ -403,10 +403,10 @@ class RolloutConfig:
     agent_max_turns: int = opt(4, "most model turns per agent episode")
     agent_program: str = opt(
         None,
-        "an agent that speaks the OpenAI API, served by the rollout engines through a local endpoint: "
-        "FILE.py[:NAME] (a Python callable NAME(base_url, task), default name `agent`) or a command run once per "
-        "episode (OPENAI_BASE_URL and OPENPPO_TASK in its environment); it returns the reward (a number; a "
-        "command prints it last) or None for the reward function to score (docs/agents.md)",
+        "an agent that speaks the OpenAI (or Anthropic) API, served by the rollout engines through a local "
+        "endpoint: FILE.py[:NAME] (a Python callable NAME(base_url, task), default name `agent`) or a command run once "
+        "per episode (OPENAI_BASE_URL, ANTHROPIC_BASE_URL and OPENPPO_TASK in its environment); it returns the "
+        "reward (a number; a command prints it last) or None for the reward function to score (docs/agents.md)",
         metavar="SPEC",
     )
     agent_timeout: float = opt(

@@ -57,13 +57,15 @@ def test_a_command_agent_reads_its_environment_and_prints_the_reward(tmp_path):
         "import json, os, sys\n"
         "task = json.loads(os.environ['OPENPPO_TASK'])\n"
         "print('talking to', os.environ['OPENAI_BASE_URL'])\n"
+        "assert os.environ['ANTHROPIC_BASE_URL'] + '/v1' == os.environ['OPENAI_BASE_URL']\n"
         "if task['label'] == 'fail':\n    sys.exit('no luck')\n"
         "print(0.25 if task['label'] == '5' else 'none')\n"
     )
     agent = load_agent_program(f"{sys.executable} {script}")
     assert agent.run("http://127.0.0.1:1/sessions/s1/v1", TASK, 30).reward == 0.25
-    assert agent.run("u", {**TASK, "label": "7"}, 30).reward is None
-    failed = agent.run("u", {**TASK, "label": "fail"}, 30)
+    url = "http://127.0.0.1:1/sessions/s2/v1"
+    assert agent.run(url, {**TASK, "label": "7"}, 30).reward is None
+    failed = agent.run(url, {**TASK, "label": "fail"}, 30)
     assert "exited with 1" in failed.error and "no luck" in failed.error
     sleeper = load_agent_program(f"{sys.executable} -c 'import time; time.sleep(30)'")
     assert "did not finish within 0.5 s" in sleeper.run("u", TASK, 0.5).error
