@@ -19,6 +19,7 @@ An agent that speaks the Anthropic SDK points it at the session's URL without `/
                                                   else end_turn
     usage                                         input_tokens, output_tokens: the prompt's and the reply's tokens
 
+`stream: true` gets the reply as Anthropic's server-sent events (`stream_events`), all sent once it is generated.
 Images are not served (a 400 says so); `stop_sequences`, `top_k` and `tool_choice` are not applied, as the OpenAI
 route does not apply `stop`. Malformed requests raise ValueError, which the endpoint answers with a 400 in
 Anthropic's error shape.
@@ -82,6 +83,34 @@ def to_message(
         "stop_sequence": None,
         "usage": {"input_tokens": prompt_tokens, "output_tokens": output_tokens},
     }
+
+
+def stream_events(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
+    """A Message (`to_message`'s) as the (event, data) pairs of a streamed reply, in Anthropic's order: message_start,
+    then per content block its start, one delta (the reply is generated whole: all its text, or a tool_use's input as
+    JSON) and its stop, then message_delta (stop reason, output tokens) and message_stop."""
+    start = {**message, "content": [], "stop_reason": None, "usage": {**message["usage"], "output_tokens": 0}}
+    events = [("message_start", {"type": "message_start", "message": start})]
+    for i, block in enumerate(message["content"]):
+        if block["type"] == "text":
+            opened, delta = {"type": "text", "text": ""}, {"type": "text_delta", "text": block["text"]}
+        else:
+            opened, delta = (
+                {**block, "input": {}},
+                {"type": "input_json_delta", "partial_json": json.dumps(block["input"])},
+            )
+        events += [
+            ("content_block_start", {"type": "content_block_start", "index": i, "content_block": opened}),
+            ("content_block_delta", {"type": "content_block_delta", "index": i, "delta": delta}),
+            ("content_block_stop", {"type": "content_block_stop", "index": i}),
+        ]
+    finish = {"stop_reason": message["stop_reason"], "stop_sequence": None}
+    usage = {"output_tokens": message["usage"]["output_tokens"]}
+    events += [
+        ("message_delta", {"type": "message_delta", "delta": finish, "usage": usage}),
+        ("message_stop", {"type": "message_stop"}),
+    ]
+    return events
 
 
 def error_body(message: str, status: int) -> dict[str, Any]:

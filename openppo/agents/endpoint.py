@@ -1,7 +1,7 @@
 """An OpenAI-compatible endpoint over the rollout engines, for agents that speak the OpenAI API, recording every
 token it serves (the rows are built from the records: `openppo.agents.transcript`).
 
-Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver), non-streaming:
+Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver):
 - `POST /v1/chat/completions`: `messages` (and `tools`, handed to the chat template) rendered by the policy's chat
   template; `max_tokens` or `max_completion_tokens`, `temperature`, `top_p`; `n` 1;
 - `POST /v1/completions`: `prompt` as text (tokenized without special tokens) or token ids;
@@ -11,9 +11,13 @@ Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver), 
 Every completion request names its episode: by its path (`/sessions/<id>/v1/...`: the base URL a training run
 hands each episode's agent, so an unmodified OpenAI client needs nothing else), else the `X-Session-Id` header, else
 the OpenAI `user` field; the server records the call in that session's `Transcript`, and a session that has ended
-(its episode was collected, or ran out of time) gets a 409. A request for another model gets a 404, `stream: true` or
-`n` > 1 a 400, a request without a session a 400, each with OpenAI's error shape ({"error": {"message", "type",
-"code"}}), so an `openai` client raises with the message. The server takes no files or code from requests.
+(its episode was collected, or ran out of time) gets a 409. A request for another model gets a 404, `n` > 1 a 400, a
+request without a session a 400, each with OpenAI's error shape ({"error": {"message", "type", "code"}}), so an
+`openai` client raises with the message. The server takes no files or code from requests.
+
+`stream: true` is served as server-sent events once the reply is generated (`stream_chunks`: its text in one chunk,
+the finish reason in the next, the usage last with `stream_options.include_usage`): the engines generate a batch
+whole, and agents that always stream (CLIs built on the SDKs) then work unchanged.
 
 In a training run the run's sampling settings (--temperature, --top_p, --top_k) apply to every request: the trainer
 recomputes the sampled tokens' log-probs under them, so a request's own temperature or top_p is ignored (logged once).
@@ -39,6 +43,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from fastapi import FastAPI, Request, Response
+from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
 from openppo.agents import anthropic_wire
@@ -154,10 +159,6 @@ class EndpointError(Exception):
 
 
 def _sampling(body: dict[str, Any], max_tokens_limit: int, fixed: dict[str, float] | None) -> dict[str, Any]:
-    if body.get("stream"):
-        raise EndpointError(
-            400, "streaming is not supported by this endpoint: send stream=false", "unsupported", "stream"
-        )
     if body.get("n", 1) != 1:
         raise EndpointError(400, "n must be 1 (one completion per request)", "unsupported", "n")
     max_tokens = body.get("max_completion_tokens") or body.get("max_tokens") or max_tokens_limit
@@ -166,6 +167,31 @@ def _sampling(body: dict[str, Any], max_tokens_limit: int, fixed: dict[str, floa
         # an explicit null means the default, as in OpenAI's API
         out.update({key: 1.0 if body.get(key) is None else float(body[key]) for key in ("temperature", "top_p")})
     return out
+
+
+def stream_chunks(full: dict[str, Any], include_usage: bool) -> list[dict[str, Any]]:
+    """A chat or text completion (`completion`'s body) as the chunks of a streamed reply: the reply is generated whole,
+    so its text (and tool calls) go in one chunk and the finish reason in the next; with `include_usage`
+    (`stream_options`) a last chunk without choices carries the usage, as OpenAI sends it."""
+    chat = full["object"] == "chat.completion"
+    head = {key: full[key] for key in ("id", "created", "model", "system_fingerprint")}
+    head["object"] = "chat.completion.chunk" if chat else "text_completion"
+    (choice,) = full["choices"]
+    if chat:
+        message = choice["message"]
+        delta: dict[str, Any] = {"role": "assistant", "content": message.get("content")}
+        if message.get("tool_calls"):
+            delta["tool_calls"] = [{"index": k, **call} for k, call in enumerate(message["tool_calls"])]
+        first, last = {"delta": delta}, {"delta": {}}
+    else:
+        first, last = {"text": choice["text"]}, {"text": ""}
+    chunks = [
+        {**head, "choices": [{"index": 0, **first, "logprobs": None, "finish_reason": None}]},
+        {**head, "choices": [{"index": 0, **last, "logprobs": None, "finish_reason": choice["finish_reason"]}]},
+    ]
+    if include_usage:
+        chunks.append({**head, "choices": [], "usage": full["usage"]})
+    return chunks
 
 
 def tool_parser_names() -> list[str]:
@@ -337,23 +363,29 @@ def create_app(
         sessions.record(session, Call(prompt_ids, out.token_ids, out.log_probs, out.version, out.finish_reason))
         return out
 
-    def completion(kind: str, choice: dict[str, Any], prompt_ids: Sequence[int], out: Generated) -> Response:
-        """OpenAI's response around one choice: `kind` "chat.completion" or "text_completion"."""
+    def completion(
+        kind: str, choice: dict[str, Any], prompt_ids: Sequence[int], out: Generated, body: dict
+    ) -> Response:
+        """OpenAI's response around one choice: `kind` "chat.completion" or "text_completion"; streamed when the
+        request asked (`stream_chunks`)."""
         n, m = len(prompt_ids), len(out.token_ids)
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         choice = {"index": 0, "finish_reason": out.finish_reason, **choice, "logprobs": None}
-        return reply(
-            {
-                "id": f"{prefix}-{uuid.uuid4().hex}",
-                "object": kind,
-                "created": int(time.time()),
-                "model": model_name,
-                # OpenAI's field for the backend that answered: here the weights version that generated the reply
-                "system_fingerprint": f"openppo-weights-v{out.version}",
-                "choices": [choice],
-                "usage": {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m},
-            }
-        )
+        full = {
+            "id": f"{prefix}-{uuid.uuid4().hex}",
+            "object": kind,
+            "created": int(time.time()),
+            "model": model_name,
+            # OpenAI's field for the backend that answered: here the weights version that generated the reply
+            "system_fingerprint": f"openppo-weights-v{out.version}",
+            "choices": [choice],
+            "usage": {"prompt_tokens": n, "completion_tokens": m, "total_tokens": n + m},
+        }
+        if not body.get("stream"):
+            return reply(full)
+        usage = bool((body.get("stream_options") or {}).get("include_usage"))
+        events = [f"data: {json.dumps(chunk)}\n\n" for chunk in stream_chunks(full, usage)] + ["data: [DONE]\n\n"]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
 
     def text_of(out: Generated, keep_special: bool) -> str:
         ids = list(out.token_ids)
@@ -388,7 +420,7 @@ def create_app(
         except EndpointError as exc:
             return error(exc)
         choice = {"message": message, **({"finish_reason": "tool_calls"} if called else {})}
-        return completion("chat.completion", choice, prompt_ids, out)
+        return completion("chat.completion", choice, prompt_ids, out, body)
 
     async def anthropic_messages(request: Request, session: str | None = None):
         """Anthropic's Messages API (`anthropic_wire`): the chat route's reply, in and out of Anthropic's shapes."""
@@ -401,9 +433,11 @@ def create_app(
             message, _, prompt_ids, out = await chat_reply(body, session, params)
         except EndpointError as exc:
             return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
-        return reply(
-            anthropic_wire.to_message(message, out.finish_reason, len(prompt_ids), len(out.token_ids), model_name)
-        )
+        answer = anthropic_wire.to_message(message, out.finish_reason, len(prompt_ids), len(out.token_ids), model_name)
+        if not body.get("stream"):
+            return reply(answer)
+        events = [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in anthropic_wire.stream_events(answer)]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
 
     async def completions(request: Request, session: str | None = None):
         try:
@@ -426,7 +460,7 @@ def create_app(
             out = await run_in_threadpool(complete, session, prompt_ids, params)
         except EndpointError as exc:
             return error(exc)
-        return completion("text_completion", {"text": text_of(out, False)}, prompt_ids, out)
+        return completion("text_completion", {"text": text_of(out, False)}, prompt_ids, out, body)
 
     # the same routes under each episode's base URL (/sessions/<id>/v1)
     for prefix in ("/v1", "/sessions/{session}/v1"):

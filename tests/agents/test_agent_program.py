@@ -89,6 +89,26 @@ def test_a_tool_call_comes_back_in_openai_shape():
         tool_parser_factory("nope", tok)
 
 
+def test_a_streamed_completion_is_two_chunks_and_the_usage():
+    from openppo.agents.endpoint import stream_chunks
+
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
+    message = {"role": "assistant", "content": "Adding.", "tool_calls": [call]}
+    head = {"id": "chatcmpl-1", "created": 7, "model": "m", "system_fingerprint": "openppo-weights-v3"}
+    usage = {"prompt_tokens": 5, "completion_tokens": 2, "total_tokens": 7}
+    choice = {"index": 0, "finish_reason": "tool_calls", "message": message, "logprobs": None}
+    full = {**head, "object": "chat.completion", "choices": [choice], "usage": usage}
+    first, last, counted = stream_chunks(full, include_usage=True)
+    chunk = {**head, "object": "chat.completion.chunk"}
+    delta = {"role": "assistant", "content": "Adding.", "tool_calls": [{"index": 0, **call}]}
+    assert first == {**chunk, "choices": [{"index": 0, "delta": delta, "logprobs": None, "finish_reason": None}]}
+    assert last == {**chunk, "choices": [{"index": 0, "delta": {}, "logprobs": None, "finish_reason": "tool_calls"}]}
+    assert counted == {**chunk, "choices": [], "usage": usage}
+    text = {**head, "object": "text_completion", "usage": usage}
+    text["choices"] = [{"index": 0, "finish_reason": "length", "text": "blue", "logprobs": None}]
+    assert [c["choices"][0]["text"] for c in stream_chunks(text, include_usage=False)] == ["blue", ""]
+
+
 def _row(prompt, response, mask, group):
     return Sample(prompt, response, [-0.5] * len(response), "stop", group, action_mask=mask)
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.agents.anthropic_wire import error_body, to_chat_body, to_message
+from openppo.agents.anthropic_wire import error_body, stream_events, to_chat_body, to_message
 
 
 def test_a_conversation_with_a_tool_becomes_chat_messages():
@@ -102,3 +102,35 @@ def test_replies_in_anthropics_shape():
         "error": {"type": "not_found_error", "message": "no such model"},
     }
     assert error_body("boom", 500)["error"]["type"] == "api_error"
+
+
+def test_a_streamed_message_is_its_events_in_anthropics_order():
+    call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
+    message = to_message({"role": "assistant", "content": "Adding.", "tool_calls": [call]}, "stop", 9, 4, "m")
+    events = stream_events(message)
+    assert [name for name, _ in events] == [
+        "message_start",
+        *["content_block_start", "content_block_delta", "content_block_stop"] * 2,
+        "message_delta",
+        "message_stop",
+    ]
+    assert all(data["type"] == name for name, data in events)
+    start = events[0][1]["message"]
+    assert (
+        start["content"] == []
+        and start["stop_reason"] is None
+        and start["usage"] == {"input_tokens": 9, "output_tokens": 0}
+    )
+    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert events[2][1]["delta"] == {"type": "text_delta", "text": "Adding."}
+    assert events[4][1]["content_block"] == {"type": "tool_use", "id": "c1", "name": "add", "input": {}}
+    assert events[5][1] == {
+        "type": "content_block_delta",
+        "index": 1,
+        "delta": {"type": "input_json_delta", "partial_json": '{"a": 2}'},
+    }
+    assert events[-2][1] == {
+        "type": "message_delta",
+        "delta": {"stop_reason": "tool_use", "stop_sequence": None},
+        "usage": {"output_tokens": 4},
+    }

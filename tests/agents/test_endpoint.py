@@ -115,8 +115,8 @@ def test_errors_reach_the_client_in_openai_shape(served):
     chat = [{"role": "user", "content": "hi"}]
     with pytest.raises(openai.NotFoundError, match="model 'gpt-4o' is not served here; this endpoint serves"):
         client.chat.completions.create(model="gpt-4o", messages=chat, user="s")
-    with pytest.raises(openai.BadRequestError, match="streaming is not supported"):
-        client.chat.completions.create(model=MODEL, messages=chat, user="s", stream=True)
+    with pytest.raises(openai.BadRequestError, match="n must be 1"):
+        client.chat.completions.create(model=MODEL, messages=chat, user="s", n=2)
     with pytest.raises(openai.BadRequestError, match="no session: name the episode in the path"):
         client.chat.completions.create(model=MODEL, messages=chat)
     with pytest.raises(openai.BadRequestError, match="token id 9000 is outside the vocabulary"):
@@ -185,6 +185,44 @@ def test_an_anthropic_sdk_agent_is_served_and_recorded(served, hf_model):
         client.messages.create(model=MODEL, messages=[{"role": "user", "content": [image]}], max_tokens=4)
     with pytest.raises(anthropic.ConflictError, match="session claude-1 has ended"):
         client.messages.create(model=MODEL, messages=messages, max_tokens=4)
+
+
+def test_streamed_replies_are_the_recorded_ones(served):
+    """`stream: true`, as agent CLIs always send it: the chunks the `openai` and `anthropic` clients assemble hold the
+    reply the session recorded (text, finish reason, usage), for chat, text completions and Anthropic's Messages."""
+    import anthropic
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    base_url, sessions, _ = served
+    client = _client(base_url.removesuffix("/v1") + "/sessions/stream-1/v1")
+    chat = [{"role": "user", "content": "Count to three."}]
+    stream = client.chat.completions.create(
+        model=MODEL, messages=chat, max_tokens=6, stream=True, stream_options={"include_usage": True}
+    )
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    [finish] = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    last = sessions.close("stream-1").last
+    assert text == tok.decode(last.output_ids, skip_special_tokens=True)
+    assert finish == last.finish_reason and chunks[-1].usage.completion_tokens == len(last.output_ids)
+    assert chunks[0].system_fingerprint == f"openppo-weights-v{VERSION}"
+
+    client = _client(base_url.removesuffix("/v1") + "/sessions/stream-2/v1")
+    pieces = list(client.completions.create(model=MODEL, prompt="The sky is", max_tokens=4, stream=True))
+    last = sessions.close("stream-2").last
+    assert "".join(p.choices[0].text for p in pieces) == tok.decode(last.output_ids, skip_special_tokens=True)
+
+    claude = anthropic.Anthropic(
+        base_url=base_url.removesuffix("/v1") + "/sessions/stream-3", api_key="unused", max_retries=0, timeout=120
+    )
+    with claude.messages.stream(model=MODEL, messages=chat, max_tokens=6) as events:
+        streamed = "".join(events.text_stream)
+        message = events.get_final_message()
+    last = sessions.close("stream-3").last
+    assert streamed == message.content[0].text == tok.decode(last.output_ids, skip_special_tokens=True)
+    assert message.usage.output_tokens == len(last.output_ids) and message.usage.input_tokens == len(last.prompt_ids)
+    assert message.stop_reason == ("max_tokens" if last.finish_reason == "length" else "end_turn")
 
 
 def test_32_sessions_at_once_are_batched(served):
