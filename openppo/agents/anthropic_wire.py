@@ -12,6 +12,7 @@ An agent that speaks the Anthropic SDK points it at the session's URL without `/
     assistant text + tool_use blocks              an "assistant" message with `tool_calls` (arguments: the input)
     tools [{name, description, input_schema}]     tools [{type: function, function: {name, description, parameters}}]
     max_tokens, temperature, top_p                the same; metadata.user_id is the session's `user`
+    stop_sequences                                `stop`
 
     reply                                         from
     content: a text block, then tool_use blocks   the message's text and its tool calls (with a tool parser)
@@ -20,9 +21,9 @@ An agent that speaks the Anthropic SDK points it at the session's URL without `/
     usage                                         input_tokens, output_tokens: the prompt's and the reply's tokens
 
 `stream: true` gets the reply as Anthropic's server-sent events (`stream_events`), all sent once it is generated.
-Images are not served (a 400 says so); `stop_sequences`, `top_k` and `tool_choice` are not applied, as the OpenAI
-route does not apply `stop`. Malformed requests raise ValueError, which the endpoint answers with a 400 in
-Anthropic's error shape.
+Images are not served (a 400 says so); stop sequences are not applied (as the OpenAI route's `stop` is not: the
+endpoint logs it once), nor are `top_k` and `tool_choice`. Malformed requests raise ValueError, which the endpoint
+answers with a 400 in Anthropic's error shape.
 """
 
 from __future__ import annotations
@@ -46,6 +47,8 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
         chat += _assistant(message, i) if message["role"] == "assistant" else _user(message, i)
     out = {k: body[k] for k in ("model", "max_tokens", "temperature", "top_p", "stream") if k in body}
     out["messages"] = chat
+    if body.get("stop_sequences"):
+        out["stop"] = body["stop_sequences"]  # (not applied; the endpoint says so once)
     user = (body.get("metadata") or {}).get("user_id")
     if user:
         out["user"] = user

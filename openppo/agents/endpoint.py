@@ -325,6 +325,12 @@ def create_app(
                 "user",
             )
         sessions.check_open(str(session))
+        if body.get("stop") and "stop" not in ignored:
+            ignored.add("stop")
+            logger.info(
+                "agent endpoint: a request asked for stop sequences, which are not applied: replies run to the end "
+                "of the turn or max_tokens (logged once)"
+            )
         if sampling is not None:
             for key, value in sampling.items():
                 if body.get(key) is not None and float(body[key]) != value and key not in ignored:

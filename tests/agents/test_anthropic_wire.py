@@ -40,6 +40,7 @@ def test_a_conversation_with_a_tool_becomes_chat_messages():
         "max_tokens": 32,
         "temperature": 0.5,
         "user": "ep-1",
+        "stop": ["\n\n"],
         "messages": [
             {"role": "system", "content": "Be brief."},
             {"role": "user", "content": "What is 2 + 3?"},

@@ -5,6 +5,7 @@ client in OpenAI's shape; 32 sessions at once are batched into few engine calls.
 
 from __future__ import annotations
 
+import logging
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
@@ -138,7 +139,7 @@ def test_a_session_named_by_the_path_ends_when_collected(served):
     assert sessions.close("episode-9").calls == 0
 
 
-def test_an_anthropic_sdk_agent_is_served_and_recorded(served, hf_model):
+def test_an_anthropic_sdk_agent_is_served_and_recorded(served, hf_model, caplog):
     """An agent written against the `anthropic` package, its base URL the session's (the SDK appends /v1/messages):
     the system prompt, its tool call and the tool's result are rendered by the chat template, the replies come back
     as Anthropic Messages, and both calls land in the session's transcript with the engine's log-probs; errors come
@@ -164,7 +165,11 @@ def test_an_anthropic_sdk_agent_is_served_and_recorded(served, hf_model):
         },
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": "sum: 5"}]},
     ]
-    second = client.messages.create(model=MODEL, system="Be brief.", messages=messages, max_tokens=6)
+    with caplog.at_level(logging.INFO, logger="openppo.agents.endpoint"):
+        second = client.messages.create(
+            model=MODEL, system="Be brief.", messages=messages, max_tokens=6, stop_sequences=["\n\n"]
+        )
+    assert "a request asked for stop sequences, which are not applied" in caplog.text
     transcript = sessions.close("claude-1")
     assert transcript.calls == 2
     last = transcript.last
