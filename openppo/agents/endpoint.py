@@ -5,6 +5,7 @@ Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver):
 - `POST /v1/chat/completions`: `messages` (and `tools`, handed to the chat template) rendered by the policy's chat
   template; `max_tokens` or `max_completion_tokens`, `temperature`, `top_p`; `n` 1;
 - `POST /v1/completions`: `prompt` as text (tokenized without special tokens) or token ids;
+- `POST /v1/responses`: OpenAI's Responses API (`responses_wire`; the OpenAI Agents SDK's default), stateless;
 - `POST /v1/messages`: Anthropic's Messages API (`anthropic_wire`: translated to and from the chat route's shapes),
   for agents written against the Anthropic SDK (its base URL: the session's, without `/v1`);
 - `GET /v1/models`: the one model served.
@@ -46,7 +47,7 @@ from fastapi import FastAPI, Request, Response
 from fastapi.responses import StreamingResponse
 from starlette.concurrency import run_in_threadpool
 
-from openppo.agents import anthropic_wire
+from openppo.agents import anthropic_wire, responses_wire
 from openppo.agents.transcript import Call, Transcript
 
 logger = logging.getLogger(__name__)
@@ -445,6 +446,24 @@ def create_app(
         events = [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in anthropic_wire.stream_events(answer)]
         return StreamingResponse(iter(events), media_type="text/event-stream")
 
+    async def responses(request: Request, session: str | None = None):
+        """OpenAI's Responses API (`responses_wire`): the chat route's reply, in and out of the Responses shapes."""
+        try:
+            raw = await read(request)
+            try:
+                body = responses_wire.to_chat_body(raw)
+            except ValueError as exc:
+                raise EndpointError(400, str(exc), "invalid_input", "input") from exc
+            session, params = admit(body, request, session)
+            message, _, prompt_ids, out = await chat_reply(body, session, params)
+        except EndpointError as exc:
+            return error(exc)
+        answer = responses_wire.to_response(message, out.finish_reason, len(prompt_ids), len(out.token_ids), raw)
+        if not body.get("stream"):
+            return reply(answer)
+        events = [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in responses_wire.stream_events(answer)]
+        return StreamingResponse(iter(events), media_type="text/event-stream")
+
     async def completions(request: Request, session: str | None = None):
         try:
             body, session, params = await parse(request, session)
@@ -474,6 +493,7 @@ def create_app(
         app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
         app.add_api_route(f"{prefix}/messages", anthropic_messages, methods=["POST"])
+        app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])
     return app
 
 

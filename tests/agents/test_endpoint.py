@@ -230,6 +230,42 @@ def test_streamed_replies_are_the_recorded_ones(served):
     assert message.stop_reason == ("max_tokens" if last.finish_reason == "length" else "end_turn")
 
 
+def test_a_responses_api_agent_is_served_and_recorded(served):
+    """The `openai` package's Responses client (the OpenAI Agents SDK's default API): instructions, a function call
+    and its output rendered by the chat template; the reply's output_text and usage are the recorded call's,
+    streamed or not; a previous_response_id is refused (the endpoint keeps no responses)."""
+    import openai
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_model_dir())
+    base_url, sessions, _ = served
+    client = _client(base_url.removesuffix("/v1") + "/sessions/responses-1/v1")
+    items = [
+        {"role": "user", "content": "What is 2 + 3?"},
+        {"type": "function_call", "call_id": "c1", "name": "add", "arguments": '{"a": 2, "b": 3}'},
+        {"type": "function_call_output", "call_id": "c1", "output": "sum: 5"},
+    ]
+    response = client.responses.create(model=MODEL, instructions="Be brief.", input=items, max_output_tokens=6)
+    last = sessions.close("responses-1").last
+    assert response.output_text == tok.decode(last.output_ids, skip_special_tokens=True)
+    assert response.usage.input_tokens == len(last.prompt_ids) and response.usage.output_tokens == len(last.output_ids)
+    assert response.status == ("incomplete" if last.finish_reason == "length" else "completed")
+    rendered = tok.decode(last.prompt_ids)
+    assert "Be brief." in rendered and "sum: 5" in rendered and '"a": 2' in rendered, rendered
+
+    client = _client(base_url.removesuffix("/v1") + "/sessions/responses-2/v1")
+    with client.responses.stream(model=MODEL, input="Count to three.", max_output_tokens=6) as stream:
+        events = list(stream)  # (the SDK's accumulator checks their order and identities)
+    last = sessions.close("responses-2").last
+    final = events[-1].response
+    assert events[-1].type == f"response.{final.status}"  # incomplete when the reply hit max_output_tokens
+    deltas = "".join(e.delta for e in events if e.type == "response.output_text.delta")
+    assert deltas == final.output_text == tok.decode(last.output_ids, skip_special_tokens=True)
+    assert final.status == ("incomplete" if last.finish_reason == "length" else "completed")
+    with pytest.raises(openai.BadRequestError, match="keeps no responses"):
+        client.responses.create(model=MODEL, input="hi", previous_response_id=final.id)
+
+
 def test_32_sessions_at_once_are_batched(served):
     base_url, sessions, calls = served
     before = len(calls)
