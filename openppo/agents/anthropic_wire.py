@@ -57,10 +57,11 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def to_message(
-    assistant: dict[str, Any], finish_reason: str, prompt_tokens: int, output_tokens: int, model: str
+def to_reply(
+    assistant: dict[str, Any], finish_reason: str, prompt_tokens: int, output_tokens: int, body: dict[str, Any]
 ) -> dict[str, Any]:
-    """The Anthropic Message of a chat reply's assistant message (`endpoint.assistant_message`'s)."""
+    """The Anthropic Message of a chat reply's assistant message (`endpoint.assistant_message`'s); `body` is the
+    request (its model is named)."""
     calls = assistant.get("tool_calls") or []
     content: list[dict[str, Any]] = []
     if assistant.get("content") or not calls:
@@ -80,7 +81,7 @@ def to_message(
         "id": _id("msg"),
         "type": "message",
         "role": "assistant",
-        "model": model,
+        "model": body.get("model"),
         "content": content,
         "stop_reason": stop,
         "stop_sequence": None,
@@ -89,7 +90,7 @@ def to_message(
 
 
 def stream_events(message: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """A Message (`to_message`'s) as the (event, data) pairs of a streamed reply, in Anthropic's order: message_start,
+    """A Message (`to_reply`'s) as the (event, data) pairs of a streamed reply, in Anthropic's order: message_start,
     then per content block its start, one delta (the reply is generated whole: all its text, or a tool_use's input as
     JSON) and its stop, then message_delta (stop reason, output tokens) and message_stop."""
     start = {**message, "content": [], "stop_reason": None, "usage": {**message["usage"], "output_tokens": 0}}

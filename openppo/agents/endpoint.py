@@ -429,40 +429,34 @@ def create_app(
         choice = {"message": message, **({"finish_reason": "tool_calls"} if called else {})}
         return completion("chat.completion", choice, prompt_ids, out, body)
 
-    async def anthropic_messages(request: Request, session: str | None = None):
-        """Anthropic's Messages API (`anthropic_wire`): the chat route's reply, in and out of Anthropic's shapes."""
-        try:
-            try:
-                body = anthropic_wire.to_chat_body(await read(request))
-            except ValueError as exc:
-                raise EndpointError(400, str(exc), "invalid_messages", "messages") from exc
-            session, params = admit(body, request, session)
-            message, _, prompt_ids, out = await chat_reply(body, session, params)
-        except EndpointError as exc:
-            return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
-        answer = anthropic_wire.to_message(message, out.finish_reason, len(prompt_ids), len(out.token_ids), model_name)
-        if not body.get("stream"):
-            return reply(answer)
-        events = [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in anthropic_wire.stream_events(answer)]
-        return StreamingResponse(iter(events), media_type="text/event-stream")
-
-    async def responses(request: Request, session: str | None = None):
-        """OpenAI's Responses API (`responses_wire`): the chat route's reply, in and out of the Responses shapes."""
+    async def translated(request: Request, session: str | None, wire, fail: Callable[[EndpointError], Response]):
+        """A request in another API's shape served by the chat route: `wire` (`anthropic_wire`, `responses_wire`)
+        translates it (`to_chat_body`) and the reply (`to_reply`, or `stream_events` with `stream: true`); `fail`
+        answers an error in that API's shape."""
         try:
             raw = await read(request)
             try:
-                body = responses_wire.to_chat_body(raw)
+                body = wire.to_chat_body(raw)
             except ValueError as exc:
-                raise EndpointError(400, str(exc), "invalid_input", "input") from exc
+                raise EndpointError(400, str(exc), "invalid_request") from exc
             session, params = admit(body, request, session)
             message, _, prompt_ids, out = await chat_reply(body, session, params)
         except EndpointError as exc:
-            return error(exc)
-        answer = responses_wire.to_response(message, out.finish_reason, len(prompt_ids), len(out.token_ids), raw)
+            return fail(exc)
+        answer = wire.to_reply(message, out.finish_reason, len(prompt_ids), len(out.token_ids), raw)
         if not body.get("stream"):
             return reply(answer)
-        events = [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in responses_wire.stream_events(answer)]
+        events = [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in wire.stream_events(answer)]
         return StreamingResponse(iter(events), media_type="text/event-stream")
+
+    async def anthropic_messages(request: Request, session: str | None = None):
+        def fail(exc: EndpointError) -> Response:
+            return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
+
+        return await translated(request, session, anthropic_wire, fail)
+
+    async def responses(request: Request, session: str | None = None):
+        return await translated(request, session, responses_wire, error)
 
     async def completions(request: Request, session: str | None = None):
         try:

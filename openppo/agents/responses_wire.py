@@ -58,7 +58,7 @@ def to_chat_body(body: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def to_response(
+def to_reply(
     assistant: dict[str, Any], finish_reason: str, prompt_tokens: int, output_tokens: int, body: dict[str, Any]
 ) -> dict[str, Any]:
     """The Responses object of a chat reply's assistant message; `body` is the request (echoed fields)."""
@@ -115,7 +115,7 @@ def to_response(
 
 
 def stream_events(response: dict[str, Any]) -> list[tuple[str, dict[str, Any]]]:
-    """A Responses object (`to_response`'s) as the (event, data) pairs of a streamed reply, in the API's order:
+    """A Responses object (`to_reply`'s) as the (event, data) pairs of a streamed reply, in the API's order:
     created, in_progress, per output item its added / delta / done events, then completed (or incomplete). Each
     carries its sequence number."""
     opening = {**response, "status": "in_progress", "incomplete_details": None, "output": [], "usage": None}

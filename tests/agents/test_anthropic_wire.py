@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.agents.anthropic_wire import error_body, stream_events, to_chat_body, to_message
+from openppo.agents.anthropic_wire import error_body, stream_events, to_chat_body, to_reply
 
 
 def test_a_conversation_with_a_tool_becomes_chat_messages():
@@ -85,14 +85,16 @@ def test_what_cannot_be_served_is_named(messages, match):
 
 
 def test_replies_in_anthropics_shape():
-    text = to_message({"role": "assistant", "content": "5"}, "stop", 12, 2, "m")
+    text = to_reply({"role": "assistant", "content": "5"}, "stop", 12, 2, {"model": "m"})
     assert text["type"] == "message" and text["id"].startswith("msg_") and text["model"] == "m"
     assert text["content"] == [{"type": "text", "text": "5"}] and text["stop_reason"] == "end_turn"
     assert text["usage"] == {"input_tokens": 12, "output_tokens": 2}
-    assert to_message({"role": "assistant", "content": "55"}, "length", 12, 8, "m")["stop_reason"] == "max_tokens"
+    assert (
+        to_reply({"role": "assistant", "content": "55"}, "length", 12, 8, {"model": "m"})["stop_reason"] == "max_tokens"
+    )
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
     bad = {"id": "c2", "type": "function", "function": {"name": "add", "arguments": "{a"}}
-    used = to_message({"role": "assistant", "content": None, "tool_calls": [call, bad]}, "stop", 1, 1, "m")
+    used = to_reply({"role": "assistant", "content": None, "tool_calls": [call, bad]}, "stop", 1, 1, {"model": "m"})
     assert used["stop_reason"] == "tool_use"
     assert used["content"] == [
         {"type": "tool_use", "id": "c1", "name": "add", "input": {"a": 2}},
@@ -107,7 +109,7 @@ def test_replies_in_anthropics_shape():
 
 def test_a_streamed_message_is_its_events_in_anthropics_order():
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
-    message = to_message({"role": "assistant", "content": "Adding.", "tool_calls": [call]}, "stop", 9, 4, "m")
+    message = to_reply({"role": "assistant", "content": "Adding.", "tool_calls": [call]}, "stop", 9, 4, {"model": "m"})
     events = stream_events(message)
     assert [name for name, _ in events] == [
         "message_start",

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from openppo.agents.responses_wire import stream_events, to_chat_body, to_response
+from openppo.agents.responses_wire import stream_events, to_chat_body, to_reply
 
 
 def test_a_conversation_with_a_function_call_becomes_chat_messages():
@@ -67,17 +67,17 @@ def test_what_cannot_be_served_is_named(body, match):
 
 def test_replies_in_the_responses_shape():
     request = {"model": "m", "max_output_tokens": 8, "tools": [], "instructions": "Be brief."}
-    text = to_response({"role": "assistant", "content": "5"}, "stop", 12, 2, request)
+    text = to_reply({"role": "assistant", "content": "5"}, "stop", 12, 2, request)
     assert text["object"] == "response" and text["id"].startswith("resp_") and text["status"] == "completed"
     [item] = text["output"]
     assert item["type"] == "message" and item["role"] == "assistant" and item["status"] == "completed"
     assert item["content"] == [{"type": "output_text", "text": "5", "annotations": [], "logprobs": []}]
     assert text["usage"]["input_tokens"] == 12 and text["usage"]["output_tokens"] == 2
     assert text["usage"]["total_tokens"] == 14 and text["instructions"] == "Be brief." and text["model"] == "m"
-    cut = to_response({"role": "assistant", "content": "55"}, "length", 12, 8, request)
+    cut = to_reply({"role": "assistant", "content": "55"}, "length", 12, 8, request)
     assert cut["status"] == "incomplete" and cut["incomplete_details"] == {"reason": "max_output_tokens"}
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": '{"a": 2}'}}
-    used = to_response({"role": "assistant", "content": None, "tool_calls": [call]}, "stop", 1, 1, request)
+    used = to_reply({"role": "assistant", "content": None, "tool_calls": [call]}, "stop", 1, 1, request)
     [fc] = used["output"]
     assert {k: fc[k] for k in ("type", "call_id", "name", "arguments", "status")} == {
         "type": "function_call",
@@ -90,7 +90,7 @@ def test_replies_in_the_responses_shape():
 
 def test_a_streamed_response_is_its_events_in_order():
     call = {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}
-    response = to_response({"role": "assistant", "content": "Adding.", "tool_calls": [call]}, "stop", 3, 2, {})
+    response = to_reply({"role": "assistant", "content": "Adding.", "tool_calls": [call]}, "stop", 3, 2, {})
     events = stream_events(response)
     assert [name for name, _ in events] == [
         "response.created",
