@@ -7,17 +7,19 @@ import sys
 
 from openppo.cli.runner import run_cli
 from openppo.cli.train_rm import build_preference_data, preference_keys
-from openppo.datasets import collate_pairs
 from openppo.errors import require
-from openppo.models.actor import Actor
-from openppo.models.hf import load_tokenizer, resolve_model_path
-from openppo.trainers import setup
 from openppo.trainers.configs import DPOConfig
-from openppo.trainers.loop import SupervisedTrainer
-from openppo.trainers.stages import DPOTrainer
 
 
 def train(cfg: DPOConfig) -> None:
+    # imported here, not at the top: `--help` and a bad flag need the config alone (cli/train_ppo_ray.py)
+    from openppo.datasets import collate_pairs
+    from openppo.models.actor import Actor
+    from openppo.models.hf import load_tokenizer, resolve_model_path
+    from openppo.trainers import setup
+    from openppo.trainers.loop import SupervisedTrainer
+    from openppo.trainers.stages import DPOTrainer
+
     setup.validate_common(cfg)
     ref_path = cfg.dpo.ref_pretrain or cfg.model.pretrain
     resolve_model_path(ref_path, "--ref_pretrain")

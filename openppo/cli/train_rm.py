@@ -7,19 +7,15 @@ import logging
 import sys
 
 from openppo.cli.runner import run_cli
-from openppo.datasets import PreferenceDataset, collate_pairs
 from openppo.errors import require
-from openppo.models.hf import load_tokenizer
-from openppo.models.scalar import ScalarModel
-from openppo.trainers import setup
 from openppo.trainers.configs import RMConfig
-from openppo.trainers.loop import SupervisedTrainer
-from openppo.trainers.stages import RewardModelTrainer
 
 logger = logging.getLogger(__name__)
 
 
 def build_preference_data(cfg, tokenizer, raw_train, raw_eval, margin_key: str | None = None):
+    from openppo.datasets import PreferenceDataset
+
     make = functools.partial(
         PreferenceDataset,
         tokenizer=tokenizer,
@@ -43,6 +39,14 @@ def preference_keys(cfg) -> dict:
 
 
 def train(cfg: RMConfig) -> None:
+    # imported here, not at the top: `--help` and a bad flag need the config alone (cli/train_ppo_ray.py)
+    from openppo.datasets import collate_pairs
+    from openppo.models.hf import load_tokenizer
+    from openppo.models.scalar import ScalarModel
+    from openppo.trainers import setup
+    from openppo.trainers.loop import SupervisedTrainer
+    from openppo.trainers.stages import RewardModelTrainer
+
     setup.validate_common(cfg)
     require(
         cfg.rm.loss == "sigmoid" or not (cfg.rm.margin_loss or cfg.rm.margin),

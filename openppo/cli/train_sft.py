@@ -7,20 +7,21 @@ import logging
 import sys
 
 from openppo.cli.runner import run_cli
-from openppo.datasets import SFTDataset, collate_packed, collate_padded
 from openppo.errors import require
-from openppo.models.actor import Actor, use_chunked_head
-from openppo.models.hf import load_tokenizer, resolve_model_path
-from openppo.models.vision import is_vision_language
-from openppo.trainers import setup
 from openppo.trainers.configs import SFTConfig, SFTDataConfig
-from openppo.trainers.loop import SupervisedTrainer
-from openppo.trainers.stages import SFTTrainer
 
 logger = logging.getLogger(__name__)
 
 
 def train(cfg: SFTConfig) -> None:
+    # imported here, not at the top: `--help` and a bad flag need the config alone (cli/train_ppo_ray.py)
+    from openppo.datasets import SFTDataset, collate_packed, collate_padded
+    from openppo.models.actor import Actor, use_chunked_head
+    from openppo.models.hf import load_tokenizer
+    from openppo.trainers import setup
+    from openppo.trainers.loop import SupervisedTrainer
+    from openppo.trainers.stages import SFTTrainer
+
     setup.validate_common(cfg)
     require(
         not cfg.data.multiturn or cfg.data.apply_chat_template,
@@ -86,6 +87,9 @@ def image_processor(cfg: SFTConfig):
     padded rows, so packing (and the ring, which packs) is refused. --freeze_visual_encoder on a text model says in
     one line that it has no effect."""
     from transformers import AutoConfig
+
+    from openppo.models.hf import resolve_model_path
+    from openppo.models.vision import is_vision_language
 
     require(
         cfg.data.image_key is None or not cfg.data.packing_samples,
