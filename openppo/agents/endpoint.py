@@ -7,7 +7,8 @@ Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver):
 - `POST /v1/completions`: `prompt` as text (tokenized without special tokens) or token ids;
 - `POST /v1/responses`: OpenAI's Responses API (`responses_wire`; the OpenAI Agents SDK's default), stateless;
 - `POST /v1/messages`: Anthropic's Messages API (`anthropic_wire`: translated to and from the chat route's shapes),
-  for agents written against the Anthropic SDK (its base URL: the session's, without `/v1`);
+  for agents written against the Anthropic SDK (its base URL: the session's, without `/v1`), and its
+  `/v1/messages/count_tokens`;
 - `GET /v1/models`: the one model served.
 Every completion request names its episode: by its path (`/sessions/<id>/v1/...`: the base URL a training run
 hands each episode's agent, so an unmodified OpenAI client needs nothing else), else the `X-Session-Id` header, else
@@ -403,8 +404,8 @@ def create_app(
     async def models():
         return reply({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "openppo"}]})
 
-    async def chat_reply(body: dict, session: str, params: dict) -> tuple[dict, bool, list[int], Generated]:
-        """A chat request's assistant message (and whether it called a tool), its prompt ids and the generation."""
+    def render(body: dict) -> list[int]:
+        """A chat request's prompt ids: its messages (and tools) rendered by the chat template, tokenized."""
         messages = body.get("messages")
         if not isinstance(messages, list) or not messages:
             raise EndpointError(400, "'messages' must be a non-empty list", "invalid_messages", "messages")
@@ -414,7 +415,11 @@ def create_app(
             )
         except Exception as exc:  # the template's own complaint (a role it does not know, ...)
             raise EndpointError(400, f"the chat template cannot render the messages: {exc}", "bad_messages") from exc
-        prompt_ids = tokenizer.encode(text, add_special_tokens=False)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    async def chat_reply(body: dict, session: str, params: dict) -> tuple[dict, bool, list[int], Generated]:
+        """A chat request's assistant message (and whether it called a tool), its prompt ids and the generation."""
+        prompt_ids = render(body)
         out = await run_in_threadpool(complete, session, prompt_ids, params)
         parser = tool_parser(body.get("tools")) if tool_parser is not None and body.get("tools") else None
         message, called = assistant_message(text_of(out, parser is not None), body, parser)
@@ -455,6 +460,22 @@ def create_app(
 
         return await translated(request, session, anthropic_wire, fail)
 
+    async def anthropic_count_tokens(request: Request, session: str | None = None):
+        """Anthropic's token count of a Messages request (agent CLIs ask it to manage their context): the prompt the
+        chat template renders, counted; nothing is generated or recorded, so no session is needed."""
+        try:
+            raw = await read(request)
+            try:
+                body = anthropic_wire.to_chat_body(raw)
+            except ValueError as exc:
+                raise EndpointError(400, str(exc), "invalid_request") from exc
+            if body.get("model") != model_name:
+                raise EndpointError(404, f"model {body.get('model')!r} is not served here", "model_not_found")
+            prompt_ids = render(body)
+        except EndpointError as exc:
+            return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
+        return reply({"input_tokens": len(prompt_ids)})
+
     async def responses(request: Request, session: str | None = None):
         return await translated(request, session, responses_wire, error)
 
@@ -487,6 +508,7 @@ def create_app(
         app.add_api_route(f"{prefix}/chat/completions", chat, methods=["POST"])
         app.add_api_route(f"{prefix}/completions", completions, methods=["POST"])
         app.add_api_route(f"{prefix}/messages", anthropic_messages, methods=["POST"])
+        app.add_api_route(f"{prefix}/messages/count_tokens", anthropic_count_tokens, methods=["POST"])
         app.add_api_route(f"{prefix}/responses", responses, methods=["POST"])
     return app
 

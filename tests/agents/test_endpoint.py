@@ -174,6 +174,9 @@ def test_an_anthropic_sdk_agent_is_served_and_recorded(served, hf_model, caplog)
     assert transcript.calls == 2
     last = transcript.last
     assert second.usage.input_tokens == len(last.prompt_ids) and second.usage.output_tokens == len(last.output_ids)
+    # the SDK's token count of the same request: the rendered prompt's (nothing generated, nothing recorded)
+    counted = client.messages.count_tokens(model=MODEL, system="Be brief.", messages=messages)
+    assert counted.input_tokens == len(last.prompt_ids) and transcript.calls == 2
     rendered = AutoTokenizer.from_pretrained(tiny_model_dir()).decode(last.prompt_ids)
     assert "Be brief." in rendered and "What is 2 + 3?" in rendered and "sum: 5" in rendered, rendered
     assert '"a": 2' in rendered and "add" in rendered, rendered  # the tool call, as the template renders one
