@@ -43,9 +43,28 @@ import uuid
 
 from openppo.distributed.rendezvous import serve_store
 
-# Imported once by the server: the CLIs whose runs come here (their dependencies stay loaded; the modules themselves
-# are dropped in each child, which runs its own as __main__ the way `python -m` does).
-PRELOAD = ("openppo.cli.train_ppo_ray", "openppo.cli.train_sft", "openppo.cli.train_rm", "openppo.cli.train_dpo")
+# Imported once by the server: the CLIs whose runs come here and what their runs import, which the CLIs import in
+# `train` (so that --help loads the config alone). These stay loaded; the CLI modules themselves are dropped in each
+# child, which runs its own as __main__ the way `python -m` does.
+PRELOAD = (
+    "openppo.cli.train_ppo_ray",
+    "openppo.cli.train_sft",
+    "openppo.cli.train_rm",
+    "openppo.cli.train_dpo",
+    # train_ppo_ray's run
+    "openppo.ppo.launch",
+    "openppo.ppo.trainer",
+    "openppo.ppo.reporting",
+    "openppo.rewards",
+    # the supervised CLIs' runs
+    "openppo.datasets",
+    "openppo.models.actor",
+    "openppo.models.scalar",
+    "openppo.models.vision",
+    "openppo.trainers.setup",
+    "openppo.trainers.loop",
+    "openppo.trainers.stages",
+)
 PER_RUN_VARS = frozenset({"RAY_ADDRESS"})  # may differ between runs of one server
 START_TIMEOUT_S = 300  # the server's imports on a busy 2-core box
 STOP_GRACE_S = 30  # after one rank failed, how long the others get to end on SIGTERM
