@@ -308,8 +308,16 @@ def create_app(
             raise EndpointError(400, "the body must be a JSON object", "invalid_json")
         return body
 
-    def admit(body: dict, request: Request, path_session: str | None) -> tuple[str, dict]:
-        """The request's session and sampling settings, once its model and session are checked."""
+    async def read_as(request: Request, wire) -> tuple[dict, dict]:
+        """A request in another API's shape (`wire`: `anthropic_wire`, `responses_wire`): its body, and the chat
+        request `wire.to_chat_body` makes of it (a 400 when it cannot)."""
+        raw = await read(request)
+        try:
+            return raw, wire.to_chat_body(raw)
+        except ValueError as exc:
+            raise EndpointError(400, str(exc), "invalid_request") from exc
+
+    def check_model(body: dict) -> None:
         if body.get("model") != model_name:
             raise EndpointError(
                 404,
@@ -317,6 +325,10 @@ def create_app(
                 "model_not_found",
                 "model",
             )
+
+    def admit(body: dict, request: Request, path_session: str | None) -> tuple[str, dict]:
+        """The request's session and sampling settings, once its model and session are checked."""
+        check_model(body)
         session = path_session or request.headers.get(SESSION_HEADER) or body.get("user")
         if not session:
             raise EndpointError(
@@ -439,11 +451,7 @@ def create_app(
         translates it (`to_chat_body`) and the reply (`to_reply`, or `stream_events` with `stream: true`); `fail`
         answers an error in that API's shape."""
         try:
-            raw = await read(request)
-            try:
-                body = wire.to_chat_body(raw)
-            except ValueError as exc:
-                raise EndpointError(400, str(exc), "invalid_request") from exc
+            raw, body = await read_as(request, wire)
             session, params = admit(body, request, session)
             message, _, prompt_ids, out = await chat_reply(body, session, params)
         except EndpointError as exc:
@@ -454,26 +462,21 @@ def create_app(
         events = [f"event: {name}\ndata: {json.dumps(data)}\n\n" for name, data in wire.stream_events(answer)]
         return StreamingResponse(iter(events), media_type="text/event-stream")
 
-    async def anthropic_messages(request: Request, session: str | None = None):
-        def fail(exc: EndpointError) -> Response:
-            return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
+    def anthropic_error(exc: EndpointError) -> Response:
+        return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
 
-        return await translated(request, session, anthropic_wire, fail)
+    async def anthropic_messages(request: Request, session: str | None = None):
+        return await translated(request, session, anthropic_wire, anthropic_error)
 
     async def anthropic_count_tokens(request: Request, session: str | None = None):
         """Anthropic's token count of a Messages request (agent CLIs ask it to manage their context): the prompt the
         chat template renders, counted; nothing is generated or recorded, so no session is needed."""
         try:
-            raw = await read(request)
-            try:
-                body = anthropic_wire.to_chat_body(raw)
-            except ValueError as exc:
-                raise EndpointError(400, str(exc), "invalid_request") from exc
-            if body.get("model") != model_name:
-                raise EndpointError(404, f"model {body.get('model')!r} is not served here", "model_not_found")
+            _, body = await read_as(request, anthropic_wire)
+            check_model(body)
             prompt_ids = render(body)
         except EndpointError as exc:
-            return reply(anthropic_wire.error_body(str(exc), exc.status), exc.status)
+            return anthropic_error(exc)
         return reply({"input_tokens": len(prompt_ids)})
 
     async def responses(request: Request, session: str | None = None):
