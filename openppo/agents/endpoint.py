@@ -9,7 +9,8 @@ Served on 127.0.0.1 by default (FastAPI on uvicorn, in a thread of the driver):
 - `POST /v1/messages`: Anthropic's Messages API (`anthropic_wire`: translated to and from the chat route's shapes),
   for agents written against the Anthropic SDK (its base URL: the session's, without `/v1`), and its
   `/v1/messages/count_tokens`;
-- `GET /v1/models`: the one model served.
+- `GET /v1/models`: the one model served, with `weight_version`, the weights the engines hold now (SGLang's name
+  for it): the version a reply's `system_fingerprint` names, so an agent can tell the policy moved mid-episode.
 Every completion request names its episode: by its path (`/sessions/<id>/v1/...`: the base URL a training run
 hands each episode's agent, so an unmodified OpenAI client needs nothing else), else the `X-Session-Id` header, else
 the OpenAI `user` field; the server records the call in that session's `Transcript`, and a session that has ended
@@ -284,10 +285,12 @@ def create_app(
     sampling: dict[str, float] | None = None,
     max_context: int | None = None,
     tool_parser: Callable[[list | None], Any] | None = None,
+    weight_version: Callable[[], int] = lambda: 0,
 ):
     """The FastAPI app: completions from `batcher`, rendered and decoded with `tokenizer`, recorded in `sessions`.
     `sampling`: the run's settings, which every request gets (module doc); `max_context`: prompt and completion
-    tokens at most (the engines' context), a longer prompt is refused; `tool_parser`: `tool_parser_factory`'s."""
+    tokens at most (the engines' context), a longer prompt is refused; `tool_parser`: `tool_parser_factory`'s;
+    `weight_version`: the engines' weights version now."""
     app = FastAPI(title="openppo agent endpoint", docs_url=None, redoc_url=None, openapi_url=None)
     ignored: set[str] = set()  # request settings that the run's override, logged once each
 
@@ -414,7 +417,8 @@ def create_app(
         return tokenizer.decode(ids, skip_special_tokens=not keep_special)
 
     async def models():
-        return reply({"object": "list", "data": [{"id": model_name, "object": "model", "owned_by": "openppo"}]})
+        model = {"id": model_name, "object": "model", "owned_by": "openppo", "weight_version": weight_version()}
+        return reply({"object": "list", "data": [model]})
 
     def render(body: dict) -> list[int]:
         """A chat request's prompt ids: its messages (and tools) rendered by the chat template, tokenized."""

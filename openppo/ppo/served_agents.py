@@ -67,6 +67,7 @@ class ServedAgents(RolloutSource):
                 sampling={"temperature": r.temperature, "top_p": r.top_p},
                 max_context=d.total_len(),
                 tool_parser=parser,
+                weight_version=lambda: self.turns.engines.version,
             )
             self.server = EndpointServer(app, host=r.agent_host)
             logger.info("agent endpoint serving %s at %s", self.model_name, self.server.base_url)

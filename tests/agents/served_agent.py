@@ -1,10 +1,10 @@
 """The agent of the --agent_program run (tests/agents/test_served_agents.py), written against the `openai` package
 only, as any agent outside openppo would be: it asks the policy, runs the `add` tool when the reply calls it, sends
 the result back (the fourth episode of each prompt compacts its history first, as agents that summarise do, so its
-next prompt does not extend the last; the third has a slow tool), and returns 1.0 when the policy called the tool
-(0.0 when it did not) plus a hundredth of the last answer's length in characters, or None on odd prompt indexes to
-leave the score to the run's reward function. The length term gives each group's episodes different rewards even when
-all of them call the tool (the SFT-ed model nearly always does), so step 1's update is never zero.
+next prompt does not extend the last; the third has a slow tool on step 2), and returns 1.0 when the policy called the
+tool (0.0 when it did not) plus a hundredth of the last answer's length in characters, or None on odd prompt indexes
+to leave the score to the run's reward function. The length term gives each group's episodes different rewards even
+when all of them call the tool (the SFT-ed model nearly always does), so step 1's update is never zero.
 
 Two episodes of the run misbehave on purpose, the first two to start on step 1: one raises (its traceback must reach
 the log and its group must not be trained on), one never ends (--agent_timeout must stop waiting for it).
@@ -33,10 +33,12 @@ TOOLS = [
     }
 ]
 HANG_S = 180  # longer than the run's --agent_timeout (60 s)
-# the third episode of each prompt has a slow tool: on step 2 (generated while step 1 trains, --async_train) its
-# answer after the tool comes from the weights that step 1's sync brought, its tool call from the older ones
-SLOW_TOOL_S = 8  # (step 1's update and sync took 3 s on a 2-core CPU)
-
+# The third episode of each prompt has a slow tool on step 2 (generated while step 1 trains, --async_train): it returns
+# once the engines hold newer weights than its first call's (`weight_version` of /v1/models), so the answer after the
+# tool comes from the weights step 1's sync brought and the tool call from the older ones. A fixed 8 s tool raced the
+# update: on a loaded box (AMD EPYC, 2 cores, two busy processes beside) step 1's update and sync took 11.5 s.
+STEP_2_ROUND = 2  # the rounds of the run: step 1's, the refill of the misbehaving episodes' group, step 2's
+NEW_WEIGHTS_WAIT_S = 45  # at most (the run's --agent_timeout is 60 s); the test then finds no straddling episode
 _lock = threading.Lock()
 _started = 0
 # One HTTP client for every episode, and the model's name asked once, as an agent that plays many sessions keeps them:
@@ -45,6 +47,7 @@ _started = 0
 # (2.3 s after the episodes start on an AMD EPYC, 2 cores), or no episode's calls straddle that sync.
 _client = OpenAI(base_url="http://unused/v1", api_key="unused", max_retries=0, timeout=300)
 _model: str | None = None
+_rounds: list[str] = []  # the rounds' session prefixes (<round>-<episode>), in the order their episodes started
 
 
 def _misbehave() -> None:
@@ -66,7 +69,24 @@ def _model_name(client: OpenAI) -> str:
         return _model
 
 
+def _round(task: dict) -> int:
+    prefix = task["session"].rpartition("-")[0]
+    with _lock:
+        if prefix not in _rounds:
+            _rounds.append(prefix)
+        return _rounds.index(prefix)
+
+
+def _await_newer_weights(client: OpenAI, fingerprint: str) -> None:
+    """Until the engines hold weights newer than those that replied with `fingerprint` ("openppo-weights-v<N>")."""
+    version = int(fingerprint.rpartition("-v")[2])
+    deadline = time.monotonic() + NEW_WEIGHTS_WAIT_S
+    while time.monotonic() < deadline and client.models.list().data[0].weight_version <= version:
+        time.sleep(0.2)
+
+
 def agent(base_url: str, task: dict) -> float | None:
+    step_2 = _round(task) == STEP_2_ROUND
     _misbehave()
     client = _client.with_options(base_url=base_url)  # (shares `_client`'s connection pool)
     model = _model_name(client)
@@ -83,8 +103,8 @@ def agent(base_url: str, task: dict) -> float | None:
             except (ValueError, KeyError, TypeError) as exc:
                 result = f"error: {exc}"
             messages.append({"role": "tool", "tool_call_id": call.id, "content": result})
-        if task["sample"] == 2:
-            time.sleep(SLOW_TOOL_S)
+        if task["sample"] == 2 and step_2:
+            _await_newer_weights(client, first.system_fingerprint)
         if task["sample"] == 3:  # an agent that compacts its history: the next prompt does not extend the last
             messages = [{"role": "user", "content": f"{task['prompt']} The add tool said {result}."}]
         last = client.chat.completions.create(model=model, messages=messages, tools=TOOLS, max_tokens=8)

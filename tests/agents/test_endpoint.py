@@ -38,7 +38,9 @@ def served():
 
         batcher = Batcher(generate)
         sessions = Sessions()
-        server = EndpointServer(create_app(batcher, tok, sessions, model_name=MODEL, max_tokens_limit=16))
+        server = EndpointServer(
+            create_app(batcher, tok, sessions, model_name=MODEL, max_tokens_limit=16, weight_version=lambda: VERSION)
+        )
         try:
             yield server.base_url, sessions, calls
         finally:
@@ -122,7 +124,7 @@ def test_errors_reach_the_client_in_openai_shape(served):
         client.chat.completions.create(model=MODEL, messages=chat)
     with pytest.raises(openai.BadRequestError, match="token id 9000 is outside the vocabulary"):
         client.completions.create(model=MODEL, prompt=[1, 9000], extra_headers={"X-Session-Id": "s"})
-    assert [m.id for m in client.models.list().data] == [MODEL]
+    assert [(m.id, m.weight_version) for m in client.models.list().data] == [(MODEL, VERSION)]
 
 
 def test_a_session_named_by_the_path_ends_when_collected(served):

@@ -26,8 +26,9 @@ from tests.cli.helpers import REPO, read_metrics, run_cli, series
 pytestmark = pytest.mark.slow
 
 PAIRS = [(a, b) for a in range(1, 7) for b in range(1, 5)]  # 24 questions
-# an episode takes up to 16 s here (the slow tool's 8 s and two calls; Intel Xeon, 2 cores); CI runs another test
-# beside this one, and at 30 s four of them ran out of time there: 4x what it needs
+# an episode takes a few seconds here, step 2's slow one as long as step 1's update and sync (11.5 s on an AMD EPYC,
+# 2 cores, with two busy processes beside); CI runs another test beside this one, and at 30 s four episodes of an
+# earlier version of this test ran out of time there
 TIMEOUT_S = 60
 
 
