@@ -480,7 +480,7 @@ class VLLMEngine:
             # A sync failed half-way (the sender died or timed out): close that window so this full sync can
             # replace every layer. Until it completes, the weights are a mix of old and new.
             logger.warning("the previous weight update never finished; closing it before starting a new one")
-            self.llm.collective_rpc("finish_weight_update")
+            self.llm.collective_rpc("openppo_close_broken_update")
         self._updating = True
         self.llm.collective_rpc("start_weight_update")
 

@@ -50,6 +50,7 @@ class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate])
         self.received_sum: float | None = None  # float64 sum of what the open sync received, when verified
         self.last_checksum: float | None = None  # the same of the last finished sync
         self.delta: DeltaDecoder | None = None  # the last delta sync's weights (--vllm_sync_delta)
+        self.reloading = False  # a layer-wise reload is open (start_weight_update .. finish_weight_update)
         self._started = 0.0
 
     def init_transfer_engine(self, init_info: GroupInit) -> None:
@@ -68,6 +69,7 @@ class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate])
         self.reload_warnings = _ReloadWarnings()
         _RELOAD_LOGGER.addFilter(self.reload_warnings)
         initialize_layerwise_reload(self.model)
+        self.reloading = True
         self.loaded, self.received_sum, self._started = set(), None, time.perf_counter()
 
     def update_weights(self, update_info: dict) -> None:
@@ -108,6 +110,7 @@ class OpenPPOWeightTransferEngine(WeightTransferEngine[GroupInit, BucketUpdate])
         try:
             finalize_layerwise_reload(self.model, self.model_config)
         finally:
+            self.reloading = False
             _RELOAD_LOGGER.removeFilter(self.reload_warnings)
         _refresh_tied_cpu_kernels(self.model, self.loaded)
         _repack_cpu_experts(self.model, self.loaded)
@@ -138,6 +141,17 @@ class WorkerExtension:
         (on CPU: the per-row seeds of its fused Gumbel-argmax kernel). Every tensor-parallel worker gets the same
         seed, as at start-up, so they keep sampling the same tokens."""
         torch.manual_seed(seed)
+
+    def openppo_close_broken_update(self) -> None:
+        """Close a weight update that broke off, so that the next one starts clean. A sender that stopped between
+        buckets leaves vLLM's update session open: it is finished as usual. A bucket whose load raised (a broadcast
+        whose sender died or timed out) made vLLM's worker end the session itself, but not the layer-wise reload it
+        opened, and vLLM refuses a finish without a session: the reload is finalized directly. Either way the layers
+        that got no tensors keep their weights until the next sync, which sends every one."""
+        if getattr(self, "_weight_update_active", False):
+            self.finish_weight_update()
+        elif self.weight_transfer_engine.reloading:
+            self.weight_transfer_engine.finish_weight_update()
 
     def openppo_after_weight_update(self) -> tuple[int, dict[str, int]]:
         """After `finish_weight_update`: the number of vLLM parameters the sync loaded, and the layers (counted by

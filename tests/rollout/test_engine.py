@@ -200,6 +200,41 @@ def test_lora_sync_puts_the_merged_weights_in_the_engine(engine, hf_model):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("broken_at", ["a bucket the engine failed to load", "the sender, between two buckets"])
+def test_a_sync_after_one_that_broke_off_lands_every_weight(engine, hf_model, broken_at):
+    """A sync breaks off half-way: an engine's load of a bucket raised (a broadcast whose sender died: vLLM's worker
+    then closes its update session itself), or the sender stopped between buckets (the session stays open). The
+    next full sync must land, and the engine compute with exactly its weights."""
+    import copy
+
+    import ray
+
+    from openppo.rollout.buckets import pack_buckets
+    from openppo.rollout.weight_transfer import BucketUpdate, plain
+
+    new = copy.deepcopy(hf_model)
+    g = torch.Generator().manual_seed(11)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    buckets = pack_buckets(list(iter_full_weights(new, rank=0)), 1 << 20)
+    try:
+        ray.get(engine.start_weight_update.remote(), timeout=60)
+        first = buckets[0]
+        ray.get(engine.update_weights.remote(plain(BucketUpdate("bytes", first.meta.to_plain())), first.buffer))
+        if broken_at.startswith("a bucket"):
+            short = buckets[1].buffer[:-4]  # fewer bytes than its tensors need: the load raises
+            with pytest.raises(ray.exceptions.RayTaskError):
+                update = plain(BucketUpdate("bytes", buckets[1].meta.to_plain()))
+                ray.get(engine.update_weights.remote(update, short), timeout=60)
+        sync_weights(new, None, [engine], bucket_bytes=1 << 20, timeout_s=60)
+        synced = engine_weights(engine, new)
+        assert synced.ok() and max(synced.rel_diff.values()) == 0.0, synced.summary()
+    finally:
+        sync_weights(hf_model, None, [engine], timeout_s=60)  # the module's other tests expect the base weights
+
+
+@pytest.mark.slow
 def test_seeded_generation_repeats_whatever_ran_before(engine):
     """`seed` (--full_determinism) reseeds the worker's sampling RNG: the same request draws the same samples
     after any other generation; without it, the next draw goes on from where the RNG was."""
