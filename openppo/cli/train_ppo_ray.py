@@ -62,14 +62,14 @@ def train(cfg: PPOConfig) -> None:
             logger.info("note: %s", notice)
         kv_bytes = launch.kv_cache_bytes(cfg, devices.on_gpu)  # before any model loads (it reads the free RAM)
         plan = make_plan(cfg, len(prompts))  # every derived number, once
-        launch.check_layout_fits(cfg, plan, devices)
+        eval_only = launch.evaluates_pretrain(cfg)
+        launch.check_layout_fits(cfg, plan, devices, eval_only=eval_only)
         launch.start_ray()  # joined already when the cluster is not this machine's own
         config = to_dict(cfg)
         log_run_info({**run_info(config, "train_ppo_ray"), "plan": plan.to_dict()}, cfg.ckpt.save_path)
         logger.info(plan.describe())
         logger.info("shared prompts (--share_prompt_in_group): %s", plan.shared_prompts)
         tracker = MetricsTracker.for_run(cfg, config, "ppo")
-        eval_only = launch.evaluates_pretrain(cfg)
         if eval_only:
             logger.info("--eval_only of %s: only the engines and a reward model start", cfg.model.pretrain)
         try:

@@ -321,7 +321,8 @@ class PromptDataConfig:
         False,
         "evaluate the model (--pretrain, or the checkpoint --load_checkpoint resumes) on --eval_dataset, log it at "
         "its step, and stop: nothing is trained or exported. Of --pretrain only the engines (and a reward model) "
-        "start; a checkpoint's weights reach the engines through the actor, so its run's groups start",
+        "start, and only they must fit the cluster; a checkpoint's weights reach the engines through the actor, so "
+        "its run's groups start",
     )
 
     def total_len(self) -> int:

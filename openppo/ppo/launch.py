@@ -255,18 +255,26 @@ def resolve_attention(cfg: PPOConfig, devices: ClusterDevices) -> None:
         cfg.model.attn_implementation = "sdpa"
 
 
-def check_layout_fits(cfg: PPOConfig, plan: RunPlan, devices: ClusterDevices) -> None:
+def started_roles(plan: RunPlan, eval_only: bool) -> dict:
+    """The model groups a run starts (role -> `plan.roles`' entry): every one, or with `eval_only`
+    (`evaluates_pretrain`) the reward model alone, beside the engines."""
+    return {name: role for name, role in plan.roles.items() if not eval_only or name == "reward"}
+
+
+def check_layout_fits(cfg: PPOConfig, plan: RunPlan, devices: ClusterDevices, *, eval_only: bool = False) -> None:
     """Refuse, in one line naming the flags, a layout the cluster cannot place: more devices than it has (counted
     as `colocation.device_demand` asks for them); a placement group that --placement_strategy STRICT_SPREAD or
     STRICT_PACK cannot place on the nodes there are (named, with their devices); or, on GPUs, an engine of its own
     whose tensor-parallel workers need more GPUs than any one node has. (Ray would otherwise wait for resources that
-    never come.)"""
+    never come.) `eval_only`: the groups that run starts (`started_roles`), not the training layout."""
     from openppo.distributed.placement import strategy_fits
     from openppo.errors import UserError
     from openppo.ppo.colocation import device_demand
 
     kind = "GPU" if devices.on_gpu else "CPU slot"
-    demand = device_demand(cfg, {name: role.ranks for name, role in plan.roles.items()}, devices.on_gpu)
+    demand = device_demand(
+        cfg, {name: role.ranks for name, role in started_roles(plan, eval_only).items()}, devices.on_gpu
+    )
     total = sum(d.count for d in demand)
     if total > devices.count:
         parts = ", ".join(f"{d.what} {d.count}" for d in demand)
@@ -407,7 +415,7 @@ def build_groups(
     timeout = float(cfg.ds.dist_timeout)
     env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg, on_gpu))}
     gpu = 1.0 if on_gpu else 0.0
-    roles = {name: role for name, role in plan.roles.items() if not eval_only or name == "reward"}
+    roles = started_roles(plan, eval_only)
     shared = shared_placement_groups(cfg, set(roles), on_gpu, timeout)
     # Everything is asked for before anything is waited for, the engines first (the longest start: vLLM's client,
     # then its engine core process, each importing vLLM): the groups' processes start and load side by side.

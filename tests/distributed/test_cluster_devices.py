@@ -196,6 +196,8 @@ def test_a_layout_the_cluster_cannot_place_is_refused_in_one_line(gpu_cluster):
     message = str(refused.value)
     assert "\n" not in message and "needs 68 GPUs and the cluster has 64" in message, message
     assert "--actor_num_nodes x --actor_num_gpus_per_node" in message and "--vllm_tensor_parallel_size" in message
+    # --eval_only of --pretrain starts the engines alone (20 GPUs here), not the training layout
+    launch.check_layout_fits(big, make_plan(big, 64), devices, eval_only=True)
     wide = _cfg("--remote_rm_url r.py --init_kl_coef 0 --vllm_num_engines 1 --vllm_tensor_parallel_size 56")
     with pytest.raises(UserError, match="--vllm_tensor_parallel_size 56: .* no node .* more than 48 GPUs"):
         launch.check_layout_fits(wide, make_plan(wide, 64), devices)
