@@ -200,11 +200,19 @@ def test_lora_sync_puts_the_merged_weights_in_the_engine(engine, hf_model):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("broken_at", ["a bucket the engine failed to load", "the sender, between two buckets"])
+@pytest.mark.parametrize(
+    "broken_at",
+    [
+        "the broadcast group, closed mid-receive",
+        "a bucket the engine failed to load",
+        "the sender, between two buckets",
+    ],
+)
 def test_a_sync_after_one_that_broke_off_lands_every_weight(engine, hf_model, broken_at):
-    """A sync breaks off half-way: an engine's load of a bucket raised (a broadcast whose sender died: vLLM's worker
-    then closes its update session itself), or the sender stopped between buckets (the session stays open). The
-    next full sync must land, and the engine compute with exactly its weights."""
+    """A sync breaks off half-way: an engine's load of a bucket raised (its broadcast group closed under the receive,
+    as when the sender or a fellow engine dies, or a bucket it cannot unpack: vLLM's worker then ends its update
+    session itself), or the sender stopped between buckets (the session stays open). The next full sync must land,
+    and the engine compute with exactly its weights."""
     import copy
 
     import ray
@@ -222,6 +230,13 @@ def test_a_sync_after_one_that_broke_off_lands_every_weight(engine, hf_model, br
         ray.get(engine.start_weight_update.remote(), timeout=60)
         first = buckets[0]
         ray.get(engine.update_weights.remote(plain(BucketUpdate("bytes", first.meta.to_plain())), first.buffer))
+        if broken_at.startswith("the broadcast group"):
+            group = connect_engines([engine], backend="gloo", master_addr="127.0.0.1", timeout_s=60)
+            receiving = engine.update_weights.remote(plain(BucketUpdate("broadcast", buckets[1].meta.to_plain())))
+            time.sleep(1.0)  # (the engine waits in the receive; closed before it gets there, it fails there alike)
+            group.destroy()  # nothing was sent: the sender is gone
+            with pytest.raises(ray.exceptions.RayTaskError, match="Connection closed by peer|Connection reset"):
+                ray.get(receiving, timeout=60)
         if broken_at.startswith("a bucket"):
             short = buckets[1].buffer[:-4]  # fewer bytes than its tensors need: the load raises
             with pytest.raises(ray.exceptions.RayTaskError):
