@@ -1,5 +1,6 @@
 """Killing a run's vLLM engine while it generates: the faults the engine-restart tests inject (a SIGKILL of the
-engine's actor process, or of vLLM's engine core under it), read from the driver's log and /proc."""
+engine's actor process and the engine core under it, or of vLLM's engine core alone), read from the driver's log and
+/proc."""
 
 from __future__ import annotations
 
@@ -49,10 +50,11 @@ def _cpu_seconds(proc: psutil.Process) -> float:
 
 
 def kill_while_generating(actor_pid: int, *, core: bool = False, busy_s: float = 0.06, timeout_s: float = 300.0) -> int:
-    """SIGKILL an engine once it is generating: its actor process, or with `core` vLLM's engine core process under
-    it. Generating is told by the process that decodes (the engine core, else the actor) using more than BUSY_SHARE
-    of a core in each 20 ms for `busy_s`: longer than the tiny model's weight sync keeps the engine busy, shorter
-    than the generation the caller makes long enough for it. Returns the pid killed."""
+    """SIGKILL an engine once it is generating: its actor process (and the engine core under it, as a real cluster
+    does), or with `core` vLLM's engine core process alone. Generating is told by the process that decodes (the engine
+    core, else the actor) using more than BUSY_SHARE of a core in each 20 ms for `busy_s`: longer than the tiny
+    model's weight sync keeps the engine busy, shorter than the generation the caller makes long enough for it.
+    Returns the pid killed."""
     worker = engine_core(actor_pid) or psutil.Process(actor_pid)
     victim = worker.pid if core else actor_pid
     assert not core or worker.pid != actor_pid, "this engine runs its engine core in its actor process"
@@ -67,6 +69,13 @@ def kill_while_generating(actor_pid: int, *, core: bool = False, busy_s: float =
             busy_since = time.monotonic() - _SAMPLE_S
         if busy_since is not None and time.monotonic() - busy_since >= busy_s:
             os.kill(victim, signal.SIGKILL)
+            if not core and worker.pid != actor_pid:
+                # and the engine core under it, as a real cluster's raylet kills a dead worker's children (gone 0.3 s
+                # after its actor, measured), closing its sockets: a weight sync under way fails at once. A test
+                # cluster's processes forked from its zygotes escape the raylet; their core lived on and held the
+                # sync's broadcast until --dist_timeout (the two-node test's job took 1228 s once).
+                with contextlib.suppress(ProcessLookupError):
+                    os.kill(worker.pid, signal.SIGKILL)
             return victim
         last = now
     raise AssertionError(f"vLLM engine process {worker.pid} did not generate within {timeout_s:.0f} s")
