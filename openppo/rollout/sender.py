@@ -342,6 +342,7 @@ class TrainerTransfer:
         self.exchange: HandleExchange | None = exchange
         # the last sync's weights, on the ranks that pack buckets (rank 0 and the exporting ranks)
         self.encoder = DeltaEncoder(init_info.dtype) if init_info.delta else None
+        self._receiving = False
 
     @classmethod
     def trainer_init(cls, init_info: TrainerInit, *, client: Sequence[Any], source: Any) -> TrainerTransfer:
@@ -364,12 +365,21 @@ class TrainerTransfer:
     def send_weights(self, *, version: int | None = None, verify: bool = False) -> dict[str, float] | None:
         """One full sync (see `sync_weights`); rank 0 returns its statistics, the other ranks None. `version` tags
         the tokens the engines sample from then on; `verify` makes them sum what they receive
-        (`last_sync_checksum`). A sync that fails makes the next one full on this rank (`DeltaEncoder.forget`)."""
+        (`last_sync_checksum`). A sync that fails makes the next one full on this rank (`DeltaEncoder.forget`).
+
+        One that fails in a broadcast also closes the broadcast group (rank 0): the engines waiting in its receive
+        (for the bucket the sender never sent them, having failed on a dead member first) then fail at once, where
+        they would wait out the group's timeout (--dist_timeout) holding their actors, which the driver next asks
+        whether they are alive and then connects anew (`ActorWorker.connect_engines` makes the next group)."""
+        self._receiving = False  # engines were told to receive a bucket whose broadcast has not completed
         try:
             return self._send(version, verify)
         except BaseException:
             if self.encoder is not None:
                 self.encoder.forget()
+            if self._receiving and self.group is not None:
+                self.group.destroy()
+                self.group = None
             raise
 
     def _send(self, version: int | None, verify: bool) -> dict[str, float] | None:
@@ -452,8 +462,10 @@ class TrainerTransfer:
                     pending += [e.update_weights.remote(update, ref) for e in stored]
                 if broadcast:
                     update = plain(BucketUpdate("broadcast", meta, verify=verify, delta=delta))
+                    self._receiving = True
                     pending += [e.update_weights.remote(update) for e in broadcast]
                     group.broadcast(bucket.buffer.to(group.device), src=0)
+                    self._receiving = False
                 pending = _raise_failed(pending)
                 _raise_failed([ref for refs in in_flight for ref in refs])  # a failed hand-over stops us now too
                 num_buckets += 1
