@@ -344,16 +344,21 @@ def kv_cache_bytes(cfg: PPOConfig, on_gpu: bool) -> int | None:
     return size.bytes
 
 
-def cpu_threads_per_process(cfg: PPOConfig, on_gpu: bool) -> int:
-    """Threads for each worker and engine. Stages run one after another in a synchronous step, so only the ranks
-    of one group compete for the cores at a time; with --async_train the engines generate while the actor trains,
-    so they split the cores. On GPU machines the CPU threads matter little."""
+def cpu_threads_per_process(cfg: PPOConfig, on_gpu: bool, *, eval_only: bool = False) -> int:
+    """Threads for each worker and engine. A synchronous step's stages run one after another: the engines generate
+    side by side, then the actor's ranks train side by side, so the larger of those two groups splits the cores;
+    with --async_train the engines generate while the actor trains, so all of them split the cores. `eval_only`
+    (`evaluates_pretrain`): the engines alone. Two engines that each had a 2-core box's two threads generated 6.4x
+    slower than with one each, their threads waiting on each other (docs/benchmarks.md, `bench/engine_threads.py`).
+    On GPU machines the CPU threads matter little."""
     if "OMP_NUM_THREADS" in os.environ:
         return int(os.environ["OMP_NUM_THREADS"])
     if on_gpu:
         return 4
-    busy = actor_world_size(cfg) + (cfg.vllm.vllm_num_engines if cfg.rollout.async_train else 0)
-    return max(1, (os.cpu_count() or 1) // busy)
+    engines = cfg.vllm.vllm_num_engines
+    actor = 0 if eval_only else actor_world_size(cfg)
+    busy = actor + engines if cfg.rollout.async_train else max(actor, engines)
+    return max(1, (os.cpu_count() or 1) // max(1, busy))
 
 
 def start_ray() -> None:
@@ -413,7 +418,7 @@ def build_groups(
     from openppo.rollout.pool import EnginePool
 
     timeout = float(cfg.ds.dist_timeout)
-    env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg, on_gpu))}
+    env = {"OMP_NUM_THREADS": str(cpu_threads_per_process(cfg, on_gpu, eval_only=eval_only))}
     gpu = 1.0 if on_gpu else 0.0
     roles = started_roles(plan, eval_only)
     shared = shared_placement_groups(cfg, set(roles), on_gpu, timeout)

@@ -53,6 +53,26 @@ def _cfg(flags: str) -> PPOConfig:
     return parse_config(PPOConfig, (argv + " " + flags.format(model=model)).split(), "t")
 
 
+@pytest.mark.parametrize(
+    "flags,cores,threads",
+    [
+        ("--vllm_num_engines 2", 2, 1),  # the two engines generate side by side: one core each
+        ("--vllm_num_engines 1", 2, 2),  # one engine, then one actor rank: each has the box
+        ("--vllm_num_engines 1 --actor_num_gpus_per_node 2", 4, 2),  # two ranks train side by side
+        ("--vllm_num_engines 1 --async_train", 4, 2),  # the engine generates while the rank trains
+        ("--vllm_num_engines 2 --async_train", 6, 2),
+        ("--vllm_num_engines 1 --actor_num_gpus_per_node 4 --eval_only --eval_dataset e.jsonl", 4, 4),  # no actor
+    ],
+)
+def test_cpu_threads_split_the_cores_between_the_processes_that_run_at_once(monkeypatch, flags, cores, threads):
+    monkeypatch.delenv("OMP_NUM_THREADS", raising=False)
+    monkeypatch.setattr(os, "cpu_count", lambda: cores)
+    cfg = _cfg(flags)
+    eval_only = launch.evaluates_pretrain(cfg)
+    assert launch.cpu_threads_per_process(cfg, on_gpu=False, eval_only=eval_only) == threads
+    assert launch.cpu_threads_per_process(cfg, on_gpu=True) == 4
+
+
 @pytest.fixture(scope="module")
 def gpu_cluster():
     from ray.cluster_utils import Cluster
