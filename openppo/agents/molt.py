@@ -12,10 +12,10 @@ text), `action_text` (this turn, decoded with its special tokens, as Molt does) 
 None (openppo's sampling settings are the run's, one per run). The `Result`'s reward adds to the episode's, its
 `observation` is the next turn's feedback (encoded raw, no template, as in Molt), `terminated` or `truncated` ends
 the episode (so does --agent_max_turns), `info` and `score` are logged per sample. The steps of a turn's running
-episodes are awaited concurrently on one event loop (`MoltEnv.step_all`), as Molt awaits them, each within
---agent_timeout. What openppo does not do is
-refused in one line naming the episode: a `reset` that rewrites the first observation (the prompt is rendered from
-the data set), images in the feedback, per-turn sampling parameters.
+episodes are awaited concurrently on one event loop, as Molt awaits them, each within --agent_timeout
+(`openppo.agents.async_env`, shared with OpenRLHF's agent files). What openppo does not do is refused in one line
+naming the episode: a `reset` that rewrites the first observation (the prompt is rendered from the data set), images
+in the feedback, per-turn sampling parameters.
 
 A file exporting `class AgentRunner(ChatAgentRunner)` bound to a `ChatAgent` (an async `run(ctx) -> Result` that
 calls the policy through the OpenAI API itself) is played as an --agent_program (`chat_program`): each episode's
@@ -31,16 +31,15 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import importlib.util
-import numbers
 import sys
-import threading
 import types
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from openppo.agents.base import AgentEnv, AgentError, EnvTimeout, StepResult
+from openppo.agents.async_env import AsyncStepEnv, logged, refuse_step_extras, scalar
+from openppo.agents.base import AgentEnv, AgentError, StepResult
 from openppo.agents.program import AgentProgram, Outcome, PythonAgent
 from openppo.errors import UserError
 
@@ -176,10 +175,10 @@ def chat_program(runner: Any, path: str, settings: ChatSettings) -> AgentProgram
         result = asyncio.run(agent_cls().run(ctx))
         if not isinstance(result, Result) and type(result).__name__ != "Result":
             raise AgentError(f"{agent_cls.__name__}.run returned {type(result).__name__}; return a Result")
-        reward = _scalar(result.reward)
+        reward = scalar(result.reward)
         if reward is None:
             raise AgentError(f"{agent_cls.__name__}.run returned a Result without a scalar reward")
-        return Outcome(reward=reward, extra=_logged(result))
+        return Outcome(reward=reward, extra=logged(result.info, result.score))
 
     return PythonAgent(play, name)
 
@@ -198,42 +197,6 @@ def molt_modules():
     yield
 
 
-class _Loop:
-    """One event loop on a thread of its own for every Molt environment of the process: an environment may keep
-    loop-bound objects (an aiohttp session) from one turn to the next, so every coroutine runs on the same loop."""
-
-    _loop: asyncio.AbstractEventLoop | None = None
-    _lock = threading.Lock()
-
-    @classmethod
-    def run(cls, coroutine):
-        with cls._lock:
-            if cls._loop is None:
-                cls._loop = asyncio.new_event_loop()
-                threading.Thread(target=cls._loop.run_forever, name="molt-env-loop", daemon=True).start()
-        return asyncio.run_coroutine_threadsafe(coroutine, cls._loop).result()
-
-
-def _scalar(value: Any) -> float | None:
-    """Molt's rule for a reward, score or logged value: a number, or the first element of a tensor or list; None
-    for anything else (a string in `info` is not logged)."""
-    if hasattr(value, "detach") and hasattr(value, "flatten"):
-        flat = value.detach().flatten()
-        return float(flat[0].item()) if flat.numel() else None
-    if isinstance(value, (list, tuple)):
-        return _scalar(value[0]) if value else None
-    return float(value) if isinstance(value, numbers.Real) else None
-
-
-def _logged(result: Any) -> dict[str, float]:
-    """What Molt logs of a Result: the numbers in `info` (a string is not logged), and `score` when it is one."""
-    logged = {str(k): _scalar(v) for k, v in (result.info or {}).items()}
-    extra = {k: v for k, v in logged.items() if v is not None}
-    if _scalar(result.score) is not None:
-        extra["score"] = _scalar(result.score)
-    return extra
-
-
 def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
     """The openppo environment class that plays the Molt `AgentRunner` instance `runner` of the file `path`."""
     env_cls = getattr(runner, "env_cls", None)
@@ -243,80 +206,21 @@ def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
             "agents openppo plays; bind it to one of them"
         )
 
-    class MoltEnv(AgentEnv):
-        decode_special_tokens: ClassVar[bool] = True  # Molt's action_text keeps them (answer and tool markers)
-        molt_env_cls: ClassVar[type] = env_cls
+    class MoltEnv(AsyncStepEnv):
+        episode_cls: ClassVar[type] = env_cls
 
-        def __init__(self, prompt: str, label: Any):
-            super().__init__(prompt, label)
-            self.env = env_cls()
-            state = _Loop.run(self.env.reset({"observation": prompt, "label": label}))
-            if state.get("observation", prompt) != prompt:
-                raise AgentError(
-                    f"{env_cls.__name__}.reset rewrote the first observation; openppo renders the prompt from the "
-                    "data set (--input_key, --apply_chat_template): put that text in the data set instead"
-                )
-            self.text = prompt
-
-        def step(self, response_text: str, turn: int) -> StepResult:
-            return self._finish(_Loop.run(self.env.step(self._state(response_text))), response_text)
-
-        @classmethod
-        def step_all(
-            cls, envs: list[MoltEnv], texts: list[str], turn: int, timeout_s: float | None
-        ) -> list[StepResult | BaseException]:
-            """Every running episode's step of a turn at once, as Molt awaits them: concurrently on the one event
-            loop, each within `timeout_s` (a late one is cancelled, and its entry an EnvTimeout); an episode's error
-            is its entry."""
-
-            async def own(env: MoltEnv, text: str):
-                try:
-                    return await env.env.step(env._state(text))
-                except Exception as err:  # the step's own, a TimeoutError among them, kept apart from wait_for's
-                    return err
-
-            async def one(env: MoltEnv, text: str):
-                try:
-                    return await asyncio.wait_for(own(env, text), timeout_s)
-                except asyncio.TimeoutError:
-                    return EnvTimeout()
-
-            async def together():
-                return await asyncio.gather(*(one(e, t) for e, t in zip(envs, texts)), return_exceptions=True)
-
-            out: list[StepResult | BaseException] = []
-            for env, text, result in zip(envs, texts, _Loop.run(together())):
-                try:
-                    out.append(result if isinstance(result, BaseException) else env._finish(result, text))
-                except AgentError as err:
-                    out.append(err)
-            return out
-
-        def _state(self, response_text: str) -> dict:
-            state = {"observation_text": self.text, "action_text": response_text, "label": self.label}
-            return {**state, "sampling_params": None}
-
-        def _finish(self, result: Any, response_text: str) -> StepResult:
-            """The StepResult of a step's `Result`, checked; the episode's text grows by the turn and feedback."""
+        def _result(self, result: Any) -> StepResult:
             if not isinstance(result, Result) and type(result).__name__ != "Result":
                 raise AgentError(f"{env_cls.__name__}.step returned {type(result).__name__}; return a Result")
-            reward = _scalar(result.reward)
+            reward = scalar(result.reward)
             if reward is None:
                 raise AgentError(f"{env_cls.__name__}.step returned a Result without a scalar reward")
-            if result.images:
-                raise AgentError(f"{env_cls.__name__}.step returned images: openppo's agents give text feedback only")
-            if result.sampling_params is not None:
-                raise AgentError(
-                    f"{env_cls.__name__}.step returned sampling_params: openppo samples every turn with the run's "
-                    "settings (--temperature, --top_p, --generate_max_len)"
-                )
-            extra = _logged(result)
-            self.text += response_text + (result.observation or "")
+            refuse_step_extras(env_cls.__name__, result.images, result.sampling_params)
             return StepResult(
                 feedback=result.observation or "",
                 reward=reward,
                 done=bool(result.terminated or result.truncated),
-                extra=extra,
+                extra=logged(result.info, result.score),
             )
 
     MoltEnv.__name__ = MoltEnv.__qualname__ = f"Molt{env_cls.__name__}"

@@ -29,7 +29,7 @@ def play(path, *, n=2, max_turns=4, timeout_s=None):
     """`n` episodes of one prompt; returns the samples and every state the Molt environment saw, in order."""
     items = [{"prompt": "P", "prompt_ids": [ord("P")], "label": "7", "index": 3}]
     env_cls = load_agent_env(path, "--train.agent_path")
-    seen = getattr(sys.modules[env_cls.molt_env_cls.__module__], "SEEN", [])
+    seen = getattr(sys.modules[env_cls.episode_cls.__module__], "SEEN", [])
     seen.clear()
     samples = run_agent_episodes(
         answer,
