@@ -7,7 +7,8 @@ so the token ids the policy is trained on are exactly the ones the engine sample
 the feedback tokens it inserts are masked out of the loss.
 
 A user's file (`--agent_func_path my_env.py`) defines `class Agent(AgentEnv)`; `load_agent_env` imports it. A Molt
-agent file (`class AgentRunner(StepEnvRunner)`, Molt's `--train.agent_path`) is played through `openppo.agents.molt`.
+agent file (`class AgentRunner(StepEnvRunner)`, Molt's `--train.agent_path`) is played through `openppo.agents.molt`,
+an OpenRLHF one (`class AgentExecutor(MultiTurnAgentExecutor)`) through `openppo.agents.openrlhf_agent`.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from openppo.utils.imports import import_file
 FLAG = "--agent_func_path"
 _FIX = (
     "class Agent(AgentEnv) (from openppo.agents import AgentEnv) with a step(self, response_text, turn) method, "
-    "or Molt's class AgentRunner(StepEnvRunner)"
+    "Molt's class AgentRunner(StepEnvRunner), or OpenRLHF's class AgentExecutor(MultiTurnAgentExecutor)"
 )
 
 
@@ -59,7 +60,10 @@ class AgentEnv(abc.ABC):
     """
 
     decode_special_tokens: ClassVar[bool] = False
-    """whether `step` gets the model's turn with its special tokens (Molt's environments do)"""
+    """whether `step` gets the model's turn with its special tokens (Molt's and OpenRLHF's environments do)"""
+    decode_stop_token: ClassVar[bool] = True
+    """whether that text keeps the stop token that ended the turn (vLLM's `.text`, which OpenRLHF's environments
+    read, leaves it out; without special tokens it is never there)"""
 
     def __init__(self, prompt: str, label: Any):
         self.prompt = prompt
@@ -80,19 +84,22 @@ def load_agent_env(path: str | Path, flag: str = FLAG) -> type[AgentEnv]:
 
 
 def load_agent(path: str | Path, flag: str = FLAG) -> type[AgentEnv] | Any:
-    """What the .py file at `path` plays: its `Agent` class, the AgentEnv class of a Molt `StepEnvRunner`, or the
-    `AgentRunner` instance itself of a Molt `ChatAgentRunner` (an agent that calls the endpoint: `molt.chat_program`
-    plays it); a one-line UserError naming `flag` and the fix otherwise."""
+    """What the .py file at `path` plays: its `Agent` class, the AgentEnv class of a Molt `StepEnvRunner` or of an
+    OpenRLHF `AgentExecutor`, or the `AgentRunner` instance itself of a Molt `ChatAgentRunner` (an agent that calls
+    the endpoint: `molt.chat_program` plays it); a one-line UserError naming `flag` and the fix otherwise."""
     p = Path(path).expanduser()
     if not p.is_file():
         raise UserError(f"{flag}: agent file {path} not found; pass an existing .py file that defines {_FIX}")
     if p.suffix != ".py":
         raise UserError(f"{flag}: {path} is not a .py file; pass a Python file that defines {_FIX}")
-    from openppo.agents import molt
+    from openppo.agents import molt, openrlhf_agent
 
-    with molt.molt_modules():  # a Molt agent file imports molt.agents
+    # a Molt agent file imports molt.agents, an OpenRLHF one openrlhf.utils.agent
+    with molt.molt_modules(), openrlhf_agent.openrlhf_modules():
         module = import_file(p, flag, "openppo_agent_env_")
     cls = getattr(module, "Agent", None)
+    if cls is None and inspect.isclass(getattr(module, "AgentExecutor", None)):
+        return openrlhf_agent.agent_env(module.AgentExecutor, str(path), flag)
     if cls is None and inspect.isclass(getattr(module, "AgentRunner", None)):
         try:
             runner = module.AgentRunner()

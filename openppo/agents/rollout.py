@@ -171,7 +171,10 @@ def run_agent_episodes(
             assert len(token_ids) <= budget and len(log_probs) == len(token_ids), "generate broke its contract"
             ep.append(token_ids, log_probs)
             ep.num_turns += 1
-            texts.append(tokenizer.decode(token_ids, skip_special_tokens=not ep.env.decode_special_tokens))
+            # (the engines stop on stop tokens only: a turn that finished with "stop" ends with one)
+            stopped = out["finish_reason"] == "stop" and token_ids and not ep.env.decode_stop_token
+            shown = token_ids[:-1] if stopped else token_ids
+            texts.append(tokenizer.decode(shown, skip_special_tokens=not ep.env.decode_special_tokens))
         still_active = []
         for ep, out, result in zip(active, outputs, _step_all(active, texts, turn, env_timeout_s)):
             ep.reward += float(result.reward)

@@ -143,6 +143,13 @@ def load_agent(cfg: PPOConfig, tokenizer) -> tuple[Any, AgentProgram | None]:
         return None, None
     agent = load_agent_file(r.agent_func_path)
     if isinstance(agent, type):
+        # (OpenRLHF's executor plays an episode until it is done or out of room: no cap on its turns to mirror)
+        logger.info(
+            "--agent_func_path %s: %s, at most %d model turns an episode (--agent_max_turns)",
+            r.agent_func_path,
+            agent.__name__,
+            r.agent_max_turns,
+        )
         return agent_episodes(cfg, tokenizer, agent), None
     settings = molt.ChatSettings(
         model_name=cfg.model.pretrain,

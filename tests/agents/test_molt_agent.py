@@ -131,7 +131,8 @@ def test_a_molt_file_loads_with_its_errors_named(tmp_path):
         load_agent_env(broken, "--train.agent_path")
     neither = tmp_path / "neither.py"
     neither.write_text("x = 1\n")
-    with pytest.raises(UserError, match="defines no Agent; add class Agent.*or Molt's class AgentRunner"):
+    fix = "defines no Agent; add class Agent.*, Molt's class AgentRunner.*, or OpenRLHF's class AgentExecutor"
+    with pytest.raises(UserError, match=fix):
         load_agent_env(neither, "--train.agent_path")
 
 
