@@ -7,7 +7,9 @@ every member group runs in bundle i and asks for `fraction` of it, so the member
 Groups in no pool get a placement group of their own.
 
 - `--colocate_all_models` (hybrid engine): actor, reference, critic, reward model, teachers and the vLLM engines in
-  one pool of the actor's size (validation checks every member has that size).
+  one pool of the actor's size (validation checks every member has that size). With `--async_train` the engines
+  generate while the trainer works, so they stay out of it: the pool ("deepspeed") holds the other models only
+  (`engines_colocated`).
 - `--colocate_actor_ref`: actor + reference; `--colocate_critic_reward`: critic + reward model.
 
 In the hybrid engine an engine of tensor-parallel size tp takes tp consecutive bundles: worker w of engine i shares
@@ -26,7 +28,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, NamedTuple
 
 from openppo.distributed.placement import colocated_fraction
-from openppo.ppo.config import PPOConfig
+from openppo.ppo.config import PPOConfig, engines_colocated
 
 if TYPE_CHECKING:  # the run-time handles import Ray; the placement math does not
     from openppo.ppo.groups import Groups
@@ -58,7 +60,9 @@ def colocation_pools(cfg: PPOConfig, present: set[str]) -> list[Pool]:
         raise ValueError(f"unknown roles {sorted(unknown)}")
     actor_size = res.actor_num_nodes * res.actor_num_gpus_per_node
     if res.colocate_all_models:
-        return [Pool("hybrid", actor_size, tuple(r for r in ROLES if r in present) + tuple(teachers))]
+        hybrid = engines_colocated(cfg)
+        members = tuple(r for r in ROLES if r in present and (hybrid or r != "engines")) + tuple(teachers)
+        return [Pool("hybrid" if hybrid else "deepspeed", actor_size, members)] if len(members) > 1 else []
     pools = []
     if res.colocate_actor_ref and "reference" in present:
         pools.append(Pool("actor_ref", actor_size, ("actor", "reference")))
@@ -127,7 +131,7 @@ def device_demand(cfg: PPOConfig, ranks: dict[str, int], on_gpu: bool) -> list[D
     pooled = {role for pool in pools for role in pool.members}
     demand = [
         Demand(f"{' + '.join(pool.members)} ({pool.name}: --actor_num_nodes x --actor_num_gpus_per_node)", pool.bundles)
-        if pool.name == "hybrid"
+        if pool.name in ("hybrid", "deepspeed")
         else Demand(f"{' + '.join(pool.members)} ({'--colocate_' + pool.name})", pool.bundles)
         for pool in pools
     ]

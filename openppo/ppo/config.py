@@ -99,7 +99,11 @@ class ResourceConfig:
     teacher_num_gpus_per_node: int = opt(1, "ranks per node of each teacher model")
     colocate_actor_ref: bool = opt(False, "actor and reference share devices")
     colocate_critic_reward: bool = opt(False, "critic and reward model share devices")
-    colocate_all_models: bool = opt(False, "hybrid engine: every model and the vLLM engines share the actor's devices")
+    colocate_all_models: bool = opt(
+        False,
+        "hybrid engine: every model and the vLLM engines share the actor's devices (with --async_train the "
+        "DeepSpeed models only, as in OpenRLHF: the engines generate on devices of their own)",
+    )
     placement_strategy: str = opt(
         "PACK",
         "how each group's devices (one per rank, or per pool of colocated groups) spread over the cluster's nodes, "
@@ -573,6 +577,13 @@ class PPOConfig:
     algo: AlgoConfig = field(default_factory=AlgoConfig)
     ckpt: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: PPOLoggingConfig = field(default_factory=PPOLoggingConfig)
+
+
+def engines_colocated(cfg: PPOConfig) -> bool:
+    """Whether the vLLM engines share the actor's devices (the hybrid engine): --colocate_all_models, unless
+    --async_train, which generates while the trainer works, so that the flag colocates the DeepSpeed models only.
+    That is OpenRLHF's rule, and its async agent recipe gives both flags."""
+    return cfg.resources.colocate_all_models and not cfg.rollout.async_train
 
 
 def ranks_per_shard(cfg: PPOConfig, role: str) -> int:

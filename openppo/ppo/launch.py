@@ -14,7 +14,7 @@ from openppo.agents.program import AgentProgram
 from openppo.datasets import PromptDataset, load_blended_dataset, require_columns
 from openppo.ppo.collector import RolloutSource, Scorer
 from openppo.ppo.colocation import EnginePlacement, colocation_pools, engine_placement
-from openppo.ppo.config import PPOConfig
+from openppo.ppo.config import PPOConfig, engines_colocated
 from openppo.ppo.groups import Groups
 from openppo.ppo.plan import RunPlan
 from openppo.ppo.validate import actor_world_size, check_reward_normalization
@@ -305,7 +305,7 @@ def check_layout_fits(cfg: PPOConfig, plan: RunPlan, devices: ClusterDevices, *,
             "--placement_strategy %s has no effect: the cluster has one node, which holds every group", strategy
         )
     tp = cfg.vllm.vllm_tensor_parallel_size
-    if devices.on_gpu and not cfg.resources.colocate_all_models and tp > 1:
+    if devices.on_gpu and not engines_colocated(cfg) and tp > 1:
         most = max(per_node, default=devices.count)
         if most < tp:
             raise UserError(
@@ -558,7 +558,7 @@ class EngineLink:
 
 def shared_placement_groups(cfg: PPOConfig, roles: set[str], on_gpu: bool, timeout_s: float) -> dict[str, tuple]:
     """{role: (placement group, share of each of its bundles)} for the roles that share devices
-    (`colocation.colocation_pools`: "engines" among them with --colocate_all_models); each pool's group is made (and
+    (`colocation.colocation_pools`: "engines" among them in the hybrid engine); each pool's group is made (and
     waited for, at most `timeout_s`) here, one bundle of {CPU: 1, GPU: 1 on GPUs} per device."""
     from openppo.distributed.placement import make_placement_group
 
@@ -618,7 +618,7 @@ def sync_plan(cfg: PPOConfig, rank_infos: list[dict], engine_workers: list[list[
 
     ranks = [Where.of(info) for info in rank_infos]
     workers = [[Where.of(w) for w in locations] for locations in engine_workers]
-    colocated = cfg.resources.colocate_all_models
+    colocated = engines_colocated(cfg)
     plan = choose_transports(
         ranks,
         workers,

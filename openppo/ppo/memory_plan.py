@@ -229,6 +229,7 @@ def _working_memory(role: str, shape: ModelShape, cfg, *, trained: bool, lm_head
 def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu: bool = True) -> list[DevicePlan]:
     """One DevicePlan per kind of device the run uses. `shapes` has "actor" and, when used, "critic", "reward".
     `on_gpu`: the run trains on GPUs (DeepSpeed's fused Adam) rather than on CPU (torch's AdamW)."""
+    from openppo.ppo.config import engines_colocated
     from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
 
     res, ds, v = cfg.resources, cfg.ds, cfg.vllm
@@ -309,8 +310,12 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu
         tensor_parallel=v.vllm_tensor_parallel_size,
         engine_dtype_bytes=dtype_bytes(ds.param_dtype),
     )
-    if res.colocate_all_models:
+    if engines_colocated(cfg):
         return [_colocated(groups, engine, cfg)]
+    if res.colocate_all_models:  # (--async_train) the DeepSpeed models share the actor's devices, the engines not
+        return [DevicePlan("DeepSpeed models' device", [i for items in groups.values() for i in items])] + [
+            DevicePlan("engine device", engine)
+        ]
     if res.colocate_actor_ref and "ref" in groups:
         groups["actor"] += groups.pop("ref")
     if res.colocate_critic_reward and "critic" in groups and "reward" in groups:

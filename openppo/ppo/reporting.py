@@ -22,7 +22,7 @@ from collections import deque
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 
-from openppo.ppo.config import PPOConfig
+from openppo.ppo.config import PPOConfig, engines_colocated
 
 # -- throughput ---------------------------------------------------------------------------------------------------
 
@@ -234,19 +234,19 @@ def _fmt(stage: str, seconds: float, share: float, step: float) -> str:
 
 
 def _generation(cfg: PPOConfig, means: dict[str, float]) -> Advice | None:
-    r, v, res = cfg.rollout, cfg.vllm, cfg.resources
+    r, v = cfg.rollout, cfg.vllm
     stage = "wait_rollout" if r.async_train else "generate"
     seconds, share = _share(means, stage)
     if share < (GENERATION_SHARE / 2 if r.async_train else GENERATION_SHARE):
         return None
     flags = []
-    if not res.colocate_all_models:
+    if not engines_colocated(cfg):
         flags.append(f"--vllm_num_engines {v.vllm_num_engines * 2}")
-    if v.vllm_gpu_memory_utilization < 0.9 and not res.colocate_all_models:
+    if v.vllm_gpu_memory_utilization < 0.9 and not engines_colocated(cfg):
         flags.append("--vllm_gpu_memory_utilization 0.9 (a larger KV cache, more sequences at once)")
     if r.n_samples_per_prompt > 1 and not v.enable_prefix_caching:
         flags.append("--enable_prefix_caching (the samples of a prompt share its KV cache)")
-    if not r.async_train and not res.colocate_all_models:
+    if not r.async_train and not engines_colocated(cfg):
         flags.append("--async_train (generate the next batch while this one trains)")
     what = "waiting for generation" if r.async_train else "generation"
     return Advice(

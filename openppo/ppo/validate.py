@@ -16,7 +16,7 @@ from openppo.config.common import validate_build, validate_outputs, validate_sch
 from openppo.errors import UserError, require
 from openppo.models.hf import aux_loss_notice, is_mixture_of_experts, kv_heads, resolve_model_path
 from openppo.models.kernels import check_compile, liger_notice
-from openppo.ppo.config import PPOConfig, ranks_per_shard
+from openppo.ppo.config import PPOConfig, engines_colocated, ranks_per_shard
 from openppo.ppo.teachers import check_teacher_tokenizers, parse_teachers
 from openppo.strategy.config import ds_notices, state_offload_supported, validate_ds_settings
 from openppo.strategy.deepspeed_strategy import validate_precision
@@ -409,7 +409,7 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
     )
     if res.colocate_all_models:
         engines = v.vllm_num_engines * v.vllm_tensor_parallel_size
-        if engines != actor_world_size(cfg):
+        if engines_colocated(cfg) and engines != actor_world_size(cfg):
             raise UserError(
                 f"--colocate_all_models needs --vllm_num_engines x --vllm_tensor_parallel_size "
                 f"({engines}) == actor ranks ({actor_world_size(cfg)}); set --vllm_num_engines to "
@@ -459,10 +459,10 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
         raise UserError("--async_train generates while training, so engines cannot sleep: drop --vllm_enable_sleep")
     if cfg.rollout.async_train and res.colocate_all_models:
         # the hybrid engine hands each device to the engines and the trainer in turn; async training keeps both busy
-        raise UserError(
-            "--async_train overlaps generation with training, which needs the engines on their own "
-            "devices: drop --colocate_all_models (--colocate_actor_ref and --colocate_critic_reward still "
-            "share devices among the DeepSpeed models)"
+        notices.append(
+            "--colocate_all_models with --async_train colocates the DeepSpeed models only (as OpenRLHF does): the "
+            f"vLLM engines generate on {v.vllm_num_engines * v.vllm_tensor_parallel_size} device(s) of their own "
+            "while the trainer works"
         )
     generate_batch = cfg.rollout.vllm_generate_batch_size
     if generate_batch is not None and generate_batch != cfg.rollout.rollout_batch_size:

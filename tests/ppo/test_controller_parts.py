@@ -7,7 +7,7 @@ import torch
 
 from openppo.config.schema import parse_config
 from openppo.ppo.collector import Collector, PromptStream, RolloutSource, eval_metrics, keep_groups, pass_at_k
-from openppo.ppo.colocation import colocation_pools
+from openppo.ppo.colocation import colocation_pools, device_demand
 from openppo.ppo.config import PPOConfig
 from openppo.rollout.pool import Sample
 
@@ -152,6 +152,27 @@ def test_colocation_pools():
     ]
     # a pool needs both members: no reference model -> no actor_ref pool
     assert colocation_pools(_cfg("--colocate_actor_ref"), {"actor", "engines"}) == []
+
+
+def test_colocate_all_models_with_async_train_leaves_the_engines_devices_of_their_own():
+    """OpenRLHF's rule: the DeepSpeed models share the actor's 4 devices, the 2 engines generate on 2 more."""
+    everything = {"actor", "reference", "critic", "reward", "engines"}
+    cfg = _cfg("--colocate_all_models", "--async_train", "--vllm_num_engines", "2")
+    (pool,) = colocation_pools(cfg, everything)
+    assert (pool.name, pool.bundles, pool.members, pool.fraction) == (
+        "deepspeed",
+        4,
+        ("actor", "reference", "critic", "reward"),
+        0.25,
+    )
+    assert colocation_pools(cfg, {"actor", "engines"}) == []  # the actor alone: nothing to share
+    demand = device_demand(cfg, {"actor": 4, "reference": 4}, on_gpu=True)
+    assert [(d.what, d.count, d.placement_group) for d in demand] == [
+        ("actor + reference (deepspeed: --actor_num_nodes x --actor_num_gpus_per_node)", 4, True),
+        ("vLLM engines (--vllm_num_engines x --vllm_tensor_parallel_size)", 2, False),
+    ]
+    hybrid = device_demand(_cfg("--colocate_all_models", "--vllm_num_engines", "4"), {"actor": 4}, on_gpu=True)
+    assert [(d.count, d.placement_group) for d in hybrid] == [(4, True)]
 
 
 def test_engine_placement_covers_every_hybrid_bundle_once():

@@ -84,6 +84,10 @@ def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
     assert main(args + ["--device_memory_gib", "0.05"]) == 0
     captured = capsys.readouterr()
     assert "does NOT fit" in captured.out and "would not fit" in captured.out
+    # --colocate_all_models with --async_train: the DeepSpeed models on one device, the engines on their own
+    assert main(args + ["--device_memory_gib", "64", "--colocate_all_models", "--async_train"]) == 0
+    out = capsys.readouterr().out
+    assert "DeepSpeed models' device" in out and "engine device" in out and "actor device" not in out
 
 
 @pytest.mark.slow

@@ -73,7 +73,10 @@ BAD = [
     (["--top_p", "0"], ["--top_p"]),
     (["--top_k", "0"], ["--top_k"]),
     (["--kl_target", "0.1"], ["--kl_target", "--init_kl_coef"]),
-    (["--async_train", "--colocate_all_models", "--vllm_num_engines", "2"], ["--async_train", "--colocate_all_models"]),
+    (
+        ["--async_train", "--colocate_all_models", "--vllm_enable_sleep", "--vllm_num_engines", "2"],
+        ["--async_train", "--vllm_enable_sleep"],
+    ),
     (["--async_train", "--async_queue_size", "0"], ["--async_queue_size"]),
     (["--ds_tensor_parallel_size", "4"], ["--ds_tensor_parallel_size", "--actor_num_gpus_per_node"]),
     (["--ds_tensor_parallel_size", "0"], ["--ds_tensor_parallel_size"]),
@@ -181,6 +184,22 @@ def test_max_len_caps_each_response_by_what_its_prompt_leaves():
     assert [d.response_budget(n) for n in (10, 70, 100)] == [50, 50, 20]
     d.max_len = 60  # shorter than the longest prompt: a prompt must leave room for one response token
     assert (d.total_len(), d.prompt_limit(), d.response_budget(59)) == (60, 59, 1)
+
+
+def test_colocate_all_models_with_async_train_colocates_the_deepspeed_models_only(base):
+    """OpenRLHF's rule (its async agent recipe gives both flags): the engines generate on devices of their own, so
+    their count need not match the actor's ranks (2 here) as the hybrid engine's must; the reference, critic and
+    reward model still share the actor's devices, so their sizes must match it."""
+    flags = ["--async_train", "--colocate_all_models", "--vllm_num_engines", "3"]
+    notices = validate(_cfg(base, flags), on_gpu=False)
+    assert (
+        "--colocate_all_models with --async_train colocates the DeepSpeed models only (as OpenRLHF does): the vLLM "
+        "engines generate on 3 device(s) of their own while the trainer works" in notices
+    ), notices
+    with pytest.raises(UserError, match="--colocate_all_models needs --vllm_num_engines"):
+        validate(_cfg(base, flags[1:]), on_gpu=False)
+    with pytest.raises(UserError, match="--colocate_all_models puts every model on the actor's devices: set --ref_num"):
+        validate(_cfg(base, [*flags, "--init_kl_coef", "0.01"]), on_gpu=False)
 
 
 def test_valid_config_gives_cpu_notices(base):
