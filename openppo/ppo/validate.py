@@ -134,10 +134,6 @@ def _algorithm(cfg: PPOConfig) -> None:
         )
     if r.dynamic_filtering and r.n_samples_per_prompt < 2:
         raise UserError("--dynamic_filtering needs --n_samples_per_prompt >= 2 (it filters groups)")
-    if algo.use_kl_loss and algo.init_kl_coef <= 0:
-        raise UserError(
-            "--use_kl_loss with --init_kl_coef 0 adds nothing: set --init_kl_coef > 0 or drop --use_kl_loss"
-        )
     require(
         algo.use_kl_loss or not algo.kl_unbiased_gradient,
         "--kl_unbiased_gradient sets the KL loss's gradient: add --use_kl_loss (a KL reward penalty is detached), "
@@ -555,6 +551,11 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
         notices.append(
             f"--{whitened[0]} has no effect with --advantage_estimator {algo.advantage_estimator}: it normalises "
             "per group, never over the batch"
+        )
+    if algo.use_kl_loss and not needs_reference(cfg):
+        # a no-op, not a contradiction: OpenRLHF's VLM recipe (0.11.0) gives both
+        notices.append(
+            "--use_kl_loss has no effect with --init_kl_coef 0: no reference model runs, so there is no KL to add"
         )
     if _set(algo, "kl_horizon") and algo.kl_target is None:
         notices.append("--kl_horizon has no effect without --kl_target: the KL coefficient stays --init_kl_coef")

@@ -52,7 +52,6 @@ BAD = [
     (["--reward_pretrain", "{model}"], ["--reward_pretrain", "--remote_rm_url"]),
     (["--critic_pretrain", "{model}"], ["--critic_pretrain", "--advantage_estimator"]),
     (["--n_samples_per_prompt", "1", "--train_batch_size", "4"], ["--advantage_estimator", "--n_samples_per_prompt"]),
-    (["--use_kl_loss"], ["--use_kl_loss", "--init_kl_coef"]),
     (["--kl_unbiased_gradient", "--init_kl_coef", "0.01"], ["--kl_unbiased_gradient", "--use_kl_loss"]),
     (["--vllm_enable_sleep"], ["--vllm_enable_sleep", "--colocate_all_models"]),
     (["--deepspeed_enable_sleep", "--adam_offload"], ["--deepspeed_enable_sleep", "--adam_offload"]),
@@ -299,6 +298,8 @@ NO_EFFECT = [
     (["--critic_max_epochs", "2"], "--critic_max_epochs has no effect with --advantage_estimator"),
     (["--lambd", "0.9", "--value_clip", "0.1"], "--lambd, --value_clip have no effect with --advantage_estimator"),
     (["--kl_horizon", "500"], "--kl_horizon has no effect without --kl_target"),
+    # (OpenRLHF 0.11.0's VLM recipe gives both; base has --init_kl_coef 0)
+    (["--use_kl_loss"], "--use_kl_loss has no effect with --init_kl_coef 0: no reference model runs"),
     (["--eval.eval_at_start"], "--eval_at_start has no effect without --eval_dataset"),
     (["--train.force_sync_mode"], "--force_sync_mode has no effect: without --async_train"),
     (["--no_advantage_whiten"], "--no_advantage_whiten has no effect with --advantage_estimator group_norm"),
