@@ -377,9 +377,8 @@ class TrainerTransfer:
         except BaseException:
             if self.encoder is not None:
                 self.encoder.forget()
-            if self._receiving and self.group is not None:
-                self.group.destroy()
-                self.group = None
+            if self._receiving:
+                self._leave_group()
             raise
 
     def _send(self, version: int | None, verify: bool) -> dict[str, float] | None:
@@ -516,11 +515,14 @@ class TrainerTransfer:
         )
         return stats
 
-    def shutdown(self) -> None:
-        """Leave the sync group (rank 0) and the handle exchange (every rank); the engines keep their weights."""
+    def _leave_group(self) -> None:
         group, self.group = self.group, None
         if group is not None:
             group.destroy()
+
+    def shutdown(self) -> None:
+        """Leave the sync group (rank 0) and the handle exchange (every rank); the engines keep their weights."""
+        self._leave_group()
         exchange, self.exchange = self.exchange, None
         if exchange is not None:
             exchange.destroy()
