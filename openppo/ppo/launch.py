@@ -17,7 +17,7 @@ from openppo.ppo.colocation import EnginePlacement, colocation_pools, engine_pla
 from openppo.ppo.config import PPOConfig, engines_colocated
 from openppo.ppo.groups import Groups
 from openppo.ppo.plan import RunPlan
-from openppo.ppo.validate import actor_world_size, check_reward_normalization
+from openppo.ppo.validate import check_reward_normalization, role_ranks, used_roles
 
 logger = logging.getLogger(__name__)
 
@@ -353,18 +353,22 @@ def kv_cache_bytes(cfg: PPOConfig, on_gpu: bool) -> int | None:
 
 def cpu_threads_per_process(cfg: PPOConfig, on_gpu: bool, *, eval_only: bool = False) -> int:
     """Threads for each worker and engine. A synchronous step's stages run one after another: the engines generate
-    side by side, then the actor's ranks train side by side, so the larger of those two groups splits the cores;
-    with --async_train the engines generate while the actor trains, so all of them split the cores. `eval_only`
-    (`evaluates_pretrain`): the engines alone. Two engines that each had a 2-core box's two threads generated 6.4x
-    slower than with one each, their threads waiting on each other (docs/benchmarks.md, `bench/engine_threads.py`).
-    On GPU machines the CPU threads matter little."""
+    side by side, then a model group's ranks work side by side (the actor's train; the reference's, critic's, reward
+    model's or a teacher's score), so the largest of those groups splits the cores; with --async_train the engines
+    generate while the trainer works, so the engines and the largest group split them. `eval_only`
+    (`evaluates_pretrain`): the engines and the reward model. Two engines that each had a 2-core box's two threads
+    generated 6.4x slower than with one each, their threads waiting on each other (docs/benchmarks.md,
+    `bench/engine_threads.py`). On GPU machines the CPU threads matter little."""
     if "OMP_NUM_THREADS" in os.environ:
         return int(os.environ["OMP_NUM_THREADS"])
     if on_gpu:
         return 4
     engines = cfg.vllm.vllm_num_engines
-    actor = 0 if eval_only else actor_world_size(cfg)
-    busy = actor + engines if cfg.rollout.async_train else max(actor, engines)
+    if eval_only:  # the reward model scores what the engines generated
+        busy = max(role_ranks(cfg, "reward") if cfg.model.reward_pretrain else 0, engines)
+    else:
+        group = max(role_ranks(cfg, role) for role in used_roles(cfg))
+        busy = group + engines if cfg.rollout.async_train else max(group, engines)
     return max(1, (os.cpu_count() or 1) // max(1, busy))
 
 

@@ -62,6 +62,15 @@ def _cfg(flags: str) -> PPOConfig:
         ("--vllm_num_engines 1 --async_train", 4, 2),  # the engine generates while the rank trains
         ("--vllm_num_engines 2 --async_train", 6, 2),
         ("--vllm_num_engines 1 --actor_num_gpus_per_node 4 --eval_only --eval_dataset e.jsonl", 4, 4),  # no actor
+        # a larger scoring group than the actor's: its ranks work side by side too
+        ("--vllm_num_engines 1 --init_kl_coef 0.01 --ref_num_gpus_per_node 4", 8, 2),
+        ("--vllm_num_engines 1 --reward_pretrain {model} --reward_num_gpus_per_node 2 --async_train", 6, 2),
+        (
+            "--vllm_num_engines 1 --reward_pretrain {model} --reward_num_gpus_per_node 2 --actor_num_gpus_per_node 4 "
+            "--eval_only --eval_dataset e.jsonl",
+            4,
+            2,
+        ),
     ],
 )
 def test_cpu_threads_split_the_cores_between_the_processes_that_run_at_once(monkeypatch, flags, cores, threads):
