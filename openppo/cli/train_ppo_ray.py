@@ -60,9 +60,10 @@ def train(cfg: PPOConfig) -> None:
         launch.resolve_attention(cfg, devices)
         for notice in validate_devices(cfg, devices.on_gpu):
             logger.info("note: %s", notice)
-        kv_bytes = launch.kv_cache_bytes(cfg, devices.on_gpu)  # before any model loads (it reads the free RAM)
-        plan = make_plan(cfg, len(prompts))  # every derived number, once
         eval_only = launch.evaluates_pretrain(cfg)
+        # before any model loads (it reads the free RAM)
+        kv_bytes = launch.kv_cache_bytes(cfg, devices.on_gpu, eval_only=eval_only)
+        plan = make_plan(cfg, len(prompts))  # every derived number, once
         launch.check_layout_fits(cfg, plan, devices, eval_only=eval_only)
         launch.start_ray()  # joined already when the cluster is not this machine's own
         config = to_dict(cfg)

@@ -320,11 +320,12 @@ def _bf16_support():
     return bf16_support()
 
 
-def kv_cache_bytes(cfg: PPOConfig, on_gpu: bool) -> int | None:
+def kv_cache_bytes(cfg: PPOConfig, on_gpu: bool, *, eval_only: bool = False) -> int | None:
     """Each engine worker's KV cache in bytes: --vllm_kv_cache_bytes when given; on GPU otherwise None (vLLM sizes
     it from --vllm_gpu_memory_utilization); on CPU sized from the rollouts the run generates and capped by the RAM
-    its other processes leave (`memory_plan.cpu_kv_cache_bytes`, logged in one line). Call before the model groups
-    start loading, so that the free RAM it reads is not already taken by them."""
+    its other processes leave (`memory_plan.cpu_kv_cache_bytes`, logged in one line): with `eval_only`
+    (`evaluates_pretrain`) the engines' and a reward model's only. Call before the model groups start loading, so
+    that the free RAM it reads is not already taken by them."""
     import psutil
 
     from openppo.ppo.memory_plan import cpu_kv_cache_bytes, dtype_bytes, host_bytes_of_trainers, run_shapes
@@ -343,7 +344,7 @@ def kv_cache_bytes(cfg: PPOConfig, on_gpu: bool) -> int | None:
         sequences=min(MAX_CONCURRENT_SEQUENCES, -(-samples // v.vllm_num_engines)),
         max_model_len=cfg.data.total_len(),
         available=psutil.virtual_memory().available,
-        others=host_bytes_of_trainers(cfg, shapes),
+        others=host_bytes_of_trainers(cfg, shapes, eval_only=eval_only),
         share=v.vllm_gpu_memory_utilization,
         engines=v.vllm_num_engines * tp,
     )

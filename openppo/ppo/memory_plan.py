@@ -420,27 +420,30 @@ def run_shapes(cfg) -> dict[str, ModelShape]:
     return shapes
 
 
-def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape]) -> float:
+def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape], *, eval_only: bool = False) -> float:
     """RAM the processes of a CPU run hold for the whole run, besides the engines' KV caches: each rank's weights,
     gradients and optimizer states, the engines' weights, and a fixed start-up cost per process. Working memory
     (a micro-batch's activations and logits, planned for the longest rows and so far above what short rollouts use)
-    is left to the share of RAM the KV cache does not take (1 - --vllm_gpu_memory_utilization)."""
+    is left to the share of RAM the KV cache does not take (1 - --vllm_gpu_memory_utilization). `eval_only`
+    (`launch.evaluates_pretrain`): the run starts the engines and a reward model only."""
     from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
 
     res, v = cfg.resources, cfg.vllm
     ranks = {
-        "actor": actor_world_size(cfg),
-        "ref": res.ref_num_nodes * res.ref_num_gpus_per_node if needs_reference(cfg) else 0,
+        "actor": 0 if eval_only else actor_world_size(cfg),
+        "ref": res.ref_num_nodes * res.ref_num_gpus_per_node if needs_reference(cfg) and not eval_only else 0,
         "critic": res.critic_num_nodes * res.critic_num_gpus_per_node if needs_critic_group(cfg) else 0,
         "reward": res.reward_num_nodes * res.reward_num_gpus_per_node if "reward" in shapes else 0,
     }
+    if eval_only:
+        ranks["critic"] = 0
     workers = v.vllm_num_engines * v.vllm_tensor_parallel_size
     total = (sum(ranks.values()) + workers) * PROCESS_OVERHEAD_BYTES
     # teachers (--teacher_pretrain): forward-only ranks holding their weights, ZeRO-3 sharded over each group
     from openppo.ppo.teachers import parse_teachers
 
     teacher_ranks = res.teacher_num_nodes * res.teacher_num_gpus_per_node
-    for t in parse_teachers(cfg.model.teacher_pretrain):
+    for t in [] if eval_only else parse_teachers(cfg.model.teacher_pretrain):
         weights = model_shape(t.path, "--teacher_pretrain").num_params * dtype_bytes(cfg.ds.param_dtype)
         total += teacher_ranks * PROCESS_OVERHEAD_BYTES + weights * (1 if cfg.ds.zero_stage == 3 else teacher_ranks)
     # device_bytes 0: the planned KV cache is then 0 (it is what is being sized); on CPU nothing sleeps
@@ -455,6 +458,9 @@ def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape]) -> float:
             total += ranks[role] * held
         elif plan.name == "engine device":
             total += workers * held
+        elif eval_only:  # a shared device of which only the engine worker (and a reward rank) started
+            started = ("engine", "reward") if ranks["reward"] else ("engine",)
+            total += workers * sum(i.bytes for i in plan.items if i.what.startswith(started))
         else:  # the hybrid engine: one plan per shared device, one rank of every group and an engine worker on it
             total += ranks["actor"] * held
     return total

@@ -219,3 +219,25 @@ def test_the_lm_head_in_chunks_plans_one_chunks_logits():
     saved = planned("") - planned(" --lm_head_chunk_tokens 1024")
     assert saved == logits_bytes(shape, 4096 - 1024, param_dtype="bf16", backward=True)
     assert planned(" --lm_head_chunk_tokens 8192") == planned("")  # a chunk larger than the scored positions
+
+
+@pytest.mark.parametrize("layout", ["", "--colocate_all_models"])
+def test_an_eval_only_run_leaves_the_kv_cache_the_ram_of_the_processes_it_starts(layout):
+    """--eval_only of --pretrain starts the engines (and a reward model) only: the RAM the KV cache is capped by
+    counts their weights and start-up cost, not the actor's and reference's states."""
+    from openppo.config.schema import parse_config
+    from openppo.ppo.config import PPOConfig
+    from openppo.ppo.memory_plan import PROCESS_OVERHEAD_BYTES, host_bytes_of_trainers, run_shapes
+    from tests.model_cache import tiny_model_dir
+
+    argv = f"--pretrain {tiny_model_dir()} --prompt_data p.jsonl --param_dtype fp32 --init_kl_coef 0.01 "
+    argv += "--actor_num_gpus_per_node 2 --ref_num_gpus_per_node 2 --vllm_num_engines 2 --zero_stage 0 " + layout
+    cfg = parse_config(PPOConfig, argv.split(), "t")
+    shapes = run_shapes(cfg)
+    training = host_bytes_of_trainers(cfg, shapes)
+    evaluating = host_bytes_of_trainers(cfg, shapes, eval_only=True)
+    # two engines, each with its own copy of the fp32 weights
+    engine_weights = shapes["actor"].num_params * 4
+    assert evaluating == pytest.approx(2 * (PROCESS_OVERHEAD_BYTES + engine_weights))
+    # the training run also holds 2 actor and 2 reference ranks: their start-up cost and states on top
+    assert training > evaluating + 4 * PROCESS_OVERHEAD_BYTES
