@@ -14,11 +14,17 @@ response so far, so an engine with prefix caching reuses the earlier turns' KV b
 
 Length: no sample grows past `max_total_len` tokens (prompt included). A turn may generate
 min(max_new_tokens, room left); feedback that does not fit is cut to the room left and ends the episode.
+
+Image prompts (items with "images"): every turn sends the episode's context with its prompt's image placeholders
+unexpanded and the images beside it, as a single-turn rollout does; the engine expands them, and the first turn's
+expanded prompt is the sample's (what the trainer scores with the images). From then on the room left counts the
+expanded prompt. A turn that ends on a sampled image placeholder (`image_placeholders`: the engines stop there) ends
+its episode: the placeholder could not go back to the engine without an image of its own.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,8 +32,9 @@ from openppo.agents.base import AgentEnv, AgentError, EnvTimeout, StepResult
 from openppo.rollout.pool import Sample
 from openppo.utils.time_limit import CallThread, Late
 
-GenerateFn = Callable[[list[list[int]], list[int]], list[dict]]
-"""(prompt token ids per request, max_new_tokens per request) -> one {token_ids, logprobs, finish_reason} each"""
+GenerateFn = Callable[..., list[dict]]
+"""(prompt token ids per request, max_new_tokens per request[, images=per request]) -> one {token_ids, logprobs,
+finish_reason} each, with `prompt_token_ids` (the prompt as the engine expanded its images) where images were given"""
 
 
 @dataclass
@@ -41,10 +48,20 @@ class _Episode:
     num_turns: int = 0
     finish_reason: str = "stop"
     extra: dict[str, float] = field(default_factory=dict)
+    expanded_prompt: list[int] | None = None  # an image prompt as the engine expanded it (its first turn's)
 
     @property
     def context(self) -> list[int]:
         return list(self.item["prompt_ids"]) + self.response_ids
+
+    @property
+    def images(self) -> list[Any]:
+        return list(self.item.get("images") or ())
+
+    def room(self, max_total_len: int) -> int:
+        """Tokens left under `max_total_len`, the prompt counted as the engine expanded it (once known)."""
+        prompt = self.item["prompt_ids"] if self.expanded_prompt is None else self.expanded_prompt
+        return max_total_len - len(prompt) - len(self.response_ids)
 
     def append(self, token_ids: list[int], log_probs: list[float] | None) -> None:
         """Model tokens (with their log-probs) or feedback tokens (log_probs None: masked out)."""
@@ -115,6 +132,7 @@ def run_agent_episodes(
     max_total_len: int,
     feedback_template: str = "{}",
     env_timeout_s: float | None = None,
+    image_placeholders: Sequence[int] = (),
 ) -> list[Sample]:
     """Run `n_samples_per_prompt` episodes per item, all episodes' turns batched, and return one Sample each.
 
@@ -129,6 +147,7 @@ def run_agent_episodes(
         feedback_template: `feedback_template.format(feedback)` is what gets encoded (e.g. chat turn markers).
         env_timeout_s: seconds one environment construction or step may take (None: no limit); a late one raises
             AgentError.
+        image_placeholders: the policy's image placeholder ids (image prompts: a turn ending on one ends its episode).
 
     Returns samples in item order, n consecutive per item, with `group = item["index"]`, the summed step rewards
     in `reward`, `extra["rollout/agent_turns"]` plus the environment's last `extra` as `env/<name>`, and
@@ -162,13 +181,18 @@ def run_agent_episodes(
             break
         contexts = [ep.context for ep in active]
         # >= 1: an episode whose feedback fills the last free token has already ended (below).
-        budgets = [min(max_new_tokens, max_total_len - len(ctx)) for ctx in contexts]
-        outputs = generate(contexts, budgets)
+        budgets = [min(max_new_tokens, ep.room(max_total_len)) for ep in active]
+        if any(ep.images for ep in active):  # image prompts: each context's images beside it
+            outputs = generate(contexts, budgets, images=[ep.images for ep in active])
+        else:
+            outputs = generate(contexts, budgets)
         assert len(outputs) == len(active), f"generate returned {len(outputs)} completions for {len(active)}"
         texts = []
         for ep, budget, out in zip(active, budgets, outputs):
             token_ids, log_probs = list(out["token_ids"]), list(out["logprobs"])
             assert len(token_ids) <= budget and len(log_probs) == len(token_ids), "generate broke its contract"
+            if ep.images and ep.expanded_prompt is None:  # the first turn's context is the prompt alone
+                ep.expanded_prompt = list(out["prompt_token_ids"])
             ep.append(token_ids, log_probs)
             ep.num_turns += 1
             # (the engines stop on stop tokens only: a turn that finished with "stop" ends with one)
@@ -179,11 +203,12 @@ def run_agent_episodes(
         for ep, out, result in zip(active, outputs, _step_all(active, texts, turn, env_timeout_s)):
             ep.reward += float(result.reward)
             ep.extra.update({str(k): float(v) for k, v in result.extra.items()})
-            if result.done or turn + 1 == max_turns:
+            placeholder = bool(out["token_ids"]) and out["token_ids"][-1] in image_placeholders
+            if result.done or turn + 1 == max_turns or placeholder:
                 ep.finish_reason = "length" if out["finish_reason"] == "length" else "stop"
                 continue
             feedback = tokenizer.encode(feedback_template.format(result.feedback), add_special_tokens=False)
-            room = max_total_len - len(ep.item["prompt_ids"]) - len(ep.response_ids)
+            room = ep.room(max_total_len)
             if len(feedback) >= room:  # no room left for another model turn after it
                 ep.append(feedback[:room], None)
                 ep.finish_reason = "length"
@@ -197,7 +222,7 @@ def run_agent_episodes(
 def _to_sample(ep: _Episode, tokenizer) -> Sample:
     item = ep.item
     return Sample(
-        prompt_ids=list(item["prompt_ids"]),
+        prompt_ids=list(item["prompt_ids"] if ep.expanded_prompt is None else ep.expanded_prompt),
         response_ids=ep.response_ids,
         rollout_log_probs=ep.log_probs,
         finish_reason=ep.finish_reason,
@@ -208,17 +233,19 @@ def _to_sample(ep: _Episode, tokenizer) -> Sample:
         action_mask=ep.action_mask,
         reward=ep.reward,
         extra={"rollout/agent_turns": float(ep.num_turns), **{f"env/{k}": v for k, v in ep.extra.items()}},
+        images=ep.images or None,
     )
 
 
 def engine_generate_fn(engine_generate: Callable[..., list[list[dict]]], **sampling: Any) -> GenerateFn:
     """Adapt a `VLLMEngine.generate`-like callable (a budget per prompt) to `GenerateFn`: one call with n=1, each
-    prompt's own budget, and `sampling` (temperature, top_p, ...) passed through.
+    prompt's own budget, its images where given, and `sampling` (temperature, top_p, ...) passed through.
     For a Ray actor: `engine_generate_fn(lambda ids, **kw: ray.get(actor.generate.remote(ids, **kw)), ...)`.
     """
 
-    def generate(prompt_ids: list[list[int]], budgets: list[int]) -> list[dict]:
-        completions = engine_generate(prompt_ids, n=1, max_new_tokens=list(budgets), **sampling)
+    def generate(prompt_ids: list[list[int]], budgets: list[int], images: list | None = None) -> list[dict]:
+        given = {} if images is None else {"images": images}
+        completions = engine_generate(prompt_ids, n=1, max_new_tokens=list(budgets), **sampling, **given)
         return [samples[0] for samples in completions]
 
     return generate

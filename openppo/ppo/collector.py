@@ -255,9 +255,11 @@ class AgentEpisodes(RolloutSource):
         turn_numbers = itertools.count()  # each turn reseeds with its own number
         versions: list[int] = []  # of every turn (--async_train: a sync may land between two turns)
 
-        def one_turn(ids: list[list[int]], budgets: list[int]) -> list[dict]:
+        def one_turn(ids: list[list[int]], budgets: list[int], images: list | None = None) -> list[dict]:
             turn = next(turn_numbers)
             contexts = [{"prompt_ids": x, "index": i} for i, x in enumerate(ids)]
+            for context, given in zip(contexts, images or ()):  # image prompts: each context's images beside it
+                context["images"] = given
             samples = self.turns.generate(
                 contexts,
                 n=1,
@@ -268,7 +270,12 @@ class AgentEpisodes(RolloutSource):
             )
             versions.extend(s.policy_version for s in samples)
             return [
-                {"token_ids": s.response_ids, "logprobs": s.rollout_log_probs, "finish_reason": s.finish_reason}
+                {
+                    "token_ids": s.response_ids,
+                    "logprobs": s.rollout_log_probs,
+                    "finish_reason": s.finish_reason,
+                    "prompt_token_ids": s.prompt_ids,  # (as the engine expanded the context's images)
+                }
                 for s in samples
             ]
 

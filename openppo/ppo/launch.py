@@ -172,6 +172,13 @@ def agent_episodes(cfg: PPOConfig, tokenizer, env_cls):
     from openppo.agents import run_agent_episodes
 
     d = cfg.data
+    placeholders: list[int] = []
+    if d.max_images_per_prompt > 0:  # image prompts: a turn that samples the placeholder ends its episode
+        from transformers import AutoConfig
+
+        from openppo.models.vision import image_placeholder_ids
+
+        placeholders = image_placeholder_ids(AutoConfig.from_pretrained(cfg.model.pretrain, trust_remote_code=True))
 
     def rollout(generate, items, n):
         return run_agent_episodes(
@@ -184,6 +191,7 @@ def agent_episodes(cfg: PPOConfig, tokenizer, env_cls):
             max_new_tokens=d.generate_max_len,
             max_total_len=d.total_len(),
             env_timeout_s=cfg.rollout.agent_timeout,
+            image_placeholders=placeholders,
         )
 
     return rollout

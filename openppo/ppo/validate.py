@@ -661,8 +661,9 @@ def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
 
 
 def _images(cfg: PPOConfig, notices: list[str]) -> None:
-    """Image prompts (--max_images_per_prompt > 0) take the padded, single-turn path of a vision-language actor
-    (docs/vlm.md); every model that scores their rows must see the images."""
+    """Image prompts (--max_images_per_prompt > 0) take the padded path of a vision-language actor (docs/vlm.md),
+    single-turn or an --agent_func_path environment's text turns; every model that scores their rows must see the
+    images."""
     d, r, m = cfg.data, cfg.rollout, cfg.model
     require(d.max_images_per_prompt >= 0, f"--max_images_per_prompt must be >= 0, got {d.max_images_per_prompt}")
     if d.max_images_per_prompt == 0:  # (a text run reads no model config here)
@@ -687,7 +688,6 @@ def _images(cfg: PPOConfig, notices: list[str]) -> None:
         "--packing_samples": r.packing_samples,
         "--ring_attn_size > 1": r.ring_attn_size > 1,
         "--share_prompt_in_group on": r.share_prompt_in_group == "on",
-        "--agent_func_path": bool(r.agent_func_path),
         "--agent_program": bool(r.agent_program),
         "--reward_pretrain": bool(m.reward_pretrain),
         "--teacher_pretrain": bool(m.teacher_pretrain),

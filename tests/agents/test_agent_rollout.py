@@ -160,6 +160,54 @@ def test_last_turn_cut_by_max_new_tokens_is_length_and_earlier_cuts_are_not():
     assert samples[0].finish_reason == "stop"
 
 
+IMG = ord("#")  # the image placeholder of the scripted image prompts; the "engine" expands it into 3 tokens
+
+
+class ScriptedImageGenerate(ScriptedGenerate):
+    """As ScriptedGenerate, for contexts with images: each placeholder expanded into 3, as an engine expands it
+    (returned as `prompt_token_ids`), the answer from the expanded context's length; a context whose budget is 1
+    samples the placeholder (the engine stops there)."""
+
+    def __init__(self):
+        super().__init__()
+        self.images: list = []
+
+    def __call__(self, contexts, budgets, images=None):
+        self.images.append(images)
+        expanded = [[t for x in ctx for t in ([x] * 3 if x == IMG else [x])] for ctx in contexts]
+        outs = super().__call__(expanded, budgets)
+        for out, ctx, budget in zip(outs, expanded, budgets):
+            out["prompt_token_ids"] = ctx
+            if budget == 1:
+                out.update(token_ids=[IMG], logprobs=[-1.0], finish_reason="stop")
+        return outs
+
+
+def test_image_prompts_send_their_images_every_turn_and_train_on_the_expanded_prompt():
+    items = [{"prompt": "#P", "prompt_ids": [IMG, ord("P")], "label": 99, "index": 10, "images": ["a.png"]}]
+    generate = ScriptedImageGenerate()
+    kwargs = dict(n_samples_per_prompt=1, env_cls=ScriptedEnv, max_turns=3, max_new_tokens=3)
+    (s,) = run_agent_episodes(generate, CharTokenizer(), items, max_total_len=100, **kwargs, image_placeholders=[IMG])
+    # each turn the context, placeholder unexpanded, with the prompt's images beside it
+    assert generate.images == [[["a.png"]]] * 3
+    assert generate.calls[1][0][0] == [IMG] * 3 + [ord("P"), ord("e"), ord("e"), EOS] + FB
+    # the sample: the prompt as expanded (what the trainer scores beside the images), the turns as sampled
+    assert s.prompt_ids == [IMG] * 3 + [ord("P")] and s.images == ["a.png"]
+    # (the scripted engine answers from the expanded context's length: 4, then 4 + 5, then 4 + 10)
+    assert s.response_ids == [ord("e"), ord("e"), EOS] + FB + [ord("j"), ord("j"), EOS] + FB + [ord("o")] * 2 + [EOS]
+    # the room counts the expanded prompt: of 13 tokens, 4 + 3 + 2 leave 4, so turn 1 samples its 3; of 10 they
+    # leave 1 (counted unexpanded: 3), and a turn that samples the placeholder ends the episode, as no later turn
+    # could take it back without an image
+    generate = ScriptedImageGenerate()
+    (s,) = run_agent_episodes(generate, CharTokenizer(), items, max_total_len=13, **kwargs, image_placeholders=[IMG])
+    assert [budgets for _, budgets in generate.calls] == [[3], [3]]
+    generate = ScriptedImageGenerate()
+    (s,) = run_agent_episodes(generate, CharTokenizer(), items, max_total_len=10, **kwargs, image_placeholders=[IMG])
+    assert [budgets for _, budgets in generate.calls] == [[3], [1]]
+    assert s.response_ids == [ord("e"), ord("e"), EOS] + FB + [IMG] and s.finish_reason == "stop"
+    assert s.extra["rollout/agent_turns"] == 2.0 and len(s.prompt_ids) + len(s.response_ids) == 10
+
+
 def test_env_errors_name_the_env_prompt_and_turn():
     class Broken(AgentEnv):
         def step(self, response_text, turn):
