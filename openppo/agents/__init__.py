@@ -1,4 +1,5 @@
-"""Multi-turn agents: an environment answers each model turn with text feedback, token in, token out.
+"""Multi-turn agents: an environment answers each model turn with feedback (text, and images over image prompts),
+token in, token out.
 
 `AgentEnv` / `StepResult` (base.py) are what a user's `--agent_func_path` file implements; `load_agent_env`
 imports it (`load_agent` also gives a Molt chat agent's runner, which `molt.chat_program` plays).

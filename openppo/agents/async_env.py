@@ -140,11 +140,9 @@ class AsyncStepEnv(AgentEnv):
         return step
 
 
-def refuse_step_extras(name: str, images: Any, sampling_params: Any) -> None:
-    """What neither framework's step may return here: images (openppo's environments give text feedback) and
-    sampling parameters of its own (every turn samples with the run's)."""
-    if images:
-        raise AgentError(f"{name}.step returned images: openppo's agent environments give text feedback only")
+def refuse_sampling_params(name: str, sampling_params: Any) -> None:
+    """What neither framework's step may return here: sampling parameters of its own (every turn samples with the
+    run's)."""
     if sampling_params is not None:
         raise AgentError(
             f"{name}.step returned sampling_params: openppo samples every turn with the run's settings "

@@ -49,6 +49,9 @@ class StepResult:
     """end the episode now (it also ends after the last allowed turn)"""
     extra: dict[str, float] = field(default_factory=dict)
     """per-sample metrics to log; a later turn's value replaces an earlier one under the same name"""
+    images: list = field(default_factory=list)
+    """images shown with the feedback (PIL images, or the references `openppo.utils.images` reads), in the order
+    of the image placeholders in its text, one each: over image prompts only (--max_images_per_prompt)"""
 
 
 class AgentEnv(abc.ABC):

@@ -13,9 +13,9 @@ None (openppo's sampling settings are the run's, one per run). The `Result`'s re
 `observation` is the next turn's feedback (encoded raw, no template, as in Molt), `terminated` or `truncated` ends
 the episode (so does --agent_max_turns), `info` and `score` are logged per sample. The steps of a turn's running
 episodes are awaited concurrently on one event loop, as Molt awaits them, each within --agent_timeout
-(`openppo.agents.async_env`, shared with OpenRLHF's agent files). What openppo does not do is refused in one line
-naming the episode: a `reset` that rewrites the first observation (the prompt is rendered from the data set), images
-in the feedback, per-turn sampling parameters.
+(`openppo.agents.async_env`, shared with OpenRLHF's agent files); its `images` are shown with the feedback (over image
+prompts: `openppo.agents.rollout`). What openppo does not do is refused in one line naming the episode: a `reset`
+that rewrites the first observation (the prompt is rendered from the data set), per-turn sampling parameters.
 
 A file exporting `class AgentRunner(ChatAgentRunner)` bound to a `ChatAgent` (an async `run(ctx) -> Result` that
 calls the policy through the OpenAI API itself) is played as an --agent_program (`chat_program`): each episode's
@@ -38,7 +38,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, ClassVar
 
-from openppo.agents.async_env import AsyncStepEnv, logged, refuse_step_extras, scalar
+from openppo.agents.async_env import AsyncStepEnv, logged, refuse_sampling_params, scalar
 from openppo.agents.base import AgentEnv, AgentError, StepResult
 from openppo.agents.program import AgentProgram, Outcome, PythonAgent
 from openppo.errors import UserError
@@ -215,12 +215,13 @@ def agent_env(runner: Any, path: str, flag: str) -> type[AgentEnv]:
             reward = scalar(result.reward)
             if reward is None:
                 raise AgentError(f"{env_cls.__name__}.step returned a Result without a scalar reward")
-            refuse_step_extras(env_cls.__name__, result.images, result.sampling_params)
+            refuse_sampling_params(env_cls.__name__, result.sampling_params)
             return StepResult(
                 feedback=result.observation or "",
                 reward=reward,
                 done=bool(result.terminated or result.truncated),
                 extra=logged(result.info, result.score),
+                images=list(result.images or ()),
             )
 
     MoltEnv.__name__ = MoltEnv.__qualname__ = f"Molt{env_cls.__name__}"

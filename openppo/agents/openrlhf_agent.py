@@ -15,13 +15,13 @@ The mapping, per model turn, as OpenRLHF's `MultiTurnAgentExecutor` hands it ove
   ended the turn left out), `label`, and `sampling_params` None (every turn samples with the run's settings);
 - of the dict it returns, `rewards` (a number, or the first element of a tensor) adds to the episode's reward,
   `environment_feedback` is appended raw (no template) when the episode goes on, `done` ends it (so do
-  --agent_max_turns and the length budget), and the numbers in `extra_logs` and `scores` are logged as
-  `env/<name>` and `env/score`. Dynamic filtering reads the episode's reward (OpenRLHF reads `scores`).
+  --agent_max_turns and the length budget), `environment_images` are shown with it (over image prompts:
+  `openppo.agents.rollout`), and the numbers in `extra_logs` and `scores` are logged as `env/<name>` and
+  `env/score`. Dynamic filtering reads the episode's reward (OpenRLHF reads `scores`).
 
 Refused in one line: an executor that drives the engine itself (its own `execute`, OpenRLHF's OpenAI-server and
 NeMo-Gym executors: serve such an agent as --agent_program), the pre-0.9 executor that takes the engine in its
-constructor, and per episode a `reset` that rewrites the prompt, `environment_images`, and `sampling_params` of its
-own.
+constructor, and per episode a `reset` that rewrites the prompt and `sampling_params` of its own.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ import types
 from abc import ABC, abstractmethod
 from typing import Any, ClassVar
 
-from openppo.agents.async_env import AsyncStepEnv, logged, refuse_step_extras, scalar
+from openppo.agents.async_env import AsyncStepEnv, logged, refuse_sampling_params, scalar
 from openppo.agents.base import AgentEnv, AgentError, StepResult
 from openppo.errors import UserError
 
@@ -138,12 +138,13 @@ def agent_env(executor_cls: type, path: str, flag: str) -> type[AgentEnv]:
             reward = scalar(result["rewards"])
             if reward is None:
                 raise AgentError(f"{name}.step returned rewards {result['rewards']!r}; return a number or tensor")
-            refuse_step_extras(name, result.get("environment_images"), result.get("sampling_params"))
+            refuse_sampling_params(name, result.get("sampling_params"))
             return StepResult(
                 feedback=str(result["environment_feedback"] or ""),
                 reward=reward,
                 done=bool(result["done"]),
                 extra=logged(result.get("extra_logs"), result.get("scores")),
+                images=list(result.get("environment_images") or ()),
             )
 
     OpenRLHFEnv.__name__ = OpenRLHFEnv.__qualname__ = f"OpenRLHF{instance_cls.__name__}"

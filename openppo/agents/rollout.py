@@ -15,10 +15,14 @@ response so far, so an engine with prefix caching reuses the earlier turns' KV b
 Length: no sample grows past `max_total_len` tokens (prompt included). A turn may generate
 min(max_new_tokens, room left); feedback that does not fit is cut to the room left and ends the episode.
 
-Image prompts (items with "images"): every turn sends the episode's context with its prompt's image placeholders
-unexpanded and the images beside it, as a single-turn rollout does; the engine expands them, and the first turn's
-expanded prompt is the sample's (what the trainer scores with the images). From then on the room left counts the
-expanded prompt. A turn that ends on a sampled image placeholder (`image_placeholders`: the engines stop there) ends
+Image prompts (items with "images"): every turn sends the episode's context with its image placeholders unexpanded
+and its images beside it, as a single-turn rollout does; the engine expands them, and the first turn's expanded
+prompt is the sample's (what the trainer scores with the images). A step may show images with its feedback
+(`StepResult.images`, one per image placeholder in its text, as OpenRLHF's `environment_images`): the episode's row
+gets the feedback as `expand_images` (the model's processor) expands it, the context the engine gets keeps its
+placeholders, and each later turn checks that the engine expanded the context into exactly the row so far. The room
+left counts expanded tokens; feedback with images that does not fit ends the episode without it (an image's tokens
+cannot be cut). A turn that ends on a sampled image placeholder (`image_placeholders`: the engines stop there) ends
 its episode: the placeholder could not go back to the engine without an image of its own.
 """
 
@@ -49,22 +53,26 @@ class _Episode:
     finish_reason: str = "stop"
     extra: dict[str, float] = field(default_factory=dict)
     expanded_prompt: list[int] | None = None  # an image prompt as the engine expanded it (its first turn's)
+    sent_ids: list[int] = field(default_factory=list)  # the response as the engine gets it (placeholders unexpanded)
+    feedback_images: list[Any] = field(default_factory=list)  # the images the steps showed, in order
 
     @property
     def context(self) -> list[int]:
-        return list(self.item["prompt_ids"]) + self.response_ids
+        return list(self.item["prompt_ids"]) + self.sent_ids
 
     @property
     def images(self) -> list[Any]:
-        return list(self.item.get("images") or ())
+        return list(self.item.get("images") or ()) + self.feedback_images
 
     def room(self, max_total_len: int) -> int:
         """Tokens left under `max_total_len`, the prompt counted as the engine expanded it (once known)."""
         prompt = self.item["prompt_ids"] if self.expanded_prompt is None else self.expanded_prompt
         return max_total_len - len(prompt) - len(self.response_ids)
 
-    def append(self, token_ids: list[int], log_probs: list[float] | None) -> None:
-        """Model tokens (with their log-probs) or feedback tokens (log_probs None: masked out)."""
+    def append(self, token_ids: list[int], log_probs: list[float] | None, sent: list[int] | None = None) -> None:
+        """Model tokens (with their log-probs) or feedback tokens (log_probs None: masked out); `sent`: the feedback
+        as the engine gets it, where its images' placeholders are unexpanded."""
+        self.sent_ids += token_ids if sent is None else sent
         self.response_ids += token_ids
         self.action_mask += [1 if log_probs is not None else 0] * len(token_ids)
         self.log_probs += list(log_probs) if log_probs is not None else [0.0] * len(token_ids)
@@ -133,6 +141,8 @@ def run_agent_episodes(
     feedback_template: str = "{}",
     env_timeout_s: float | None = None,
     image_placeholders: Sequence[int] = (),
+    expand_images: Callable[[str, list[Any]], list[int]] | None = None,
+    max_images: int = 0,
 ) -> list[Sample]:
     """Run `n_samples_per_prompt` episodes per item, all episodes' turns batched, and return one Sample each.
 
@@ -148,6 +158,9 @@ def run_agent_episodes(
         env_timeout_s: seconds one environment construction or step may take (None: no limit); a late one raises
             AgentError.
         image_placeholders: the policy's image placeholder ids (image prompts: a turn ending on one ends its episode).
+        expand_images: (feedback text, its images) -> its token ids with the images expanded, as the engine expands
+            them (the model's processor); None: steps may not show images.
+        max_images: images an episode may hold, prompt and feedback together (the engines' per-prompt limit).
 
     Returns samples in item order, n consecutive per item, with `group = item["index"]`, the summed step rewards
     in `reward`, `extra["rollout/agent_turns"]` plus the environment's last `extra` as `env/<name>`, and
@@ -191,8 +204,13 @@ def run_agent_episodes(
         for ep, budget, out in zip(active, budgets, outputs):
             token_ids, log_probs = list(out["token_ids"]), list(out["logprobs"])
             assert len(token_ids) <= budget and len(log_probs) == len(token_ids), "generate broke its contract"
-            if ep.images and ep.expanded_prompt is None:  # the first turn's context is the prompt alone
+            if turn == 0 and "prompt_token_ids" in out:  # the first turn's context is the prompt alone
                 ep.expanded_prompt = list(out["prompt_token_ids"])
+            elif ep.feedback_images and list(out["prompt_token_ids"]) != ep.expanded_prompt + ep.response_ids:
+                raise AgentError(
+                    f"{_where(ep, turn)}: the engine expanded the images of the feedback into other tokens than "
+                    "the model's processor did; the row would not be what the engine saw"
+                )
             ep.append(token_ids, log_probs)
             ep.num_turns += 1
             # (the engines stop on stop tokens only: a turn that finished with "stop" ends with one)
@@ -207,8 +225,25 @@ def run_agent_episodes(
             if result.done or turn + 1 == max_turns or placeholder:
                 ep.finish_reason = "length" if out["finish_reason"] == "length" else "stop"
                 continue
-            feedback = tokenizer.encode(feedback_template.format(result.feedback), add_special_tokens=False)
+            text = feedback_template.format(result.feedback)
+            feedback = tokenizer.encode(text, add_special_tokens=False)
             room = ep.room(max_total_len)
+            if result.images:
+                shown = list(result.images)
+                expanded = _expanded_feedback(ep, turn, shown, text, feedback, expand_images, image_placeholders)
+                if len(ep.images) + len(shown) > max_images:
+                    raise AgentError(
+                        f"{_where(ep, turn)} showed {len(shown)} image(s), {len(ep.images)} were shown before, "
+                        f"and --max_images_per_prompt {max_images} caps an episode's images (prompt and feedback "
+                        "together): raise it"
+                    )
+                if len(expanded) >= room:  # (an image's tokens cannot be cut)
+                    ep.finish_reason = "length"
+                    continue
+                ep.append(expanded, None, sent=feedback)
+                ep.feedback_images += shown
+                still_active.append(ep)
+                continue
             if len(feedback) >= room:  # no room left for another model turn after it
                 ep.append(feedback[:room], None)
                 ep.finish_reason = "length"
@@ -217,6 +252,31 @@ def run_agent_episodes(
             still_active.append(ep)
         active = still_active
     return [_to_sample(ep, tokenizer) for ep in episodes]
+
+
+def _expanded_feedback(
+    ep: _Episode,
+    turn: int,
+    images: list[Any],
+    text: str,
+    feedback: list[int],
+    expand_images: Callable[[str, list[Any]], list[int]] | None,
+    placeholders: Sequence[int],
+) -> list[int]:
+    """The feedback's tokens with its images expanded, after checking that the run takes images and that its text
+    shows one placeholder per image."""
+    if expand_images is None:
+        raise AgentError(
+            f"{_where(ep, turn)} showed {len(images)} image(s): feedback images need image prompts "
+            "(--max_images_per_prompt > 0 and a vision-language --pretrain)"
+        )
+    shown = sum(token in placeholders for token in feedback)
+    if shown != len(images):
+        raise AgentError(
+            f"{_where(ep, turn)} showed {len(images)} image(s) with feedback whose text holds {shown} image "
+            "placeholder(s): put the model's image placeholder in the text once per image"
+        )
+    return expand_images(text, list(images))
 
 
 def _to_sample(ep: _Episode, tokenizer) -> Sample:

@@ -173,12 +173,21 @@ def agent_episodes(cfg: PPOConfig, tokenizer, env_cls):
 
     d = cfg.data
     placeholders: list[int] = []
-    if d.max_images_per_prompt > 0:  # image prompts: a turn that samples the placeholder ends its episode
-        from transformers import AutoConfig
+    expand_images = None
+    if d.max_images_per_prompt > 0:
+        from transformers import AutoConfig, AutoProcessor
 
         from openppo.models.vision import image_placeholder_ids
+        from openppo.utils.images import open_image
 
+        # a turn that samples the placeholder ends its episode; feedback with images is expanded as the engines
+        # expand it, by the model's processor
         placeholders = image_placeholder_ids(AutoConfig.from_pretrained(cfg.model.pretrain, trust_remote_code=True))
+        processor = AutoProcessor.from_pretrained(cfg.model.pretrain, trust_remote_code=True)
+
+        def expand_images(text: str, images: list) -> list[int]:
+            opened = [open_image(image) for image in images]
+            return list(processor(text=text, images=opened, add_special_tokens=False)["input_ids"][0])
 
     def rollout(generate, items, n):
         return run_agent_episodes(
@@ -192,6 +201,8 @@ def agent_episodes(cfg: PPOConfig, tokenizer, env_cls):
             max_total_len=d.total_len(),
             env_timeout_s=cfg.rollout.agent_timeout,
             image_placeholders=placeholders,
+            expand_images=expand_images,
+            max_images=d.max_images_per_prompt,
         )
 
     return rollout

@@ -171,9 +171,11 @@ class ScriptedImageGenerate(ScriptedGenerate):
     def __init__(self):
         super().__init__()
         self.images: list = []
+        self.sent: list = []  # the contexts as given (`calls` has them expanded)
 
     def __call__(self, contexts, budgets, images=None):
         self.images.append(images)
+        self.sent.append([list(c) for c in contexts])
         expanded = [[t for x in ctx for t in ([x] * 3 if x == IMG else [x])] for ctx in contexts]
         outs = super().__call__(expanded, budgets)
         for out, ctx, budget in zip(outs, expanded, budgets):
@@ -206,6 +208,66 @@ def test_image_prompts_send_their_images_every_turn_and_train_on_the_expanded_pr
     assert [budgets for _, budgets in generate.calls] == [[3], [1]]
     assert s.response_ids == [ord("e"), ord("e"), EOS] + FB + [IMG] and s.finish_reason == "stop"
     assert s.extra["rollout/agent_turns"] == 2.0 and len(s.prompt_ids) + len(s.response_ids) == 10
+
+
+class ShowsAPicture(AgentEnv):
+    """Shows "b.png" with its first feedback ("#?": the placeholder, then a question); done after turn 1."""
+
+    feedback = "#?"
+
+    def step(self, response_text, turn):
+        return StepResult(feedback=self.feedback, images=["b.png"] if turn == 0 else [], done=turn == 1)
+
+
+def _expand(text, images):
+    """The scripted processor: each placeholder into 3, as the scripted engine expands it."""
+    return [t for c in text for t in ([IMG] * 3 if c == "#" else [ord(c)])]
+
+
+def _shown(env_cls=ShowsAPicture, expand=_expand, max_images=2, max_total_len=100):
+    items = [{"prompt": "#P", "prompt_ids": [IMG, ord("P")], "label": 0, "index": 10, "images": ["a.png"]}]
+    generate = ScriptedImageGenerate()
+    kwargs = dict(n_samples_per_prompt=1, env_cls=env_cls, max_turns=3, max_new_tokens=3, max_total_len=max_total_len)
+    samples = run_agent_episodes(
+        generate,
+        CharTokenizer(),
+        items,
+        **kwargs,
+        image_placeholders=[IMG],
+        expand_images=expand,
+        max_images=max_images,
+    )
+    return samples, generate
+
+
+def test_feedback_images_go_to_the_engine_unexpanded_and_into_the_row_expanded():
+    (s,), generate = _shown()
+    # turn 1's context: the feedback's placeholder unexpanded, the picture beside the prompt's
+    assert generate.images == [[["a.png"]], [["a.png", "b.png"]]]
+    assert generate.sent[1][0] == [IMG, ord("P"), ord("e"), ord("e"), EOS, IMG, ord("?")]
+    # the row: the feedback as expanded (the engine expanded turn 1's context into exactly the row so far)
+    assert s.prompt_ids == [IMG] * 3 + [ord("P")] and s.images == ["a.png", "b.png"]
+    assert s.response_ids == [ord("e"), ord("e"), EOS] + [IMG] * 3 + [ord("?")] + [ord("l")] * 2 + [EOS]
+    assert s.action_mask == [1, 1, 1, 0, 0, 0, 0, 1, 1, 1]
+    assert s.rollout_log_probs[3:7] == [0.0] * 4
+    # feedback with images that does not fit (4 + 3 + 4 of 11 leave no turn) ends the episode without it
+    (s,), generate = _shown(max_total_len=11)
+    assert len(generate.calls) == 1 and s.response_ids == [ord("e"), ord("e"), EOS] and s.finish_reason == "length"
+    assert s.images == ["a.png"]
+
+
+def test_feedback_images_that_the_run_cannot_show_stop_it_naming_the_env():
+    where = r"ShowsAPicture.step \(prompt index 10, turn 0\)"
+    with pytest.raises(AgentError, match=where + r" showed 1 image\(s\), 1 were shown before, and "):
+        _shown(max_images=1)  # --max_images_per_prompt counts the prompt's too
+    with pytest.raises(AgentError, match=where + r" showed 1 image\(s\): feedback images need image prompts"):
+        _shown(expand=None)
+    no_placeholder = type("NoPlaceholder", (ShowsAPicture,), {"feedback": "?"})
+    with pytest.raises(AgentError, match=r"feedback whose text holds 0 image placeholder\(s\)"):
+        _shown(env_cls=no_placeholder)
+    # a processor that expands the image otherwise than the engine: the next turn's context gives it away
+    with pytest.raises(AgentError, match="the engine expanded the images of the feedback into other tokens"):
+        _shown(expand=lambda text, images: [t for c in text for t in ([IMG] * 2 if c == "#" else [ord(c)])])
 
 
 def test_env_errors_name_the_env_prompt_and_turn():

@@ -99,7 +99,12 @@ def molt_file(tmp_path, reset="state", step="Result(reward=1.0)"):
     [
         ("{**state, 'observation': 'other'}", "Result(reward=1.0)", "E.reset rewrote the first observation"),
         ("state", "Result(reward=None)", "E.step returned a Result without a scalar reward"),
-        ("state", "Result(reward=1.0, images=['x.png'])", "E.step returned images"),
+        # (images with feedback need image prompts: this run's are text; images with a last step are unused)
+        (
+            "state",
+            "Result(reward=1.0, images=['x.png'], observation='<image>', terminated=False)",
+            r"MoltE.step \(prompt index 3, turn 0\) showed 1 image\(s\): feedback images need image prompts",
+        ),
         ("state", "Result(reward=1.0, sampling_params=object())", "E.step returned sampling_params"),
         ("state", "1.0", "E.step returned float; return a Result"),
     ],

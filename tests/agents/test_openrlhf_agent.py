@@ -113,7 +113,11 @@ def openrlhf_file(tmp_path, reset="states", step=DONE + "}", name="agent.py"):
         ("states", "1.0", "AgentInstance.step returned float; return a dict with rewards, environment_feedback, done"),
         ("states", "{'rewards': 1.0}", "AgentInstance.step returned a dict without environment_feedback, done"),
         ("states", DONE.replace("torch.tensor(1.0)", "'high'") + "}", "AgentInstance.step returned rewards 'high'"),
-        ("states", DONE + ", 'environment_images': ['x.png']}", "AgentInstance.step returned images"),
+        (
+            "states",
+            DONE.replace("True", "False") + ", 'environment_images': ['x.png']}",
+            r"OpenRLHFAgentInstance.step \(prompt index 3, turn 0\) showed 1 image\(s\): feedback images need image",
+        ),
         ("states", DONE + ", 'sampling_params': object()}", "AgentInstance.step returned sampling_params"),
     ],
 )

@@ -4,7 +4,7 @@ trainer's log-probs agree; the reward function sees each prompt's count; the syn
 trainer's weights. Two runs: ZeRO-2 with the vision tower frozen (it does not move, every language-model tensor
 does), flags in OpenRLHF >= 0.10's dotted names; ZeRO-3 with LoRA on the language model (the adapters sit in the
 decoder only, merged into the engine's weights), flags in the flat names. Then an agent over the same prompts: an
-OpenRLHF agent file's two turns with text feedback between them, each turn seeing the image."""
+OpenRLHF agent file's two turns with feedback between them that shows a picture of its own."""
 
 from __future__ import annotations
 
@@ -110,25 +110,27 @@ def test_grpo_on_image_prompts(tmp_path, variant):
 
 
 def test_an_agent_over_image_prompts(tmp_path):
-    """--agent_func_path with image prompts (an OpenRLHF agent file, tests/agents/openrlhf_shapes_agent.py): every
-    turn goes to the engine with the prompt's image, the rows the trainer scores hold the expanded prompt, both turns
-    and the text feedback between them (masked out), and the engine's and trainer's log-probs agree on every turn."""
+    """--agent_func_path with image prompts (an OpenRLHF agent file, tests/agents/openrlhf_shapes_agent.py, whose
+    feedback shows a picture of its own): every turn goes to the engine with the episode's images, the rows the
+    trainer scores hold the expanded prompt, both turns and the feedback between them with its picture expanded
+    (masked out), and the engine's and trainer's log-probs agree on every turn."""
     model = tiny_vlm_dir()
     prompts = write_jsonl(make_rows(8, seed=3), tmp_path / "shapes.jsonl")
     save = tmp_path / "out"
     flags = ["--pretrain", str(model), "--prompt_data", str(prompts), "--input_key", "prompt", "--label_key", "label"]
-    flags += ["--image_key", "images", "--max_images_per_prompt", "1", "--apply_chat_template", "--zero_stage", "2"]
+    flags += ["--image_key", "images", "--max_images_per_prompt", "2", "--apply_chat_template", "--zero_stage", "2"]
     flags += ["--agent_func_path", str(REPO / "tests/agents/openrlhf_shapes_agent.py"), "--agent_max_turns", "3"]
     flags += ["--advantage_estimator", "group_norm", "--n_samples_per_prompt", "4", "--rollout_batch_size", "4"]
     flags += ["--train_batch_size", "16", "--micro_train_batch_size", "4", "--micro_rollout_batch_size", "4"]
-    flags += ["--vllm_num_engines", "1", "--param_dtype", "fp32", "--generate_max_len", "6", "--prompt_max_len", "96"]
+    flags += ["--vllm_num_engines", "1", "--param_dtype", "fp32", "--generate_max_len", "6", "--prompt_max_len", "128"]
     flags += ["--max_steps", "1", "--actor_learning_rate", "1e-3", "--save_path", str(save)]
     run_cli("train_ppo_ray", flags, nproc=1, timeout=600)
     (record,) = read_metrics(save)
     print({k: record[k] for k in ("rollout/logprob_diff_max", "train/response_length", "train/advantage_abs")})
     # two turns per episode (the environment ends it after the second), the feedback between them
     assert record["rollout/agent_turns"] == 2.0 and record["env/counted"] == 1.0, record
-    assert record["train/response_length"] > 6 + 6, record  # (two turns, up to 6 tokens each, and the feedback)
+    # two turns of up to 6 tokens and the feedback: its text and its picture's tokens (6 in the tiny Idefics3)
+    assert record["train/response_length"] > 6 + 6, record
     # the images reached both sides on every turn: the trainer scores what the engine sampled, image tokens and all
     assert record["rollout/logprob_diff_max"] < 1e-4, record
     assert record["train/advantage_abs"] > 0.1, record
