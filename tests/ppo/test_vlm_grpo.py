@@ -134,3 +134,45 @@ def test_an_agent_over_image_prompts(tmp_path):
     # the images reached both sides on every turn: the trainer scores what the engine sampled, image tokens and all
     assert record["rollout/logprob_diff_max"] < 1e-4, record
     assert record["train/advantage_abs"] > 0.1, record
+
+
+def test_openrlhfs_vlm_recipe_runs_as_written(tmp_path):
+    """OpenRLHF 0.11.0's VLM recipe (train_vlm_math_hybrid_engine.sh, its command line in
+    tests/assets/openrlhf_flags/recipes.json) with its paths and sizes changed and nothing else: the hybrid engine
+    (--train.colocate_all: the actor, and the engine on its device, sleeping in turns), ZeRO-3, the frozen vision
+    tower, REINFORCE++-baseline with --algo.kl.use_loss at --algo.kl.init_coef 0 (no reference), on the shapes task
+    with the tiny Idefics3."""
+    import json
+
+    recipe = json.loads((REPO / "tests/assets/openrlhf_flags/recipes.json").read_text())
+    args = recipe["v0.11.0"]["train_vlm_math_hybrid_engine.sh"]["args"]
+    save = tmp_path / "out"
+    changed = {
+        "--ref.num_gpus_per_node": "1",
+        "--actor.num_gpus_per_node": "1",
+        "--vllm.num_engines": "1",
+        "--actor.model_name_or_path": str(tiny_vlm_dir()),
+        "--reward.remote_url": str(REPO / "tests/ppo/shapes_reward.py"),  # examples/python/math_reward_func.py
+        "--ckpt.output_dir": str(save),
+        "--ckpt.path": str(save / "ckpt"),
+        "--train.batch_size": "8",
+        "--rollout.batch_size": "2",
+        "--rollout.n_samples_per_prompt": "4",
+        "--train.num_episodes": "1",
+        "--data.max_len": "128",
+        "--rollout.max_new_tokens": "8",
+        "--ds.param_dtype": "fp32",  # bf16: up to 58x slower on a CPU without AVX512_BF16 (docs/platform.md)
+        "--data.prompt_dataset": str(write_jsonl(make_rows(4, seed=4), tmp_path / "shapes.jsonl")),
+    }
+    args = [changed.get(args[i - 1], a) if i else a for i, a in enumerate(args)]
+    assert set(changed) <= set(args), sorted(set(changed) - set(args))
+    proc = run_cli("train_ppo_ray", args, nproc=1, timeout=600)
+    log = proc.stdout + proc.stderr
+    records = read_metrics(save)
+    assert [r["step"] for r in records] == [1, 2], log[-3000:]
+    assert "--use_kl_loss has no effect with --init_kl_coef 0" in log
+    assert "colocated (hybrid): actor, engines share 1 device(s)" in log, log[-3000:]
+    # the images reached the engine and the actor, whose weights (the language model's) the engine got each step
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), series(records, "rollout/logprob_diff")
+    assert records[1]["rollout/staleness_max"] == 0 and "train/kl_loss" not in records[0], records
+    assert all(1.0 <= r["reward/label"] <= 4.0 for r in records), series(records, "reward/label")
