@@ -17,6 +17,8 @@ import warnings
 from pathlib import Path
 from typing import Any
 
+from openppo.errors import UserError
+
 logger = logging.getLogger(__name__)
 
 
@@ -249,7 +251,9 @@ def _start_wandb(
     org: str | None = None,
     group: str | None = None,
 ):
-    """`value` is an API key, 'offline', or 'auto' (online when a key is configured, offline otherwise)."""
+    """`value` is an API key, 'offline', or 'auto' (online when a key is configured, offline otherwise). A login or
+    start W&B refuses (a key it does not take, such as a recipe's `{wandb_token}` left in place, or no key at all) is
+    a one-line UserError naming --use_wandb; the run has started nothing yet then."""
     import wandb
 
     mode = "online"
@@ -257,10 +261,17 @@ def _start_wandb(
         value == "auto" and not os.environ.get("WANDB_API_KEY") and not Path("~/.netrc").expanduser().exists()
     ):
         mode = "offline"
-    elif value not in ("auto", "online"):
-        wandb.login(key=value)
-    run = wandb.init(
-        project=project, entity=org, group=group, name=run_name, config=config, mode=mode, dir=save_dir, reinit=True
-    )
+    try:
+        if mode == "online" and value not in ("auto", "online"):
+            wandb.login(key=value)
+        run = wandb.init(
+            project=project, entity=org, group=group, name=run_name, config=config, mode=mode, dir=save_dir, reinit=True
+        )
+    except (wandb.errors.Error, ValueError) as err:
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise UserError(
+            f"--use_wandb: W&B did not start ({first}); pass a valid API key (--use_wandb KEY, or WANDB_API_KEY with "
+            "--use_wandb auto), 'offline', or leave --use_wandb out"
+        ) from err
     logger.info("W&B run %s (%s mode)", run.name, mode)
     return run

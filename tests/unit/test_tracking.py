@@ -4,6 +4,8 @@ import json
 import logging
 import math
 
+import pytest
+
 from openppo.utils.tracking import MetricsTracker, set_aside_rows_after
 
 
@@ -76,3 +78,24 @@ def test_wandb_org_and_group_reach_the_run(tmp_path, monkeypatch):
     run = tracker._wandb
     assert (run.entity, run.group, run.name) == ("some-team", "ablation-1", "r")
     tracker.close()
+
+
+def test_a_wandb_key_wandb_does_not_take_is_one_line_naming_the_flag(tmp_path, monkeypatch):
+    """OpenRLHF's recipe with a reward function passes `--logger.wandb.key {wandb_token}` (its placeholder): W&B's
+    own UsageError came out as a traceback; it is one line naming --use_wandb (no network: no key is configured, so
+    W&B refuses before it connects)."""
+    from openppo.errors import UserError
+
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    monkeypatch.setenv("HOME", str(tmp_path))  # (no ~/.netrc)
+    monkeypatch.delenv("WANDB_API_KEY", raising=False)
+    monkeypatch.delenv("WANDB_MODE", raising=False)
+    with pytest.raises(UserError, match=r"^--use_wandb: W&B did not start \(.*\); pass a valid API key"):
+        MetricsTracker(
+            save_dir=str(tmp_path),
+            tensorboard_dir=None,
+            wandb="{wandb_token}",
+            wandb_project="p",
+            run_name="r",
+            config={},
+        )
