@@ -85,3 +85,73 @@ def test_openrlhfs_recipe_passes_openppos_checks(tag, name, recipe, tmp_path, mo
     nodes = max(cfg.resources.actor_num_nodes, 1)
     devices = launch.ClusterDevices(True, GPUS_PER_NODE * nodes, False, (("node", GPUS_PER_NODE),) * nodes)
     launch.check_layout_fits(cfg, plan, devices)
+
+
+# sizes of the runs below: one rank and one engine per group, small batches and lengths, fp32 (bf16 is up to 58x
+# slower on a CPU without AVX512_BF16), 2 steps; every other flag as the recipe gives it
+RUN_SIZES = {
+    "--train.batch_size": "8",
+    "--rollout.batch_size": "2",
+    "--rollout.n_samples_per_prompt": "4",
+    "--data.max_len": "128",
+    "--rollout.max_new_tokens": "16",
+    "--ds.param_dtype": "fp32",
+    "--train.num_episodes": "1",
+    "--data.max_samples": "64",
+    "--train.max_tokens_per_gpu": "512",
+    "--rollout.max_tokens_per_gpu": "1024",
+    "--train.micro_batch_size": "2",
+    "--rollout.micro_batch_size": "4",
+    "--rollout.vllm_generate_batch_size": "2",
+    "--eval.n_samples_per_prompt": "1",
+}
+# the ones with a test of their own: tests/ppo/test_vlm_grpo.py, tests/ppo/test_openrlhf_agent_recipe.py
+RUNS = [n for n, r in RECIPES["v0.11.0"].items() if r["cli"] == "train_ppo_ray" and "vlm" not in n and "agent" not in n]
+
+
+def test_every_train_ppo_ray_recipe_is_run():
+    assert len(RUNS) == 5, RUNS
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", RUNS)
+def test_openrlhfs_recipe_runs_as_written(name, tmp_path):
+    """The recipe's command line with its paths and sizes changed (and a reward function that scores by length, so
+    that groups differ), nothing else: 2 steps, the engine's log-probs the trainer's (fp32) on each."""
+    from tests.cli.helpers import read_metrics, run_cli
+
+    args = _local(RECIPES["v0.11.0"][name]["args"], name, tmp_path)
+    # the files _local points the recipe at, now with prompts to train on (under the recipe's column names) and
+    # rewards that differ within a group
+    keys = {flag: args[args.index(flag) + 1] for flag in ("--data.input_key", "--data.label_key") if flag in args}
+    question, answer = keys.get("--data.input_key", "input"), keys.get("--data.label_key", "label")
+    rows = [{question: f"What is {i} plus {i + 1}?", answer: str(2 * i + 1)} for i in range(64)]
+    (tmp_path / "data.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
+    (tmp_path / "reward_func.py").write_text(
+        "def reward_func(queries, prompts, labels, **kwargs):\n"
+        "    rewards = [len(q) % 3 / 2 for q in queries]\n"
+        "    return {'rewards': rewards, 'scores': rewards, 'extra_logs': {}}\n"
+    )
+    save = tmp_path / "out"
+    sizes = {**RUN_SIZES, "--ckpt.output_dir": str(save), "--ckpt.path": str(save / "ckpt")}
+    sizes["--logger.tensorboard_dir"] = str(save / "tensorboard")
+    sizes["--logger.wandb.key"] = "offline"  # (the recipe's `{wandb_token}` placeholder)
+    if "--rollout.n_samples_per_prompt" not in args:  # (one sample a prompt: a step of 2)
+        sizes["--train.batch_size"] = "2"
+    args = [_sized(args, i, sizes) for i in range(len(args))] + ["--max_steps", "2"]
+    proc = run_cli("train_ppo_ray", args, nproc=1, timeout=600)
+    records = read_metrics(save)
+    assert [r["step"] for r in records] == [1, 2], (proc.stdout + proc.stderr)[-3000:]
+    assert all(r["rollout/logprob_diff"] < 1e-4 for r in records), [r["rollout/logprob_diff"] for r in records]
+
+
+def _sized(args: list[str], i: int, sizes: dict[str, str]) -> str:
+    """Argument i, resized: a value after a flag in `sizes`, and one rank or engine per group."""
+    flag = args[i - 1] if i else ""
+    if flag in sizes:
+        return sizes[flag]
+    if flag.endswith((".num_gpus_per_node", ".num_engines", ".tensor_parallel_size", ".ring_attn_size")):
+        return "1"
+    if flag.endswith(".ring_attn_head_stride"):
+        return "1"
+    return args[i]
