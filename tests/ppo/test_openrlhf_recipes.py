@@ -1,11 +1,12 @@
 """Every training recipe OpenRLHF ships (v0.9.10 and v0.11.0, `tests/assets/openrlhf_flags/recipes.json`) gets past
 openppo's checks as written, but for its model and data paths: it parses, validates (train_ppo_ray: the flags, then
 the GPU-dependent checks; the supervised CLIs: `validate_common` under the launcher's 8 ranks) and, for
-train_ppo_ray, its layout fits nodes of 8 GPUs. Nothing is launched. The one exception is named: v0.9.10's DAPO
-recipe passes a flag OpenRLHF 0.9.10 does not declare either.
+train_ppo_ray, its layout fits nodes of 8 GPUs. The one exception is named: v0.9.10's DAPO recipe passes a flag
+OpenRLHF 0.9.10 does not declare either.
 
-The runs themselves: tests/ppo/test_openrlhf_agent_recipe.py (the async agent recipe), tests/ppo/test_vlm_grpo.py
-(image prompts), tests/ppo/test_train_ppo_ray.py (the dotted hybrid-engine flags).
+Then each of v0.11.0's recipes runs (slow: real Ray, DeepSpeed and vLLM on tiny models) with its paths and sizes
+changed and nothing else: the five RL recipes here, the VLM recipe in tests/ppo/test_vlm_grpo.py, the async agent
+recipe in tests/ppo/test_openrlhf_agent_recipe.py, and the four supervised ones here.
 """
 
 from __future__ import annotations
@@ -155,3 +156,39 @@ def _sized(args: list[str], i: int, sizes: dict[str, str]) -> str:
     if flag.endswith(".ring_attn_head_stride"):
         return "1"
     return args[i]
+
+
+SUPERVISED = [n for n, r in RECIPES["v0.11.0"].items() if r["cli"] != "train_ppo_ray"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", SUPERVISED)
+def test_openrlhfs_supervised_recipe_runs_as_written(name, tmp_path):
+    """SFT (a dense model, and Mixtral with LoRA and the router loss: a tiny Qwen3-MoE here), the reward model and
+    DPO, from their command lines with paths and sizes changed: each trains and exports a model."""
+    from tests.cli.helpers import run_cli
+
+    def chat(answer: str) -> list[dict]:
+        return [{"role": "user", "content": "What is 2 + 2?"}, {"role": "assistant", "content": answer}]
+
+    rows = [
+        {"question": f"What is {i} + 1?", "response": str(i + 1), "chosen": chat("4"), "rejected": chat("5")}
+        for i in range(8)
+    ]
+    data = tmp_path / "data.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    save = tmp_path / "out"
+    sizes = {
+        "--model.model_name_or_path": str(tiny_model_dir(arch="qwen3_moe") if "mixtral" in name else tiny_model_dir()),
+        "--data.dataset": str(data),
+        "--ckpt.output_dir": str(save),
+        "--train.batch_size": "4",
+        "--train.micro_batch_size": "2",
+        "--data.max_len": "64",
+        "--ds.param_dtype": "fp32",
+        "--data.max_samples": "8",
+    }
+    args = RECIPES["v0.11.0"][name]["args"]
+    args = [_sized(args, i, sizes) for i in range(len(args))]
+    run_cli(RECIPES["v0.11.0"][name]["cli"], args, nproc=1, timeout=600)
+    assert any(save.glob("*.safetensors")), sorted(p.name for p in save.iterdir())
