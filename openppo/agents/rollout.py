@@ -229,11 +229,11 @@ def run_agent_episodes(
             feedback = tokenizer.encode(text, add_special_tokens=False)
             room = ep.room(max_total_len)
             if result.images:
-                shown = list(result.images)
-                expanded = _expanded_feedback(ep, turn, shown, text, feedback, expand_images, image_placeholders)
-                if len(ep.images) + len(shown) > max_images:
+                pictures = list(result.images)
+                expanded = _expanded_feedback(ep, turn, pictures, text, feedback, expand_images, image_placeholders)
+                if len(ep.images) + len(pictures) > max_images:
                     raise AgentError(
-                        f"{_where(ep, turn)} showed {len(shown)} image(s), {len(ep.images)} were shown before, "
+                        f"{_where(ep, turn)} showed {len(pictures)} image(s), {len(ep.images)} were shown before, "
                         f"and --max_images_per_prompt {max_images} caps an episode's images (prompt and feedback "
                         "together): raise it"
                     )
@@ -241,7 +241,7 @@ def run_agent_episodes(
                     ep.finish_reason = "length"
                     continue
                 ep.append(expanded, None, sent=feedback)
-                ep.feedback_images += shown
+                ep.feedback_images += pictures
                 still_active.append(ep)
                 continue
             if len(feedback) >= room:  # no room left for another model turn after it
