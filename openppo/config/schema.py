@@ -302,14 +302,30 @@ def _molt_cispo_ceiling(ns: argparse.Namespace, argv: list[str], parser: argpars
     )
 
 
-def _molt_recipe(argv: list[str]) -> str | None:
-    """A Molt recipe is told by its names: all dotted, the model given as --actor.model_name_or_path (a whole run,
-    as every Molt script is), and one of Molt's own (`openrlhf_names.molt_only`); returns the first such name. None
-    for a recipe that mixes in flat names (openppo's or OpenRLHF 0.9's) or uses OpenRLHF 0.10's dotted names only."""
+def _molt_recipe(argv: list[str], model: str = "actor.model_name_or_path") -> str | None:
+    """A Molt recipe is told by its names: all dotted, the model given as `model` (--actor.model_name_or_path in RL,
+    --model.model_name_or_path in SFT: a whole run, as every Molt script is), and one of Molt's own
+    (`openrlhf_names.molt_only`); returns the first such name. None for a recipe that mixes in flat names (openppo's
+    or OpenRLHF 0.9's) or uses OpenRLHF 0.10's dotted names only."""
     names = [name for name, _ in _options(argv)]
     molt = sorted(n for n in names if openrlhf_names.molt_only(n))
-    whole = "actor.model_name_or_path" in names and all("." in n for n in names)
+    whole = model in names and all("." in n for n in names)
     return molt[0] if molt and whole else None
+
+
+def _molt_sft(config_cls: type, ns: argparse.Namespace, argv: list[str]) -> None:
+    """Molt's train_sft renders every row as a chat with the model's template (it has no --apply_chat_template; its
+    recipes' rows are chat messages): a Molt SFT recipe (`_molt_recipe`) runs with --apply_chat_template, said in
+    one log line."""
+    if getattr(config_cls, "openrlhf_cli", None) != "train_sft" or getattr(ns, "apply_chat_template", True):
+        return
+    if (first := _molt_recipe(argv, "model.model_name_or_path")) is not None:
+        ns.apply_chat_template = True
+        logger.info(
+            "a Molt recipe (--%s): each row is rendered with the chat template, as Molt's train_sft renders it "
+            "(--apply_chat_template)",
+            first,
+        )
 
 
 def _molt_rollout(ns: argparse.Namespace, argv: list[str]) -> None:
@@ -400,6 +416,7 @@ def parse_config(config_cls: type[T], argv: typing.Sequence[str] | None, prog: s
     _molt_distill(ns, argv, names, parser)
     _molt_cispo_ceiling(ns, argv, parser)
     _molt_rollout(ns, argv)
+    _molt_sft(config_cls, ns, argv)
     _muon_clipping(ns, argv, names, parser)
     return _from_namespace(config_cls, ns)
 
