@@ -429,14 +429,13 @@ def host_bytes_of_trainers(cfg, shapes: dict[str, ModelShape], *, eval_only: boo
     from openppo.ppo.validate import actor_world_size, needs_critic_group, needs_reference
 
     res, v = cfg.resources, cfg.vllm
+    training = not eval_only
     ranks = {
-        "actor": 0 if eval_only else actor_world_size(cfg),
-        "ref": res.ref_num_nodes * res.ref_num_gpus_per_node if needs_reference(cfg) and not eval_only else 0,
-        "critic": res.critic_num_nodes * res.critic_num_gpus_per_node if needs_critic_group(cfg) else 0,
+        "actor": actor_world_size(cfg) if training else 0,
+        "ref": res.ref_num_nodes * res.ref_num_gpus_per_node if needs_reference(cfg) and training else 0,
+        "critic": res.critic_num_nodes * res.critic_num_gpus_per_node if needs_critic_group(cfg) and training else 0,
         "reward": res.reward_num_nodes * res.reward_num_gpus_per_node if "reward" in shapes else 0,
     }
-    if eval_only:
-        ranks["critic"] = 0
     workers = v.vllm_num_engines * v.vllm_tensor_parallel_size
     total = (sum(ranks.values()) + workers) * PROCESS_OVERHEAD_BYTES
     # teachers (--teacher_pretrain): forward-only ranks holding their weights, ZeRO-3 sharded over each group

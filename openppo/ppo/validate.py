@@ -662,7 +662,7 @@ def _agent_program(cfg: PPOConfig, notices: list[str]) -> None:
 
 def _images(cfg: PPOConfig, notices: list[str]) -> None:
     """Image prompts (--max_images_per_prompt > 0) take the padded path of a vision-language actor (docs/vlm.md),
-    single-turn or an --agent_func_path environment's text turns; every model that scores their rows must see the
+    single-turn or an --agent_func_path environment's turns; every model that scores their rows must see the
     images."""
     d, r, m = cfg.data, cfg.rollout, cfg.model
     require(d.max_images_per_prompt >= 0, f"--max_images_per_prompt must be >= 0, got {d.max_images_per_prompt}")
