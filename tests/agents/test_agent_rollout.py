@@ -7,6 +7,7 @@ The scripted tests use a character tokenizer (token id = ord(char), id 0 = EOS, 
 from __future__ import annotations
 
 import sqlite3
+import sys
 import threading
 import time
 from pathlib import Path
@@ -90,6 +91,28 @@ def _run(labels, *, n=1, max_turns=3, max_new_tokens=3, max_total_len=100, templ
 
 
 B, F, J, FB = ord("b"), ord("f"), ord("j"), [ord("F"), ord("B")]
+
+
+def play_file(path, answer, *, flag="--agent_func_path", n=2, max_turns=4, max_new_tokens=3, timeout_s=None):
+    """`n` episodes of one prompt ("P", label "7", index 3) of the agent file at `path` (loaded as `flag` loads it)
+    against the scripted engine `answer`; returns the samples and every state its environment recorded in its
+    module's SEEN, in order (the Molt and OpenRLHF adapters' tests)."""
+    items = [{"prompt": "P", "prompt_ids": [ord("P")], "label": "7", "index": 3}]
+    env_cls = load_agent_env(path, flag)
+    seen = getattr(sys.modules[env_cls.episode_cls.__module__], "SEEN", [])
+    seen.clear()
+    samples = run_agent_episodes(
+        answer,
+        CharTokenizer(),
+        items,
+        n_samples_per_prompt=n,
+        env_cls=env_cls,
+        max_turns=max_turns,
+        max_new_tokens=max_new_tokens,
+        max_total_len=100,
+        env_timeout_s=timeout_s,
+    )
+    return samples, list(seen)
 
 
 def test_tokens_masks_logprobs_rewards_and_group_order():

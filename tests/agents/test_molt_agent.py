@@ -5,14 +5,13 @@ the run with real engines is tests/ppo/test_molt_quick_start.py."""
 
 from __future__ import annotations
 
-import sys
 from pathlib import Path
 
 import pytest
 
-from openppo.agents import AgentError, load_agent_env, run_agent_episodes
+from openppo.agents import AgentError, load_agent_env
 from openppo.errors import UserError
-from tests.agents.test_agent_rollout import EOS, CharTokenizer
+from tests.agents.test_agent_rollout import EOS, play_file
 
 VOWELS_AGENT = Path(__file__).resolve().parent / "molt_vowels_agent.py"
 FB = [ord(c) for c in " Vowels only: "]
@@ -25,24 +24,9 @@ def answer(contexts, budgets):
     )
 
 
-def play(path, *, n=2, max_turns=4, timeout_s=None):
+def play(path, **kwargs):
     """`n` episodes of one prompt; returns the samples and every state the Molt environment saw, in order."""
-    items = [{"prompt": "P", "prompt_ids": [ord("P")], "label": "7", "index": 3}]
-    env_cls = load_agent_env(path, "--train.agent_path")
-    seen = getattr(sys.modules[env_cls.episode_cls.__module__], "SEEN", [])
-    seen.clear()
-    samples = run_agent_episodes(
-        answer,
-        CharTokenizer(),
-        items,
-        n_samples_per_prompt=n,
-        env_cls=env_cls,
-        max_turns=max_turns,
-        max_new_tokens=3,
-        max_total_len=100,
-        env_timeout_s=timeout_s,
-    )
-    return samples, list(seen)
+    return play_file(path, answer, flag="--train.agent_path", **kwargs)
 
 
 def test_a_molt_env_plays_its_turns_with_molts_state_and_result():
