@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import logging
 import os
 from dataclasses import dataclass
@@ -73,16 +74,21 @@ def critic_export_dir(cfg: PPOConfig) -> str | None:
     return f"{str(cfg.ckpt.save_path).rstrip('/')}_critic" if cfg.model.save_value_network else None
 
 
+@functools.cache
+def image_processor(pretrain: str):
+    """The vision-language model's processor, loaded once for the run's prompts, eval prompts and agent episodes."""
+    from transformers import AutoProcessor
+
+    return AutoProcessor.from_pretrained(pretrain, trust_remote_code=True)
+
+
 def load_prompts(cfg: PPOConfig, tokenizer, raw: datasets.Dataset, keep_messages: bool = False) -> PromptDataset:
     """Rows of `load_prompt_rows` rendered and tokenized (prompts longer than --prompt_max_len dropped);
     `keep_messages`: each item also holds its prompt as unrendered chat messages and its tools (an agent program's
     task)."""
     d = cfg.data
-    processor = None
-    if d.max_images_per_prompt > 0:  # the image prompts' chat template is the processor's (docs/vlm.md)
-        from transformers import AutoProcessor
-
-        processor = AutoProcessor.from_pretrained(cfg.model.pretrain, trust_remote_code=True)
+    # the image prompts' chat template is the processor's (docs/vlm.md)
+    processor = image_processor(cfg.model.pretrain) if d.max_images_per_prompt > 0 else None
     return PromptDataset(
         raw,
         tokenizer,
@@ -175,7 +181,7 @@ def agent_episodes(cfg: PPOConfig, tokenizer, env_cls):
     placeholders: list[int] = []
     expand_images = None
     if d.max_images_per_prompt > 0:
-        from transformers import AutoConfig, AutoProcessor
+        from transformers import AutoConfig
 
         from openppo.models.vision import image_placeholder_ids
         from openppo.utils.images import open_image
@@ -183,7 +189,7 @@ def agent_episodes(cfg: PPOConfig, tokenizer, env_cls):
         # a turn that samples the placeholder ends its episode; feedback with images is expanded as the engines
         # expand it, by the model's processor
         placeholders = image_placeholder_ids(AutoConfig.from_pretrained(cfg.model.pretrain, trust_remote_code=True))
-        processor = AutoProcessor.from_pretrained(cfg.model.pretrain, trust_remote_code=True)
+        processor = image_processor(cfg.model.pretrain)
 
         def expand_images(text: str, images: list) -> list[int]:
             opened = [open_image(image) for image in images]
