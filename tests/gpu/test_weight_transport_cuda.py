@@ -6,6 +6,9 @@ avoids, are refused by the guard before any group forms."""
 
 from __future__ import annotations
 
+import time
+from queue import Empty
+
 import pytest
 import torch
 import torch.multiprocessing as mp
@@ -112,12 +115,21 @@ def test_a_process_reports_the_gpu_its_cuda_visible_devices_gives_it(visible, mo
     from openppo.rollout.transport import gpu_uuid
 
     physical = gpu_uuid(0)
-    entry = "0" if visible == "index" else physical
+    # CUDA (and Ray, and nvidia-smi -L) write a UUID entry as "GPU-<uuid>"; torch's uuid has no prefix, and a bare
+    # one in CUDA_VISIBLE_DEVICES hides every GPU
+    entry = "0" if visible == "index" else physical if physical.startswith("GPU-") else f"GPU-{physical}"
     monkeypatch.setenv("CUDA_VISIBLE_DEVICES", entry)  # the spawned child reads it at start
     ctx = mp.get_context("spawn")
     queue = ctx.Queue()
     proc = ctx.Process(target=_report_gpu, args=(queue,))
     proc.start()
-    reported, uuid = queue.get(timeout=120)
+    deadline = time.monotonic() + 120
+    while True:  # a child that dies before it reports fails the test at once, not after the whole wait
+        try:
+            reported, uuid = queue.get(timeout=1)
+            break
+        except Empty:
+            assert proc.is_alive(), f"the child exited with {proc.exitcode} before it reported its GPU"
+            assert time.monotonic() < deadline, "the child did not report its GPU within 120 s"
     proc.join(timeout=60)
     assert proc.exitcode == 0 and reported == entry and uuid == physical
