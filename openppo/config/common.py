@@ -52,7 +52,7 @@ class ModelBuildConfig:
     use_liger_kernel: bool = opt(
         False,
         "GPU: Liger's fused Triton kernels for RMSNorm, RoPE and the SwiGLU MLP in every model the run builds "
-        "(needs the liger-kernel package); no effect on CPU",
+        "(needs the liger-kernel package; not with --torch_compile); no effect on CPU",
     )
     freeze_moe_router: bool = opt(
         False,
@@ -62,7 +62,8 @@ class ModelBuildConfig:
     torch_compile: bool = opt(
         False,
         "torch.compile each decoder layer of every model the run trains or scores (one compiled graph reused by "
-        "all layers; vLLM compiles its own unless --enforce_eager); the first step pays the compile",
+        "all layers; vLLM compiles its own unless --enforce_eager); the first step pays the compile; not with "
+        "--use_liger_kernel",
     )
 
     def build_kwargs(self) -> dict:

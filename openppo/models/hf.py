@@ -225,6 +225,9 @@ def finish_model(
     alike), optional Liger kernels, LoRA adapters, activation checkpointing and compiled layers, in that order (Liger
     patches the model's own modules, which the adapters then wrap; checkpointing must see the adapters; the compiled
     layers hold all of it)."""
+    from openppo.models.kernels import check_liger_compile
+
+    check_liger_compile(use_liger_kernel, torch_compile)  # (also for callers that skip the flags' checks)
     if freeze_moe_router:
         frozen = freeze_parameters(model, moe_router_parameter_names(model))
         if not frozen and first_rank():

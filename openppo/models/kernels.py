@@ -19,6 +19,10 @@ last, over the LoRA adapters and the activation checkpointing. Packed rows' atte
 and its pieces take any row length. On CPU it compiles too (Inductor's C++ backend); the first forward and backward
 pay the compile (~30 s for a tiny model on a 2-core CPU), the second length a recompile with the length dynamic,
 then none.
+
+The two are refused together (`check_liger_compile`): inside the compiled layers, Inductor cannot analyse Liger's
+Triton kernels (it logs that it assumes every input mutated), and on an H200 the 0.5B step with both got non-finite
+gradients from its second step, where each alone, and each with --lm_head_chunk_tokens, trained.
 """
 
 from __future__ import annotations
@@ -71,10 +75,27 @@ def compile_layers(model: nn.Module) -> int:
     return len(layers)
 
 
-def check_compile(torch_compile: bool, *, zero_stage: int, ring_attn_size: int, tensor_parallel_size: int) -> None:
+LIGER_WITH_COMPILE = (
+    "--use_liger_kernel with --torch_compile: Liger's Triton kernels inside the compiled decoder layers gave "
+    "non-finite gradients on an H200 (every 0.5B step after the first skipped; docs/benchmarks.md); use one of the "
+    "two (--use_liger_kernel alone was the faster there)"
+)
+
+
+def check_liger_compile(use_liger_kernel: bool, torch_compile: bool) -> None:
+    """Refuse Liger's kernels inside compiled layers, on every device, so that a recipe that starts on CPU (where
+    Liger has no effect) does not first fail on a GPU."""
+    if use_liger_kernel and torch_compile:
+        raise UserError(LIGER_WITH_COMPILE)
+
+
+def check_compile(
+    torch_compile: bool, *, use_liger_kernel: bool, zero_stage: int, ring_attn_size: int, tensor_parallel_size: int
+) -> None:
     """--torch_compile's settings; raise UserError naming the flags."""
     if not torch_compile:
         return
+    check_liger_compile(use_liger_kernel, torch_compile)
     if zero_stage == 3:
         raise UserError(
             "--torch_compile with --zero_stage 3: ZeRO-3 gathers each layer's weights through hooks the compiled "

@@ -480,6 +480,7 @@ def _resources(cfg: PPOConfig, notices: list[str]) -> None:
             )
     check_compile(
         cfg.model.torch_compile,
+        use_liger_kernel=cfg.model.use_liger_kernel,
         zero_stage=ds.zero_stage,
         ring_attn_size=cfg.rollout.ring_attn_size,
         tensor_parallel_size=ds.ds_tensor_parallel_size,

@@ -50,6 +50,7 @@ def validate_common(cfg: Any) -> None:
     validate_build(cfg.model)
     check_compile(
         cfg.model.torch_compile,
+        use_liger_kernel=cfg.model.use_liger_kernel,
         zero_stage=cfg.ds.zero_stage,
         ring_attn_size=cfg.ds.ring_attn_size,
         tensor_parallel_size=cfg.ds.ds_tensor_parallel_size,

@@ -76,6 +76,7 @@ CASES = [
     ("train_dpo", ["--lm_head_chunk_tokens", "-1"], "--lm_head_chunk_tokens"),
     ("train_sft", ["--torch_compile", "--zero_stage", "3"], "--torch_compile"),
     ("train_dpo", ["--torch_compile", "--zero_stage", "3"], "--torch_compile"),
+    ("train_sft", ["--torch_compile", "--use_liger_kernel"], "--use_liger_kernel with --torch_compile"),
     ("train_rm", ["--dataset", "{empty}"], "--dataset"),
     ("train_rm", ["--train_batch_size", "4", "--micro_train_batch_size", "3"], "--train_batch_size"),
     ("train_dpo", ["--ipo", "--label_smoothing", "0.1"], "--label_smoothing"),

@@ -1,7 +1,8 @@
-"""--use_liger_kernel and --torch_compile on CUDA: the model with Liger's RMSNorm, RoPE and SwiGLU kernels (the real
-liger-kernel package, which tests/gpu/run.sh installs), and with its decoder layers compiled on top, gives the plain
-model's log-probs, entropy and gradients on packed rows (tests/models/test_kernels.py checks the CPU side: the
-compiled layers against eager in fp32, and where Liger's kernels go)."""
+"""--use_liger_kernel on CUDA: the model with Liger's RMSNorm, RoPE and SwiGLU kernels (the real liger-kernel package,
+which tests/gpu/run.sh installs), alone and with the LM head in chunks (--lm_head_chunk_tokens) under Liger's final
+norm, gives the plain model's log-probs, entropy and gradients on packed rows (tests/models/test_kernels.py checks the
+CPU side: the compiled layers against eager in fp32, where Liger's kernels go, and that Liger inside compiled layers
+is refused)."""
 
 from __future__ import annotations
 
@@ -13,10 +14,10 @@ from tests.gpu.conftest import requires_cuda
 pytestmark = [pytest.mark.gpu, requires_cuda]
 
 GROUPS = [(37, [12, 5, 40, 21]), (90, [33, 8]), (11, [64, 3, 17])]  # (prompt tokens, response tokens of each row)
-CASES = [  # (dtype, atol, build options of the model checked against the plain one)
-    (torch.float32, 1e-4, {"use_liger_kernel": True}),
-    (torch.bfloat16, 3e-2, {"use_liger_kernel": True}),
-    (torch.bfloat16, 3e-2, {"use_liger_kernel": True, "torch_compile": True}),
+CASES = [  # (dtype, atol, LM head chunk positions (0: full logits) of the Liger model checked against the plain one)
+    (torch.float32, 1e-4, 0),
+    (torch.bfloat16, 3e-2, 0),
+    (torch.bfloat16, 3e-2, 64),
 ]
 
 
@@ -30,9 +31,8 @@ def _scores(actor, batch):
     return (out.log_probs.float() * mask).detach(), (out.entropy.float() * mask).detach(), grads
 
 
-@pytest.mark.parametrize("dtype,atol,options", CASES, ids=["liger-fp32", "liger-bf16", "liger-compile-bf16"])
-def test_fused_and_compiled_models_score_as_the_plain_one(gpu_model_dir, monkeypatch, dtype, atol, options):
-    import torch._dynamo
+@pytest.mark.parametrize("dtype,atol,chunk", CASES, ids=["liger-fp32", "liger-bf16", "liger-chunked-bf16"])
+def test_fused_models_score_as_the_plain_one(gpu_model_dir, monkeypatch, dtype, atol, chunk):
     from transformers.models.qwen2 import modeling_qwen2
 
     from openppo.models.actor import Actor
@@ -42,17 +42,16 @@ def test_fused_and_compiled_models_score_as_the_plain_one(gpu_model_dir, monkeyp
     # Liger replaces these in the transformers module itself (RoPE for every Qwen2 model of the process): put back after
     for name in ("apply_rotary_pos_emb", "Qwen2RMSNorm", "Qwen2MLP"):
         monkeypatch.setattr(modeling_qwen2, name, getattr(modeling_qwen2, name))
-    torch._dynamo.reset()
     batch = {k: v.cuda() for k, v in grouped_rows(GROUPS, seed=0).items()}
     results = []
-    for build in ({}, options):  # the plain model first: Liger's RoPE would reach it too
-        actor = Actor.from_pretrained(str(gpu_model_dir), dtype=dtype, **build).cuda()
+    for liger in (False, True):  # the plain model first: Liger's RoPE would reach it too
+        actor = Actor.from_pretrained(str(gpu_model_dir), dtype=dtype, use_liger_kernel=liger).cuda()
         actor.layout = RowLayout(packed=True)
+        assert actor.chunk_head(chunk if liger else 0) is None
         layer = actor.hf_model.model.layers[0]
-        liger = build.get("use_liger_kernel", False)
         assert (layer.mlp._get_name() == "LigerSwiGLUMLP") is liger, layer.mlp._get_name()
         assert ("forward" in vars(layer.input_layernorm)) is liger  # Liger's RMSNorm forward bound on the module
-        assert (layer._compiled_call_impl is not None) is build.get("torch_compile", False)
+        assert ("forward" in vars(actor.hf_model.model.norm)) is liger  # the final norm, under the chunked head
         results.append(_scores(actor, batch))
     (lp, ent, grads), (o_lp, o_ent, o_grads) = results
     assert modeling_qwen2.apply_rotary_pos_emb.__module__.startswith("liger_kernel")

@@ -54,6 +54,14 @@ def test_on_a_gpu_the_models_own_modules_get_the_kernels_before_lora(monkeypatch
     assert KERNELS["fused_linear_cross_entropy"] is False  # RL needs per-token log-probs, not a mean loss
 
 
+def test_liger_inside_compiled_layers_is_refused_before_the_model_changes(monkeypatch):
+    calls = _stand_in(monkeypatch)
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    with pytest.raises(UserError, match=r"^--use_liger_kernel with --torch_compile: .* use one of the two"):
+        Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, use_liger_kernel=True, torch_compile=True)
+    assert not calls
+
+
 def test_a_model_type_liger_lacks_is_named_and_a_missing_package_is_a_one_line_error(monkeypatch):
     calls = _stand_in(monkeypatch)
     model = types.SimpleNamespace(config=types.SimpleNamespace(model_type="gpt_neox"))

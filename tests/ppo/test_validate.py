@@ -90,6 +90,7 @@ BAD = [
     (["--torch_compile", "--zero_stage", "3"], ["--torch_compile", "--zero_stage"]),
     (["--torch_compile", "--ring_attn_size", "2", "--packing_samples"], ["--torch_compile", "--ring_attn_size"]),
     (["--torch_compile", "--ds_tensor_parallel_size", "2"], ["--torch_compile", "--ds_tensor_parallel_size"]),
+    (["--torch_compile", "--use_liger_kernel"], ["--use_liger_kernel", "--torch_compile", "non-finite"]),
     (["--ring_attn_size", "2"], ["--ring_attn_size", "--packing_samples"]),
     (["--ring_attn_size", "3", "--packing_samples"], ["--ring_attn_size", "--actor_num_gpus_per_node"]),
     (["--ring_attn_size", "2", "--packing_samples", "--ring_head_stride", "-1"], ["--ring_head_stride"]),
