@@ -238,6 +238,8 @@ def main() -> None:
             "torch_compile": args.torch_compile,
             "trim": args.trim,
             "step_times_s": [round(t, 3) for t in times],
+            # optimizer steps DeepSpeed skipped for a non-finite gradient: a row with any times a broken update
+            "skipped_steps": int(engine.skipped_steps),
             "step_s": round(step_s, 3),
             "tokens_per_s": round(tokens / step_s, 1),
             "achieved_tflops": round(flops / step_s / 1e12, 3),

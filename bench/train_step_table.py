@@ -4,14 +4,15 @@
     .venv/bin/python bench/train_step_table.py --model tiny --lengths 128,256 --micro_tokens 512 --dtype fp32  # CPU
 
 For each row length and each variant (the plain step; --lm_head_chunk_tokens; --use_liger_kernel; --torch_compile;
-all three) it runs `bench/train_step_mfu.py` in a process of its own (Liger patches transformers' modules, and each
-variant's peak memory must be its own), and prints one table: step time, tokens/s, MFU against the data sheet and
-against a matmul timed in the same process, the allocator's peak memory and the memory planner's figure for the
-same update with their ratio. Every micro-batch holds `--micro_tokens` tokens (8 rows of 1024, 2 of 4096), and a
-step `--micro_batches` of them.
+the chunked head with Liger, also with 4x the tokens a micro-batch) it runs `bench/train_step_mfu.py` in a process of
+its own (Liger patches transformers' modules, and each variant's peak memory must be its own), and prints one table:
+step time, tokens/s, MFU against the data sheet and against a matmul timed in the same process, the allocator's peak
+memory and the memory planner's figure for the same update with their ratio, and the optimizer steps DeepSpeed
+skipped for non-finite gradients (a row with any does not time a working update). Every micro-batch holds
+`--micro_tokens` tokens (8 rows of 1024, 2 of 4096), and a step `--micro_batches` of them.
 
 A fresh GPU box pays each variant's start (imports, model load) and the compiled variants their compile: the runs
-go in order of importance (the plain step and all options first, at each length, then each option alone), and the
+go in order of importance (the plain step and the options together first, then each option alone), and the
 ones that would start after `--budget_s` are skipped and named, so that the call fits its lease. The last line
 printed is one JSON object with every row and the device.
 """
@@ -29,24 +30,35 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import MODELS, add_dtype_option, emit  # noqa: E402
 
-ALL = ["--lm_head_chunk_tokens", "{chunk}", "--use_liger_kernel", "--torch_compile"]
+BOTH = ["--lm_head_chunk_tokens", "{chunk}", "--use_liger_kernel"]
 VARIANTS = {  # name -> (train_step_mfu.py flags ({chunk}: --chunk_tokens), micro-batch tokens x --micro_tokens)
     "plain": ([], 1),
     "chunked head": (["--lm_head_chunk_tokens", "{chunk}"], 1),
     "Liger": (["--use_liger_kernel"], 1),
     "compile": (["--torch_compile"], 1),
-    "all": (ALL, 1),
+    # the options that go together (--use_liger_kernel with --torch_compile is refused: non-finite gradients on an
+    # H200, openppo.models.kernels)
+    "chunked + Liger": (BOTH, 1),
     # the launch-bound step's other lever: 4x the tokens a micro-batch (fewer, larger kernels), which the chunked
     # head's saved logits make room for; at the longest length only
-    "all 4x micro": (ALL, 4),
+    "chunked + Liger 4x micro": (BOTH, 4),
 }
-ORDER = ("plain", "all", "all 4x micro", "chunked head", "Liger", "compile")  # first when the budget is short
-COLUMNS = ("step_s", "tokens_per_s", "mfu_datasheet", "mfu_vs_matmul", "peak_memory_gib", "planned_gib")
+ORDER = ("plain", "chunked + Liger", "chunked + Liger 4x micro", "chunked head", "Liger", "compile")
+COLUMNS = (
+    "step_s",
+    "tokens_per_s",
+    "mfu_datasheet",
+    "mfu_vs_matmul",
+    "peak_memory_gib",
+    "planned_gib",
+    "skipped_steps",  # non-finite gradients: the row's times are not those of a working update
+)
 
 
 def runs(lengths: list[int], variants: list[str]) -> list[tuple[str, int]]:
-    """(variant, row length) in the order they run: the plain step and all options at every length, all options with
-    larger micro-batches at the longest, then each option alone; only `variants`."""
+    """(variant, row length) in the order they run (the first when the budget is short): the plain step and the
+    options together at every length, then with larger micro-batches at the longest, then each option alone; only
+    `variants`."""
     first = [(v, n) for v in ORDER[:2] for n in lengths] + [(ORDER[2], max(lengths))]
     return [(v, n) for v, n in first + [(v, n) for v in ORDER[3:] for n in lengths] if v in variants]
 
@@ -73,7 +85,13 @@ def main() -> None:
     parser.add_argument("--lengths", default="1024,4096", help="comma list of row lengths (tokens)")
     parser.add_argument("--micro_tokens", type=int, default=8192, help="tokens per micro-batch (rows x length)")
     parser.add_argument("--micro_batches", type=int, default=4, help="micro-batches per optimizer step")
-    parser.add_argument("--chunk_tokens", type=int, default=4096, help="--lm_head_chunk_tokens of the chunked rows")
+    parser.add_argument(
+        "--chunk_tokens",
+        type=int,
+        default=1024,
+        help="--lm_head_chunk_tokens of the chunked rows (4096 raised the 0.5B step's peak on an H200: a chunk's fp32 "
+        "logits, exponentials and gradient outweighed the bf16 logits they replace)",
+    )
     parser.add_argument("--steps", type=int, default=3, help="steps per run (the first is left out of the mean)")
     parser.add_argument("--budget_s", type=float, default=380, help="start no run after this many seconds")
     parser.add_argument(
