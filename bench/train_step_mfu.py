@@ -80,6 +80,7 @@ def planned_gib(args, path: str) -> float:
     flags += f"{args.micro} --prompt_max_len {args.seq_len - response} --generate_max_len {response} --zero_stage "
     flags += f"{args.zero_stage} --param_dtype {args.dtype} --lm_head_chunk_tokens {args.lm_head_chunk_tokens}"
     flags += " --packing_samples" * args.pack + " --gradient_checkpointing" * args.gradient_checkpointing
+    flags += " --use_liger_kernel" * args.use_liger_kernel + " --torch_compile" * args.torch_compile
     cfg = parse_config(PlanConfig, flags.split(), "plan")
     # (the device size sizes only engines' KV caches, which this plan has none of)
     plans = plan_devices(cfg, {"actor": model_shape(path, "--pretrain")}, 80 * GIB, on_gpu=True)

@@ -45,6 +45,15 @@ def liger_notice(use_liger_kernel: bool, on_gpu: bool) -> str | None:
     return None
 
 
+def liger_model_types() -> frozenset[str]:
+    """The model types Liger has kernels for; none where the liger-kernel package is not installed."""
+    try:
+        from liger_kernel.transformers.monkey_patch import MODEL_TYPE_TO_APPLY_LIGER_FN
+    except ImportError:
+        return frozenset()
+    return frozenset(MODEL_TYPE_TO_APPLY_LIGER_FN)
+
+
 def apply_liger(model: torch.nn.Module, on_gpu: bool | None = None) -> str | None:
     """Put Liger's kernels into the transformers model `model` in place. Returns why nothing was put (no GPU, a model
     type Liger has no kernels for), else None. `on_gpu`: default, whether this process sees CUDA."""

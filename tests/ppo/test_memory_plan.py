@@ -58,6 +58,36 @@ def test_offload_tensor_parallel_and_activations():
     assert logits_bytes(shape, 10, param_dtype="bf16", backward=True) == 10 * 10 * 50
 
 
+def test_fused_layers_keep_fewer_activations(monkeypatch):
+    """Liger's kernels and the compiled layers keep neither RMSNorm's fp32 input and normalised value nor the SiLU
+    output: 4 x hidden + 1 x intermediate values fewer a token and layer. Against the one GPU record: on an H200
+    (2026-11-30) the 0.5B step's peak at 8192 tokens a micro-batch was 23.42 GiB plain, 20.30 with Liger and 20.32
+    compiled, 3.12 GiB less; the count gives 3.09."""
+    import types
+
+    from openppo.models import kernels
+    from openppo.ppo.memory_plan import fused_layers
+
+    shape = ModelShape(num_params=1000, embedding_params=200, num_layers=4, hidden=8, intermediate=16, vocab=50)
+    fused = activation_bytes(shape, 10, param_dtype="bf16", checkpointing=False, fused=True)
+    assert fused == 2 * 10 * (112 - 48) * 4
+    assert activation_bytes(shape, 10, param_dtype="bf16", checkpointing=True, fused=True) == 2 * 10 * (32 + 64)
+    qwen = ModelShape(527_000_000, 136_000_000, num_layers=24, hidden=896, intermediate=4864, vocab=151_936)
+    saved = activation_bytes(qwen, 8192, param_dtype="bf16", checkpointing=False) - activation_bytes(
+        qwen, 8192, param_dtype="bf16", checkpointing=False, fused=True
+    )
+    assert saved / GIB == pytest.approx(23.42 - 20.30, rel=0.02)
+
+    monkeypatch.setattr(kernels, "liger_model_types", lambda: frozenset({"qwen2"}))
+    qwen.model_type = "qwen2"
+    run = types.SimpleNamespace(model=types.SimpleNamespace(use_liger_kernel=True, torch_compile=False))
+    assert fused_layers(run, qwen, on_gpu=True)
+    assert not fused_layers(run, qwen, on_gpu=False)  # Liger has no effect on CPU
+    assert not fused_layers(run, ModelShape(1, 0, 1, 1, 1, 1, model_type="gpt_neox"), on_gpu=True)
+    run.model = types.SimpleNamespace(use_liger_kernel=False, torch_compile=True)
+    assert fused_layers(run, qwen, on_gpu=False)
+
+
 def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
     from openppo.cli.plan import main
     from tests.model_cache import tiny_model_dir
