@@ -22,7 +22,7 @@ then none.
 
 The two are refused together (`check_liger_compile`): inside the compiled layers, Inductor cannot analyse Liger's
 Triton kernels (it logs that it assumes every input mutated), and on an H200 the 0.5B step with both got non-finite
-gradients from its second step, where each alone, and each with --lm_head_chunk_tokens, trained.
+gradients in 2 of every 3 steps, where each alone trained.
 """
 
 from __future__ import annotations
@@ -86,7 +86,7 @@ def compile_layers(model: nn.Module) -> int:
 
 LIGER_WITH_COMPILE = (
     "--use_liger_kernel with --torch_compile: Liger's Triton kernels inside the compiled decoder layers gave "
-    "non-finite gradients on an H200 (every 0.5B step after the first skipped; docs/benchmarks.md); use one of the "
+    "non-finite gradients on an H200 (2 of 3 steps of a 0.5B model skipped; docs/benchmarks.md); use one of the "
     "two (--use_liger_kernel alone was the faster there)"
 )
 
