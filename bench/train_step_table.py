@@ -4,12 +4,13 @@
     .venv/bin/python bench/train_step_table.py --model tiny --lengths 128,256 --micro_tokens 512 --dtype fp32  # CPU
 
 For each row length and each variant (the plain step; --lm_head_chunk_tokens; --use_liger_kernel; --torch_compile;
-the chunked head with Liger, also with 4x the tokens a micro-batch) it runs `bench/train_step_mfu.py` in a process of
-its own (Liger patches transformers' modules, and each variant's peak memory must be its own), and prints one table:
-step time, tokens/s, MFU against the data sheet and against a matmul timed in the same process, the allocator's peak
-memory and the memory planner's figure for the same update with their ratio, and the optimizer steps DeepSpeed
-skipped for non-finite gradients (a row with any does not time a working update). Every micro-batch holds
-`--micro_tokens` tokens (8 rows of 1024, 2 of 4096), and a step `--micro_batches` of them.
+the chunked head with Liger; that and the plain step with 4x the tokens a micro-batch) it runs
+`bench/train_step_mfu.py` in a process of its own (Liger patches transformers' modules, and each variant's peak memory
+must be its own), and prints one table: step time, tokens/s, MFU against the data sheet and against a matmul timed
+in the same process, the allocator's peak memory and the memory planner's figure for the same update with their
+ratio, and the optimizer steps DeepSpeed skipped for non-finite gradients (a row with any does not time a working
+update). Every micro-batch holds `--micro_tokens` tokens (8 rows of 1024, 2 of 4096), and a step `--micro_batches`
+of them.
 
 A fresh GPU box pays each variant's start (imports, model load) and the compiled variants their compile: the runs
 go in order of importance (the plain step and the options together first, then each option alone), and the
@@ -42,8 +43,9 @@ VARIANTS = {  # name -> (train_step_mfu.py flags ({chunk}: --chunk_tokens), micr
     # the launch-bound step's other lever: 4x the tokens a micro-batch (fewer, larger kernels), which the chunked
     # head's saved logits make room for; at the longest length only
     "chunked + Liger 4x micro": (BOTH, 4),
+    "plain 4x micro": ([], 4),  # what the larger micro-batches give alone
 }
-ORDER = ("plain", "chunked + Liger", "chunked + Liger 4x micro", "chunked head", "Liger", "compile")
+ORDER = ("plain", "chunked + Liger", "chunked + Liger 4x micro", "plain 4x micro", "chunked head", "Liger", "compile")
 COLUMNS = (
     "step_s",
     "tokens_per_s",
@@ -57,10 +59,10 @@ COLUMNS = (
 
 def runs(lengths: list[int], variants: list[str]) -> list[tuple[str, int]]:
     """(variant, row length) in the order they run (the first when the budget is short): the plain step and the
-    options together at every length, then with larger micro-batches at the longest, then each option alone; only
-    `variants`."""
-    first = [(v, n) for v in ORDER[:2] for n in lengths] + [(ORDER[2], max(lengths))]
-    return [(v, n) for v, n in first + [(v, n) for v in ORDER[3:] for n in lengths] if v in variants]
+    options together at every length, then both with larger micro-batches at the longest, then each option alone;
+    only `variants`."""
+    first = [(v, n) for v in ORDER[:2] for n in lengths] + [(v, max(lengths)) for v in ORDER[2:4]]
+    return [(v, n) for v, n in first + [(v, n) for v in ORDER[4:] for n in lengths] if v in variants]
 
 
 def table(rows: list[dict]) -> str:

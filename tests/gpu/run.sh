@@ -57,7 +57,7 @@ fi
 if [[ $PARTS == *" table "* ]]; then
     # Qwen2.5-0.5B's shape, bf16, ZeRO-2, packed rows of 1024 and 4096 tokens: the plain step, the LM head in chunks,
     # Liger's kernels, the compiled layers, and the chunked head with Liger (issue 34: >= 35 % MFU at 4k, 2x the
-    # first record's at 1k); 21-35 s a run on a fresh H200 (2026-11-30), so the 11 runs fit the default budget
+    # first record's at 1k); 21-35 s a run on a fresh H200 (2026-11-30), so the 12 runs fit the default budget
     # GPU_TABLE_BUDGET_S and GPU_TABLE_VARIANTS: the table's --budget_s and --variants, for a lease split over calls
     timeout "$LIMIT" $PY bench/train_step_table.py --model qwen0.5b --dtype bf16 --budget_s "${GPU_TABLE_BUDGET_S:-380}" \
         ${GPU_TABLE_VARIANTS:+--variants "$GPU_TABLE_VARIANTS"} --out "$OUT/table" 2>&1 | tee "$OUT/train_step_table.log"
