@@ -187,7 +187,7 @@ def test_a_sampled_image_placeholder_ends_the_response(engine, vlm):
     image = picture(1, "black")
     enc = processor(text=[text], images=[[image]], return_tensors="pt")
     with torch.no_grad():
-        favour_tokens(actor.hf_model, [placeholder], 1.0, actor.hf_model.model(**enc).last_hidden_state[:, -1])
+        favour_tokens(actor.hf_model, [placeholder], 1.25, actor.hf_model.model(**enc).last_hidden_state[:, -1])
     try:
         sync_weights(actor.hf_model, None, [engine], 1 << 20, timeout_s=60)
         ids = processor.tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -196,7 +196,9 @@ def test_a_sampled_image_placeholder_ends_the_response(engine, vlm):
             timeout=60,
         )
         ended = [s for s in samples if placeholder in s["token_ids"]]
-        assert ended, [s["token_ids"] for s in samples]  # ~26 % at the first position
+        # ~72 % at the first position (scale 1.0 gave 26 %, and a run with AVX2 kernels drew it in none of the
+        # 8 samples): none of 8 taking it is now under 1e-4
+        assert ended, [s["token_ids"] for s in samples]
         for sample in ended:
             assert sample["token_ids"].index(placeholder) == len(sample["token_ids"]) - 1
             assert sample["finish_reason"] == "stop"
