@@ -4,6 +4,7 @@
     .venv/bin/python bench/train_step_mfu.py --model tiny --rows 8 --seq_len 128   # a quick look on CPU
     .venv/bin/python bench/train_step_mfu.py --model smollm2 --rows 16 --seq_len 96 --dtype fp32   # CPU, real model
     python bench/train_step_mfu.py --steps 4 --profile 25       # where a GPU step's time goes (last step profiled)
+    python bench/train_step_mfu.py --steps 5 --timeline         # GPU busy share, host syncs and their sites
     python bench/train_step_mfu.py --lm_head_chunk_tokens 4096  # the LM head in chunks (--lm_head_chunk_tokens)
     python bench/train_step_mfu.py --use_liger_kernel           # Liger's RMSNorm, RoPE, SwiGLU (--use_liger_kernel)
     python bench/train_step_mfu.py --torch_compile              # the decoder layers compiled (--torch_compile)
@@ -29,15 +30,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import json
 import os
 import statistics
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 from bench.record import MODELS, add_dtype_option, emit, model_path, resolve_dtype, timing_engine  # noqa: E402
+from bench.timeline import SyncSites, trace_summary  # noqa: E402
 
 
 def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
@@ -116,14 +120,23 @@ def main() -> None:
         help="profile the last step and print its N costliest operators by device time (stderr)",
     )
     parser.add_argument(
+        "--timeline",
+        action="store_true",
+        help="GPU: count the host's waits on the GPU in the step before last, by the line that caused them, and read "
+        "the last step's profile for the GPU's busy share and its kernel time by kind (bench/timeline.py)",
+    )
+    parser.add_argument(
         "--trim",
         action="store_true",
         help="hand the freed heap back to the OS after every step (malloc_trim), to measure its cost",
     )
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)
-    if args.steps < 2 + bool(args.profile) or args.rows % args.micro or args.seq_len < 4:
-        raise SystemExit("--steps must be >= 2 (3 with --profile), --rows a multiple of --micro, --seq_len >= 4")
+    profiled_steps = int(bool(args.profile) or args.timeline) + args.timeline  # the last (profiled), the one before
+    if args.steps < 2 + profiled_steps or args.rows % args.micro or args.seq_len < 4:
+        raise SystemExit(
+            "--steps must be >= 2 (3 with --profile, 4 with --timeline), --rows a multiple of --micro, --seq_len >= 4"
+        )
     os.environ.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", MASTER_ADDR="127.0.0.1")
     from openppo.strategy.distributed import free_port
 
@@ -176,7 +189,9 @@ def main() -> None:
     )
     actor.layout = RowLayout(packed=args.pack)
     gen = torch.Generator().manual_seed(0)
-    times = []
+    times, timeline = [], {}
+    if args.timeline and strategy.device.type != "cuda":
+        print("--timeline reads the GPU's kernels and the host's waits on them: no effect on CPU", file=sys.stderr)
     if strategy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
@@ -191,9 +206,14 @@ def main() -> None:
         }
         if strategy.device.type == "cuda":
             torch.cuda.synchronize()
-        profiled = args.profile and step == args.steps - 1
+        profiled = (args.profile or args.timeline) and step == args.steps - 1
+        on_gpu = strategy.device.type == "cuda"
+        counting = args.timeline and on_gpu and step == args.steps - 2
         start = time.perf_counter()
-        with profiler(strategy.device) if profiled else contextlib.nullcontext() as prof:
+        with (
+            profiler(strategy.device) if profiled else contextlib.nullcontext() as prof,
+            SyncSites(REPO) if counting else contextlib.nullcontext() as syncs,
+        ):
             fit_experience(
                 engine,
                 data,
@@ -207,15 +227,24 @@ def main() -> None:
             )
             if strategy.device.type == "cuda":
                 torch.cuda.synchronize()
-        if profiled:
+        if profiled and args.profile:
             by = "self_cuda_time_total" if strategy.device.type == "cuda" else "self_cpu_time_total"
             print(prof.key_averages().table(sort_by=by, row_limit=args.profile), file=sys.stderr)
+        if profiled and args.timeline and on_gpu:
+            try:  # a record without its timeline is still a record
+                with tempfile.TemporaryDirectory() as tmp:
+                    prof.export_chrome_trace(f"{tmp}/trace.json")
+                    timeline["profiled_step"] = trace_summary(json.loads(Path(f"{tmp}/trace.json").read_text()))
+            except Exception as error:  # noqa: BLE001
+                timeline["error"] = repr(error)
+        if counting:
+            timeline.update(host_syncs=syncs.count, sync_sites=dict(syncs.sites.most_common(12)))
         if args.trim:
             trim_host_heap(min_interval_s=0.0)
         times.append(time.perf_counter() - start)
         print(f"step {step + 1}/{args.steps}: {times[-1]:.2f} s", file=sys.stderr, flush=True)
-    # the profiled step is slower: it is left out of the mean
-    step_s = statistics.fmean(times[1 : len(times) - bool(args.profile)])
+    # the profiled and the sync-counting steps are slower: they are left out of the mean
+    step_s = statistics.fmean(times[1 : len(times) - profiled_steps])
     tokens = args.rows * args.seq_len
     flops = train_flops(num_params, tokens, args.gradient_checkpointing)
     device = strategy.device
@@ -253,6 +282,8 @@ def main() -> None:
             ),
             # the memory planner's figure for the same update (GPU arithmetic: FusedAdam; compare on a GPU)
             "planned_gib": round(planned_gib(args, str(path)), 2),
+            # --timeline: the host's waits on the GPU in one step, by line, and the profiled step's busy share
+            **({"timeline": timeline} if timeline else {}),
         }
     )
 

@@ -1,0 +1,54 @@
+"""bench/timeline.py's reading of a GPU profile: the kernels' busy time is the union of their intervals, kernels are
+sorted by kind from their names, and the host's synchronising runtime calls are counted (a trace written by hand in
+the profiler's Chrome format: this box has no GPU to profile)."""
+
+from bench.timeline import busy_time, kernel_kind, trace_summary
+
+
+def test_busy_time_is_the_union_of_the_intervals():
+    assert busy_time([]) == 0.0
+    assert busy_time([(0, 10), (5, 12), (20, 25), (21, 22)]) == 17.0  # 0-12 and 20-25
+    assert busy_time([(20, 25), (0, 10), (10, 11)]) == 16.0
+
+
+def test_kernels_are_sorted_by_kind_from_their_names():
+    names = {
+        "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "matmul",
+        "void cutlass::Kernel2<cutlass_75_tensorop_bf16_s1688gemm_bf16_256x128_32x2_nn_align8>(Params)": "matmul",
+        "void flash::flash_fwd_kernel<Flash_fwd_kernel_traits<64, 128>>(Flash_fwd_params)": "attention",
+        "void multi_tensor_apply_kernel<TensorListMetadata<4>, AdamFunctor<float>>(long, int)": "optimizer",
+        "triton_poi_fused_add_mul_0": "triton",
+        "_rms_norm_forward_kernel": "triton",
+        "void at::native::elementwise_kernel<128, 2, direct_copy_kernel_cuda>(int, Loop)": "copy",
+        "void at::native::reduce_kernel<512, 1, ReduceOp<float, MaxOps<float>>>(ReduceOp)": "reduction",
+        "void at::native::vectorized_elementwise_kernel<4, MulFunctor<float>>(int, MulFunctor, Array)": "element-wise",
+        "some_unnamed_thing": "other",
+    }
+    assert {name: kernel_kind(name) for name in names} == names
+
+
+def test_a_trace_summary_counts_busy_time_kinds_and_syncs():
+    def event(cat, name, ts, dur):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur}
+
+    trace = {
+        "traceEvents": [
+            event("cpu_op", "aten::mm", 0, 5000),  # host operators are not on the device's timeline
+            event("cuda_runtime", "cudaLaunchKernel", 100, 10),
+            event("kernel", "nvjet_tst_128x256", 200, 300),
+            event("kernel", "void at::native::vectorized_elementwise_kernel<4, Mul>", 400, 200),  # overlaps
+            event("gpu_memcpy", "Memcpy DtoH (Device -> Pinned)", 900, 100),
+            event("cuda_runtime", "cudaStreamSynchronize", 700, 350),
+            event("cuda_runtime", "cudaMemcpyAsync", 890, 20),  # asynchronous: not a wait
+            event("cuda_runtime", "cudaDeviceSynchronize", 1050, 50),
+            {"ph": "i", "name": "marker", "ts": 3000},
+        ]
+    }
+    summary = trace_summary(trace)
+    assert summary["wall_s"] == 1000e-6  # from the first launch (100) to the last sync's end (1100)
+    assert summary["gpu_busy_s"] == 500e-6  # 200-600 and 900-1000
+    assert summary["gpu_busy_share"] == 0.5
+    assert summary["kernels"] == 3
+    assert summary["kernel_s_by_kind"] == {"matmul": 300e-6, "element-wise": 200e-6, "copy": 100e-6}
+    assert summary["runtime_syncs"] == 2
+    assert summary["runtime_sync_s"] == 400e-6
