@@ -106,7 +106,7 @@ def sampling_log_probs(
 
 def engine_gap(
     rollout_log_probs: torch.Tensor, comparable_log_probs: torch.Tensor, mask: torch.Tensor
-) -> dict[str, float]:
+) -> dict[str, torch.Tensor]:
     """How far the engine's log-probs are from the trainer's under the same distribution, over the masked tokens:
     `logprob_diff`, the mean |difference| over the tokens inside the trainer's support, `logprob_diff_max` the
     largest, and `outside_support`, the share of tokens the engine sampled that the trainer's truncation excludes
@@ -115,8 +115,8 @@ def engine_gap(
     outside = torch.isneginf(comparable_log_probs) & keep
     inside = keep & ~outside
     diff = torch.where(inside, (rollout_log_probs - comparable_log_probs).abs(), 0.0)
-    return {
-        "logprob_diff": (diff.sum() / inside.sum().clamp(min=1)).item(),
-        "logprob_diff_max": diff.max().item() if diff.numel() else 0.0,
-        "outside_support": (outside.sum() / keep.sum().clamp(min=1)).item(),
+    return {  # 0-dim tensors: the training loop reads its metrics from the device once (openppo.utils.transfer)
+        "logprob_diff": diff.sum() / inside.sum().clamp(min=1),
+        "logprob_diff_max": diff.max() if diff.numel() else diff.new_zeros(()),
+        "outside_support": outside.sum() / keep.sum().clamp(min=1),
     }

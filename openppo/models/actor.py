@@ -41,6 +41,7 @@ from openppo.models.vision import (
     pixel_inputs,
 )
 from openppo.utils.images import decode_image_rows
+from openppo.utils.transfer import upload
 
 logger = logging.getLogger(__name__)
 
@@ -158,7 +159,10 @@ class Actor(nn.Module):
         pixels: dict[str, torch.Tensor] | None = None,
         images: torch.Tensor | None = None,
     ) -> ActorOutput:
-        """`return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
+        """`attention_mask` and `score_mask` may be the host's copies for a model on a GPU (`fit_experience` passes
+        them so): the row layout is then read on the host, without waiting on the GPU (`openppo.models.row_layout`).
+
+        `return_entropy`: True for an entropy with gradient (an entropy loss term), "log" for a detached one
         (logging only: no graph is kept through the full-vocabulary softmax).
 
         `score_mask` [B, T-1] (the action mask): only the positions it selects are scored; the others hold 0. The LM
@@ -200,7 +204,7 @@ class Actor(nn.Module):
             shared = SharedScoring(rows.shared.grid_index, input_ids, score_mask)
             keep = shared.keep if takes_keep else None
         elif score_mask is not None and rows.ring is None and not return_logits and takes_keep:
-            keep = scored_positions(score_mask, rows.token_mask)
+            keep = upload(scored_positions(score_mask, rows.token_mask), rows.input_ids.device)
         inputs = dict(input_ids=model_ids, attention_mask=rows.attention_mask, position_ids=rows.position_ids)
         assert not pixels or (rows.ring is None and rows.shared is None), "image rows are padded rows"
         inputs.update(pixels or {})
@@ -324,7 +328,7 @@ class SharedScoring:
     def __init__(self, grid_index: torch.Tensor, input_ids: torch.Tensor, score_mask: torch.Tensor | None):
         wanted = (grid_index[:, :-1] >= 0) & (grid_index[:, 1:] >= 0)
         if score_mask is not None:
-            wanted &= score_mask.bool()
+            wanted &= score_mask.bool().to(wanted.device)
         self.b, self.t = wanted.nonzero(as_tuple=True)
         if self.b.numel() == 0:  # a no-op micro-batch still scores one position: its backward reaches every weight
             self.b, self.t = self.b.new_zeros(1), self.t.new_zeros(1)

@@ -14,7 +14,10 @@
 
 Whatever the layout, the models take the padded [B, T] batch and return per-token values on the padded grid
 ([B, T] or [B, T-1] for next-token values), so the RL math never sees the layout: it changes the compute, not the
-numbers. Next-token values are computed on the model's row itself: position i is scored against token i + 1. In a
+numbers. The masks may be given on the host for a model on a GPU (the training loop does): the layout is then
+computed on the host and its indices copied to the device without waiting on it (`openppo.utils.transfer`), where
+reading a device mask's layout would make the host wait for the GPU to run everything queued before it.
+Next-token values are computed on the model's row itself: position i is scored against token i + 1. In a
 packed row the last token of a sequence is then scored against the next sequence's first token, a meaningless value
 that lands on a padded-grid position no mask selects (the last token of a row predicts nothing).
 """
@@ -34,7 +37,8 @@ from openppo.models.ring_attention import (
     ring_context,
     split_for_ring,
 )
-from openppo.models.varlen_attention import set_packed_rows, set_shared_rows
+from openppo.models.varlen_attention import set_packed_rows, set_padded_rows, set_shared_rows
+from openppo.utils.transfer import upload
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -51,20 +55,30 @@ def packed_position_ids(seq_lens: list[int], device: torch.device | None = None)
 class Packed:
     input_ids: torch.Tensor  # [1, N]: the real tokens of every row, row after row
     position_ids: torch.Tensor  # [1, N]: restarting at 0 for every row
-    token_mask: torch.Tensor  # [B, T] bool: where the packed tokens sit on the padded grid
+    token_mask: torch.Tensor  # [B, T] bool: where the packed tokens sit on the padded grid (on the mask's device)
+    token_index: torch.Tensor  # [N]: their flat positions on the grid, on the model's device
+    mask_position_ids: torch.Tensor  # [1, N]: `position_ids` on the mask's device
 
 
 def pack_rows(sequences: torch.Tensor, attention_mask: torch.Tensor) -> Packed:
-    """Pack the real tokens (attention_mask 1) of each row, in row order: [B, T] -> [1, N] with N = mask.sum()."""
+    """Pack the real tokens (attention_mask 1) of each row, in row order: [B, T] -> [1, N] with N = mask.sum().
+    The layout is computed on the mask's device (the host's, without waiting on the GPU) and the tokens gathered on
+    the sequences' one."""
     mask = attention_mask.bool()
-    return Packed(sequences[mask].unsqueeze(0), position_ids_from_mask(attention_mask)[mask].unsqueeze(0), mask)
+    flat = mask.flatten().nonzero().squeeze(1)
+    positions = position_ids_from_mask(attention_mask)[mask].unsqueeze(0)
+    index = upload(flat, sequences.device)
+    tokens = sequences.flatten().index_select(0, index).unsqueeze(0)
+    return Packed(tokens, upload(positions, sequences.device), mask, index, positions)
 
 
-def unpack_rows(packed: torch.Tensor, token_mask: torch.Tensor, fill: float = 0.0) -> torch.Tensor:
-    """Per-token values of a packed row [1, N, *rest] back on the padded grid [B, T, *rest] (autograd-aware)."""
-    out = packed.new_full((*token_mask.shape, *packed.shape[2:]), fill)
-    out[token_mask] = packed[0]
-    return out
+def unpack_rows(packed: torch.Tensor, token_mask: torch.Tensor, token_index: torch.Tensor, fill: float = 0.0):
+    """Per-token values of a packed row [1, N, *rest] back on the padded grid [B, T, *rest] (autograd-aware):
+    `token_mask` [B, T] gives the grid's shape and `token_index` [N] the tokens' flat places on it (`Packed`).
+    A gather by index: a boolean-mask assignment would make the host wait on the GPU for the mask's count."""
+    rest = packed.shape[2:]
+    out = packed.new_full((token_mask.numel(), *rest), fill)
+    return out.index_copy(0, token_index, packed[0]).view(*token_mask.shape, *rest)
 
 
 @dataclass
@@ -175,6 +189,7 @@ class Rows:
     position_ids: torch.Tensor
     labels: torch.Tensor  # the token each input position predicts
     token_mask: torch.Tensor | None = None  # packed from a padded batch: where the row's tokens sit on the grid
+    token_index: torch.Tensor | None = None  # and their flat places on it, on the model's device (`Packed`)
     shared: SharedPrompts | None = None  # shared prompts: where the grid's tokens sit in the row
     ring: Ring | None = None
     num_tokens: int = 0  # the whole packed row's length when this rank holds a ring chunk
@@ -185,7 +200,7 @@ class Rows:
             values = self.ring.gather(values, self.num_tokens)
         if self.shared is not None:
             return self.shared.to_grid(values)
-        return values if self.token_mask is None else unpack_rows(values, self.token_mask)
+        return values if self.token_mask is None else unpack_rows(values, self.token_mask, self.token_index)
 
     def router_weights(self) -> torch.Tensor | None:
         """Each input token's weight in a mean over the batch's tokens (a router's load-balancing loss): the
@@ -206,7 +221,7 @@ class Rows:
         values = values[:, :-1]
         if self.token_mask is None:
             return values
-        return unpack_rows(torch.nn.functional.pad(values, (0, 1)), self.token_mask)[:, :-1]
+        return unpack_rows(torch.nn.functional.pad(values, (0, 1)), self.token_mask, self.token_index)[:, :-1]
 
 
 @dataclass
@@ -237,15 +252,20 @@ class RowLayout:
             rows = Rows(shared.input_ids, None, shared.position_ids, shared.input_ids, shared=shared)
             set_shared_rows(shared.prompts, shared.responses, rows.input_ids.size(1), rows.input_ids.device)
             return rows
+        device = input_ids.device
         if position_ids is not None or attention_mask is None:
             assert position_ids is not None and attention_mask is None, "a packed row takes position_ids, no mask"
             rows = Rows(input_ids, None, position_ids, input_ids.roll(-1, dims=1))
+            set_packed_rows(position_ids)
         elif self.packed:
             p = pack_rows(input_ids, attention_mask)
-            rows = Rows(p.input_ids, None, p.position_ids, p.input_ids.roll(-1, dims=1), p.token_mask)
+            rows = Rows(p.input_ids, None, p.position_ids, p.input_ids.roll(-1, dims=1), p.token_mask, p.token_index)
+            set_packed_rows(p.mask_position_ids, device)  # the sequences' bounds, read from the mask's device
         else:
-            rows = Rows(input_ids, attention_mask, position_ids_from_mask(attention_mask), input_ids.roll(-1, dims=1))
-        set_packed_rows(rows.position_ids if rows.attention_mask is None else None)
+            mask, positions = upload(attention_mask, device), upload(position_ids_from_mask(attention_mask), device)
+            rows = Rows(input_ids, mask, positions, input_ids.roll(-1, dims=1))
+            # whether the rows have padding, when the host's mask says so without waiting on the GPU
+            set_padded_rows(attention_mask.device.type == "cpu" and not bool(attention_mask.all()))
         if self.ring is not None and rows.token_mask is not None:
             rows.num_tokens = rows.input_ids.size(1)
             rows.input_ids, rows.position_ids, rows.labels = self.ring.shard(rows.input_ids, rows.position_ids)

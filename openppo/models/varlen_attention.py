@@ -22,12 +22,13 @@ the rule keeps are computed.
 from __future__ import annotations
 
 import torch
-from transformers import AttentionInterface
+from transformers import AttentionInterface, masking_utils
 from transformers.integrations.flex_attention import flex_attention_forward
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from openppo.models.hf import base_model
+from openppo.utils.transfer import upload
 
 ATTN_IMPLEMENTATION = "openppo_varlen_sdpa"
 
@@ -43,6 +44,8 @@ FLEX_DEVICES = ("cuda",)
 _BOUNDS: list[tuple[int, int]] | None = None  # (start, end) of every sequence of the current packed row
 _PADDED: tuple[torch.Tensor, torch.Tensor] | None = None  # its `_padded_index` when `batches_well`, else None
 _SHARED: SharedAttention | None = None  # the current row's responses to shared prompts (`set_shared_rows`)
+_ROW: tuple[int, torch.Tensor | None] | None = None  # the packed row's length and transformers' sequence ids of it
+_PADDING = False  # the current padded batch has padding (`set_padded_rows`)
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -55,12 +58,20 @@ def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
     return list(zip(starts, ends))
 
 
-def set_packed_rows(position_ids: torch.Tensor | None) -> None:
-    """Announce the packed row of the next forward (and its backward); None for padded batches."""
-    global _BOUNDS, _PADDED, _SHARED
+def set_packed_rows(position_ids: torch.Tensor | None, device: torch.device | None = None) -> None:
+    """Announce the packed row of the next forward (and its backward); None for padded batches. `device`: the
+    model's, when `position_ids` are a host copy (read there without waiting on the GPU)."""
+    global _BOUNDS, _PADDED, _SHARED, _ROW, _PADDING
+    _PADDING = False
     _BOUNDS = None if position_ids is None else sequence_bounds(position_ids)
-    _PADDED = _padded_index(_BOUNDS, position_ids.device) if _BOUNDS and batches_well(_BOUNDS) else None
+    device = device or (None if position_ids is None else position_ids.device)
+    _PADDED = _padded_index(_BOUNDS, device) if _BOUNDS and batches_well(_BOUNDS) else None
     _SHARED = None
+    _ROW = None
+    if _BOUNDS:  # transformers' form: each token's sequence, None for a row of one sequence (`_packed_sequences`)
+        lengths = torch.tensor([e - s for s, e in _BOUNDS])
+        ids = torch.repeat_interleave(torch.arange(len(_BOUNDS)), lengths).unsqueeze(0)
+        _ROW = (_BOUNDS[-1][1], upload(ids, device) if len(_BOUNDS) > 1 else None)
 
 
 def set_shared_rows(
@@ -68,8 +79,8 @@ def set_shared_rows(
 ) -> None:
     """Announce a row of shared prompts: `prompts` (start, end), then `responses` (start, end, index of the prompt
     it answers), covering the row's `num_tokens` tokens."""
-    global _BOUNDS, _PADDED, _SHARED
-    _BOUNDS = prompts
+    global _BOUNDS, _PADDED, _SHARED, _ROW, _PADDING
+    _BOUNDS, _ROW, _PADDING = prompts, None, False
     _PADDED = _padded_index(prompts, device) if batches_well(prompts) else None
     _SHARED = SharedAttention(prompts, [r for r in responses if r[1] > r[0]], num_tokens, device)
 
@@ -156,7 +167,7 @@ def _padded_index(bounds: list[tuple[int, int]], device: torch.device) -> tuple[
     for i, (s, e) in enumerate(bounds):
         index[i, : e - s] = torch.arange(s, e)
         real[i, : e - s] = True
-    return index.flatten().to(device), real.flatten().nonzero().flatten().to(device)
+    return upload(index.flatten(), device), upload(real.flatten().nonzero().flatten(), device)
 
 
 def _to_padded(x: torch.Tensor, index: torch.Tensor, num_seqs: int) -> torch.Tensor:
@@ -236,8 +247,34 @@ def _sequences(module, query, key, value, bounds, padded, **kwargs) -> torch.Ten
 
 
 def _mask(*args, **kwargs) -> torch.Tensor | None:
-    """No mask for an announced packed row (the sequences are split instead); sdpa's mask otherwise."""
-    return None if _BOUNDS is not None else sdpa_mask(*args, **kwargs)
+    """No mask for an announced packed row (the sequences are split instead); sdpa's mask otherwise. transformers
+    reads the padding mask to see whether sdpa's causal shortcut applies (rows without padding): for padded rows
+    known to have padding (`set_padded_rows`) it does not, and reading the device's mask would wait on the GPU."""
+    if _BOUNDS is not None:
+        return None
+    if _PADDING:
+        kwargs["allow_is_causal_skip"] = False
+    return sdpa_mask(*args, **kwargs)
+
+
+def set_padded_rows(has_padding: bool) -> None:
+    """Announce a padded batch (no packed row) for the next forward; `has_padding`: known to have padding (from the
+    host's mask; False when unknown)."""
+    global _BOUNDS, _PADDED, _SHARED, _ROW, _PADDING
+    _BOUNDS = _PADDED = _SHARED = _ROW = None
+    _PADDING = has_padding
+
+
+_find_packed_sequences = masking_utils.find_packed_sequence_indices
+
+
+def _packed_sequences(position_ids: torch.Tensor) -> torch.Tensor | None:
+    """transformers' sequence ids of a packed row (for the masks of every attention but ours), from the announced
+    row's bounds when `position_ids` are that row's: its own search reads a device value, which makes the host wait
+    for the GPU in every forward. The same values: a sequence starts where the positions restart."""
+    if _ROW is None or tuple(position_ids.shape) != (1, _ROW[0]):
+        return _find_packed_sequences(position_ids)
+    return _ROW[1]
 
 
 def enable_varlen_attention(model: torch.nn.Module) -> bool:
@@ -248,5 +285,7 @@ def enable_varlen_attention(model: torch.nn.Module) -> bool:
         return False
     AttentionInterface.register(ATTN_IMPLEMENTATION, varlen_attention_forward)
     AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _mask)
+    # (module-wide, but a no-op unless a row is announced, and only our attention announces rows)
+    masking_utils.find_packed_sequence_indices = _packed_sequences
     base.set_attn_implementation(ATTN_IMPLEMENTATION)
     return True

@@ -45,8 +45,10 @@ from openppo.ppo.batching import (
 from openppo.ppo.config import AlgoConfig
 from openppo.strategy.step_guard import StepGuard
 from openppo.utils.images import BATCH_KEY as IMAGES
+from openppo.utils.transfer import host_tensor, read_values, to_device
 
-LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+# metrics as floats or 0-dim tensors: `fit_experience` reads tensors once, at its end (see utils.transfer)
+LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
 
 
 def fit_experience(
@@ -90,8 +92,9 @@ def fit_experience(
     replicas = ring_size * tensor_parallel_size  # ranks holding the same rows
     data_parallel = world_size // replicas
     grad_scale = world_size // tensor_parallel_size  # the ranks DeepSpeed averages gradients over
-    losses: dict[str, float] = defaultdict(float)
-    sums: dict[str, float] = defaultdict(float)  # token-mean metrics times their micro-batch's response tokens
+    # (floats or 0-dim device tensors: a micro-batch's metrics are read from the device once, after the last step)
+    losses: dict[str, float | torch.Tensor] = defaultdict(float)
+    sums: dict[str, float | torch.Tensor] = defaultdict(float)  # token-mean metrics times their micro-batch's tokens
     steps = skipped = scored = micro_steps = computed = real_tokens = shared_tokens = 0
     engine.train()
     size = data["sequences"].size(0)
@@ -114,13 +117,15 @@ def fit_experience(
                 shared_tokens += sum(step_share[j] for m in plan for j in m[1:])
             counts = sum(loss_normalizers(b["action_mask"]) for b in micros)
             normalizers = all_reduce(counts.to(device), world_size) // replicas
-            step_losses: dict[str, float] = defaultdict(float)
-            step_sums: dict[str, float] = defaultdict(float)
+            step_losses: dict[str, float | torch.Tensor] = defaultdict(float)
+            step_sums: dict[str, float | torch.Tensor] = defaultdict(float)
             step_scored = 0
-            for i, (batch, planned) in enumerate(zip(micros, plan)):
+            for i, (host, planned) in enumerate(zip(micros, plan)):
                 # The boundary is ours: the number of micro-batches varies per step with a token budget.
                 engine.set_gradient_accumulation_boundary(i == len(micros) - 1)
-                batch = {k: v.to(device) for k, v in batch.items()}
+                # counted on the host, and the metrics kept on the device: the host then never waits on the GPU
+                # within a step, and queues the next micro-batch while the GPU runs this one
+                batch = to_device(host, device)
                 contribution, metrics = loss_fn(batch, normalizers)
                 # DeepSpeed averages gradients over ranks; the contributions already sum to the step loss.
                 if guard is not None:
@@ -130,16 +135,18 @@ def fit_experience(
                     engine.backward(contribution * grad_scale, scale_wrt_gas=False)
                     engine.step()
                     applied = True
-                tokens = int(batch["action_mask"].sum().item()) if planned else 0
+                tokens = int(host["action_mask"].sum()) if planned else 0
                 for key, value in metrics.items():
+                    if isinstance(value, torch.Tensor):
+                        value = value.detach()
                     if key.endswith("_loss"):
                         step_losses[key] += value * data_parallel
                     else:  # every rank lists every key, also for its padding micro-batches (weight 0)
                         step_sums[key] += value * tokens if tokens else 0.0
                 if planned:
                     step_scored += tokens
-                    real = batch["attention_mask"].sum().item()
-                    computed += real if batching.packed else batch["attention_mask"].numel()
+                    real = int(host["attention_mask"].sum())
+                    computed += real if batching.packed else host["attention_mask"].numel()
                     real_tokens += real
             if applied and after_step is not None:
                 after_step()
@@ -161,21 +168,25 @@ def fit_experience(
     if batching.share_prompts:  # the share of the rows' tokens computed once for several rows, not per row
         perf["perf/shared_prompt_share"] = shared_tokens / max(real_tokens, 1)
     return {
-        **{k: v / max(steps, 1) for k, v in losses.items()},
+        **read_values({k: v / max(steps, 1) for k, v in losses.items()}),
         **token_means(sums, scored, world_size, device),
         **perf,
         **({guard.metric: float(skipped)} if guard is not None else {}),
     }
 
 
-def token_means(sums: dict[str, float], tokens: int, world_size: int, device: torch.device) -> dict[str, float]:
-    """Token-weighted sums over every rank divided by the response tokens of every rank (one collective). Ranks
-    holding the same rows (a ring, a tensor-parallel group) add the same sums and tokens, which cancel."""
+def token_means(
+    sums: dict[str, float | torch.Tensor], tokens: int, world_size: int, device: torch.device
+) -> dict[str, float]:
+    """Token-weighted sums over every rank divided by the response tokens of every rank (one collective, one read).
+    Ranks holding the same rows (a ring, a tensor-parallel group) add the same sums and tokens, which cancel."""
     keys = sorted(sums)
-    totals = all_reduce(
-        torch.tensor([sums[k] for k in keys] + [tokens], dtype=torch.float64, device=device), world_size
-    )
-    return {k: v / max(totals[-1].item(), 1.0) for k, v in zip(keys, totals[:-1].tolist())}
+    values = [torch.as_tensor(sums[k]).reshape(()).to(device, torch.float64) for k in keys] + [
+        torch.tensor(float(tokens), dtype=torch.float64, device=device)
+    ]
+    totals = all_reduce(torch.stack(values), world_size)
+    *read, total = totals.tolist()
+    return {k: v / max(total, 1.0) for k, v in zip(keys, read)}
 
 
 def shuffled(groups: list[list[int]], seed: int) -> list[int]:
@@ -214,10 +225,10 @@ def actor_loss(
         on_policy = "old_log_probs" not in batch  # no separate pass scored the batch: this forward is pi_old
         out = engine(
             batch["sequences"],
-            batch["attention_mask"],
+            host_tensor(batch, "attention_mask"),  # the row layout is read from the host's masks (Actor.forward)
             temperature=temperature,
             return_entropy=True if entropy_in_loss else "log",
-            score_mask=mask,
+            score_mask=host_tensor(batch, "action_mask"),
             sampling=sampling if on_policy and "rollout_log_probs" in batch else None,
             return_aux_loss=aux_loss_coef > 0,
             images=batch.get(IMAGES),
@@ -253,7 +264,7 @@ def actor_loss(
             old_sampling_log_probs=old_sampling,
         )
         loss = agg(per_token)
-        metrics = {"train/policy_loss": loss.item(), **{f"train/{k}": float(v) for k, v in pg_metrics.items()}}
+        metrics = {"train/policy_loss": loss.detach(), **{f"train/{k}": v for k, v in pg_metrics.items()}}
         if on_policy and "rollout_log_probs" in batch:
             # the engine-vs-trainer log-prob gap, measured here since no separate pass measured it
             metrics.update(
@@ -276,16 +287,16 @@ def actor_loss(
                 )
             )
             loss = loss + kl_coef * kl_term
-            metrics["train/kl_loss"] = kl_term.item()
+            metrics["train/kl_loss"] = kl_term.detach()
         if entropy_in_loss:
             loss = loss - algo.entropy_loss_coef * agg(out.entropy)
         if out.aux_loss is not None:
             # a step-loss contribution like the others (*_loss metrics add up over a step's micro-batches)
             aux = out.aux_loss * mask.sum() / normalizers[0]
             loss = loss + aux_loss_coef * aux
-            metrics["train/aux_loss"] = aux.item()
+            metrics["train/aux_loss"] = aux.detach()
         # a plain mean of this micro-batch (averaged over micro-batches and ranks), not a step-loss contribution
-        metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask).item()
+        metrics["train/entropy"] = masked_mean(out.entropy.detach(), mask)
         return loss, metrics
 
     return loss_fn
@@ -300,9 +311,9 @@ def critic_loss(engine, algo: AlgoConfig) -> LossFn:
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
         return loss, {
-            "train/value_loss": loss.item(),
-            "train/values": masked_mean(values.detach(), mask).item(),
-            **{f"train/{k}": float(v) for k, v in v_metrics.items()},
+            "train/value_loss": loss.detach(),
+            "train/values": masked_mean(values.detach(), mask),
+            **{f"train/{k}": v for k, v in v_metrics.items()},
         }
 
     return loss_fn

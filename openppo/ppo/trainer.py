@@ -325,15 +325,14 @@ class PPOTrainer:
             }
         )
         if old_sampling is not None:
-            metrics.update(
-                {f"rollout/{k}": v for k, v in engine_gap(batch["rollout_log_probs"], old_sampling, mask).items()}
-            )
+            gap = engine_gap(batch["rollout_log_probs"], old_sampling, mask)
+            metrics.update({f"rollout/{k}": float(v) for k, v in gap.items()})
             fresh = batch["fresh"]
             if fresh.any() and not torch.equal(fresh, mask.bool()):
                 # some tokens come from older weights (--async_train): on the rest, the engine must equal the trainer
                 gap = engine_gap(batch["rollout_log_probs"], old_sampling, fresh)
-                metrics["rollout/logprob_diff_fresh"] = gap["logprob_diff"]
-                metrics["rollout/logprob_diff_fresh_max"] = gap["logprob_diff_max"]
+                metrics["rollout/logprob_diff_fresh"] = float(gap["logprob_diff"])
+                metrics["rollout/logprob_diff_fresh_max"] = float(gap["logprob_diff_max"])
         timing = {**self._timing, "timing/step": time.perf_counter() - start}
         timing["timing/idle"] = idle_seconds(timing, timing["timing/step"])
         trained = int(batch["attention_mask"].sum()) * cfg.train.max_epochs

@@ -139,12 +139,12 @@ def test_importance_weights_compare_one_distribution():
     moved[0, 0] = float("-inf")
     weights, _ = importance_weights(moved, engine, mask, "tis", (0.0, 10.0))
     assert weights[0, 0] < 1e-8 and torch.isfinite(weights).all()
-    gap = engine_gap(engine, moved, mask)
+    gap = {k: float(v) for k, v in engine_gap(engine, moved, mask).items()}
     assert gap["outside_support"] == pytest.approx(1 / mask.sum().item())
     assert gap["logprob_diff"] == pytest.approx(0.0, abs=1e-12) and gap["logprob_diff_max"] == 0.0
     far = engine.clone()
     far[0, 1] += 0.3
-    assert engine_gap(far, truncated, mask)["logprob_diff_max"] == pytest.approx(0.3, abs=1e-6)
+    assert float(engine_gap(far, truncated, mask)["logprob_diff_max"]) == pytest.approx(0.3, abs=1e-6)
 
 
 def test_a_token_outside_the_trainers_support_under_each_correction():

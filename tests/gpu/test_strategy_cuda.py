@@ -151,3 +151,63 @@ def test_zero3_state_offload_frees_and_restores_gpu_memory(single_rank, gpu_mode
     assert held - offloaded >= 0.9 * 12 * params, (held, offloaded, params)
     assert abs(reloaded - held) <= 0.05 * held, (held, reloaded)
     assert math.isfinite(_update(strategy, engine, seed=1)["train/policy_loss"])
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank, gpu_model_dir, packed):
+    """Within a step the host never waits on the GPU (`openppo.utils.transfer`): none of the operations
+    `torch.cuda.set_sync_debug_mode` reports runs in a micro-batch's forward, loss or backward, outside DeepSpeed
+    (whose waits are listed). The CPU suite checks the same on marked tensors (tests/ppo/test_host_waits.py); this
+    checks the CUDA calls it cannot: the pinned, non-blocking copies, and that nothing else waits."""
+    from pathlib import Path
+
+    from bench.timeline import SyncSites
+    from openppo.models.row_layout import RowLayout
+    from openppo.ppo.batching import Batching
+    from openppo.ppo.config import AlgoConfig
+    from openppo.ppo.fit import actor_loss, fit_experience
+
+    strategy, engine = _train_engine(gpu_model_dir, zero_stage=2)
+    engine.module.layout = RowLayout(packed=packed)
+    loss_fn = actor_loss(
+        engine,
+        AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=SEQ - PROMPT,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+    )
+    waits = SyncSites(Path(__file__).resolve().parents[2])
+    backward = engine.backward
+
+    def watched_loss(batch, normalizers):
+        waits.__enter__()
+        return loss_fn(batch, normalizers)
+
+    def watched_backward(*args, **kwargs):
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            waits.__exit__(None, None, None)
+
+    engine.backward = watched_backward
+    for seed in range(2):  # the first step warms the allocator and the kernels' caches
+        waits.sites.clear()
+        waits.waits.clear()
+        rows = _rows(engine.module.config.vocab_size, seed)
+        rows["rollout_log_probs"] = -torch.rand(rows["action_mask"].shape) * rows["action_mask"]
+        metrics = fit_experience(
+            engine,
+            rows,
+            watched_loss,
+            batching=Batching(packed=packed, rows=MICRO),
+            rows_per_step=ROWS,
+            epochs=1,
+            world_size=1,
+            seed=seed,
+            device=strategy.device,
+        )
+    ours = [site for site, stack in waits.waits if not any("deepspeed" in f.filename for f in stack)]
+    print("host waits in a step's micro-batches (DeepSpeed's included):", dict(waits.sites))
+    assert ours == [] and math.isfinite(metrics["train/policy_loss"])

@@ -113,8 +113,10 @@ def test_ppo_actor_loss_adds_coef_times_the_token_share(moe_dir, batch):
     with_aux, metrics = contribution(0.5)
     assert "train/aux_loss" not in plain_metrics
     # the metric is the micro-batch's share too: a step's micro-batches add up to its token-weighted mean
-    assert metrics["train/aux_loss"] == pytest.approx(_expected(moe_dir, batch).item() / 3, abs=1e-6)
-    assert (with_aux - plain).item() == pytest.approx(0.5 * metrics["train/aux_loss"], abs=1e-6)
+    # (the loop's metrics are 0-dim tensors, read once per fit: openppo.utils.transfer)
+    aux = float(metrics["train/aux_loss"])
+    assert aux == pytest.approx(_expected(moe_dir, batch).item() / 3, abs=1e-6)
+    assert (with_aux - plain).item() == pytest.approx(0.5 * aux, abs=1e-6)
 
 
 def test_supervised_losses_add_coef_times_the_router_loss(moe_dir, batch):

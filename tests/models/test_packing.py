@@ -40,7 +40,8 @@ def test_pack_unpack_roundtrip():
     packed = pack_rows(seqs, attn)
     assert packed.input_ids.shape == (1, sum(LENGTHS))
     assert packed.position_ids[0, :7].tolist() == [0, 1, 2, 3, 4, 0, 1]
-    assert torch.equal(unpack_rows(packed.input_ids.unsqueeze(-1), packed.token_mask).squeeze(-1), seqs)
+    unpacked = unpack_rows(packed.input_ids.unsqueeze(-1), packed.token_mask, packed.token_index)
+    assert torch.equal(unpacked.squeeze(-1), seqs)
     trimmed = trim_padding({"sequences": seqs[:1], "attention_mask": attn[:1], "m": torch.ones(1, 29)})
     assert trimmed["sequences"].shape == (1, 5) and trimmed["m"].shape == (1, 4)
 

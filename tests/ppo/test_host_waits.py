@@ -1,0 +1,124 @@
+"""The actor's update never reads a device value within a step, so that on a GPU the host queues the next
+micro-batch while the GPU runs this one (`openppo.utils.transfer`).
+
+No GPU here: the tensors the training loop copies to the device are marked instead (a tensor subclass whose mark
+every result computed from them keeps), and every read of a marked value is recorded: `.item()`, `.tolist()`, a
+truth value, a boolean-mask index or a `nonzero`, whose result size the host must learn from the device. On a GPU
+each of these makes the host wait for everything queued (`torch.cuda.set_sync_debug_mode` counts the same in
+`bench/train_step_mfu.py --timeline`). The tiny model on one real DeepSpeed rank, packed and padded rows, with the
+engine's log-probs in the batch (their gap to the trainer's is a metric)."""
+
+from __future__ import annotations
+
+import traceback
+
+import pytest
+import torch
+
+from openppo.models import actor as actor_module
+from openppo.models import row_layout, varlen_attention
+from openppo.models.actor import Actor
+from openppo.models.row_layout import RowLayout
+from openppo.ppo.batching import Batching
+from openppo.ppo.config import AlgoConfig
+from openppo.ppo.fit import actor_loss, fit_experience
+from openppo.utils import transfer
+from tests.model_cache import tiny_model_dir
+from tests.ppo.test_fit import _prepare, _strategy
+
+READS = {"item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "nonzero", "unique"}
+READS |= {"masked_select", "equal", "allclose"}
+
+
+class OnDevice(torch.Tensor):
+    """A tensor the training loop copied to the device, or computed from one."""
+
+    reads: list[str] | None = None  # where marked values were read, while a micro-batch runs
+
+    @classmethod
+    def __torch_function__(cls, func, types, args=(), kwargs=None):
+        name = getattr(func, "__name__", "")
+        index = args[1] if name in ("__getitem__", "__setitem__") and len(args) > 1 else None
+        indices = index if isinstance(index, tuple) else (index,)
+        boolean = any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in indices)
+        if cls.reads is not None and (name in READS or boolean):
+            where = next(f for f in reversed(traceback.extract_stack()[:-1]) if "test_host_waits" not in f.filename)
+            cls.reads.append(f"{name} at {where.filename.rsplit('/', 2)[-1]}:{where.lineno}")
+        return super().__torch_function__(func, types, args, kwargs)
+
+
+def _marked_upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    return tensor.to(device).as_subclass(OnDevice)
+
+
+def _batch(rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(0)
+    seqs = torch.randint(10, 1000, (rows, length), generator=gen)
+    attn = torch.ones_like(seqs)
+    mask = torch.zeros(rows, length - 1)
+    for r in range(rows):  # ragged: left-padded prompts of 3-5 tokens, responses of 2-6
+        prompt, response = 3 + r % 3, 2 + r % 5
+        attn[r, : 5 - prompt] = 0
+        attn[r, 5 + response :] = 0
+        mask[r, 4 : 4 + response] = 1
+    logps = -torch.rand(rows, length - 1, generator=gen) * mask
+    return {
+        "sequences": seqs,
+        "attention_mask": attn,
+        "action_mask": mask,
+        "rollout_log_probs": logps,
+        "advantages": torch.randn(rows, length - 1, generator=gen) * mask,
+    }
+
+
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, packed):
+    for module in (transfer, row_layout, varlen_attention, actor_module):
+        monkeypatch.setattr(module, "upload", _marked_upload)
+    strategy = _strategy(micro=2, accum=4)
+    engine = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+    engine.module.layout = RowLayout(packed=packed)
+    loss_fn = actor_loss(
+        engine,
+        AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
+        kl_coef=0.0,
+        temperature=1.0,
+        generate_max_len=7,
+        is_correction=None,
+        is_threshold=(0.5, 5.0),
+    )
+    reads: list[str] = []
+    seen = []
+
+    def watched(batch, normalizers):  # the micro-batch: forward, loss, then (below) backward and step
+        seen.append(isinstance(batch["sequences"], OnDevice))
+        OnDevice.reads = reads
+        return loss_fn(batch, normalizers)
+
+    backward = engine.backward
+
+    def watched_backward(*args, **kwargs):
+        try:
+            return backward(*args, **kwargs)
+        finally:
+            OnDevice.reads = None  # the step's end (metrics, the last optimizer step) may read
+
+    monkeypatch.setattr(engine, "backward", watched_backward)
+    try:
+        metrics = fit_experience(
+            engine,
+            _batch(),
+            watched,
+            batching=Batching(packed=packed, rows=2),
+            rows_per_step=8,
+            epochs=1,
+            world_size=1,
+            seed=0,
+            device=strategy.device,
+        )
+    finally:
+        OnDevice.reads = None
+    assert seen == [True] * 4  # the batches the loss saw came through `upload`, so the test sees their reads
+    assert reads == []
+    assert metrics["perf/micro_batches"] == 4 and all(isinstance(v, float) for v in metrics.values())
+    assert 0 < metrics["train/entropy"] and 0 <= metrics["rollout/logprob_diff"]
