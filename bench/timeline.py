@@ -46,11 +46,11 @@ def busy_time(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def trace_summary(trace: dict) -> dict:
+def trace_summary(trace: dict, top: int = 15) -> dict:
     """Kernel and runtime figures of a profiler trace (`torch.profiler` exported in Chrome format; times in us):
     `wall_s` from the first to the last event on the device or the host's runtime, `gpu_busy_s` the union of the
-    device's kernels, copies and sets, their share of the wall, the time by kind, and the host's synchronising runtime
-    calls (count and seconds)."""
+    device's kernels, copies and sets, their share of the wall, the time by kind, the `top` costliest kernels, and
+    the host's synchronising runtime calls (count and seconds)."""
     events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
     device = [e for e in events if e.get("cat") in ("kernel", "gpu_memcpy", "gpu_memset")]
     runtime = [e for e in events if e.get("cat") in ("cuda_runtime", "cuda_driver")]
@@ -59,10 +59,15 @@ def trace_summary(trace: dict) -> dict:
     busy = busy_time([(float(e["ts"]), float(e["ts"]) + float(e["dur"])) for e in device]) / 1e6
     kinds: Counter[str] = Counter()
     counts: Counter[str] = Counter()
+    by_name: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
     for e in device:
         kind = "copy" if e["cat"] != "kernel" else kernel_kind(e.get("name", ""))
         kinds[kind] += float(e["dur"]) / 1e6
         counts[kind] += 1
+        name = e.get("name", "")[:100]
+        by_name[name] += float(e["dur"]) / 1e6
+        calls[name] += 1
     syncs = [e for e in runtime if SYNC_CALLS.search(e.get("name", ""))]
     return {
         "wall_s": round(wall, 4),
@@ -71,6 +76,8 @@ def trace_summary(trace: dict) -> dict:
         "kernels": len(device),
         "kernel_s_by_kind": {k: round(v, 4) for k, v in kinds.most_common()},
         "kernels_by_kind": dict(counts.most_common()),
+        # the costliest kernels: [name (100 characters), calls, seconds]
+        "top_kernels": [[name, calls[name], round(sec, 4)] for name, sec in by_name.most_common(top)],
         "runtime_syncs": len(syncs),
         "runtime_sync_s": round(sum(float(e["dur"]) for e in syncs) / 1e6, 4),
     }

