@@ -3,7 +3,9 @@
     python -m openppo.cli.plan <the same flags as train_ppo_ray> [--device_memory_gib 80]
 
 Prints what one device of each kind holds (weights, gradients, optimizer states, activations and logits of the
-largest micro-batch, vLLM weights and KV cache) and warns when a device would not fit. Nothing is loaded but the
+largest micro-batch, vLLM weights and KV cache) and warns when a device would not fit. Then the largest training
+token budget (--use_dynamic_batch --train_max_tokens_per_gpu) that keeps the training devices within 80 % of their
+memory: on GPUs larger micro-batches move more tokens a second (docs/performance.md). Nothing is loaded but the
 models' config files (the parameter counts come from a meta-device build). See openppo/ppo/memory_plan.py.
 """
 
@@ -20,7 +22,7 @@ from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
 from openppo.errors import require
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.memory_plan import GIB, plan_devices, plan_text, run_shapes
+from openppo.ppo.memory_plan import BUDGET_SHARE, GIB, largest_token_budget, plan_devices, plan_text, run_shapes
 from openppo.ppo.validate import validate
 
 logger = logging.getLogger("openppo.plan")
@@ -60,6 +62,13 @@ def plan(cfg: PlanConfig) -> None:
     device = _device_bytes(cfg)
     text, fits = plan_text(plan_devices(cfg, shapes, device, on_gpu=torch.cuda.is_available()), device)
     print(text)
+    budget = largest_token_budget(cfg, shapes, device, on_gpu=torch.cuda.is_available())
+    if budget is not None:
+        # larger micro-batches run fewer, larger kernels: on GPUs the step's tokens a second grow with them
+        print(
+            f"largest token budget within {BUDGET_SHARE:.0%} of a device: --use_dynamic_batch "
+            f"--train_max_tokens_per_gpu {budget.tokens} ({budget.planned_bytes / GIB:.2f} GiB planned)"
+        )
     if not fits:
         logger.warning(
             "the run would not fit: see the devices marked above (--gradient_checkpointing, "

@@ -373,7 +373,11 @@ class RolloutConfig:
         const="on",
     )
     use_dynamic_batch: bool = opt(False, "fill micro-batches by a token budget instead of a sample count")
-    train_max_tokens_per_gpu: int = opt(16384, "token budget of a training micro-batch (--use_dynamic_batch)")
+    train_max_tokens_per_gpu: int = opt(
+        16384,
+        "token budget of a training micro-batch (--use_dynamic_batch); larger ones are faster on GPUs, and "
+        "`python -m openppo.cli.plan` with the run's flags prints the largest that fits",
+    )
     rollout_max_tokens_per_gpu: int = opt(
         None, "token budget of a forward-only micro-batch; default: 2x the training budget"
     )

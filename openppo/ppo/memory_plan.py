@@ -374,6 +374,40 @@ def _colocated(groups: dict[str, list[Item]], engine: list[Item], cfg) -> Device
     return plan
 
 
+# On an H200 the 0.5B shape's step moved 1.35x (eager) and 1.47x (compiled layers) the tokens a second with 4x the
+# tokens a micro-batch (docs/benchmarks.md, "Second GPU sitting of 2026-11-30"); the planner's figure was up to 19 %
+# under a measured peak at 32k tokens (the chunked head), hence the margin.
+BUDGET_SHARE = 0.8  # of the device that a suggested token budget's plan may take
+
+
+@dataclass
+class TokenBudget:
+    tokens: int  # --train_max_tokens_per_gpu with --use_dynamic_batch
+    planned_bytes: float  # the fullest device that runs micro-batches, with that budget
+
+
+def largest_token_budget(
+    cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu: bool = True, share: float = BUDGET_SHARE
+) -> TokenBudget | None:
+    """The largest training token budget (a power of two from 1024 to 1M tokens a micro-batch, with
+    --use_dynamic_batch) whose plan keeps every device that runs micro-batches within `share` of `device_bytes`;
+    None when not even 1024 tokens do. The forward passes' budget is the run's --rollout_max_tokens_per_gpu, or 2x
+    the training budget."""
+    import dataclasses
+
+    best = None
+    for power in range(10, 21):
+        rollout = dataclasses.replace(cfg.rollout, use_dynamic_batch=True, train_max_tokens_per_gpu=2**power)
+        plans = plan_devices(dataclasses.replace(cfg, rollout=rollout), shapes, device_bytes, on_gpu)
+        # the devices whose micro-batches the budget sizes (training, and the forward passes at 2x), not the engines'
+        sized = [p for p in plans if any("micro-batch" in i.what for i in p.items)]
+        fullest = max(p.device_bytes for p in sized)
+        if fullest > share * device_bytes:
+            break
+        best = TokenBudget(2**power, fullest)
+    return best
+
+
 def plan_text(plans: list[DevicePlan], device_bytes: float) -> tuple[str, bool]:
     """The table, and whether every device fits."""
     lines, fits = [], True

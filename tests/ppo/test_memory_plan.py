@@ -111,9 +111,11 @@ def test_plan_cli_prints_each_device_and_warns_when_it_does_not_fit(capsys):
     for device in ("actor device", "ref device", "critic device", "reward device", "engine device"):
         assert device in out
     assert "engine KV cache" in out and "0.25 GiB" in out and "does NOT fit" not in out
+    assert "largest token budget within 80% of a device: --use_dynamic_batch --train_max_tokens_per_gpu" in out
     assert main(args + ["--device_memory_gib", "0.05"]) == 0
     captured = capsys.readouterr()
     assert "does NOT fit" in captured.out and "would not fit" in captured.out
+    assert "largest token budget" not in captured.out  # not even 1024 tokens fit
     # --colocate_all_models with --async_train: the DeepSpeed models on one device, the engines on their own
     assert main(args + ["--device_memory_gib", "64", "--colocate_all_models", "--async_train"]) == 0
     out = capsys.readouterr().out
@@ -271,3 +273,30 @@ def test_an_eval_only_run_leaves_the_kv_cache_the_ram_of_the_processes_it_starts
     assert evaluating == pytest.approx(2 * (PROCESS_OVERHEAD_BYTES + engine_weights))
     # the training run also holds 2 actor and 2 reference ranks: their start-up cost and states on top
     assert training > evaluating + 4 * PROCESS_OVERHEAD_BYTES
+
+
+def test_the_largest_token_budget_fits_the_share_and_twice_it_does_not():
+    import dataclasses
+
+    from openppo.cli.plan import PlanConfig
+    from openppo.config.schema import parse_config
+    from openppo.ppo.memory_plan import largest_token_budget, model_shape, plan_devices
+    from tests.model_cache import tiny_model_dir
+
+    model = str(tiny_model_dir())
+    flags = f"--pretrain {model} --prompt_data p.jsonl --remote_rm_url r.py --advantage_estimator group_norm "
+    flags += "--n_samples_per_prompt 4 --init_kl_coef 0 --packing_samples --prompt_max_len 512 --generate_max_len 512"
+    cfg = parse_config(PlanConfig, flags.split(), "plan")
+    shapes = {"actor": model_shape(model, "--pretrain")}
+
+    def fullest(tokens: int, device: float) -> float:
+        rollout = dataclasses.replace(cfg.rollout, use_dynamic_batch=True, train_max_tokens_per_gpu=tokens)
+        plans = plan_devices(dataclasses.replace(cfg, rollout=rollout), shapes, device, on_gpu=True)
+        return max(p.device_bytes for p in plans if p.name != "engine device")
+
+    device = 1.5 * GIB
+    budget = largest_token_budget(cfg, shapes, device, on_gpu=True)
+    assert budget is not None and 1024 <= budget.tokens < 2**20
+    assert budget.planned_bytes == fullest(budget.tokens, device) <= 0.8 * device < fullest(2 * budget.tokens, device)
+    assert not cfg.rollout.use_dynamic_batch  # the run's own config is left as it was
+    assert largest_token_budget(cfg, shapes, 0.01 * GIB, on_gpu=True) is None
