@@ -264,8 +264,8 @@ class RowLayout:
         else:
             mask, positions = upload(attention_mask, device), upload(position_ids_from_mask(attention_mask), device)
             rows = Rows(input_ids, mask, positions, input_ids.roll(-1, dims=1))
-            # whether the rows have padding, when the host's mask says so without waiting on the GPU
-            set_padded_rows(attention_mask.device.type == "cpu" and not bool(attention_mask.all()))
+            # whether the rows have padding, when the host's mask tells without waiting on the GPU
+            set_padded_rows(not bool(attention_mask.all()) if attention_mask.device.type == "cpu" else None)
         if self.ring is not None and rows.token_mask is not None:
             rows.num_tokens = rows.input_ids.size(1)
             rows.input_ids, rows.position_ids, rows.labels = self.ring.shard(rows.input_ids, rows.position_ids)

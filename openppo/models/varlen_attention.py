@@ -45,7 +45,7 @@ _BOUNDS: list[tuple[int, int]] | None = None  # (start, end) of every sequence o
 _PADDED: tuple[torch.Tensor, torch.Tensor] | None = None  # its `_padded_index` when `batches_well`, else None
 _SHARED: SharedAttention | None = None  # the current row's responses to shared prompts (`set_shared_rows`)
 _ROW: tuple[int, torch.Tensor | None] | None = None  # the packed row's length and transformers' sequence ids of it
-_PADDING = False  # the current padded batch has padding (`set_padded_rows`)
+_PADDING: bool | None = None  # whether the current padded batch has padding, when known (`set_padded_rows`)
 
 
 def sequence_bounds(position_ids: torch.Tensor) -> list[tuple[int, int]]:
@@ -62,7 +62,7 @@ def set_packed_rows(position_ids: torch.Tensor | None, device: torch.device | No
     """Announce the packed row of the next forward (and its backward); None for padded batches. `device`: the
     model's, when `position_ids` are a host copy (read there without waiting on the GPU)."""
     global _BOUNDS, _PADDED, _SHARED, _ROW, _PADDING
-    _PADDING = False
+    _PADDING = None
     _BOUNDS = None if position_ids is None else sequence_bounds(position_ids)
     device = device or (None if position_ids is None else position_ids.device)
     _PADDED = _padded_index(_BOUNDS, device) if _BOUNDS and batches_well(_BOUNDS) else None
@@ -80,7 +80,7 @@ def set_shared_rows(
     """Announce a row of shared prompts: `prompts` (start, end), then `responses` (start, end, index of the prompt
     it answers), covering the row's `num_tokens` tokens."""
     global _BOUNDS, _PADDED, _SHARED, _ROW, _PADDING
-    _BOUNDS, _ROW, _PADDING = prompts, None, False
+    _BOUNDS, _ROW, _PADDING = prompts, None, None
     _PADDED = _padded_index(prompts, device) if batches_well(prompts) else None
     _SHARED = SharedAttention(prompts, [r for r in responses if r[1] > r[0]], num_tokens, device)
 
@@ -252,14 +252,16 @@ def _mask(*args, **kwargs) -> torch.Tensor | None:
     known to have padding (`set_padded_rows`) it does not, and reading the device's mask would wait on the GPU."""
     if _BOUNDS is not None:
         return None
-    if _PADDING:
+    if _PADDING:  # the shortcut needs rows without padding
         kwargs["allow_is_causal_skip"] = False
+    elif _PADDING is False and "attention_mask" in kwargs:  # an all-ones mask masks nothing: the same mask without it
+        kwargs["attention_mask"] = None
     return sdpa_mask(*args, **kwargs)
 
 
-def set_padded_rows(has_padding: bool) -> None:
-    """Announce a padded batch (no packed row) for the next forward; `has_padding`: known to have padding (from the
-    host's mask; False when unknown)."""
+def set_padded_rows(has_padding: bool | None) -> None:
+    """Announce a padded batch (no packed row) for the next forward; `has_padding`: whether it has padding, known
+    from the host's mask (None: unknown, transformers reads the device's)."""
     global _BOUNDS, _PADDED, _SHARED, _ROW, _PADDING
     _BOUNDS = _PADDED = _SHARED = _ROW = None
     _PADDING = has_padding

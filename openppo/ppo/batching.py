@@ -25,6 +25,7 @@ import torch
 
 from openppo.ppo.config import PPOConfig
 from openppo.utils.images import BATCH_KEY as IMAGES
+from openppo.utils.transfer import to_device
 
 if TYPE_CHECKING:
     from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
@@ -307,7 +308,9 @@ class ForwardChunks:
         return chunks.result()  # [B, ...] in row order, fp32 on CPU, per-token values re-padded to the batch's width
 
     Every rank runs as many forwards as the busiest one (ZeRO-3 gathers parameters collectively); the extra ones are
-    thrown away. Run it under `torch.no_grad()`."""
+    thrown away. Run it under `torch.no_grad()`. The micro-batches come with their host copies (`DeviceBatch.host`,
+    for an actor's masks) and the results stay on the device until `result`, so the pass never waits on the GPU
+    between its forwards (`openppo.utils.transfer`)."""
 
     def __init__(self, engine, strategy: DeepSpeedStrategy, data: dict[str, torch.Tensor], batching: Batching):
         engine.eval()
@@ -320,16 +323,16 @@ class ForwardChunks:
     def __iter__(self) -> Iterator[dict[str, torch.Tensor]]:
         for rows in self.plan:
             self._rows, self._batch = rows, select_rows(self.data, rows or [0])
-            yield {k: v.to(self.device) for k, v in self._batch.items()}
+            yield to_device(self._batch, self.device)
 
     def add(self, result: torch.Tensor) -> None:
         """The result of the micro-batch just yielded."""
         if not self._rows:
             return
-        result = result.float().cpu()
+        result = result.float()
         if result.dim() > 1:  # per-token: back to the batch's width (T or T-1 columns)
             result = pad_to_width(result, result.size(1) + self.width - self._batch["sequences"].size(1))
         self.out.append(result)
 
     def result(self) -> torch.Tensor:
-        return torch.cat(self.out)
+        return torch.cat(self.out).cpu()  # the pass's one read

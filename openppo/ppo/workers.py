@@ -36,6 +36,7 @@ from openppo.strategy.config import state_offload_supported
 from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
 from openppo.utils.hardware import device_name, device_stats, trim_host_heap
 from openppo.utils.images import BATCH_KEY as IMAGES
+from openppo.utils.transfer import host_tensor
 
 logger = logging.getLogger(__name__)
 
@@ -198,9 +199,9 @@ class ActorWorker(_TrainedWorker):
         for b in chunks:
             out = self.engine(
                 b["sequences"],
-                b["attention_mask"],
+                host_tensor(b, "attention_mask"),  # the layout read from the host (Actor.forward)
                 temperature=temperature,
-                score_mask=b.get("action_mask"),
+                score_mask=host_tensor(b, "action_mask") if "action_mask" in b else None,
                 images=b.get(IMAGES),
             )
             chunks.add(out.log_probs)
@@ -215,9 +216,9 @@ class ActorWorker(_TrainedWorker):
         for b in chunks:
             out = self.engine(
                 b["sequences"],
-                b["attention_mask"],
+                host_tensor(b, "attention_mask"),
                 temperature=r.temperature,
-                score_mask=b.get("action_mask"),
+                score_mask=host_tensor(b, "action_mask") if "action_mask" in b else None,
                 sampling=r.sampling,
                 images=b.get(IMAGES),
             )

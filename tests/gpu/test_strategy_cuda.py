@@ -211,3 +211,17 @@ def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank,
     ours = [site for site, stack in waits.waits if not any("deepspeed" in f.filename for f in stack)]
     print("host waits in a step's micro-batches (DeepSpeed's included):", dict(waits.sites))
     assert ours == [] and math.isfinite(metrics["train/policy_loss"])
+
+    # a forward-only pass as the actor's log-prob passes run it (openppo.ppo.workers): no wait until its result
+    from openppo.ppo.batching import ForwardChunks
+
+    waits.sites.clear()
+    waits.waits.clear()
+    with torch.no_grad():
+        chunks = ForwardChunks(engine, strategy, rows, Batching(packed=packed, rows=MICRO))
+        with waits:  # the copies to the device included
+            for b in chunks:
+                out = engine(b["sequences"], b.host["attention_mask"], score_mask=b.host["action_mask"])
+                chunks.add(out.log_probs)
+        assert chunks.result().shape == rows["action_mask"].shape
+    assert dict(waits.sites) == {}

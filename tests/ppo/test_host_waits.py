@@ -56,11 +56,10 @@ def _batch(rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
     seqs = torch.randint(10, 1000, (rows, length), generator=gen)
     attn = torch.ones_like(seqs)
     mask = torch.zeros(rows, length - 1)
-    for r in range(rows):  # ragged: left-padded prompts of 3-5 tokens, responses of 2-6
+    for r in range(rows):  # ragged, right-padded: prompts of 3-5 tokens, responses of 2-6
         prompt, response = 3 + r % 3, 2 + r % 5
-        attn[r, : 5 - prompt] = 0
-        attn[r, 5 + response :] = 0
-        mask[r, 4 : 4 + response] = 1
+        attn[r, prompt + response :] = 0
+        mask[r, prompt - 1 : prompt - 1 + response] = 1
     logps = -torch.rand(rows, length - 1, generator=gen) * mask
     return {
         "sequences": seqs,
@@ -122,3 +121,31 @@ def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, p
     assert reads == []
     assert metrics["perf/micro_batches"] == 4 and all(isinstance(v, float) for v in metrics.values())
     assert 0 < metrics["train/entropy"] and 0 <= metrics["rollout/logprob_diff"]
+
+
+def test_a_forward_pass_reads_the_device_once_at_its_end(monkeypatch):
+    """`ForwardChunks` as the actor's log-prob passes use it (openppo.ppo.workers): host masks into the forward, the
+    results kept on the device; only `result` reads them."""
+    from openppo.ppo.batching import ForwardChunks
+
+    for module in (transfer, row_layout, varlen_attention, actor_module):
+        monkeypatch.setattr(module, "upload", _marked_upload)
+    strategy = _strategy(micro=2, accum=4)
+    engine = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+    engine.module.layout = RowLayout(packed=True)
+    data = _batch()
+    reads: list[str] = []
+    with torch.no_grad():
+        chunks = ForwardChunks(engine, strategy, data, Batching(packed=True, rows=2))
+        OnDevice.reads = reads
+        try:
+            for b in chunks:
+                host = b.host
+                out = engine(b["sequences"], host["attention_mask"], score_mask=host["action_mask"])
+                chunks.add(out.log_probs)
+        finally:
+            OnDevice.reads = None
+        log_probs = chunks.result()
+        plain = engine(data["sequences"], data["attention_mask"], score_mask=data["action_mask"]).log_probs
+    assert reads == []
+    assert log_probs.shape == plain.shape and torch.allclose(log_probs * data["action_mask"], plain, atol=1e-5)
