@@ -248,8 +248,9 @@ def _sequences(module, query, key, value, bounds, padded, **kwargs) -> torch.Ten
 
 def _mask(*args, **kwargs) -> torch.Tensor | None:
     """No mask for an announced packed row (the sequences are split instead); sdpa's mask otherwise. transformers
-    reads the padding mask to see whether sdpa's causal shortcut applies (rows without padding): for padded rows
-    known to have padding (`set_padded_rows`) it does not, and reading the device's mask would wait on the GPU."""
+    reads the padding mask to see whether sdpa's causal shortcut applies (rows without padding), which would wait on
+    the GPU: for padded rows the host knows to have padding (`set_padded_rows`) it cannot, and for rows it knows to
+    have none the all-ones mask is left out, so the shortcut is found without reading it."""
     if _BOUNDS is not None:
         return None
     if _PADDING:  # the shortcut needs rows without padding
