@@ -226,8 +226,11 @@ def plan_on_all_ranks(
     of micro-batches on every rank (one all-reduce for all sets); `shares` as in `Batching.plan`, per set."""
     shares = shares if batching.share_prompts and shares is not None else [None] * len(lengths)
     plans = [batching.plan(rows, s) for rows, s in zip(lengths, shares)]
+    # (one rank counts on the host: a device round trip would make it wait on the GPU for nothing)
     counts = all_reduce(
-        torch.tensor([len(p) for p in plans], device=device), world_size, torch.distributed.ReduceOp.MAX
+        torch.tensor([len(p) for p in plans], device=device if world_size > 1 else "cpu"),
+        world_size,
+        torch.distributed.ReduceOp.MAX,
     )
     return [
         equalize(p, rows, int(c), batching.packed, s) for p, rows, s, c in zip(plans, lengths, shares, counts.tolist())

@@ -45,7 +45,7 @@ from openppo.ppo.batching import (
 from openppo.ppo.config import AlgoConfig
 from openppo.strategy.step_guard import StepGuard
 from openppo.utils.images import BATCH_KEY as IMAGES
-from openppo.utils.transfer import host_tensor, read_values, to_device
+from openppo.utils.transfer import host_tensor, read_values, to_device, upload
 
 # metrics as floats or 0-dim tensors: `fit_experience` reads tensors once, at its end (see utils.transfer)
 LossFn = Callable[[dict[str, torch.Tensor], torch.Tensor], tuple[torch.Tensor, dict[str, float | torch.Tensor]]]
@@ -116,7 +116,7 @@ def fit_experience(
             if batching.share_prompts:  # prompt tokens a micro-batch's rows share with the row before them
                 shared_tokens += sum(step_share[j] for m in plan for j in m[1:])
             counts = sum(loss_normalizers(b["action_mask"]) for b in micros)
-            normalizers = all_reduce(counts.to(device), world_size) // replicas
+            normalizers = all_reduce(upload(counts, device), world_size) // replicas
             step_losses: dict[str, float | torch.Tensor] = defaultdict(float)
             step_sums: dict[str, float | torch.Tensor] = defaultdict(float)
             step_scored = 0
