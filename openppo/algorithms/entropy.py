@@ -17,6 +17,7 @@ no logarithm per vocabulary entry: H = logsumexp(z) - sum_v p_v z_v).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 
 import torch
@@ -65,24 +66,66 @@ def chunk_entropy(z: torch.Tensor, lse: torch.Tensor) -> torch.Tensor:
     return lse - torch.nan_to_num_(pz, nan=0.0).sum(dim=-1)
 
 
+def _log_probs_chunk(
+    chunk: torch.Tensor, labels: torch.Tensor, temperature: float, with_entropy: bool
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """log p(label) of one chunk of logits, and its entropy with `with_entropy`."""
+    z = _scaled(chunk, _compute_dtype(chunk.dtype), temperature)
+    lse = torch.logsumexp(z, dim=-1)
+    out = z.gather(-1, labels.unsqueeze(-1)).squeeze(-1) - lse
+    return out, chunk_entropy(z, lse) if with_entropy else None
+
+
+def _log_probs_chunk_grad(
+    chunk: torch.Tensor, labels: torch.Tensor, grad_out: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """The gradient of one chunk's log p(label) (in the compute dtype)."""
+    dtype = _compute_dtype(chunk.dtype)
+    z = _scaled(chunk, dtype, temperature)
+    g = grad_out.to(dtype).unsqueeze(-1)
+    # d log p(y) / d z = onehot(y) - softmax(z); the chain rule through z = logits / T adds 1 / T.
+    gz = torch.softmax(z, dim=-1).mul_(-g)
+    gz.scatter_add_(-1, labels.unsqueeze(-1), g)
+    return gz if temperature == 1.0 else gz.div_(temperature)
+
+
+def _log_probs_chunk_grad_cast(chunk, labels, grad_out, temperature):
+    """`_log_probs_chunk_grad` in the logits' dtype (compiled: the cast fused into the same kernel)."""
+    return _log_probs_chunk_grad(chunk, labels, grad_out, temperature).to(chunk.dtype)
+
+
+@functools.cache
+def _compiled(fn):
+    """`fn` compiled once for any chunk shape (--torch_compile). Eager, each chunk's softmax, entropy and gradient
+    are a dozen passes over its fp32 logits, each a kernel; compiled, a few fused ones (a GPU step's element-wise
+    time, docs/performance.md)."""
+    return torch.compile(fn, dynamic=True)
+
+
 class _LogProbs(torch.autograd.Function):
-    """log p(label) per position; with `with_entropy` also the entropy (no gradient) from the same chunk pass."""
+    """log p(label) per position; with `with_entropy` also the entropy (no gradient) from the same chunk pass.
+    `compiled`: each chunk's math through `torch.compile` (the same values to rounding)."""
 
     @staticmethod
     def forward(
-        ctx, logits: torch.Tensor, labels: torch.Tensor, temperature: float, chunk_size: int, with_entropy: bool
+        ctx,
+        logits: torch.Tensor,
+        labels: torch.Tensor,
+        temperature: float,
+        chunk_size: int,
+        with_entropy: bool,
+        compiled: bool = False,
     ):
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
         entropy = torch.empty(logits.shape[:-1] if with_entropy else (0,), dtype=dtype, device=logits.device)
+        scores = _compiled(_log_probs_chunk) if compiled else _log_probs_chunk
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], chunk_size):
-            z = _scaled(logits[rows, cols], dtype, temperature)
-            lse = torch.logsumexp(z, dim=-1)
-            out[rows, cols] = z.gather(-1, labels[rows, cols].unsqueeze(-1)).squeeze(-1) - lse
+            out[rows, cols], ent = scores(logits[rows, cols], labels[rows, cols], temperature, with_entropy)
             if with_entropy:
-                entropy[rows, cols] = chunk_entropy(z, lse)
+                entropy[rows, cols] = ent
         ctx.save_for_backward(logits, labels)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.compiled = temperature, chunk_size, compiled
         ctx.mark_non_differentiable(entropy)
         return out, entropy
 
@@ -90,16 +133,11 @@ class _LogProbs(torch.autograd.Function):
     @once_differentiable
     def backward(ctx, grad_out: torch.Tensor, _grad_entropy: torch.Tensor):
         logits, labels = ctx.saved_tensors
-        dtype = _compute_dtype(logits.dtype)
         grad = torch.empty(logits.shape, dtype=logits.dtype, device=logits.device)
+        gradient = _compiled(_log_probs_chunk_grad_cast) if ctx.compiled else _log_probs_chunk_grad
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], ctx.chunk_size):
-            z = _scaled(logits[rows, cols], dtype, ctx.temperature)
-            g = grad_out[rows, cols].to(dtype).unsqueeze(-1)
-            # d log p(y) / d z = onehot(y) - softmax(z); the chain rule through z = logits / T adds 1 / T.
-            gz = torch.softmax(z, dim=-1).mul_(-g)
-            gz.scatter_add_(-1, labels[rows, cols].unsqueeze(-1), g)
-            grad[rows, cols] = gz if ctx.temperature == 1.0 else gz.div_(ctx.temperature)
-        return grad, None, None, None, None
+            grad[rows, cols] = gradient(logits[rows, cols], labels[rows, cols], grad_out[rows, cols], ctx.temperature)
+        return grad, None, None, None, None, None
 
 
 class _Entropy(torch.autograd.Function):
@@ -142,30 +180,41 @@ def _as_3d(logits: torch.Tensor, temperature: float, chunk_size: int | None) -> 
 
 
 def log_probs_from_logits(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+    compiled: bool = False,
 ) -> torch.Tensor:
     """log softmax(logits / temperature)[label], chunked (see the module docstring).
 
     Shapes: logits [B, T, V] (or [N, V]), labels [B, T] (or [N]) int64 in [0, V) -> [B, T] (or [N]); no reduction.
     Align them yourself (logits at position t predict the token at t + 1). Gradient flows to `logits`.
+    `compiled` (--torch_compile): each chunk's math compiled (`_compiled`).
     """
     logits3, chunk_size = _as_3d(logits, temperature, chunk_size)
     labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
     if labels3.shape != logits3.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
-    out, _ = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size, False)
+    out, _ = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size, False, compiled)
     return out.squeeze(0) if logits.dim() == 2 else out
 
 
 def log_probs_and_entropy(
-    logits: torch.Tensor, labels: torch.Tensor, temperature: float = 1.0, *, chunk_size: int | None = None
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    temperature: float = 1.0,
+    *,
+    chunk_size: int | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """`log_probs_from_logits` (with its gradient) and the entropy for logging (no gradient), in one pass."""
     logits3, chunk_size = _as_3d(logits, temperature, chunk_size)
     labels3 = labels.unsqueeze(0) if logits.dim() == 2 else labels
     if labels3.shape != logits3.shape[:-1]:
         raise ValueError(f"labels {tuple(labels.shape)} do not match logits {tuple(logits.shape)}")
-    out, entropy = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size, True)
+    out, entropy = _LogProbs.apply(logits3, labels3.long(), float(temperature), chunk_size, True, compiled)
     return (out.squeeze(0), entropy.squeeze(0)) if logits.dim() == 2 else (out, entropy)
 
 

@@ -64,6 +64,7 @@ class Actor(nn.Module):
     layout = RowLayout()  # padded unless set up otherwise (--packing_samples, --ring_attn_size)
     head_chunk_tokens = 0  # --lm_head_chunk_tokens: scored positions per chunk of the vocabulary projection; 0 = off
     processor = None  # a vision-language model's processor: turns the rows' images into its pixel inputs
+    compiled_scoring = False  # --torch_compile: the log-probs' and entropy's chunk math compiled too
 
     def __init__(self, model: nn.Module):
         super().__init__()
@@ -134,6 +135,7 @@ class Actor(nn.Module):
                 freeze_moe_router=freeze_moe_router,
             )
         )
+        actor.compiled_scoring = torch_compile
         if vision:
             from transformers import AutoProcessor
 
@@ -244,7 +246,9 @@ class Actor(nn.Module):
                 sampling=sampling,
             )
         else:
-            log_probs, entropy, behaviour = _logit_scores(scores, labels, temperature, return_entropy, sampling)
+            log_probs, entropy, behaviour = _logit_scores(
+                scores, labels, temperature, return_entropy, sampling, self.compiled_scoring
+            )
 
         def per_token(values: torch.Tensor | None) -> torch.Tensor | None:
             """Values of the scored positions -> [B, T-1] on the caller's (padded) grid."""
@@ -300,12 +304,13 @@ def _logit_scores(
     temperature: float,
     entropy: bool | str,
     sampling: SamplingFilter | None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """`head_scores` from the model's own logits."""
+    """`head_scores` from the model's own logits; `compiled`: the log-probs' chunk math compiled."""
     if entropy == "log":  # for logging: from the same pass as the log-probs, no gradient
-        log_probs, ent = log_probs_and_entropy(logits, labels, temperature)
+        log_probs, ent = log_probs_and_entropy(logits, labels, temperature, compiled=compiled)
     else:
-        log_probs = log_probs_from_logits(logits, labels, temperature)
+        log_probs = log_probs_from_logits(logits, labels, temperature, compiled=compiled)
         ent = entropy_from_logits(logits, temperature) if entropy else None
     active = sampling is not None and sampling.active
     return log_probs, ent, sampling_log_probs(logits, labels, temperature, sampling) if active else None

@@ -137,3 +137,24 @@ def test_fused_log_probs_and_entropy_equal_the_separate_functions(temperature, d
     x = logits.double().requires_grad_()
     _reference_log_probs(x, labels, temperature).sum().backward()
     assert torch.allclose(leaf.grad.double(), x.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
+
+
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)], ids=["fp32", "bf16"])
+def test_the_compiled_chunks_give_the_eager_values_and_gradients(dtype, atol):
+    """--torch_compile compiles each chunk's math (openppo.algorithms.entropy._compiled): the same log-probs,
+    entropy and logits' gradient as eager, with chunks of two shapes (the last one shorter) and a temperature."""
+    torch.manual_seed(0)
+    logits = (torch.randn(2, 7, 50) * 3).to(dtype)
+    labels = torch.randint(0, 50, (2, 7))
+    weights = torch.randn(2, 7)
+    results = []
+    for compiled in (False, True):
+        x = logits.clone().requires_grad_(True)
+        lp, ent = log_probs_and_entropy(x, labels, 0.7, chunk_size=4, compiled=compiled)
+        (lp * weights).sum().backward()
+        only = log_probs_from_logits(logits, labels, 0.7, chunk_size=4, compiled=compiled)
+        results.append((lp.detach(), ent, x.grad.float(), only))
+    (lp, ent, grad, only), (clp, cent, cgrad, conly) = results
+    assert grad.dtype == torch.float32 and lp.dtype == torch.float32
+    for eager, compiled in ((lp, clp), (ent, cent), (grad, cgrad), (only, conly)):
+        assert torch.allclose(eager, compiled, atol=atol, rtol=0), (eager - compiled).abs().max()
