@@ -139,10 +139,12 @@ def test_fused_log_probs_and_entropy_equal_the_separate_functions(temperature, d
     assert torch.allclose(leaf.grad.double(), x.grad, atol=1e-2 if dtype == torch.bfloat16 else 1e-6)
 
 
-@pytest.mark.parametrize("dtype,atol", [(torch.float32, 1e-5), (torch.bfloat16, 1e-4)], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype,atol", [(torch.float32, 5e-5), (torch.bfloat16, 1e-4)], ids=["fp32", "bf16"])
 def test_the_compiled_chunks_give_the_eager_values_and_gradients(dtype, atol):
     """--torch_compile compiles each chunk's math (openppo.algorithms.entropy._compiled): the same log-probs,
-    entropy and logits' gradient as eager, with chunks of two shapes (the last one shorter) and a temperature."""
+    entropy and logits' gradient as eager, with chunks of two shapes (the last one shorter) and a temperature.
+    The compiled kernels sum over the vocabulary in another order: entropies of ~2 nats 1.9e-6 apart with
+    PyTorch's AVX512 kernels, 1.24e-5 with its AVX2 ones (docs/platform.md), hence 5e-5 in fp32."""
     torch.manual_seed(0)
     logits = (torch.randn(2, 7, 50) * 3).to(dtype)
     labels = torch.randint(0, 50, (2, 7))
