@@ -5,7 +5,8 @@ a boolean-mask index whose size it must know, a copy back) or copies from pageab
 waits until the GPU has run everything queued. In a step of many small kernels the GPU then idles while the host
 queues the next ones. A batch moved by `to_device` keeps its host copy (`DeviceBatch.host`), so that the row
 layout and the token counts are read from the host's tensors, and the copy itself does not wait: the host tensor is
-pinned and copied asynchronously (a CUDA-only call, checked in tests/gpu/test_sync_free_cuda.py).
+pinned and copied asynchronously (a CUDA-only call, checked in tests/gpu/test_strategy_cuda.py; the CPU
+suite checks the rest in tests/ppo/test_host_waits.py).
 """
 
 from __future__ import annotations

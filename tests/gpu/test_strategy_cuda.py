@@ -57,13 +57,12 @@ def _train_engine(
     return strategy, engine
 
 
-def _update(strategy, engine, seed: int = 0) -> dict[str, float]:
-    from openppo.models.row_layout import RowLayout
-    from openppo.ppo.batching import Batching
+def _grpo_loss(engine):
+    """The trainer's GRPO loss for the engine's actor (`actor_loss`)."""
     from openppo.ppo.config import AlgoConfig
-    from openppo.ppo.fit import actor_loss, fit_experience
+    from openppo.ppo.fit import actor_loss
 
-    loss_fn = actor_loss(
+    return actor_loss(
         engine,
         AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
         kl_coef=0.0,
@@ -72,6 +71,14 @@ def _update(strategy, engine, seed: int = 0) -> dict[str, float]:
         is_correction=None,
         is_threshold=(0.5, 5.0),
     )
+
+
+def _update(strategy, engine, seed: int = 0) -> dict[str, float]:
+    from openppo.models.row_layout import RowLayout
+    from openppo.ppo.batching import Batching
+    from openppo.ppo.fit import fit_experience
+
+    loss_fn = _grpo_loss(engine)
     engine.module.layout = RowLayout(packed=True)
     return fit_experience(
         engine,
@@ -164,20 +171,11 @@ def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank,
     from bench.timeline import SyncSites
     from openppo.models.row_layout import RowLayout
     from openppo.ppo.batching import Batching
-    from openppo.ppo.config import AlgoConfig
-    from openppo.ppo.fit import actor_loss, fit_experience
+    from openppo.ppo.fit import fit_experience
 
     strategy, engine = _train_engine(gpu_model_dir, zero_stage=2)
     engine.module.layout = RowLayout(packed=packed)
-    loss_fn = actor_loss(
-        engine,
-        AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
-        kl_coef=0.0,
-        temperature=1.0,
-        generate_max_len=SEQ - PROMPT,
-        is_correction=None,
-        is_threshold=(0.5, 5.0),
-    )
+    loss_fn = _grpo_loss(engine)
     waits = SyncSites(Path(__file__).resolve().parents[2])
     backward = engine.backward
 
