@@ -71,10 +71,10 @@ def profiler(device):
     return profile(activities=activities)
 
 
-def planned_gib(args, path: str) -> float:
+def planned_gib(args, path: str, shape=None) -> float:
     """The memory planner's figure for this update's device (`openppo.ppo.memory_plan`, the one `python -m
     openppo.cli.plan` prints): the actor's weights, gradients, optimizer states and working memory, with the flags of
-    a train_ppo_ray run whose micro-batches are this bench's."""
+    a train_ppo_ray run whose micro-batches are this bench's. `shape`: the model's (default: read from `path`)."""
     from openppo.cli.plan import PlanConfig
     from openppo.config.schema import parse_config
     from openppo.ppo.memory_plan import GIB, model_shape, plan_devices
@@ -89,7 +89,7 @@ def planned_gib(args, path: str) -> float:
     flags += " --use_liger_kernel" * args.use_liger_kernel + " --torch_compile" * args.torch_compile
     cfg = parse_config(PlanConfig, flags.split(), "plan")
     # (the device size sizes only engines' KV caches, which this plan has none of)
-    plans = plan_devices(cfg, {"actor": model_shape(path, "--pretrain")}, 80 * GIB, on_gpu=True)
+    plans = plan_devices(cfg, {"actor": shape or model_shape(path, "--pretrain")}, 80 * GIB, on_gpu=True)
     return next(p for p in plans if p.name == "actor device").device_bytes / GIB
 
 
