@@ -22,7 +22,15 @@ from openppo.cli.runner import run_cli
 from openppo.config.schema import opt
 from openppo.errors import require
 from openppo.ppo.config import PPOConfig
-from openppo.ppo.memory_plan import BUDGET_SHARE, GIB, largest_token_budget, plan_devices, plan_text, run_shapes
+from openppo.ppo.memory_plan import (
+    BUDGET_SHARE,
+    GIB,
+    default_token_budget,
+    largest_token_budget,
+    plan_devices,
+    plan_text,
+    run_shapes,
+)
 from openppo.ppo.validate import validate
 
 logger = logging.getLogger("openppo.plan")
@@ -60,6 +68,10 @@ def plan(cfg: PlanConfig) -> None:
         logger.info("note: %s", notice)
     shapes = run_shapes(cfg)
     device = _device_bytes(cfg)
+    # the budget a run on such devices would take (train_ppo_ray's launch: `launch.resolve_token_budget`)
+    cfg.rollout.train_max_tokens_per_gpu, line = default_token_budget(cfg, device, torch.cuda.is_available(), shapes)
+    if line:
+        logger.info(line)
     text, fits = plan_text(plan_devices(cfg, shapes, device, on_gpu=torch.cuda.is_available()), device)
     print(text)
     budget = largest_token_budget(cfg, shapes, device, on_gpu=torch.cuda.is_available())

@@ -56,8 +56,10 @@ def train(cfg: PPOConfig) -> None:
         # The cluster's devices decide the run's, not this process's (a GPU-less head node under `ray job submit`)
         devices = launch.run_devices()
         logger.info(devices.describe())
-        launch.resolve_run_precision(cfg, devices)
+        probe = launch.probe_devices(cfg, devices)
+        launch.resolve_run_precision(cfg, probe)
         launch.resolve_attention(cfg, devices)
+        launch.resolve_token_budget(cfg, probe, devices.on_gpu)
         for notice in validate_devices(cfg, devices.on_gpu):
             logger.info("note: %s", notice)
         eval_only = launch.evaluates_pretrain(cfg)

@@ -285,7 +285,7 @@ def train_batching(cfg: PPOConfig, share_prompts: bool = False) -> Batching:
     return Batching(
         packed=r.packing_samples,
         rows=cfg.train.micro_train_batch_size,
-        max_tokens=r.train_max_tokens_per_gpu if r.use_dynamic_batch else None,
+        max_tokens=r.train_tokens() if r.use_dynamic_batch else None,
         share_prompts=share_prompts,
     )
 
@@ -293,7 +293,7 @@ def train_batching(cfg: PPOConfig, share_prompts: bool = False) -> Batching:
 def forward_batching(cfg: PPOConfig, share_prompts: bool = False) -> Batching:
     """Forward-only passes keep no activations for a backward, so their micro-batches may be larger."""
     r = cfg.rollout
-    budget = r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu
+    budget = r.forward_tokens()
     return Batching(
         packed=r.packing_samples,
         rows=r.micro_rollout_batch_size,

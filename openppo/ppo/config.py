@@ -30,6 +30,13 @@ from openppo.config.schema import opt
 from openppo.distributed.placement import STRATEGIES
 from openppo.strategy.config import DeepSpeedConfig
 
+# --train_max_tokens_per_gpu where not given: on CPU (and on GPUs whose plan does not fit at any budget) OpenRLHF's
+# order of size; on GPUs the launch sizes it to the device (`memory_plan.default_token_budget`), up to the largest
+# measured to help: 32768 tokens moved 1.35-1.47x the tokens a second of 8192 on an H200, whose 0.5B step was 94 %
+# kernel-bound there already (docs/benchmarks.md); larger ones are unmeasured and cost memory.
+DEFAULT_TRAIN_TOKENS = 16384
+AUTO_TRAIN_TOKENS_MAX = 32768
+
 
 @dataclass
 class PPOModelConfig(ModelBuildConfig):
@@ -374,9 +381,10 @@ class RolloutConfig:
     )
     use_dynamic_batch: bool = opt(False, "fill micro-batches by a token budget instead of a sample count")
     train_max_tokens_per_gpu: int = opt(
-        16384,
-        "token budget of a training micro-batch (--use_dynamic_batch); larger ones are faster on GPUs, and "
-        "`python -m openppo.cli.plan` with the run's flags prints the largest that fits",
+        None,
+        "token budget of a training micro-batch (--use_dynamic_batch); default: on GPUs the largest whose memory "
+        f"plan leaves a fifth of a device free, at most {AUTO_TRAIN_TOKENS_MAX} (larger micro-batches move more "
+        f"tokens a second; logged), {DEFAULT_TRAIN_TOKENS} on CPU. `python -m openppo.cli.plan` prints the plan",
     )
     rollout_max_tokens_per_gpu: int = opt(
         None, "token budget of a forward-only micro-batch; default: 2x the training budget"
@@ -436,6 +444,15 @@ class RolloutConfig:
     def sampling(self) -> SamplingFilter:
         """The engine's truncation after the temperature, as the trainer recomputes it."""
         return SamplingFilter(top_k=self.top_k, top_p=self.top_p)
+
+    def train_tokens(self) -> int:
+        """A training micro-batch's token budget: --train_max_tokens_per_gpu, which the launch sizes to the GPUs
+        when not given (`openppo.ppo.launch.resolve_token_budget`), else `DEFAULT_TRAIN_TOKENS`."""
+        return self.train_max_tokens_per_gpu or DEFAULT_TRAIN_TOKENS
+
+    def forward_tokens(self) -> int:
+        """A forward-only micro-batch's token budget: no activations are kept for a backward, so 2x by default."""
+        return self.rollout_max_tokens_per_gpu or 2 * self.train_tokens()
 
 
 @dataclass

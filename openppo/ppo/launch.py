@@ -19,6 +19,7 @@ from openppo.ppo.config import PPOConfig, engines_colocated
 from openppo.ppo.groups import Groups
 from openppo.ppo.plan import RunPlan
 from openppo.ppo.validate import check_reward_normalization, role_ranks, used_roles
+from openppo.utils.hardware import Bf16Support
 
 logger = logging.getLogger(__name__)
 
@@ -256,24 +257,49 @@ def cluster_devices() -> ClusterDevices:
     return ClusterDevices(on_gpu, count, local, per_node)
 
 
-def resolve_run_precision(cfg: PPOConfig, devices: ClusterDevices) -> str:
-    """`--param_dtype auto` (and the bf16 speed warning) decided on the devices the trainer ranks get: probed in this
-    process when they are this machine's, else by one Ray task with a trainer rank's resources. Logged in one line."""
-    from openppo.utils.hardware import bf16_support, resolve_param_dtype
+@dataclass(frozen=True)
+class DeviceProbe:
+    """What one trainer rank's device is, probed before anything starts."""
 
+    support: Bf16Support
+    memory_bytes: int | None  # one GPU's memory (`gpu_memory_bytes`); None on CPU
+
+
+def probe_devices(cfg: PPOConfig, devices: ClusterDevices) -> DeviceProbe:
+    """The trainer ranks' device, probed in this process when it is this machine's, else by one Ray task with a
+    trainer rank's resources."""
     if devices.local:
-        support = bf16_support()
-    else:
-        import ray
+        return _device_probe()
+    import ray
 
-        probe = ray.remote(num_cpus=1, num_gpus=1 if devices.on_gpu else 0)(_bf16_support)
-        support = ray.get(probe.remote(), timeout=float(cfg.ds.dist_timeout))
-    dtype, info, warning = resolve_param_dtype(cfg.ds.param_dtype, support)
+    probe = ray.remote(num_cpus=1, num_gpus=1 if devices.on_gpu else 0)(_device_probe)
+    return ray.get(probe.remote(), timeout=float(cfg.ds.dist_timeout))
+
+
+def resolve_run_precision(cfg: PPOConfig, probe: DeviceProbe) -> str:
+    """`--param_dtype auto` (and the bf16 speed warning) decided on the devices the trainer ranks get
+    (`probe_devices`). Logged in one line."""
+    from openppo.utils.hardware import resolve_param_dtype
+
+    dtype, info, warning = resolve_param_dtype(cfg.ds.param_dtype, probe.support)
     for line, log in ((info, logger.info), (warning, logger.warning)):
         if line:
             log(line)
     cfg.ds.param_dtype = dtype
     return dtype
+
+
+def resolve_token_budget(cfg: PPOConfig, probe: DeviceProbe, on_gpu: bool) -> int:
+    """--train_max_tokens_per_gpu when not given, sized to the trainer ranks' GPUs with --use_dynamic_batch
+    (`memory_plan.default_token_budget`), logged in one line; after `resolve_run_precision`, since the plan counts in
+    the run's dtype."""
+    from openppo.ppo.memory_plan import default_token_budget
+
+    tokens, line = default_token_budget(cfg, probe.memory_bytes, on_gpu)
+    if line:
+        logger.info(line)
+    cfg.rollout.train_max_tokens_per_gpu = tokens
+    return tokens
 
 
 def resolve_attention(cfg: PPOConfig, devices: ClusterDevices) -> None:
@@ -339,10 +365,10 @@ def check_layout_fits(cfg: PPOConfig, plan: RunPlan, devices: ClusterDevices, *,
             )
 
 
-def _bf16_support():
-    from openppo.utils.hardware import bf16_support
+def _device_probe() -> DeviceProbe:
+    from openppo.utils.hardware import bf16_support, gpu_memory_bytes
 
-    return bf16_support()
+    return DeviceProbe(bf16_support(), gpu_memory_bytes())
 
 
 def kv_cache_bytes(cfg: PPOConfig, on_gpu: bool, *, eval_only: bool = False) -> int | None:

@@ -231,9 +231,7 @@ def _micro_tokens(cfg, *, train: bool) -> int:
     r, d = cfg.rollout, cfg.data
     row = d.total_len()
     if r.use_dynamic_batch:
-        tokens = (
-            r.train_max_tokens_per_gpu if train else (r.rollout_max_tokens_per_gpu or 2 * r.train_max_tokens_per_gpu)
-        )
+        tokens = r.train_tokens() if train else r.forward_tokens()
     else:
         tokens = (cfg.train.micro_train_batch_size if train else r.micro_rollout_batch_size) * row
     return -(-tokens // r.ring_attn_size)
@@ -406,15 +404,19 @@ class TokenBudget:
 
 
 def largest_token_budget(
-    cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu: bool = True, share: float = BUDGET_SHARE
+    cfg,
+    shapes: dict[str, ModelShape],
+    device_bytes: float,
+    on_gpu: bool = True,
+    share: float = BUDGET_SHARE,
+    most: int = 2**20,
 ) -> TokenBudget | None:
-    """The largest training token budget (a power of two from 1024 to 1M tokens a micro-batch, with
+    """The largest training token budget (a power of two from 1024 to `most` tokens a micro-batch, with
     --use_dynamic_batch) whose plan keeps every device that runs micro-batches within `share` of `device_bytes`;
     None when not even 1024 tokens do. The forward passes' budget is the run's --rollout_max_tokens_per_gpu, or 2x
     the training budget."""
-
     best = None
-    for power in range(10, 21):
+    for power in range(10, most.bit_length()):
         rollout = dataclasses.replace(cfg.rollout, use_dynamic_batch=True, train_max_tokens_per_gpu=2**power)
         plans = plan_devices(dataclasses.replace(cfg, rollout=rollout), shapes, device_bytes, on_gpu)
         # the devices whose micro-batches the budget sizes (training, and the forward passes at 2x), not the engines'
@@ -424,6 +426,34 @@ def largest_token_budget(
             break
         best = TokenBudget(2**power, fullest)
     return best
+
+
+def default_token_budget(
+    cfg, device_bytes: float | None, on_gpu: bool, shapes: dict[str, ModelShape] | None = None
+) -> tuple[int, str | None]:
+    """--train_max_tokens_per_gpu, and the line that says how it was chosen when the run did not give it (None:
+    nothing to say). With --use_dynamic_batch on GPUs of `device_bytes` each: the largest budget within
+    `BUDGET_SHARE` of one (`largest_token_budget`; `shapes`: the run's, read when not given), at most
+    `AUTO_TRAIN_TOKENS_MAX`. Otherwise, or where not even 1024 tokens fit, `DEFAULT_TRAIN_TOKENS`."""
+    from openppo.ppo.config import AUTO_TRAIN_TOKENS_MAX, DEFAULT_TRAIN_TOKENS
+
+    if cfg.rollout.train_max_tokens_per_gpu is not None:
+        return cfg.rollout.train_max_tokens_per_gpu, None
+    if not (cfg.rollout.use_dynamic_batch and on_gpu and device_bytes):
+        return DEFAULT_TRAIN_TOKENS, None
+    shapes = shapes or run_shapes(cfg)
+    budget = largest_token_budget(cfg, shapes, device_bytes, on_gpu=True, most=AUTO_TRAIN_TOKENS_MAX)
+    gpu = f"{device_bytes / GIB:.0f}-GiB GPU"
+    if budget is None:
+        return DEFAULT_TRAIN_TOKENS, (
+            f"--train_max_tokens_per_gpu {DEFAULT_TRAIN_TOKENS}: not even 1024 tokens a micro-batch plan within "
+            f"{BUDGET_SHARE:.0%} of one {gpu} (python -m openppo.cli.plan shows what does not fit)"
+        )
+    return budget.tokens, (
+        f"--train_max_tokens_per_gpu {budget.tokens} (not given): the largest budget, up to {AUTO_TRAIN_TOKENS_MAX}, "
+        f"whose plan stays within {BUDGET_SHARE:.0%} of one {gpu} ({budget.planned_bytes / GIB:.1f} GiB planned; "
+        f"larger micro-batches move more tokens a second)"
+    )
 
 
 def plan_text(plans: list[DevicePlan], device_bytes: float) -> tuple[str, bool]:

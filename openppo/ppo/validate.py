@@ -281,7 +281,8 @@ def _batches(cfg: PPOConfig) -> None:
         raise UserError(
             f"--profile_steps takes a comma list of positive step numbers (e.g. 2,5), got {cfg.logging.profile_steps!r}"
         ) from None
-    _positive(r.train_max_tokens_per_gpu, "--train_max_tokens_per_gpu")
+    if r.train_max_tokens_per_gpu is not None:
+        _positive(r.train_max_tokens_per_gpu, "--train_max_tokens_per_gpu")
     if r.rollout_max_tokens_per_gpu is not None:
         _positive(r.rollout_max_tokens_per_gpu, "--rollout_max_tokens_per_gpu")
 

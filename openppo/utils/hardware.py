@@ -286,6 +286,13 @@ def device_name() -> str:
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
+def gpu_memory_bytes() -> int | None:
+    """This process's GPU's memory (the memory planner's device size); None without one."""
+    if not torch.cuda.is_available():
+        return None
+    return torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory
+
+
 def device_stats(reset_peak: bool = True) -> dict[str, float]:
     """perf/* of this process's device: RSS always; on a GPU also the peak allocated memory since the last call
     (`reset_peak`), the device's total memory and, when NVML is installed (nvidia-ml-py), its utilisation."""
@@ -293,7 +300,7 @@ def device_stats(reset_peak: bool = True) -> dict[str, float]:
     if not torch.cuda.is_available():
         return stats
     stats["perf/gpu_peak_gib"] = torch.cuda.max_memory_allocated() / GIB
-    stats["perf/gpu_total_gib"] = torch.cuda.get_device_properties(torch.cuda.current_device()).total_memory / GIB
+    stats["perf/gpu_total_gib"] = gpu_memory_bytes() / GIB
     if reset_peak:
         torch.cuda.reset_peak_memory_stats()
     try:

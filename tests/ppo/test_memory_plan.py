@@ -406,3 +406,50 @@ def test_the_plan_is_within_10_percent_of_each_recorded_gpu_peak(row, monkeypatc
     )  # fmt: skip
     planned = planned_gib(args, str(tiny_model_dir()), shape)
     assert abs(planned - peak) <= 0.1 * peak, (row, planned, peak)
+
+
+def test_the_default_token_budget_is_sized_to_the_gpu_and_stays_put_on_cpu(caplog):
+    """--train_max_tokens_per_gpu not given: with --use_dynamic_batch on GPUs the largest budget whose plan stays
+    within 80 % of a device, at most 32768 tokens (the largest measured to help); 16384 on CPU, without dynamic
+    batches, or where nothing fits; a given budget is kept. The launch sets it from the probed device
+    (`launch.resolve_token_budget`), as the plan CLI does."""
+    import dataclasses
+    import logging
+
+    from openppo.cli.plan import PlanConfig
+    from openppo.config.schema import parse_config
+    from openppo.ppo import launch
+    from openppo.ppo.memory_plan import default_token_budget, largest_token_budget, run_shapes
+    from openppo.utils.hardware import Bf16Support
+    from tests.model_cache import tiny_model_dir
+
+    flags = f"--pretrain {tiny_model_dir()} --prompt_data p.jsonl --remote_rm_url r.py --advantage_estimator "
+    flags += "group_norm --n_samples_per_prompt 4 --init_kl_coef 0 --packing_samples --prompt_max_len 512 "
+    flags += "--generate_max_len 512 --param_dtype bf16 --use_dynamic_batch"
+    cfg = parse_config(PlanConfig, flags.split(), "plan")
+    assert cfg.rollout.train_max_tokens_per_gpu is None and cfg.rollout.train_tokens() == 16384
+    shapes = run_shapes(cfg)
+
+    tokens, line = default_token_budget(cfg, 80 * GIB, on_gpu=True)
+    assert tokens == 32768 and "--train_max_tokens_per_gpu 32768 (not given)" in line  # capped
+    assert largest_token_budget(cfg, shapes, 80 * GIB).tokens > 32768  # (the cap binds)
+    small = 0.4 * GIB  # a device where less than 16384 tokens fit
+    tokens, line = default_token_budget(cfg, small, on_gpu=True)
+    assert tokens == largest_token_budget(cfg, shapes, small).tokens < 16384 and f"{tokens} (not given)" in line
+    assert default_token_budget(cfg, 0.01 * GIB, on_gpu=True)[0] == 16384  # nothing fits: the default, said
+    assert "not even 1024 tokens" in default_token_budget(cfg, 0.01 * GIB, on_gpu=True)[1]
+    assert default_token_budget(cfg, 80 * GIB, on_gpu=False) == (16384, None)  # CPU
+    static = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, use_dynamic_batch=False))
+    assert default_token_budget(static, 80 * GIB, on_gpu=True) == (16384, None)
+    given = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, train_max_tokens_per_gpu=4096))
+    assert default_token_budget(given, 80 * GIB, on_gpu=True) == (4096, None)
+
+    gpu = launch.DeviceProbe(Bf16Support("a GPU", True, True, None), int(80 * GIB))
+    run = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout))
+    with caplog.at_level(logging.INFO, logger="openppo"):
+        assert launch.resolve_token_budget(run, gpu, on_gpu=True) == 32768
+    assert run.rollout.train_max_tokens_per_gpu == 32768 and run.rollout.forward_tokens() == 65536
+    assert "--train_max_tokens_per_gpu 32768 (not given)" in caplog.text
+    cpu = launch.DeviceProbe(Bf16Support("a CPU", False, True, 1.0), None)
+    run = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout))
+    assert launch.resolve_token_budget(run, cpu, on_gpu=False) == 16384 == run.rollout.train_max_tokens_per_gpu

@@ -53,6 +53,16 @@ def test_explicit_bf16_without_fast_bf16_runs_with_one_warning():
         assert resolve_param_dtype(explicit, AVX2) == (explicit, None, None)
 
 
+def test_a_machine_without_a_gpu_has_no_gpu_memory():
+    """The launch's probe (`DeviceProbe.memory_bytes`) on CPU: no GPU memory, so no GPU-sized token budget
+    (tests/gpu/test_device_probe_cuda.py reads a GPU's)."""
+    from openppo.utils.hardware import gpu_memory_bytes
+
+    if __import__("torch").cuda.is_available():
+        pytest.skip("a machine without a GPU")
+    assert gpu_memory_bytes() is None
+
+
 def test_this_machine_probe_agrees_with_its_instructions():
     """The real probe: native bf16 must measure inside the margin (else auto would pick fp32 on bf16 hardware).
     Emulated bf16 is not bounded here: how slow it is depends on the vector unit (58x with AVX2)."""
