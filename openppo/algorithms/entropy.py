@@ -102,6 +102,18 @@ def _compiled(fn):
     return torch.compile(fn, dynamic=True)
 
 
+def chunk_scores(compiled: bool):
+    """One chunk's log p(label) and entropy from its logits (`_log_probs_chunk`), compiled with `compiled`: the
+    chunk math of this module's passes and of the LM head in chunks (`openppo.models.lm_head`)."""
+    return _compiled(_log_probs_chunk) if compiled else _log_probs_chunk
+
+
+def chunk_gradient(compiled: bool):
+    """One chunk's gradient of log p(label) in the logits' dtype (`_log_probs_chunk_grad_cast`), compiled with
+    `compiled`."""
+    return _compiled(_log_probs_chunk_grad_cast) if compiled else _log_probs_chunk_grad_cast
+
+
 class _LogProbs(torch.autograd.Function):
     """log p(label) per position; with `with_entropy` also the entropy (no gradient) from the same chunk pass.
     `compiled`: each chunk's math through `torch.compile` (the same values to rounding)."""
@@ -119,7 +131,7 @@ class _LogProbs(torch.autograd.Function):
         dtype = _compute_dtype(logits.dtype)
         out = torch.empty(logits.shape[:-1], dtype=dtype, device=logits.device)
         entropy = torch.empty(logits.shape[:-1] if with_entropy else (0,), dtype=dtype, device=logits.device)
-        scores = _compiled(_log_probs_chunk) if compiled else _log_probs_chunk
+        scores = chunk_scores(compiled)
         for rows, cols in _chunks(logits.shape[0], logits.shape[1], chunk_size):
             out[rows, cols], ent = scores(logits[rows, cols], labels[rows, cols], temperature, with_entropy)
             if with_entropy:

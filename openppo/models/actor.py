@@ -244,6 +244,7 @@ class Actor(nn.Module):
                 chunk_tokens=self.head_chunk_tokens,
                 entropy=return_entropy,
                 sampling=sampling,
+                compiled=self.compiled_scoring,
             )
         else:
             log_probs, entropy, behaviour = _logit_scores(

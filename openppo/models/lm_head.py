@@ -7,9 +7,10 @@ micro-batch, 2.5 GB in bf16, kept for backward, and then a gradient of the same 
 time. The price is the head's matmul once more in backward (2 N H V more flops, on the head's 6 N H V).
 
 - A plain linear head whose weight is an ordinary tensor (ZeRO-0/1/2, tied or not): `_HeadLogProbs`, one autograd
-  function. Forward makes each chunk's logits and keeps only the log-probs, the logsumexp and the logged entropy;
-  backward makes the chunk's logits again, the softmax from the saved logsumexp, and from the logits' gradient the
-  hidden states' gradient and the chunk's share of the weight's (and bias's).
+  function. Forward makes each chunk's logits and keeps only the log-probs and the logged entropy; backward makes
+  the chunk's logits again, their gradient, and from it the hidden states' gradient and the chunk's share of the
+  weight's (and bias's). The chunk math after the matmul is the full path's (`chunk_scores`, `chunk_gradient`),
+  compiled under --torch_compile.
 - Otherwise (a ZeRO-3 partitioned head, an entropy with gradient for --entropy_loss_coef): the head is called as a
   module under activation checkpointing per chunk (`torch.utils.checkpoint`), so that what wraps it (ZeRO-3's gather)
   runs as in the model's own forward. Under ZeRO-3 each call is a collective (the gather in forward and again in
@@ -38,7 +39,7 @@ from openppo.algorithms import (
     log_probs_from_logits,
     sampling_log_probs,
 )
-from openppo.algorithms.entropy import chunk_entropy
+from openppo.algorithms.entropy import chunk_gradient, chunk_scores
 
 # config attributes of transformers models whose forward changes the logits after the head
 _LOGIT_TRANSFORMS = ("final_logit_softcapping", "logit_scale", "logits_scaling", "output_multiplier_scale")
@@ -71,60 +72,53 @@ def _plain(head: nn.Module) -> bool:
     return type(head) is nn.Linear and not any(hasattr(p, "ds_id") for p in head.parameters())
 
 
-def _chunk_logits(hidden, weight, bias, temperature: float) -> torch.Tensor:
-    """One chunk's logits in the model's dtype (as its head makes them), then fp32 over the temperature."""
-    z = nn.functional.linear(hidden, weight, bias).float()
-    return z if temperature == 1.0 else z / temperature
-
-
 class _HeadLogProbs(torch.autograd.Function):
     """log p(label) [N] (and the logged entropy [N], no gradient) of hidden [N, H] through a linear head, chunk by
-    chunk in forward and in backward (module docstring)."""
+    chunk in forward and in backward (module docstring). Each chunk's logits go through the full path's chunk math
+    (`openppo.algorithms.entropy`), compiled with `compiled` (--torch_compile)."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, temperature: float, chunk_tokens: int, with_entropy: bool):
+    def forward(
+        ctx, hidden, weight, bias, labels, temperature: float, chunk_tokens: int, with_entropy: bool, compiled: bool
+    ):
         n = labels.numel()
         out = torch.empty(n, dtype=torch.float32, device=hidden.device)
-        lse = torch.empty(n, dtype=torch.float32, device=hidden.device)
         entropy = torch.empty(n if with_entropy else 0, dtype=torch.float32, device=hidden.device)
+        scores = chunk_scores(compiled)
         for start in range(0, n, chunk_tokens):
             c = slice(start, start + chunk_tokens)
-            z = _chunk_logits(hidden[c], weight, bias, temperature)
-            lse[c] = torch.logsumexp(z, dim=-1)
-            out[c] = z.gather(-1, labels[c].unsqueeze(-1)).squeeze(-1) - lse[c]
+            out[c], ent = scores(nn.functional.linear(hidden[c], weight, bias), labels[c], temperature, with_entropy)
             if with_entropy:
-                entropy[c] = chunk_entropy(z, lse[c])
-        ctx.save_for_backward(hidden, weight, bias, labels, lse)
-        ctx.temperature, ctx.chunk_tokens = temperature, chunk_tokens
+                entropy[c] = ent
+        ctx.save_for_backward(hidden, weight, bias, labels)
+        ctx.temperature, ctx.chunk_tokens, ctx.compiled = temperature, chunk_tokens, compiled
         ctx.mark_non_differentiable(entropy)
         return out, entropy
 
     @staticmethod
     @once_differentiable
     def backward(ctx, grad_out, _grad_entropy):
-        hidden, weight, bias, labels, lse = ctx.saved_tensors
-        t = ctx.temperature
+        hidden, weight, bias, labels = ctx.saved_tensors
         grad_hidden = torch.empty_like(hidden) if ctx.needs_input_grad[0] else None
         grad_weight = torch.zeros_like(weight, dtype=torch.float32) if ctx.needs_input_grad[1] else None
         with_bias = bias is not None and ctx.needs_input_grad[2]
         grad_bias = torch.zeros_like(bias, dtype=torch.float32) if with_bias else None
+        # d log p(y) / d z = onehot(y) - softmax(z), in the logits' dtype as the full path's gradient is
+        gradient = chunk_gradient(ctx.compiled)
         for start in range(0, labels.numel(), ctx.chunk_tokens):
             c = slice(start, start + ctx.chunk_tokens)
-            g = grad_out[c].unsqueeze(-1)
-            # d log p(y) / d z = onehot(y) - softmax(z), and 1 / T for z = logits / T; in the logits' dtype, as the
-            # full path's gradient is
-            gz = torch.exp(_chunk_logits(hidden[c], weight, bias, t) - lse[c].unsqueeze(-1)).mul_(-g)
-            gz.scatter_add_(-1, labels[c].unsqueeze(-1), g)
-            gz = (gz if t == 1.0 else gz.div_(t)).to(weight.dtype)
+            logits = nn.functional.linear(hidden[c], weight, bias)  # made again, not kept
+            gz = gradient(logits, labels[c], grad_out[c], ctx.temperature)
+            del logits
             if grad_hidden is not None:
                 grad_hidden[c] = gz @ weight
             if grad_weight is not None:
-                grad_weight += (gz.t() @ hidden[c]).float()
+                grad_weight += gz.t() @ hidden[c]  # summed in fp32, without an fp32 copy of the chunk's share
             if grad_bias is not None:
                 grad_bias += gz.float().sum(0)
         grad_weight = None if grad_weight is None else grad_weight.to(weight.dtype)
         grad_bias = None if grad_bias is None else grad_bias.to(bias.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
 
 
 def _chunk_count(tokens: int, chunk_tokens: int, head: nn.Module, device: torch.device) -> int:
@@ -146,19 +140,20 @@ def head_scores(
     chunk_tokens: int,
     entropy: bool | str = False,
     sampling: SamplingFilter | None = None,
+    compiled: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """(log-probs, entropy, log-probs under the engine's `sampling` truncation) of `labels` [..., n] from `hidden`
     [..., n, H], each [..., n] like `labels`. `entropy`: True with gradient, "log" detached, False none; the
-    sampling log-probs have no gradient (None without an active filter)."""
+    sampling log-probs have no gradient (None without an active filter). `compiled` (--torch_compile): the chunks'
+    math after the head's matmul compiled, on the plain head's path."""
     if chunk_tokens < 1:
         raise ValueError(f"chunk_tokens must be >= 1, got {chunk_tokens}")
     shape = labels.shape
     flat, flat_labels = hidden.reshape(-1, hidden.shape[-1]), labels.reshape(-1)
     n = flat_labels.numel()
     if torch.is_grad_enabled() and entropy is not True and _plain(head):
-        log_probs, ent = _HeadLogProbs.apply(
-            flat, head.weight, head.bias, flat_labels.long(), float(temperature), chunk_tokens, entropy == "log"
-        )
+        args = (flat_labels.long(), float(temperature), chunk_tokens, entropy == "log", compiled)
+        log_probs, ent = _HeadLogProbs.apply(flat, head.weight, head.bias, *args)
         beh = _sampling_scores(flat, flat_labels, head, temperature, sampling, math.ceil(n / chunk_tokens))
         return log_probs.reshape(shape), ent.reshape(shape) if entropy else None, _shaped(beh, shape)
     count = _chunk_count(n, chunk_tokens, head, flat.device)

@@ -204,11 +204,11 @@ def logits_bytes(
 
 def chunked_head_bytes(shape: ModelShape, chunk_tokens: int, *, param_dtype: str) -> float:
     """The LM head in chunks (`openppo.models.lm_head`) in a backward: the head weight's fp32 gradient, summed over
-    the chunks, and one chunk at a time: its fp32 logits and softmax (8 bytes an entry), or its gradient in the model
-    dtype beside the chunk's share of the weight's gradient (p, then fp32 4 bytes an entry of the weight)."""
+    the chunks, and one chunk at a time: its logits in the model dtype with their fp32 copy and softmax (p + 8 bytes
+    an entry), or its gradient in the model dtype beside the chunk's share of the weight's gradient."""
     p = dtype_bytes(param_dtype)
     weight = shape.vocab * shape.hidden
-    return 4 * weight + max(8 * chunk_tokens * shape.vocab, p * chunk_tokens * shape.vocab + (p + 4) * weight)
+    return 4 * weight + max((p + 8) * chunk_tokens * shape.vocab, p * chunk_tokens * shape.vocab + p * weight)
 
 
 def engine_items(
@@ -278,7 +278,7 @@ def _working_memory(
     - the optimizer step: the `transient` items but the bucket (fp32 gradient partition, AdamW's scratch);
     - a forward-only micro-batch's logits.
     (On an H200 the 0.5B shape's peaks at 8k and 32k tokens a micro-batch, eager, compiled, Liger and the chunked
-    head, were 1-4 % above this: docs/benchmarks.md.)"""
+    head, were 0.5-4 % above this: docs/benchmarks.md.)"""
     forward_tokens = _micro_tokens(cfg, train=False)
     forward = _head_bytes(cfg, shape, forward_tokens, backward=False, on_gpu=on_gpu) if lm_head else 0.0
     if not trained:
@@ -391,7 +391,7 @@ def _colocated(groups: dict[str, list[Item]], engine: list[Item], cfg) -> Device
 
 
 # On an H200 the 0.5B shape's step moved 1.35x (eager) and 1.47x (compiled layers) the tokens a second with 4x the
-# tokens a micro-batch (docs/benchmarks.md, "Second GPU sitting of 2026-11-30"). The recorded peaks were 1-4 % above
+# tokens a micro-batch (docs/benchmarks.md, "Second GPU sitting of 2026-11-30"). The recorded peaks were 0.5-4 % above
 # the plan (tests/ppo/test_memory_plan.py); the margin leaves room for that, the allocator's cached blocks and
 # rows longer than planned.
 BUDGET_SHARE = 0.8  # of the device that a suggested token budget's plan may take

@@ -1,5 +1,6 @@
 """The LM head in chunks (--lm_head_chunk_tokens) on CUDA against the model's full logits: log-probs, entropy and
-every gradient, in fp32 and bf16, packed rows (tests/models/test_lm_head.py is the CPU fp32 check)."""
+every gradient, in fp32 and bf16, packed rows, eager and with --torch_compile's compiled chunk math
+(tests/models/test_lm_head.py is the CPU fp32 check)."""
 
 from __future__ import annotations
 
@@ -25,19 +26,21 @@ def test_chunked_head_matches_the_full_logits(gpu_model_dir, dtype, atol):
     b = {k: v.cuda() for k, v in grouped_rows(GROUPS, seed=0).items()}
     mask = b["action_mask"].float()
     results = []
-    for chunk in (0, 64):
+    for chunk, compiled in ((0, False), (64, False), (64, True)):  # full logits, chunked, chunked + compiled math
         assert actor.chunk_head(chunk) is None
+        actor.compiled_scoring = compiled
         actor.zero_grad()
         out = actor(b["sequences"], b["attention_mask"], score_mask=b["action_mask"], return_entropy=True)
         ((out.log_probs.float() + 0.1 * out.entropy.float()) * mask).sum().backward()
         grads = {n: p.grad.float().clone() for n, p in actor.named_parameters()}
         results.append(((out.log_probs.float() * mask).detach(), (out.entropy.float() * mask).detach(), grads))
-    (lp, ent, grads), (c_lp, c_ent, c_grads) = results
-    torch.testing.assert_close(c_lp, lp, atol=atol, rtol=0)
-    torch.testing.assert_close(c_ent, ent, atol=atol, rtol=0)
-    for name, grad in grads.items():
-        scale = max(grad.abs().max().item(), 1e-6)
-        torch.testing.assert_close(c_grads[name] / scale, grad / scale, atol=10 * atol, rtol=0, msg=name)
+    (lp, ent, grads) = results[0]
+    for c_lp, c_ent, c_grads in results[1:]:
+        torch.testing.assert_close(c_lp, lp, atol=atol, rtol=0)
+        torch.testing.assert_close(c_ent, ent, atol=atol, rtol=0)
+        for name, grad in grads.items():
+            scale = max(grad.abs().max().item(), 1e-6)
+            torch.testing.assert_close(c_grads[name] / scale, grad / scale, atol=10 * atol, rtol=0, msg=name)
 
 
 def _chunk_math(device: str, compiled: bool):

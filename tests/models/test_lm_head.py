@@ -113,6 +113,28 @@ def test_head_scores_on_raw_hidden_states_without_gradient():
         head_scores(hidden, head, labels, 1.0, chunk_tokens=0)
 
 
+def test_the_compiled_chunk_math_gives_the_eager_values_and_gradients():
+    """--torch_compile: the chunks' math after the head's matmul compiled (`openppo.algorithms.entropy.chunk_scores`
+    and `chunk_gradient`, as the full path's), the same log-probs, logged entropy and gradients of the hidden
+    states, weight and bias as eager, with a short last chunk and a temperature (fp32 5e-5: the compiled kernels sum
+    the vocabulary in another order, tests/algorithms/test_algo_entropy.py)."""
+    torch.manual_seed(0)
+    head = torch.nn.Linear(8, 50)
+    hidden, labels = torch.randn(2, 7, 8) * 2, torch.randint(0, 50, (2, 7))
+    weights = torch.randn(2, 7)
+    results = []
+    for compiled in (False, True):
+        head.zero_grad()
+        x = hidden.clone().requires_grad_(True)
+        log_probs, entropy, _ = head_scores(x, head, labels, 0.7, chunk_tokens=4, entropy="log", compiled=compiled)
+        (log_probs * weights).sum().backward()
+        results.append((log_probs.detach(), entropy, x.grad, head.weight.grad.clone(), head.bias.grad.clone()))
+    expected = torch.log_softmax(head(hidden) / 0.7, -1).gather(-1, labels[..., None])[..., 0]
+    assert (results[0][0] - expected).abs().max() < 1e-6
+    for eager, compiled in zip(*results):
+        assert torch.allclose(eager, compiled, atol=5e-5, rtol=0), (eager - compiled).abs().max()
+
+
 def test_a_model_that_transforms_its_logits_keeps_the_full_path():
     from transformers import Gemma2Config, Gemma2ForCausalLM
 

@@ -262,8 +262,8 @@ def test_the_lm_head_in_chunks_plans_one_chunks_logits():
         logits_bytes(shape, 1024, param_dtype="bf16", backward=False),
     )
     assert saved == full - chunked
-    # the head's fp32 weight gradient, and one chunk's fp32 logits and softmax
-    assert chunked_head_bytes(shape, 1024, param_dtype="bf16") == 4 * 64 * 151_936 + 8 * 1024 * 151_936
+    # the head's fp32 weight gradient, and one chunk's logits, their fp32 copy and softmax
+    assert chunked_head_bytes(shape, 1024, param_dtype="bf16") == 4 * 64 * 151_936 + (2 + 8) * 1024 * 151_936
     # a chunk larger than the scored positions is one chunk of them
     assert planned(" --lm_head_chunk_tokens 8192") == planned(" --lm_head_chunk_tokens 4096")
 
