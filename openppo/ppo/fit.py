@@ -307,7 +307,11 @@ def critic_loss(engine, algo: AlgoConfig) -> LossFn:
 
     def loss_fn(batch: dict[str, torch.Tensor], normalizers: torch.Tensor):
         mask = batch["action_mask"]
-        values = engine(batch["sequences"], batch["attention_mask"], prompt_lens=prompt_lengths(mask))[:, :-1]
+        # the row layout is read from the host's masks, as the actor's is (`actor_loss`)
+        host_mask = host_tensor(batch, "action_mask")
+        values = engine(
+            batch["sequences"], host_tensor(batch, "attention_mask"), prompt_lens=prompt_lengths(host_mask)
+        )[:, :-1]
         per_token, v_metrics = value_loss(values, batch["old_values"], batch["returns"], mask, algo.value_clip)
         loss = aggregate_loss(per_token, mask, "token-mean", num_tokens_global=normalizers[0])
         return loss, {

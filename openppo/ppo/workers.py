@@ -80,8 +80,8 @@ def _set_layout(cfg: PPOConfig, role: RolePlan, model: Actor | ScalarModel) -> N
 
 def _prompt_lens(batch: dict[str, torch.Tensor]) -> torch.Tensor | None:
     """The rows' prompt lengths, for a shared-prompt layout (the scalar models take them; the actor reads its score
-    mask)."""
-    return prompt_lengths(batch["action_mask"]) if "action_mask" in batch else None
+    mask), from the host's copy of the mask: the layout is read there, without waiting on the GPU."""
+    return prompt_lengths(host_tensor(batch, "action_mask")) if "action_mask" in batch else None
 
 
 def _optimizer_kwargs(cfg: PPOConfig, lr: float, num_training_steps: int) -> dict:
@@ -380,7 +380,8 @@ class CriticWorker(_TrainedWorker):
         """V(s_t) on the [B, T-1] action grid: the value at position t is that of the state before token t+1."""
         chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg, self.role.share_prompts))
         for b in chunks:
-            chunks.add(self.engine(b["sequences"], b["attention_mask"], prompt_lens=_prompt_lens(b))[:, :-1])
+            values = self.engine(b["sequences"], host_tensor(b, "attention_mask"), prompt_lens=_prompt_lens(b))
+            chunks.add(values[:, :-1])
         return chunks.result()
 
     def train(self, data: dict[str, torch.Tensor], global_step: int) -> dict[str, float]:
@@ -472,6 +473,6 @@ class RewardWorker(_FrozenWorker):
         chunks = ForwardChunks(self.engine, self.strategy, data, forward_batching(self.cfg, self.role.share_prompts))
         for b in chunks:
             last = last_token_index(b["attention_mask"]).unsqueeze(1)
-            values = self.engine(b["sequences"], b["attention_mask"], prompt_lens=_prompt_lens(b))
+            values = self.engine(b["sequences"], host_tensor(b, "attention_mask"), prompt_lens=_prompt_lens(b))
             chunks.add(values.gather(1, last).squeeze(1))
         return chunks.result()

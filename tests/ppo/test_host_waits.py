@@ -1,5 +1,5 @@
-"""The actor's update never reads a device value within a step, so that on a GPU the host queues the next
-micro-batch while the GPU runs this one (`openppo.utils.transfer`).
+"""The actor's and the critic's updates never read a device value within a step, so that on a GPU the host queues
+the next micro-batch while the GPU runs this one (`openppo.utils.transfer`); nor do their forward passes.
 
 No GPU here: the tensors the training loop copies to the device are marked instead (a tensor subclass whose mark
 every result computed from them keeps), and every read of a marked value is recorded: `.item()`, `.tolist()`, a
@@ -19,9 +19,10 @@ from openppo.models import actor as actor_module
 from openppo.models import row_layout, varlen_attention
 from openppo.models.actor import Actor
 from openppo.models.row_layout import RowLayout
+from openppo.models.scalar import ScalarModel
 from openppo.ppo.batching import Batching
 from openppo.ppo.config import AlgoConfig
-from openppo.ppo.fit import actor_loss, fit_experience
+from openppo.ppo.fit import actor_loss, critic_loss, fit_experience
 from openppo.utils import transfer
 from tests.model_cache import tiny_model_dir
 from tests.ppo.test_fit import _prepare, _strategy
@@ -70,22 +71,39 @@ def _batch(rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
     }
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, packed):
+def _engine(monkeypatch, model: str, packed: bool):
+    """(strategy, engine) of the tiny model as an actor or a critic on one DeepSpeed rank, uploads marked."""
     for module in (transfer, row_layout, varlen_attention, actor_module):
         monkeypatch.setattr(module, "upload", _marked_upload)
     strategy = _strategy(micro=2, accum=4)
-    engine = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
+    path = str(tiny_model_dir())
+    if model == "actor":
+        module = Actor.from_pretrained(path, dtype=torch.float32)
+    else:
+        module = ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain")
+    engine = _prepare(strategy, module)
     engine.module.layout = RowLayout(packed=packed)
-    loss_fn = actor_loss(
-        engine,
-        AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
-        kl_coef=0.0,
-        temperature=1.0,
-        generate_max_len=7,
-        is_correction=None,
-        is_threshold=(0.5, 5.0),
-    )
+    return strategy, engine
+
+
+@pytest.mark.parametrize("model", ["actor", "critic"])
+@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
+def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, packed, model):
+    strategy, engine = _engine(monkeypatch, model, packed)
+    if model == "actor":
+        loss_fn = actor_loss(
+            engine,
+            AlgoConfig(advantage_estimator="group_norm", init_kl_coef=0.0),
+            kl_coef=0.0,
+            temperature=1.0,
+            generate_max_len=7,
+            is_correction=None,
+            is_threshold=(0.5, 5.0),
+        )
+    else:
+        loss_fn = critic_loss(engine, AlgoConfig(advantage_estimator="gae", value_clip=0.2))
+    data = _batch()
+    data["old_values"], data["returns"] = torch.randn(2, 8, 11, generator=torch.Generator().manual_seed(1))
     reads: list[str] = []
     seen = []
 
@@ -106,7 +124,7 @@ def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, p
     try:
         metrics = fit_experience(
             engine,
-            _batch(),
+            data,
             watched,
             batching=Batching(packed=packed, rows=2),
             rows_per_step=8,
@@ -120,32 +138,54 @@ def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, p
     assert seen == [True] * 4  # the batches the loss saw came through `upload`, so the test sees their reads
     assert reads == []
     assert metrics["perf/micro_batches"] == 4 and all(isinstance(v, float) for v in metrics.values())
-    assert 0 < metrics["train/entropy"] and 0 <= metrics["rollout/logprob_diff"]
+    if model == "actor":
+        assert 0 < metrics["train/entropy"] and 0 <= metrics["rollout/logprob_diff"]
+    else:
+        assert 0 < metrics["train/value_loss"]
 
 
-def test_a_forward_pass_reads_the_device_once_at_its_end(monkeypatch):
-    """`ForwardChunks` as the actor's log-prob passes use it (openppo.ppo.workers): host masks into the forward, the
-    results kept on the device; only `result` reads them."""
-    from openppo.ppo.batching import ForwardChunks
+@pytest.mark.parametrize("model", ["actor", "critic", "reward"])
+def test_a_forward_pass_reads_the_device_once_at_its_end(monkeypatch, model):
+    """The workers' forward passes (openppo.ppo.workers: the actor's log-probs, the critic's values, the reward
+    model's scores), run as their methods on this rank's engine: host masks into the forward, the results kept on the
+    device; only `ForwardChunks.result` reads them."""
+    import types
 
-    for module in (transfer, row_layout, varlen_attention, actor_module):
-        monkeypatch.setattr(module, "upload", _marked_upload)
-    strategy = _strategy(micro=2, accum=4)
-    engine = _prepare(strategy, Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32))
-    engine.module.layout = RowLayout(packed=True)
+    from openppo.ppo import batching
+    from openppo.ppo.config import RolloutConfig
+    from openppo.ppo.workers import ActorWorker, CriticWorker, RewardWorker
+
+    strategy, engine = _engine(monkeypatch, "actor" if model == "actor" else "critic", packed=True)
+    rollout = RolloutConfig(packing_samples=True, micro_rollout_batch_size=2, temperature=1.0)
+    worker = types.SimpleNamespace(
+        engine=engine,
+        strategy=strategy,
+        cfg=types.SimpleNamespace(rollout=rollout),
+        role=types.SimpleNamespace(share_prompts=False),
+    )
     data = _batch()
     reads: list[str] = []
-    with torch.no_grad():
-        chunks = ForwardChunks(engine, strategy, data, Batching(packed=True, rows=2))
-        OnDevice.reads = reads
-        try:
-            for b in chunks:
-                host = b.host
-                out = engine(b["sequences"], host["attention_mask"], score_mask=host["action_mask"])
-                chunks.add(out.log_probs)
-        finally:
-            OnDevice.reads = None
-        log_probs = chunks.result()
-        plain = engine(data["sequences"], data["attention_mask"], score_mask=data["action_mask"]).log_probs
+    result = batching.ForwardChunks.result
+
+    def watched_result(chunks):  # the passes' one read of the device
+        OnDevice.reads = None
+        return result(chunks)
+
+    monkeypatch.setattr(batching.ForwardChunks, "result", watched_result)
+    method = {"actor": ActorWorker.log_probs, "critic": CriticWorker.values, "reward": RewardWorker.scores}[model]
+    OnDevice.reads = reads
+    try:
+        values = method(worker, data)
+    finally:
+        OnDevice.reads = None
     assert reads == []
-    assert log_probs.shape == plain.shape and torch.allclose(log_probs * data["action_mask"], plain, atol=1e-5)
+    with torch.no_grad():
+        if model == "actor":
+            plain = engine(data["sequences"], data["attention_mask"], score_mask=data["action_mask"]).log_probs
+            values, plain = values * data["action_mask"], plain * data["action_mask"]
+        elif model == "critic":
+            plain = engine(data["sequences"], data["attention_mask"])[:, :-1] * data["attention_mask"][:, 1:]
+            values = values * data["attention_mask"][:, 1:]
+        else:
+            plain = engine.module.score_last(data["sequences"], data["attention_mask"])
+    assert values.shape == plain.shape and torch.allclose(values, plain, atol=1e-5)
