@@ -31,7 +31,7 @@ from openppo.models.hf import (
     router_aux_loss,
 )
 from openppo.models.lm_head import head_scores, unsupported_reason
-from openppo.models.row_layout import RowLayout
+from openppo.models.row_layout import RowLayout, SharedPrompts
 from openppo.models.varlen_attention import enable_varlen_attention
 from openppo.models.vision import (
     end_placeholders,
@@ -203,7 +203,7 @@ class Actor(nn.Module):
         takes_keep = self._takes_logits_to_keep or chunked
         keep = shared = None
         if rows.shared is not None:
-            shared = SharedScoring(rows.shared.grid_index, input_ids, score_mask)
+            shared = SharedScoring(rows.shared, input_ids, score_mask)
             keep = shared.keep if takes_keep else None
         elif score_mask is not None and rows.ring is None and not return_logits and takes_keep:
             keep = upload(scored_positions(score_mask, rows.token_mask), rows.input_ids.device)
@@ -329,16 +329,20 @@ class SharedScoring:
 
     Grid position (b, t) scores token (b, t + 1) from the row's position `grid_index[b, t]`. The last prompt
     position of a group scores a different first response token for each of its rows, so the row's positions
-    (`keep`, once each, for the LM head) are expanded to one per scored grid position (`expand`)."""
+    (`keep`, once each, for the LM head) are expanded to one per scored grid position (`expand`). Worked out on
+    the host (the row's host grid, the host's score mask) and uploaded: on a GPU nothing waits for it."""
 
-    def __init__(self, grid_index: torch.Tensor, input_ids: torch.Tensor, score_mask: torch.Tensor | None):
+    def __init__(self, row: SharedPrompts, input_ids: torch.Tensor, score_mask: torch.Tensor | None):
+        grid_index = row.host_grid_index if row.host_grid_index is not None else row.grid_index
         wanted = (grid_index[:, :-1] >= 0) & (grid_index[:, 1:] >= 0)
         if score_mask is not None:
             wanted &= score_mask.bool().to(wanted.device)
-        self.b, self.t = wanted.nonzero(as_tuple=True)
-        if self.b.numel() == 0:  # a no-op micro-batch still scores one position: its backward reaches every weight
-            self.b, self.t = self.b.new_zeros(1), self.t.new_zeros(1)
-        self.keep, self.expand = torch.unique(grid_index[self.b, self.t], return_inverse=True)
+        b, t = wanted.nonzero(as_tuple=True)
+        if b.numel() == 0:  # a no-op micro-batch still scores one position: its backward reaches every weight
+            b, t = b.new_zeros(1), t.new_zeros(1)
+        keep, expand = torch.unique(grid_index[b, t], return_inverse=True)
+        device = input_ids.device
+        self.b, self.t, self.keep, self.expand = (upload(x, device) for x in (b, t, keep, expand))
         self.labels = input_ids[self.b, self.t + 1].unsqueeze(0)
         self.shape = (grid_index.size(0), grid_index.size(1) - 1)
 

@@ -38,7 +38,7 @@ from openppo.models.ring_attention import (
     split_for_ring,
 )
 from openppo.models.varlen_attention import set_packed_rows, set_padded_rows, set_shared_rows
-from openppo.utils.transfer import upload
+from openppo.utils.transfer import host_copy, upload
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -93,12 +93,16 @@ class SharedPrompts:
     grid_index: torch.Tensor  # [B, T]
     prompts: list[tuple[int, int]]
     responses: list[tuple[int, int, int]]
+    host_grid_index: torch.Tensor | None = None  # `grid_index` on the host, where the layout is read
+    host_position_ids: torch.Tensor | None = None  # `position_ids` on the host
 
     @classmethod
     def pack(cls, sequences: torch.Tensor, attention_mask: torch.Tensor, prompt_lens: torch.Tensor) -> SharedPrompts:
-        """Consecutive rows whose first `prompt_lens` tokens are the same (and as many) share them."""
+        """Consecutive rows whose first `prompt_lens` tokens are the same (and as many) share them. The tokens are
+        compared, and the layout built, on the host (from `host_copy` of uploaded sequences, and the host's masks):
+        on a GPU nothing waits for it."""
         lengths = attention_mask.sum(-1).tolist()
-        shares = shared_prefixes(sequences, attention_mask, prompt_lens)
+        shares = shared_prefixes(host_copy(sequences), attention_mask, prompt_lens)
         grid = torch.full(sequences.shape, -1, dtype=torch.long)
         pieces, positions, prompts, responses = [], [], [], []
         n = 0  # tokens in the row so far
@@ -115,13 +119,15 @@ class SharedPrompts:
             positions.append(torch.arange(p, length))
             grid[b, p:length] = torch.arange(n, n + length - p)
             n += length - p
-        device = sequences.device
+        device, positions = sequences.device, torch.cat(positions).unsqueeze(0)
         return cls(
             torch.cat(pieces).unsqueeze(0),
-            torch.cat(positions).unsqueeze(0).to(device),
-            grid.to(device),
+            upload(positions, device),
+            upload(grid, device),
             prompts,
             responses,
+            grid,
+            positions,
         )
 
     def to_grid(self, values: torch.Tensor) -> torch.Tensor:
@@ -250,7 +256,8 @@ class RowLayout:
         if self.share_prompts and prompt_lens is not None and attention_mask is not None and position_ids is None:
             shared = SharedPrompts.pack(input_ids, attention_mask, prompt_lens)
             rows = Rows(shared.input_ids, None, shared.position_ids, shared.input_ids, shared=shared)
-            set_shared_rows(shared.prompts, shared.responses, rows.input_ids.size(1), rows.input_ids.device)
+            device = rows.input_ids.device
+            set_shared_rows(shared.prompts, shared.responses, rows.input_ids.size(1), device, shared.host_position_ids)
             return rows
         device = input_ids.device
         if position_ids is not None or attention_mask is None:

@@ -74,13 +74,26 @@ def set_packed_rows(position_ids: torch.Tensor | None, device: torch.device | No
         _ROW = (_BOUNDS[-1][1], upload(ids, device) if len(_BOUNDS) > 1 else None)
 
 
+def _row_sequence_ids(position_ids: torch.Tensor, device: torch.device) -> tuple[int, torch.Tensor | None]:
+    """transformers' sequence ids of a row from its host `position_ids` [1, N] (`_packed_sequences`), by its own
+    rule: a sequence starts wherever a position does not follow the one before; None for one sequence."""
+    ids = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
+    return position_ids.size(1), upload(ids, device) if bool(ids[:, -1].any()) else None
+
+
 def set_shared_rows(
-    prompts: list[tuple[int, int]], responses: list[tuple[int, int, int]], num_tokens: int, device: torch.device
+    prompts: list[tuple[int, int]],
+    responses: list[tuple[int, int, int]],
+    num_tokens: int,
+    device: torch.device,
+    position_ids: torch.Tensor | None = None,
 ) -> None:
     """Announce a row of shared prompts: `prompts` (start, end), then `responses` (start, end, index of the prompt
-    it answers), covering the row's `num_tokens` tokens."""
+    it answers), covering the row's `num_tokens` tokens; `position_ids` [1, N]: the row's on the host, from which
+    transformers' sequence search is answered without waiting on the GPU."""
     global _BOUNDS, _PADDED, _SHARED, _ROW, _PADDING
-    _BOUNDS, _ROW, _PADDING = prompts, None, None
+    _BOUNDS, _PADDING = prompts, None
+    _ROW = None if position_ids is None else _row_sequence_ids(position_ids, device)
     _PADDED = _padded_index(prompts, device) if batches_well(prompts) else None
     _SHARED = SharedAttention(prompts, [r for r in responses if r[1] > r[0]], num_tokens, device)
 
@@ -106,13 +119,13 @@ class SharedAttention:
             mask[i, 0, :n, : pe - ps] = True
             mask[i, 0, :n, prompt_len : prompt_len + n] = torch.ones(n, n, dtype=torch.bool).tril()
             real[i, :n] = True
-        self.q_index, self.kv_index = q_index.flatten().to(device), kv_index.flatten().to(device)
-        self.mask = mask.to(device)
-        self.real = real.flatten().nonzero().flatten().to(device)
+        self.q_index, self.kv_index = upload(q_index.flatten(), device), upload(kv_index.flatten(), device)
+        self.mask = upload(mask, device)
+        self.real = upload(real.flatten().nonzero().flatten(), device)
         # where each of the row's tokens lands in [prompt tokens..., response tokens...]
         order = torch.cat([torch.arange(s, e) for s, e in prompts] + [torch.arange(s, e) for s, e, _ in responses])
         assert order.numel() == num_tokens, "the prompts and responses must cover the row"
-        self.inverse = torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())).to(device)
+        self.inverse = upload(torch.empty_like(order).scatter_(0, order, torch.arange(order.numel())), device)
         self._prompts, self._responses, self._num_tokens = prompts, responses, num_tokens
         self._block_mask = None  # FlexAttention's, built at the first layer that needs it
 
@@ -130,7 +143,7 @@ class SharedAttention:
                 sequence[s:e], group[s:e], in_prompt[s:e] = g, g, True
             for i, (s, e, g) in enumerate(self._responses):
                 sequence[s:e], group[s:e] = len(self._prompts) + i, g
-            sequence, group, in_prompt = sequence.to(device), group.to(device), in_prompt.to(device)
+            sequence, group, in_prompt = (upload(x, device) for x in (sequence, group, in_prompt))
 
             def visible(b, h, q, kv):
                 own = (sequence[q] == sequence[kv]) & (kv <= q)

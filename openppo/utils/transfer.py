@@ -4,14 +4,18 @@ A GPU runs the kernels the host queues while the host goes on; each time the hos
 a boolean-mask index whose size it must know, a copy back) or copies from pageable memory with `.to(device)`, it
 waits until the GPU has run everything queued. In a step of many small kernels the GPU then idles while the host
 queues the next ones. A batch moved by `to_device` keeps its host copy (`DeviceBatch.host`), so that the row
-layout and the token counts are read from the host's tensors, and the copy itself does not wait: the host tensor is
-pinned and copied asynchronously (a CUDA-only call, checked in tests/gpu/test_strategy_cuda.py; the CPU
-suite checks the rest in tests/ppo/test_host_waits.py).
+layout and the token counts are read from the host's tensors (a tensor `upload` moved also finds its host copy:
+`host_copy`), and the copy itself does not wait: the host tensor is pinned and copied asynchronously (a CUDA-only
+call, checked in tests/gpu/test_strategy_cuda.py; the CPU suite checks the rest in tests/ppo/test_host_waits.py).
 """
 
 from __future__ import annotations
 
 import torch
+from torch.utils.weak import WeakIdKeyDictionary
+
+# the host tensor each device tensor `upload` made was copied from, while the device tensor lives (`host_copy`)
+_HOST_COPIES = WeakIdKeyDictionary()
 
 
 class DeviceBatch(dict):
@@ -26,8 +30,16 @@ def upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
     """`tensor` on `device`; a host tensor bound for a GPU goes through pinned memory without waiting on the GPU
     (its pinned block is not reused before the copy has run: PyTorch's host allocator records the copy)."""
     if tensor.device.type == "cpu" and device.type == "cuda":
-        return tensor.pin_memory().to(device, non_blocking=True)
+        moved = tensor.pin_memory().to(device, non_blocking=True)
+        _HOST_COPIES[moved] = tensor
+        return moved
     return tensor.to(device)
+
+
+def host_copy(tensor: torch.Tensor) -> torch.Tensor:
+    """The host tensor `tensor` was uploaded from (`upload`), else `tensor` itself: what the host reads without
+    waiting on the GPU (the token ids a shared-prompt layout compares, for one)."""
+    return _HOST_COPIES.get(tensor, tensor)
 
 
 def to_device(batch: dict[str, torch.Tensor], device: torch.device) -> DeviceBatch:

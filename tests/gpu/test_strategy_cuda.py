@@ -15,10 +15,13 @@ pytestmark = [pytest.mark.gpu, requires_cuda]
 ROWS, MICRO, SEQ, PROMPT = 8, 4, 96, 48
 
 
-def _rows(vocab: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """GRPO-shaped rows of ragged length (right padding), random advantages on the response tokens."""
+def _rows(vocab: int, seed: int = 0, shared: bool = False) -> dict[str, torch.Tensor]:
+    """GRPO-shaped rows of ragged length (right padding), random advantages on the response tokens; `shared`: each
+    pair of rows has one prompt."""
     g = torch.Generator().manual_seed(seed)
     seqs = torch.randint(100, vocab - 100, (ROWS, SEQ), generator=g)
+    if shared:
+        seqs[1::2, :PROMPT] = seqs[0::2, :PROMPT]
     attn = torch.ones_like(seqs)
     for row in range(ROWS):
         attn[row, SEQ - 7 * row :] = 0
@@ -160,12 +163,13 @@ def test_zero3_state_offload_frees_and_restores_gpu_memory(single_rank, gpu_mode
     assert math.isfinite(_update(strategy, engine, seed=1)["train/policy_loss"])
 
 
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank, gpu_model_dir, packed):
+@pytest.mark.parametrize("layout", ["packed", "padded", "shared"])
+def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank, gpu_model_dir, layout):
     """Within a step the host never waits on the GPU (`openppo.utils.transfer`): none of the operations
     `torch.cuda.set_sync_debug_mode` reports runs in a micro-batch's forward, loss or backward, outside DeepSpeed
     (whose waits are listed). The CPU suite checks the same on marked tensors (tests/ppo/test_host_waits.py); this
-    checks the CUDA calls it cannot: the pinned, non-blocking copies, and that nothing else waits."""
+    checks the CUDA calls it cannot: the pinned, non-blocking copies, that nothing else waits, and with shared
+    prompts FlexAttention's block mask."""
     from pathlib import Path
 
     from bench.timeline import SyncSites
@@ -174,7 +178,8 @@ def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank,
     from openppo.ppo.fit import fit_experience
 
     strategy, engine = _train_engine(gpu_model_dir, zero_stage=2)
-    engine.module.layout = RowLayout(packed=packed)
+    packed, shared = layout != "padded", layout == "shared"
+    engine.module.layout = RowLayout(packed=packed, share_prompts=shared)
     loss_fn = _grpo_loss(engine)
     waits = SyncSites(Path(__file__).resolve().parents[2])
     backward = engine.backward
@@ -193,13 +198,13 @@ def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank,
     for seed in range(2):  # the first step warms the allocator and the kernels' caches
         waits.sites.clear()
         waits.waits.clear()
-        rows = _rows(engine.module.config.vocab_size, seed)
+        rows = _rows(engine.module.config.vocab_size, seed, shared)
         rows["rollout_log_probs"] = -torch.rand(rows["action_mask"].shape) * rows["action_mask"]
         metrics = fit_experience(
             engine,
             rows,
             watched_loss,
-            batching=Batching(packed=packed, rows=MICRO),
+            batching=Batching(packed=packed, rows=MICRO, share_prompts=shared),
             rows_per_step=ROWS,
             epochs=1,
             world_size=1,
@@ -216,7 +221,7 @@ def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank,
     waits.sites.clear()
     waits.waits.clear()
     with torch.no_grad():
-        chunks = ForwardChunks(engine, strategy, rows, Batching(packed=packed, rows=MICRO))
+        chunks = ForwardChunks(engine, strategy, rows, Batching(packed=packed, rows=MICRO, share_prompts=shared))
         with waits:  # the copies to the device included
             for b in chunks:
                 out = engine(b["sequences"], b.host["attention_mask"], score_mask=b.host["action_mask"])

@@ -49,7 +49,9 @@ class OnDevice(torch.Tensor):
 
 
 def _marked_upload(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    return tensor.to(device).as_subclass(OnDevice)
+    marked = tensor.to(device).as_subclass(OnDevice)
+    transfer._HOST_COPIES[marked] = tensor  # as `upload` keeps it on a GPU (`transfer.host_copy`)
+    return marked
 
 
 def _batch(rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
@@ -57,8 +59,9 @@ def _batch(rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
     seqs = torch.randint(10, 1000, (rows, length), generator=gen)
     attn = torch.ones_like(seqs)
     mask = torch.zeros(rows, length - 1)
-    for r in range(rows):  # ragged, right-padded: prompts of 3-5 tokens, responses of 2-6
-        prompt, response = 3 + r % 3, 2 + r % 5
+    for r in range(rows):  # ragged, right-padded: pairs of rows share prompts of 3-5 tokens; responses of 2-6
+        prompt, response = 3 + (r // 2) % 3, 2 + r % 5
+        seqs[r, :prompt] = seqs[r - r % 2, :prompt]
         attn[r, prompt + response :] = 0
         mask[r, prompt - 1 : prompt - 1 + response] = 1
     logps = -torch.rand(rows, length - 1, generator=gen) * mask
@@ -71,8 +74,9 @@ def _batch(rows: int = 8, length: int = 12) -> dict[str, torch.Tensor]:
     }
 
 
-def _engine(monkeypatch, model: str, packed: bool):
-    """(strategy, engine) of the tiny model as an actor or a critic on one DeepSpeed rank, uploads marked."""
+def _engine(monkeypatch, model: str, layout: str):
+    """(strategy, engine) of the tiny model as an actor or a critic on one DeepSpeed rank, uploads marked, its rows
+    "packed", "padded" or "shared" (packed, each pair's prompt once)."""
     for module in (transfer, row_layout, varlen_attention, actor_module):
         monkeypatch.setattr(module, "upload", _marked_upload)
     strategy = _strategy(micro=2, accum=4)
@@ -82,14 +86,15 @@ def _engine(monkeypatch, model: str, packed: bool):
     else:
         module = ScalarModel.from_pretrained(path, dtype=torch.float32, flag="--critic_pretrain")
     engine = _prepare(strategy, module)
-    engine.module.layout = RowLayout(packed=packed)
+    engine.module.layout = RowLayout(packed=layout != "padded", share_prompts=layout == "shared")
     return strategy, engine
 
 
 @pytest.mark.parametrize("model", ["actor", "critic"])
-@pytest.mark.parametrize("packed", [True, False], ids=["packed", "padded"])
-def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, packed, model):
-    strategy, engine = _engine(monkeypatch, model, packed)
+@pytest.mark.parametrize("layout", ["packed", "padded", "shared"])
+def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, layout, model):
+    strategy, engine = _engine(monkeypatch, model, layout)
+    packed = layout != "padded"
     if model == "actor":
         loss_fn = actor_loss(
             engine,
@@ -126,7 +131,7 @@ def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, p
             engine,
             data,
             watched,
-            batching=Batching(packed=packed, rows=2),
+            batching=Batching(packed=packed, rows=2, share_prompts=layout == "shared"),
             rows_per_step=8,
             epochs=1,
             world_size=1,
@@ -144,8 +149,9 @@ def test_the_update_reads_no_device_value_between_optimizer_steps(monkeypatch, p
         assert 0 < metrics["train/value_loss"]
 
 
+@pytest.mark.parametrize("layout", ["packed", "shared"])
 @pytest.mark.parametrize("model", ["actor", "critic", "reward"])
-def test_a_forward_pass_reads_the_device_once_at_its_end(monkeypatch, model):
+def test_a_forward_pass_reads_the_device_once_at_its_end(monkeypatch, model, layout):
     """The workers' forward passes (openppo.ppo.workers: the actor's log-probs, the critic's values, the reward
     model's scores), run as their methods on this rank's engine: host masks into the forward, the results kept on the
     device; only `ForwardChunks.result` reads them."""
@@ -155,13 +161,13 @@ def test_a_forward_pass_reads_the_device_once_at_its_end(monkeypatch, model):
     from openppo.ppo.config import RolloutConfig
     from openppo.ppo.workers import ActorWorker, CriticWorker, RewardWorker
 
-    strategy, engine = _engine(monkeypatch, "actor" if model == "actor" else "critic", packed=True)
+    strategy, engine = _engine(monkeypatch, "actor" if model == "actor" else "critic", layout)
     rollout = RolloutConfig(packing_samples=True, micro_rollout_batch_size=2, temperature=1.0)
     worker = types.SimpleNamespace(
         engine=engine,
         strategy=strategy,
         cfg=types.SimpleNamespace(rollout=rollout),
-        role=types.SimpleNamespace(share_prompts=False),
+        role=types.SimpleNamespace(share_prompts=layout == "shared"),
     )
     data = _batch()
     reads: list[str] = []
