@@ -64,6 +64,7 @@ COLUMNS = (
     "step_s",
     "tokens_per_s",
     "mfu_datasheet",
+    "mfu_datasheet_with_attention",
     "mfu_vs_matmul",
     "peak_memory_gib",
     "planned_gib",

@@ -56,6 +56,17 @@ def train_flops(num_params: int, tokens: int, gradient_checkpointing: bool = Fal
     return (8 if gradient_checkpointing else 6) * num_params * tokens
 
 
+def attention_flops(
+    num_layers: int, attention_width: int, seq_lens: list[int], gradient_checkpointing: bool = False
+) -> float:
+    """FLOPs of the attention scores and their weighted sum, forward + backward, over sequences of `seq_lens` tokens,
+    which `train_flops` leaves out: 12 x layers x width x L per token of a sequence of L (PaLM, Chowdhery et al.
+    2022, appendix B, as torchtitan counts it: no halving for the causal mask), 16 with activation checkpointing.
+    `attention_width`: heads x head dim of the queries."""
+    per = 16 if gradient_checkpointing else 12
+    return per * num_layers * attention_width * sum(n * n for n in seq_lens)
+
+
 def mfu(flops: float, seconds: float, peak: float | None, devices: int = 1) -> float | None:
     """Model FLOPs utilisation: achieved FLOP/s over `devices` x the peak."""
     if peak is None or seconds <= 0:

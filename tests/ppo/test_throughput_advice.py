@@ -9,6 +9,7 @@ from openppo.ppo.reporting import (
     RunHistory,
     advice_text,
     advise,
+    attention_flops,
     idle_seconds,
     mfu,
     peak_flops,
@@ -22,6 +23,12 @@ from openppo.utils.profiling import parse_profile_steps
 def test_flops_and_mfu():
     assert train_flops(1_000_000, 1000) == 6e9  # 6 N per token
     assert train_flops(1_000_000, 1000, gradient_checkpointing=True) == 8e9  # the forward runs twice
+    # the attention's own: 12 x layers x width x L a token of a sequence of L (PaLM's count), 16 checkpointed
+    assert attention_flops(2, 64, [10, 20]) == 12 * 2 * 64 * (10 * 10 + 20 * 20)
+    assert attention_flops(2, 64, [10, 20], gradient_checkpointing=True) == 16 * 2 * 64 * 500
+    # the 0.5B shape at 4096-token rows: a third more than 6 x params
+    share = attention_flops(24, 896, [4096]) / train_flops(526_860_544, 4096)
+    assert share == pytest.approx(0.334, abs=0.001)
     assert peak_flops("NVIDIA H100 80GB HBM3", "bf16") == 989e12
     assert peak_flops("NVIDIA H200", "fp16") == 989e12
     assert peak_flops("NVIDIA H100 80GB HBM3", "fp32") is None and peak_flops("cpu", "bf16") is None
