@@ -4,7 +4,8 @@
     .venv/bin/python bench/train_step_table.py --model tiny --lengths 128,256 --micro_tokens 512 --dtype fp32  # CPU
 
 For each row length and each variant (the plain step; --torch_compile; both with 4x the tokens a micro-batch;
---use_liger_kernel; the chunked head (--lm_head_chunk_tokens) with Liger, also with 4x; the chunked head) it runs
+the chunked head (--lm_head_chunk_tokens) compiled with 4x; --use_liger_kernel; the chunked head with Liger, also
+with 4x; the chunked head) it runs
 `bench/train_step_mfu.py` in a process of its own (Liger patches transformers' modules, and each variant's peak memory
 must be its own), and prints one table: step time, tokens/s, MFU against the data sheet and against a matmul timed
 in the same process, the allocator's peak memory and the memory planner's figure for the same update with their
@@ -47,6 +48,9 @@ VARIANTS = {  # name -> (train_step_mfu.py flags ({chunk}: --chunk_tokens), micr
     # the best of the second sitting of 2026-11-30 (22.0 % MFU at 4k): with the host's waits gone the compiled
     # layers' fused element-wise work shows, most with larger micro-batches
     "compile 4x micro": (["--torch_compile"], 4),
+    # since e54cedb --torch_compile also compiles the chunked head's chunk math: the chunked head's memory with the
+    # compiled layers' speed, at 4x micro-batches
+    "chunked + compile 4x micro": (["--lm_head_chunk_tokens", "{chunk}", "--torch_compile"], 4),
 }
 # the order of importance (when the budget is short, the last are skipped): each at every row length, the 4x
 # micro-batch variants at the longest only
@@ -54,6 +58,7 @@ ORDER = (
     "plain",
     "compile",
     "compile 4x micro",
+    "chunked + compile 4x micro",
     "plain 4x micro",
     "Liger",
     "chunked + Liger 4x micro",
