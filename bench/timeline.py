@@ -6,8 +6,8 @@ Two views of one step, for `bench/train_step_mfu.py --timeline`:
   waits cannot queue the next kernels while the current ones run, so in a launch-bound step every wait leaves the GPU
   idle for the time the host then takes to launch the next kernels.
 - `trace_summary`: a profiler trace (Chrome format) read back: the union of the kernels' intervals against the step's
-  wall time, the kernels' time by kind (matmuls, attention, Triton, element-wise...), and the host's time in the CUDA
-  runtime's synchronising calls.
+  wall time, the kernels' time by kind (matmuls, attention, Triton, element-wise...), the small kernels' time by the
+  Python line and host operator that launched them, and the host's time in the CUDA runtime's synchronising calls.
 """
 
 from __future__ import annotations
@@ -28,6 +28,7 @@ KINDS = (  # (kind, pattern of the kernel's name), the first match wins
     ("reduction", re.compile(r"reduce|norm|softmax|sum", re.I)),
     ("element-wise", re.compile(r"elementwise|vectorized|unrolled", re.I)),
 )
+SMALL_KINDS = ("copy", "element-wise", "reduction", "triton", "other")  # what fusing and fewer launches address
 SYNC_CALLS = re.compile(r"^cuda(Stream|Device|Event)Synchronize$|^cudaMemcpy$|^cudaMemcpy(?!Async)")
 
 
@@ -80,7 +81,64 @@ def trace_summary(trace: dict, top: int = 15) -> dict:
         "top_kernels": [[name, calls[name], round(sec, 4)] for name, sec in by_name.most_common(top)],
         "runtime_syncs": len(syncs),
         "runtime_sync_s": round(sum(float(e["dur"]) for e in syncs) / 1e6, 4),
+        # where the time that is neither matmul nor attention comes from (`kernel_time_by_source`)
+        "small_kernels_by_source": kernel_time_by_source(trace, SMALL_KINDS, top),
     }
+
+
+# the Python frames that name a launch's source: this project's, transformers', DeepSpeed's, Liger's (not torch's module
+# machinery, which wraps them all)
+SOURCE_FRAMES = re.compile(r"openppo/|transformers/|deepspeed/|liger_kernel/")
+
+
+def kernel_time_by_source(trace: dict, kinds: tuple[str, ...], top: int = 15) -> list[list]:
+    """The device time of the kernels of `kinds` (`kernel_kind`), by what launched them on the host: the innermost
+    Python frame of `SOURCE_FRAMES` around the launch (`python_function` events, in a profile that records stacks)
+    and the outermost host operator around it (`cpu_op`: `aten::to`, or an autograd node's
+    `autograd::engine::evaluate_function: ...Backward0`). A kernel is matched to its launch by the trace's
+    correlation id. [source, kernels, seconds], the costliest `top` first."""
+    events = [e for e in trace.get("traceEvents", []) if e.get("ph") == "X" and "dur" in e]
+    launches = {
+        e["args"]["correlation"]: e
+        for e in events
+        if e.get("cat") in ("cuda_runtime", "cuda_driver") and "correlation" in e.get("args", {})
+    }
+    # the host's nested intervals and the launches, swept in time order per thread: the open intervals at a launch
+    # are the ones around it, outermost first
+    marks: list[tuple] = []
+    for e in events:
+        if e.get("cat") in ("cpu_op", "python_function"):
+            marks.append((e.get("pid"), e.get("tid"), float(e["ts"]), 0, -float(e["dur"]), e))
+    wanted = {}
+    for e in events:
+        if e.get("cat") == "kernel" and kernel_kind(e.get("name", "")) in kinds:
+            launch = launches.get(e.get("args", {}).get("correlation"))
+            if launch is not None:
+                wanted.setdefault(id(launch), [launch, 0, 0.0])
+                wanted[id(launch)][1] += 1
+                wanted[id(launch)][2] += float(e["dur"]) / 1e6
+    for launch, _, _ in wanted.values():
+        marks.append((launch.get("pid"), launch.get("tid"), float(launch["ts"]), 1, 0.0, launch))
+    marks.sort(key=lambda m: (str(m[0]), str(m[1]), m[2], m[3], m[4]))
+    by_source: Counter[str] = Counter()
+    calls: Counter[str] = Counter()
+    stack: list[dict] = []
+    thread = None
+    for pid, tid, ts, is_launch, _, e in marks:
+        if (pid, tid) != thread:
+            thread, stack = (pid, tid), []
+        while stack and float(stack[-1]["ts"]) + float(stack[-1]["dur"]) <= ts:
+            stack.pop()
+        if not is_launch:
+            stack.append(e)
+            continue
+        frames = [m["name"] for m in stack if m.get("cat") == "python_function" and SOURCE_FRAMES.search(m["name"])]
+        ops = [m["name"] for m in stack if m.get("cat") == "cpu_op"]
+        source = f"{frames[-1] if frames else '-'} | {ops[0] if ops else '-'}"[:160]
+        _, count, seconds = wanted[id(e)]
+        by_source[source] += seconds
+        calls[source] += count
+    return [[source, calls[source], round(sec, 6)] for source, sec in by_source.most_common(top)]
 
 
 def _site(stack: list[traceback.FrameSummary], root: Path) -> str:

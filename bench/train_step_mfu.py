@@ -63,12 +63,13 @@ def matmul_peak(device, dtype, size: int, repeats: int = 10) -> float:
     return 2 * size**3 / best
 
 
-def profiler(device):
-    """torch's profiler over the host and, on a GPU, its kernels."""
+def profiler(device, with_stack: bool = False):
+    """torch's profiler over the host and, on a GPU, its kernels; `with_stack`: also the Python frames, which name
+    the lines that launched each kernel (`timeline.kernel_time_by_source`)."""
     from torch.profiler import ProfilerActivity, profile
 
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
-    return profile(activities=activities)
+    return profile(activities=activities, with_stack=with_stack)
 
 
 def planned_gib(args, path: str, shape=None) -> float:
@@ -229,7 +230,7 @@ def main() -> None:
             torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
         start = time.perf_counter()
         with (
-            profiler(strategy.device) if profiled else contextlib.nullcontext() as prof,
+            profiler(strategy.device, with_stack=args.timeline) if profiled else contextlib.nullcontext() as prof,
             SyncSites(REPO) if counting else contextlib.nullcontext() as syncs,
         ):
             fit_experience(

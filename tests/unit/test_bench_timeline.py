@@ -80,3 +80,41 @@ def test_the_peak_breakdown_replays_allocations_and_frees_to_the_largest_total()
     assert result["peak_gib"] == 9.0
     assert result["by_site_gib"] == {BEFORE: 3.0, "openppo/models/lm_head.py:76 (f)": 4.0}
     assert result["other_sites_gib"] == 2.0
+
+
+def test_small_kernels_are_charged_to_the_python_line_and_operator_that_launched_them():
+    """A kernel is found by its correlation id at its launch on the host, inside the innermost frame of the project
+    (or transformers) and the outermost operator there; matmuls and other threads' intervals are left out."""
+    from bench.timeline import kernel_time_by_source
+
+    def span(cat, name, ts, dur, tid=1, **args):
+        return {"ph": "X", "cat": cat, "name": name, "ts": ts, "dur": dur, "pid": 1, "tid": tid, "args": args}
+
+    norm = "transformers/models/qwen2/modeling_qwen2.py(60): forward"
+    trace = {
+        "traceEvents": [
+            span("python_function", "openppo/models/actor.py(200): forward", 0, 1000),
+            span("python_function", "torch/nn/modules/module.py(1773): _call_impl", 10, 980),
+            span("python_function", norm, 20, 300),
+            span("cpu_op", "aten::to", 30, 100),  # the outermost operator: its copy_ inside is not the source
+            span("cpu_op", "aten::copy_", 40, 80),
+            span("cuda_runtime", "cudaLaunchKernel", 50, 5, correlation=7),
+            span("cpu_op", "aten::mul", 200, 50),
+            span("cuda_runtime", "cudaLaunchKernel", 210, 5, correlation=8),
+            span("cpu_op", "aten::mm", 400, 50),  # a matmul: not a small kernel
+            span("cuda_runtime", "cudaLaunchKernel", 410, 5, correlation=9),
+            span("cpu_op", "aten::add", 45, 10, tid=2),  # another thread's, around the same time
+            span("cuda_runtime", "cudaLaunchKernel", 600, 5, correlation=10),  # under actor.py, no operator
+            span("kernel", "void at::native::unrolled_elementwise_kernel<copy>", 500, 40, correlation=7),
+            span("kernel", "void at::native::vectorized_elementwise_kernel<4, Mul>", 540, 20, correlation=8),
+            span("kernel", "nvjet_tst_128x256", 560, 300, correlation=9),
+            span("kernel", "void at::native::vectorized_elementwise_kernel<4, Add>", 860, 10, correlation=10),
+            span("kernel", "void at::native::vectorized_elementwise_kernel<4, Add>", 870, 10, correlation=10),
+        ]
+    }
+    rows = kernel_time_by_source(trace, ("copy", "element-wise"))
+    assert rows == [
+        [f"{norm} | aten::to", 1, 40e-6],
+        [f"{norm} | aten::mul", 1, 20e-6],
+        ["openppo/models/actor.py(200): forward | -", 2, 20e-6],
+    ]
