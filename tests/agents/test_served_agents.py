@@ -84,6 +84,12 @@ def test_an_openai_agent_with_a_tool_trains_exactly(tmp_path):
         "fp32",
         "--max_steps",
         "2",
+        # four passes over each batch, for a wider window: step 2's first calls must reach the engines before step 1's
+        # update and sync end. With one pass that took 1.3 s (old log-probs 0.77, update 0.42, sync 0.11; AVX2
+        # kernels, two busy processes beside) where the first calls took 0.8 s, and two of the suite's runs with AVX2
+        # kernels (another test beside) missed the window
+        "--max_epochs",
+        "4",
         "--actor_learning_rate",
         "1e-3",
         "--init_kl_coef",
