@@ -110,6 +110,13 @@ def main() -> None:
     parser.add_argument("--use_liger_kernel", action="store_true", help="Liger's kernels in the model (GPU)")
     parser.add_argument("--torch_compile", action="store_true", help="compile the decoder layers (step 1 compiles)")
     parser.add_argument(
+        "--compile_mode",
+        choices=("default", "reduce-overhead", "max-autotune-no-cudagraphs"),
+        default="default",
+        help="torch.compile's mode for the layers with --torch_compile: reduce-overhead replays them as CUDA graphs "
+        "(the rows here are all one length, so each layer records once)",
+    )
+    parser.add_argument(
         "--pack",
         action=argparse.BooleanOptionalAction,
         default=True,
@@ -143,6 +150,8 @@ def main() -> None:
     args.dtype = resolve_dtype(args.dtype)
     # the last (profiled or memory-traced), the one before (--timeline's waits): left out of the mean
     profiled_steps = int(bool(args.profile) or args.timeline or args.memory_breakdown) + args.timeline
+    if args.compile_mode != "default" and not args.torch_compile:
+        raise SystemExit("--compile_mode: add --torch_compile (the mode is the compiled layers')")
     if args.memory_breakdown and (args.profile or args.timeline):
         raise SystemExit("--memory_breakdown traces the last step's allocations: run it without --profile/--timeline")
     if args.steps < 2 + profiled_steps or args.rows % args.micro or args.seq_len < 4:
@@ -180,8 +189,13 @@ def main() -> None:
         dtype=strategy.torch_dtype,
         gradient_checkpointing=args.gradient_checkpointing,
         use_liger_kernel=args.use_liger_kernel,
-        torch_compile=args.torch_compile,
+        torch_compile=args.torch_compile and args.compile_mode == "default",
     )
+    if args.compile_mode != "default":  # the same compiled layers and scoring, in the mode asked for
+        from openppo.models.kernels import compile_layers
+
+        compile_layers(actor.model, mode=args.compile_mode)
+        actor.compiled_scoring = True
     if args.use_liger_kernel and (why := liger_notice(True, strategy.device.type == "cuda")):
         print(why, file=sys.stderr)
     if why := actor.chunk_head(args.lm_head_chunk_tokens):
@@ -303,6 +317,7 @@ def main() -> None:
             "lm_head_chunk_tokens": args.lm_head_chunk_tokens,
             "use_liger_kernel": args.use_liger_kernel,
             "torch_compile": args.torch_compile,
+            "compile_mode": args.compile_mode,
             "trim": args.trim,
             "step_times_s": [round(t, 3) for t in times],
             # optimizer steps DeepSpeed skipped for a non-finite gradient: a row with any times a broken update

@@ -4,7 +4,8 @@
     .venv/bin/python bench/train_step_table.py --model tiny --lengths 128,256 --micro_tokens 512 --dtype fp32  # CPU
 
 For each row length and each variant (the plain step; --torch_compile; both with 4x the tokens a micro-batch;
-the chunked head (--lm_head_chunk_tokens) compiled with 4x; --use_liger_kernel; the chunked head with Liger, also
+the chunked head (--lm_head_chunk_tokens) compiled with 4x; the compiled layers replayed as CUDA graphs;
+--use_liger_kernel; the chunked head with Liger, also
 with 4x; the chunked head) it runs
 `bench/train_step_mfu.py` in a process of its own (Liger patches transformers' modules, and each variant's peak memory
 must be its own), and prints one table: step time, tokens/s, MFU against the data sheet and against a matmul timed
@@ -51,6 +52,10 @@ VARIANTS = {  # name -> (train_step_mfu.py flags ({chunk}: --chunk_tokens), micr
     # since e54cedb --torch_compile also compiles the chunked head's chunk math: the chunked head's memory with the
     # compiled layers' speed, at 4x micro-batches
     "chunked + compile 4x micro": (["--lm_head_chunk_tokens", "{chunk}", "--torch_compile"], 4),
+    # CUDA graphs (issue 34 item 3): the compiled step at 8192 tokens a micro-batch had its GPU idle a third of the
+    # time (0.469 s of kernels in a 0.703-s step, 16,308 kernels, each launched from Python); replayed graphs launch
+    # each piece of a layer at once. The rows are of one length here, so each layer records once
+    "compile + CUDA graphs": (["--torch_compile", "--compile_mode", "reduce-overhead"], 1),
 }
 # the order of importance (when the budget is short, the last are skipped): each at every row length, the 4x
 # micro-batch variants at the longest only
@@ -59,6 +64,7 @@ ORDER = (
     "compile",
     "compile 4x micro",
     "chunked + compile 4x micro",
+    "compile + CUDA graphs",
     "plain 4x micro",
     "Liger",
     "chunked + Liger 4x micro",

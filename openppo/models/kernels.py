@@ -73,14 +73,17 @@ def apply_liger(model: torch.nn.Module, on_gpu: bool | None = None) -> str | Non
     return None
 
 
-def compile_layers(model: nn.Module) -> int:
-    """torch.compile each decoder layer of the transformers (or PEFT) model `model` in place; returns how many."""
+def compile_layers(model: nn.Module, mode: str | None = None) -> int:
+    """torch.compile each decoder layer of the transformers (or PEFT) model `model` in place; returns how many.
+    `mode`: torch.compile's (None: its default). "reduce-overhead" replays each compiled piece as a CUDA graph, one
+    recording per layer (their weights' addresses differ) and per row length; only `bench/train_step_mfu.py`'s
+    --compile_mode sets it so far, on rows of one length, until a GPU sitting shows whether the graphs pay."""
     base = base_model(model)
     layers = getattr(getattr(base, getattr(base, "base_model_prefix", ""), base), "layers", None)
     if not isinstance(layers, nn.ModuleList):
         return 0
     for layer in layers:
-        layer.compile()
+        layer.compile(mode=mode)
     return len(layers)
 
 
