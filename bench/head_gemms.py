@@ -111,8 +111,8 @@ def measure(args, device, dtype) -> list[dict]:
                         "vocab": vocab,
                         "tokens": tokens,
                         "gemm": gemm,
-                        "ms": round(s * 1e3, 3),
-                        "tflops": round(flops / s / 1e12, 3),
+                        "ms": float(f"{s * 1e3:.4g}"),
+                        "tflops": float(f"{flops / s / 1e12:.4g}"),  # (4 digits: toy sizes on a CPU are tiny)
                         "kernels": kernel_names(calls[gemm], device),
                     }
                     rows.append(row)
@@ -158,7 +158,7 @@ def main() -> None:
             "bench": "head_gemms",
             "hidden": args.hidden,
             "dtype": args.dtype,
-            "square_tflops": round(square, 3),
+            "square_tflops": float(f"{square:.4g}"),
             "rows": rows,
         }
     )
