@@ -83,10 +83,20 @@ COLUMNS = (
 )
 
 
+# the larger micro-batch variants that also run at every length: the compiled one was the best step at 4k, and on
+# GPUs the default token budget is now 32768 (4x), so it is what a 1k-row run gets by default (issue 34: 2x at 1k)
+EVERY_LENGTH = ("compile 4x micro",)
+
+
 def runs(lengths: list[int], variants: list[str]) -> list[tuple[str, int]]:
     """(variant, row length) in the order they run (`ORDER`: the first when the budget is short), each variant at
-    every length but those with larger micro-batches, at the longest only; only `variants`."""
-    return [(v, n) for v in ORDER if v in variants for n in ([max(lengths)] if VARIANTS[v][1] > 1 else lengths)]
+    every length but those with larger micro-batches, at the longest only (but `EVERY_LENGTH`); only `variants`."""
+    return [
+        (v, n)
+        for v in ORDER
+        if v in variants
+        for n in ([max(lengths)] if VARIANTS[v][1] > 1 and v not in EVERY_LENGTH else lengths)
+    ]
 
 
 def table(rows: list[dict]) -> str:

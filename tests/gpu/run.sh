@@ -62,7 +62,7 @@ if [[ $PARTS == *" table "* ]]; then
     # Qwen2.5-0.5B's shape, bf16, ZeRO-2, packed rows of 1024 and 4096 tokens: the plain step, the compiled layers
     # (also with 4x micro-batches, and replayed as CUDA graphs), Liger's kernels, the chunked head (with Liger, also
     # 4x) (issue 34: >= 35 % MFU at 4k, 2x the first record's at 1k); 21-35 s a run on a fresh H200 (2026-11-30,
-    # compiled runs about 50 s with their compile), so the last of the 16 runs are skipped by the default budget
+    # compiled runs about 50 s with their compile), so the last of the 17 runs are skipped by the default budget
     # GPU_TABLE_BUDGET_S and GPU_TABLE_VARIANTS: the table's --budget_s and --variants, for a lease split over calls
     timeout "$LIMIT" $PY bench/train_step_table.py --model qwen0.5b --dtype bf16 --budget_s "${GPU_TABLE_BUDGET_S:-380}" \
         ${GPU_TABLE_VARIANTS:+--variants "$GPU_TABLE_VARIANTS"} --out "$OUT/table" 2>&1 | tee "$OUT/train_step_table.log"
