@@ -28,6 +28,7 @@ from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
 from openppo.models.hf import base_model
+from openppo.models.ring_attention import packed_sequence_ids
 from openppo.utils.transfer import upload
 
 ATTN_IMPLEMENTATION = "openppo_varlen_sdpa"
@@ -76,9 +77,9 @@ def set_packed_rows(position_ids: torch.Tensor | None, device: torch.device | No
 
 def _row_sequence_ids(position_ids: torch.Tensor, device: torch.device) -> tuple[int, torch.Tensor | None]:
     """transformers' sequence ids of a row from its host `position_ids` [1, N] (`_packed_sequences`), by its own
-    rule: a sequence starts wherever a position does not follow the one before; None for one sequence."""
-    ids = (torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1).cumsum(-1)
-    return position_ids.size(1), upload(ids, device) if bool(ids[:, -1].any()) else None
+    rule, which ring attention's `packed_sequence_ids` follows too; None for one sequence."""
+    ids = packed_sequence_ids(position_ids)
+    return ids.numel(), upload(ids.unsqueeze(0), device) if bool(ids[-1] > 0) else None
 
 
 def set_shared_rows(
