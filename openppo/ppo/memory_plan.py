@@ -67,9 +67,14 @@ class Item:
     what: str
     bytes: float
     host: bool = False  # offloaded to host memory (not on the device)
-    # held only in one phase of a step (DeepSpeed allocates and frees it each time): counted in the phase's peak,
-    # the group's working memory (`_working_memory`), not beside it
-    transient: bool = False
+    # the one phase of a step that holds it, when DeepSpeed allocates and frees it each time ("backward": the
+    # gradient reduction; "step": the optimizer step): counted in the phase's peak, the group's working memory
+    # (`_working_memory`), not beside it; "" for what stays allocated
+    phase: str = ""
+
+    @property
+    def transient(self) -> bool:
+        return bool(self.phase)
 
 
 @dataclass
@@ -143,7 +148,7 @@ def working_state_items(
       denominator sqrt(v) + eps as one more fp32 tensor of the partition's size.
     Only ZeRO-0's fp32 gradients (the bf16 wrapper's accumulators) stay allocated. The bucket exists while a backward
     reduces (from the first gradient after the LM head's), the ZeRO-1/2/3 fp32 partition and AdamW's scratch while
-    the optimizer steps: `transient` items, whose phase peaks `_working_memory` counts.
+    the optimizer steps: items of that `phase`, whose peaks `_working_memory` counts.
     """
     split = shape.num_params - shape.embedding_params
     whole = shape.embedding_params + split / tensor_parallel  # one rank of a tensor-parallel group
@@ -151,11 +156,12 @@ def working_state_items(
     items = []
     if zero_stage in (1, 2):
         bucket = dtype_bytes(param_dtype) * min(REDUCE_BUCKET_SIZE, whole)
-        items.append(Item(f"{role} gradient reduction bucket", bucket, transient=True))
+        items.append(Item(f"{role} gradient reduction bucket", bucket, phase="backward"))
     if param_dtype != "fp32":
-        items.append(Item(f"{role} fp32 gradient partition", 4 * params, host=adam_offload, transient=zero_stage >= 1))
+        phase = "step" if zero_stage >= 1 else ""
+        items.append(Item(f"{role} fp32 gradient partition", 4 * params, host=adam_offload, phase=phase))
     if not fused_adam and not adam_offload:
-        items.append(Item(f"{role} optimizer step scratch (torch AdamW)", 4 * params, transient=True))
+        items.append(Item(f"{role} optimizer step scratch (torch AdamW)", 4 * params, phase="step"))
     return items
 
 
@@ -274,8 +280,8 @@ def _working_memory(
 ) -> Item:
     """The peak of what a model's micro-batches and steps hold beyond its resident states, the largest of:
     - a training micro-batch's backward as it starts: the layers' activations and the LM head's logits (or chunk);
-    - its reduction: the activations beside the gradient bucket (the logits are freed by then);
-    - the optimizer step: the `transient` items but the bucket (fp32 gradient partition, AdamW's scratch);
+    - its reduction: the activations beside the "backward" items, the gradient bucket (the logits are freed by then);
+    - the optimizer step: the "step" items (fp32 gradient partition, AdamW's scratch);
     - a forward-only micro-batch's logits.
     (On an H200 the 0.5B shape's peaks at 8k and 32k tokens a micro-batch, eager, compiled, Liger and the chunked
     head, were 0.5-4 % above this: docs/benchmarks.md.)"""
@@ -289,8 +295,8 @@ def _working_memory(
         shape, tokens, param_dtype=cfg.ds.param_dtype, checkpointing=cfg.model.gradient_checkpointing, fused=fused
     )
     head = _head_bytes(cfg, shape, tokens, backward=True, on_gpu=on_gpu) if lm_head else 0.0
-    bucket = sum(i.bytes for i in transient if "bucket" in i.what and not i.host)
-    step = sum(i.bytes for i in transient if "bucket" not in i.what and not i.host)
+    bucket = sum(i.bytes for i in transient if i.phase == "backward" and not i.host)
+    step = sum(i.bytes for i in transient if i.phase == "step" and not i.host)
     return Item(f"{role} activations + logits of a micro-batch", max(layers + max(head, bucket), step, forward))
 
 
@@ -312,7 +318,7 @@ def plan_devices(cfg, shapes: dict[str, ModelShape], device_bytes: float, on_gpu
         states = trained_items(role, shape, muon=ds.optim == "muon", **kw)
         states += working_state_items(role, shape, fused_adam=on_gpu, **kw)
         if not on_gpu:  # the C heap keeps what a phase frees for the next: on CPU the process holds every phase's
-            states = [dataclasses.replace(i, transient=False) for i in states]
+            states = [dataclasses.replace(i, phase="") for i in states]
         transient = tuple(i for i in states if i.transient)
         work = _working_memory(role, shape, cfg, trained=True, lm_head=lm_head, on_gpu=on_gpu, transient=transient)
         return states + [work]
