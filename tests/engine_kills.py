@@ -4,6 +4,7 @@ engine's actor process and the engine core under it, or of vLLM's engine core al
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import os
 import re
@@ -52,22 +53,22 @@ def _cpu_seconds(proc: psutil.Process) -> float:
 def kill_while_generating(actor_pid: int, *, core: bool = False, busy_s: float = 0.06, timeout_s: float = 300.0) -> int:
     """SIGKILL an engine once it is generating: its actor process (and the engine core under it, as a real cluster
     does), or with `core` vLLM's engine core process alone. Generating is told by the process that decodes (the engine
-    core, else the actor) using more than BUSY_SHARE of a core in each 20 ms for `busy_s`: longer than the tiny
-    model's weight sync keeps the engine busy, shorter than the generation the caller makes long enough for it.
-    Returns the pid killed."""
+    core, else the actor) using more than BUSY_SHARE of a core over the last `busy_s`, sampled every 20 ms: longer
+    than the tiny model's weight sync keeps the engine busy, shorter than the generation the caller makes long enough
+    for it. (Over a window, not in each sample: the kernel counts CPU time in 10-ms ticks, so a fully busy 20 ms
+    reads as 10 ms now and then, which broke a run of busy samples in two.) Returns the pid killed."""
     worker = engine_core(actor_pid) or psutil.Process(actor_pid)
     victim = worker.pid if core else actor_pid
     assert not core or worker.pid != actor_pid, "this engine runs its engine core in its actor process"
     deadline = time.monotonic() + timeout_s
-    last, busy_since = _cpu_seconds(worker), None
+    samples = collections.deque([(time.monotonic(), _cpu_seconds(worker))])
     while time.monotonic() < deadline:
         time.sleep(_SAMPLE_S)
-        now = _cpu_seconds(worker)
-        if now - last <= BUSY_SHARE * _SAMPLE_S:
-            busy_since = None
-        elif busy_since is None:
-            busy_since = time.monotonic() - _SAMPLE_S
-        if busy_since is not None and time.monotonic() - busy_since >= busy_s:
+        samples.append((time.monotonic(), _cpu_seconds(worker)))
+        while len(samples) > 2 and samples[-1][0] - samples[1][0] >= busy_s:
+            samples.popleft()  # (the oldest sample that still spans `busy_s` stays first)
+        (began, first), (now, last) = samples[0], samples[-1]
+        if now - began >= busy_s and last - first > BUSY_SHARE * (now - began):
             os.kill(victim, signal.SIGKILL)
             if not core and worker.pid != actor_pid:
                 # and the engine core under it, as a real cluster's raylet kills a dead worker's children (gone 0.3 s
@@ -77,5 +78,4 @@ def kill_while_generating(actor_pid: int, *, core: bool = False, busy_s: float =
                 with contextlib.suppress(ProcessLookupError):
                     os.kill(worker.pid, signal.SIGKILL)
             return victim
-        last = now
     raise AssertionError(f"vLLM engine process {worker.pid} did not generate within {timeout_s:.0f} s")

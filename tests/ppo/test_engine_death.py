@@ -25,7 +25,7 @@ STOP_WITHIN_S = 120
 WAIT_S = 600
 
 
-def _args(prompts: Path, save: Path, *extra: str) -> list[str]:
+def _args(prompts: Path, save: Path, *extra: str, new_tokens: int = 48) -> list[str]:
     return [
         "--pretrain",
         str(tiny_model_dir()),
@@ -35,12 +35,12 @@ def _args(prompts: Path, save: Path, *extra: str) -> list[str]:
         str(prompts),
         "--save_path",
         str(save),
-        # 48 new tokens per sample (a random tiny model seldom stops early): generation is most of a step, so a
-        # kill that waits for the engine to be busy lands mid-generation
+        # `new_tokens` per sample (a random tiny model seldom stops early): generation is most of a step, so a kill
+        # that waits for the engine to be busy lands mid-generation
         *(
             "--input_key input --label_key label --apply_chat_template --advantage_estimator group_norm "
             "--n_samples_per_prompt 2 --rollout_batch_size 2 --train_batch_size 4 --micro_train_batch_size 2 "
-            f"--vllm_kv_cache_bytes {128 * 2**20} --init_kl_coef 0 --generate_max_len 48 --prompt_max_len 64 "
+            f"--vllm_kv_cache_bytes {128 * 2**20} --init_kl_coef 0 --generate_max_len {new_tokens} --prompt_max_len 64 "
             "--param_dtype fp32 --zero_stage 0 --actor_learning_rate 1e-3"
         ).split(),
         *extra,
@@ -56,8 +56,8 @@ class _Run(BackgroundRun):
     def restarts(self) -> int:
         return self.text().count("vLLM engine 0: restarted in")
 
-    def kill_engine(self, *, core: bool = False) -> int:
-        return kill_while_generating(engine_pid(self.text()), core=core)
+    def kill_engine(self, *, core: bool = False, busy_s: float = 0.06) -> int:
+        return kill_while_generating(engine_pid(self.text()), core=core, busy_s=busy_s)
 
 
 def _trained_batches(save: Path) -> list[tuple[int, int]]:
@@ -76,16 +76,19 @@ def test_a_dead_engine_is_replaced_until_the_bound_then_the_run_stops(tmp_path):
     is replaced in the next test and in tests/ppo/test_two_nodes.py.)"""
     prompts = write_jsonl([{**row, "label": "mixed"} for row in make_rows(64, seed=3)], tmp_path / "prompts.jsonl")
     ckpt_dir = tmp_path / "ckpt"
-    args = _args(prompts, tmp_path / "out", "--colocate_all_models", "--max_engine_restarts", "1", "--max_steps")
-    run = _Run(tmp_path, args + ["100", "--save_steps", "1", "--ckpt_path", str(ckpt_dir)])
+    # 192 new tokens: a generation keeps the engine core busy 0.5 s (native AMD EPYC, idle), a weight sync 0.02-0.04
+    # s, so a kill after 0.15 s of busy lands with 0.3 s of the generation left. With 48 tokens (0.12-0.15 s) and a
+    # kill after 0.06 s, a loaded box once killed it as the generation ended: a weight sync noticed the death.
+    args = _args(prompts, tmp_path / "out", "--colocate_all_models", "--max_engine_restarts", "1", new_tokens=192)
+    run = _Run(tmp_path, args + ["--max_steps", "100", "--save_steps", "1", "--ckpt_path", str(ckpt_dir)])
     try:
         run.wait_for("step 1", lambda: run.steps() >= 1)
         first = engine_pid(run.text())
-        core = run.kill_engine(core=True)
+        core = run.kill_engine(core=True, busy_s=0.15)
         at = run.steps()
         run.wait_for("the restart and 2 more steps", lambda: run.restarts() == 1 and run.steps() >= at + 2)
         last = engine_pid(run.text())
-        kill_while_generating(last)
+        kill_while_generating(last, busy_s=0.15)
         killed_at = time.monotonic()
         try:
             code = run.proc.wait(timeout=STOP_WITHIN_S + 60)
