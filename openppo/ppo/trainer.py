@@ -272,6 +272,7 @@ class PPOTrainer:
             with self.timer("weight_sync"):
                 stats = g.sync_engines(version=self.policy_version + 1)
             metrics["perf/weight_sync_mb"] = stats["num_bytes"] / 2**20
+            metrics["perf/weight_sync_buckets"] = stats["num_buckets"]
             if "full_bytes" in stats:  # --vllm_sync_delta
                 metrics["perf/weight_sync_changed"] = stats["changed"]
             self._synced()

@@ -127,13 +127,36 @@ def test_training_bound_and_padding_heavy():
 
 def test_reward_sync_swap_forward_and_idle_rules():
     rules = _rules(
-        _history(generate=0.5, reward=3.0, old_logprob=2.5, ref_logprob=1.5, weight_sync=1.5, swap=2.5, actor_train=0.5)
+        _history(
+            generate=0.5,
+            reward=3.0,
+            old_logprob=2.5,
+            ref_logprob=1.5,
+            weight_sync=1.5,
+            swap=2.5,
+            actor_train=0.5,
+            perf_weight_sync_buckets=8,
+        )
     )
     assert set(rules) == {"reward-bound", "scoring-forwards", "weight-sync", "memory-swap"}
     assert "25% of the step" in rules["reward-bound"]
     assert "--micro_rollout_batch_size 16" in rules["scoring-forwards"]
-    assert "--vllm_sync_bucket_mb 1024" in rules["weight-sync"]
+    assert "--vllm_sync_bucket_mb 1024 (fewer, larger messages: 8 a sync now)" in rules["weight-sync"]
     assert "controller-idle" in _rules(_history(generate=1.0, actor_train=1.0, idle=1.0))
+
+
+def test_larger_buckets_are_advised_only_for_a_sync_of_many():
+    # SmolLM2's 257 MiB in 2 buckets of 256: a larger bucket saves one message, nothing to advise
+    assert "weight-sync" not in _rules(
+        _history(generate=3.0, actor_train=6.0, weight_sync=1.5, perf_weight_sync_buckets=2)
+    )
+    # a run that logged no bucket count: its megabytes over --vllm_sync_bucket_mb (1500 / 256 -> 6 buckets)
+    rules = _rules(_history(generate=3.0, actor_train=6.0, weight_sync=1.5, perf_weight_sync_mb=1500.0))
+    assert "(fewer, larger messages: 6 a sync now)" in rules["weight-sync"]
+    cfg = PPOConfig()
+    cfg.vllm.vllm_sync_backend = "gloo"  # few buckets, but a backend to change
+    rules = _rules(_history(generate=3.0, actor_train=6.0, weight_sync=1.5, perf_weight_sync_buckets=2), cfg)
+    assert "--vllm_sync_backend nccl" in rules["weight-sync"] and "--vllm_sync_bucket_mb" not in rules["weight-sync"]
 
 
 def test_memory_bound_on_gpu_and_on_cpu():
