@@ -532,6 +532,10 @@ def validate_devices(cfg: PPOConfig, on_gpu: bool) -> list[str]:
     return notices
 
 
+# the row counts of the micro-batches, which a token budget replaces (--use_dynamic_batch)
+_MICRO_ROWS = (("train", "micro_train_batch_size"), ("rollout", "micro_rollout_batch_size"))
+
+
 def _set(section: Any, name: str) -> bool:
     """Whether the field `name` of a config section holds other than its default (the user set it)."""
     default = next(f.default for f in dataclasses.fields(section) if f.name == name)
@@ -563,6 +567,15 @@ def _no_effect(cfg: PPOConfig, notices: list[str]) -> None:
         notices.append("--kl_horizon has no effect without --kl_target: the KL coefficient stays --init_kl_coef")
     if cfg.rollout.force_sync_mode:
         notices.append("--force_sync_mode has no effect: without --async_train every batch is generated in sync")
+    if cfg.rollout.use_dynamic_batch:
+        # (OpenRLHF's recipes give the row counts beside --use_dynamic_batch, which ignores them there too)
+        rows = [f"--{name}" for section, name in _MICRO_ROWS if _set(getattr(cfg, section), name)]
+        if rows:
+            notices.append(
+                f"{', '.join(rows)} {'sizes' if len(rows) == 1 else 'size'} no micro-batch with --use_dynamic_batch: "
+                "micro-batches are filled up to a token budget (--train_max_tokens_per_gpu, "
+                "--rollout_max_tokens_per_gpu)"
+            )
     if cfg.data.eval_at_start and not cfg.data.eval_dataset:
         notices.append("--eval_at_start has no effect without --eval_dataset: there is nothing to evaluate")
     if algo.normalize_reward and not m.reward_pretrain:

@@ -308,6 +308,12 @@ NO_EFFECT = [
     (["--freeze_visual_encoder"], "--freeze_visual_encoder has no effect:"),
     (["--image_key", "pics"], "--image_key pics has no effect with --max_images_per_prompt 0 (text only)"),
     (["--vllm_attention_backend", "TRITON_ATTN"], "--vllm_attention_backend has no effect on CPU"),
+    # (base gives --micro_train_batch_size 2)
+    (["--use_dynamic_batch"], "--micro_train_batch_size sizes no micro-batch with --use_dynamic_batch"),
+    (
+        ["--use_dynamic_batch", "--micro_rollout_batch_size", "16"],
+        "--micro_train_batch_size, --micro_rollout_batch_size size no micro-batch with --use_dynamic_batch",
+    ),
     (["--vllm.disable_custom_all_reduce"], "--vllm_disable_custom_all_reduce has no effect on CPU"),
     (
         ["--advantage_estimator", "reinforce", "--n_samples_per_prompt", "1", "--train_batch_size", "4"]
