@@ -112,7 +112,7 @@ class Actor(nn.Module):
         path = resolve_model_path(path, flag)
         vision = is_vision_language(AutoConfig.from_pretrained(path, trust_remote_code=True))
         model = (AutoModelForImageTextToText if vision else AutoModelForCausalLM).from_pretrained(
-            path, dtype=dtype, attn_implementation=attention_kernel(attn_implementation), trust_remote_code=True
+            path, dtype=dtype, attn_implementation=attention_kernel(attn_implementation, dtype), trust_remote_code=True
         )
         model.config.use_cache = False
         if vision:

@@ -23,10 +23,11 @@ logger = logging.getLogger(__name__)
 _HUB_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
 
 
-def attention_kernel(name: str) -> str:
-    """The `--attn_implementation` to load with: `name`, or sdpa where flash_attention_2 cannot run (no CUDA device,
-    or no flash-attn package), with one log line per process. OpenRLHF's and Molt's recipes ask for
-    flash_attention_2; sdpa computes the same attention (and dispatches to flash kernels on GPUs)."""
+def attention_kernel(name: str, dtype: torch.dtype | None = None) -> str:
+    """The `--attn_implementation` to load a model of `dtype` with: `name`, or sdpa where flash_attention_2 cannot run
+    (no CUDA device, no flash-attn package, or a model computing in fp32), with one log line per process. OpenRLHF's
+    and Molt's recipes ask for flash_attention_2; sdpa computes the same attention (and dispatches to flash kernels
+    on GPUs)."""
     if name != "flash_attention_2":
         return name
     import importlib.util
@@ -37,6 +38,12 @@ def attention_kernel(name: str) -> str:
         _say_once(
             "--attn_implementation flash_attention_2 needs the flash-attn package, which is not installed: sdpa "
             "instead (the same attention, with flash kernels on this GPU)"
+        )
+    elif dtype is not None and dtype not in (torch.float16, torch.bfloat16):
+        # transformers only warns, and flash-attn's kernels then refuse the first forward's fp32 inputs
+        _say_once(
+            f"--attn_implementation flash_attention_2 computes in fp16 or bf16 only, and this model computes in "
+            f"{str(dtype).removeprefix('torch.')} (--param_dtype): sdpa instead (the same attention)"
         )
     else:
         return name

@@ -65,7 +65,7 @@ class ScalarModel(nn.Module):
             path,
             config=config,
             dtype=dtype,
-            attn_implementation=attention_kernel(attn_implementation),
+            attn_implementation=attention_kernel(attn_implementation, dtype),
             trust_remote_code=True,
         )
         enable_varlen_attention(model)  # packed rows without an N x N mask (plain sdpa for padded batches)

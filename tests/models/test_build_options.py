@@ -114,8 +114,9 @@ def test_full_determinism_of_the_supervised_clis():
 
 
 def test_flash_attention_2_falls_back_to_sdpa_where_it_cannot_run(monkeypatch, caplog):
-    """OpenRLHF's and Molt's recipes pass flash_attention_2; without a CUDA device, or without the flash-attn package,
-    the model loads with sdpa and one line says so (the GPU case is mocked: torch.cuda.is_available is CUDA-only)."""
+    """OpenRLHF's and Molt's recipes pass flash_attention_2; without a CUDA device, without the flash-attn package, or
+    for an fp32 model, the model loads with sdpa and one line says so (the GPU case is mocked: torch.cuda.is_available
+    is CUDA-only, and flash-attn a CUDA-only package)."""
     import importlib.util
 
     from openppo.models import hf
@@ -136,6 +137,17 @@ def test_flash_attention_2_falls_back_to_sdpa_where_it_cannot_run(monkeypatch, c
             importlib.util, "find_spec", lambda n, *a, s=installed: s if n == "flash_attn" else real(n, *a)
         )
         assert hf.attention_kernel("flash_attention_2") == kernel
+    # installed on a GPU, for a model that computes in half precision only: flash-attn's kernels refuse fp32 inputs
+    # (transformers only warns at load)
+    assert hf.attention_kernel("flash_attention_2", torch.bfloat16) == "flash_attention_2"
+    assert hf.attention_kernel("flash_attention_2", torch.float16) == "flash_attention_2"
+    caplog.clear()
+    with caplog.at_level("WARNING"):
+        assert hf.attention_kernel("flash_attention_2", torch.float32) == "sdpa"
+    assert [r.message for r in caplog.records] == [
+        "--attn_implementation flash_attention_2 computes in fp16 or bf16 only, and this model computes in float32 "
+        "(--param_dtype): sdpa instead (the same attention)"
+    ]
     # a model built with it runs here
     monkeypatch.undo()
     actor = Actor.from_pretrained(str(tiny_model_dir()), dtype=torch.float32, attn_implementation="flash_attention_2")
