@@ -375,3 +375,63 @@ def test_supervised_loop_stops_after_too_many_nonfinite_steps(tmp_path):
     with pytest.raises(UserError, match=r"^sft: 2 optimizer steps in a row \(up to step 2\) had a NaN/Inf loss"):
         trainer.fit()
     assert _same(_weights(trainer.strategy, trainer.engine), before)
+
+
+class _Fp16Engine:
+    """DeepSpeed's fp16 engine with dynamic loss scaling as the guard sees it. A stand-in: DeepSpeed has no fp16 on
+    CPU (--param_dtype fp16 is refused there), so the GPU-only branch of the guard is reached through the five
+    calls it makes of the engine; each step reports whether DeepSpeed applied it."""
+
+    def __init__(self, applied: list[bool]):
+        from deepspeed.runtime.base_optimizer import DeepSpeedOptimizer
+
+        self.optimizer = DeepSpeedOptimizer()  # a wrapper DeepSpeed checks itself: the guard reads no gradient
+        self.applied, self.global_steps, self.device, self.losses = list(applied), 0, torch.device("cpu"), []
+
+    def fp16_enabled(self) -> bool:
+        return True
+
+    def dynamic_loss_scale(self) -> bool:
+        return True
+
+    def backward(self, loss: torch.Tensor, **kwargs) -> None:
+        self.losses.append(float(loss))
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return True
+
+    def step(self) -> None:
+        self.global_steps += 1
+
+    def was_step_applied(self) -> bool:
+        return self.applied[self.global_steps - 1]
+
+
+def test_fp16_loss_scaling_skips_are_not_counted_as_divergence(caplog):
+    """fp16's dynamic loss scale skips the steps whose scaled gradients overflow while it searches for a scale:
+    normal, logged at info, never counted toward --max_nonfinite_steps. A NaN loss under fp16 still counts."""
+    from openppo.strategy.step_guard import StepGuard
+
+    engine = _Fp16Engine([False] * 5 + [True])
+    guard = StepGuard(engine, model="actor", max_consecutive=2)
+    with caplog.at_level(logging.INFO, logger="openppo.strategy.step_guard"):
+        for _ in range(5):  # more overflows in a row than the limit allows
+            guard.backward(torch.tensor(1.0))
+            assert guard.step() is False
+    assert guard.skipped == 5 and guard.consecutive == 0
+    messages = [r.getMessage() for r in caplog.records if r.name == "openppo.strategy.step_guard"]
+    assert messages == [
+        f"actor: optimizer step {s} skipped by fp16 loss scaling (gradient overflow)" for s in range(1, 6)
+    ]
+    guard.backward(torch.tensor(1.0))
+    assert guard.step() is True and guard.consecutive == 0
+
+    nan = _Fp16Engine([False] * 3)
+    guard = StepGuard(nan, model="actor", max_consecutive=2)
+    for _ in range(2):
+        guard.backward(torch.tensor(float("nan")))
+        assert guard.step() is False
+    assert guard.consecutive == 2 and math.isnan(nan.losses[0])
+    guard.backward(torch.tensor(float("nan")))
+    with pytest.raises(UserError, match="3 optimizer steps in a row .* NaN/Inf loss"):
+        guard.step()
