@@ -47,3 +47,27 @@ def test_packed_rows_match_padded_rows(gpu_model_dir, dtype, atol):
     torch.testing.assert_close(packed, padded, atol=atol, rtol=0)
     scale = padded_grad.abs().max()
     torch.testing.assert_close(packed_grad / scale, padded_grad / scale, atol=10 * atol, rtol=0)
+
+
+@pytest.mark.parametrize("dtype,rel", [(torch.bfloat16, 5e-2), (torch.float32, 1e-3)], ids=["bf16", "fp32"])
+def test_reward_model_scores_on_cuda_as_on_cpu(gpu_model_dir, dtype, rel):
+    """The critic's and reward model's `ScalarModel` (whose CUDA runs no other test reaches: `serve_rm` and the
+    reward and critic ranks on GPUs): its last-token scores on CUDA, padded and packed, against the same weights in
+    fp32 on the CPU."""
+    import copy
+
+    from openppo.models.row_layout import RowLayout
+    from openppo.models.scalar import ScalarModel
+
+    torch.manual_seed(0)  # (the value head is new: random, the same in both copies)
+    cpu = ScalarModel.from_pretrained(str(gpu_model_dir), dtype=torch.float32, flag="--reward_pretrain").eval()
+    gpu = copy.deepcopy(cpu).to(device="cuda", dtype=dtype)
+    seqs, attn = _batch(cpu.config.vocab_size)
+    with torch.no_grad():
+        reference = cpu.score_last(seqs.cpu(), attn.cpu())
+        scale = reference.abs().max()
+        for pack in (False, True):
+            gpu.layout = RowLayout(packed=pack)
+            scores = gpu.score_last(seqs, attn)
+            assert scores.dtype == torch.float32 and scores.shape == (6,)
+            torch.testing.assert_close(scores.cpu() / scale, reference / scale, atol=rel, rtol=0)
