@@ -228,3 +228,36 @@ def test_zero2_bf16_update_waits_on_the_gpu_only_at_optimizer_steps(single_rank,
                 chunks.add(out.log_probs)
         assert chunks.result().shape == rows["action_mask"].shape
     assert dict(waits.sites) == {}
+
+
+@pytest.mark.parametrize("zero_stage,offload", [(0, False), (3, False), (3, True)], ids=["zero0", "zero3", "offload"])
+def test_a_frozen_model_under_deepspeed_gives_the_plain_models_log_probs(
+    single_rank, gpu_model_dir, zero_stage, offload
+):
+    """The reference (and teacher, reward) ranks' engines on CUDA, built as `_FrozenWorker` builds them: ZeRO-3
+    shards a frozen model, `--ref_reward_offload` keeps its parameters in pinned host memory and gathers them per
+    layer. Its log-probs are those of the same weights run plainly on the GPU."""
+    from openppo.models.actor import Actor
+    from openppo.strategy.config import DeepSpeedConfig
+    from openppo.strategy.deepspeed_strategy import DeepSpeedStrategy
+
+    strategy = DeepSpeedStrategy(
+        DeepSpeedConfig(zero_stage=zero_stage, param_dtype="bf16", dist_timeout=600),
+        train_batch_size=MICRO,
+        micro_batch_size=MICRO,
+        max_norm=1.0,
+        seed=0,
+    )
+    strategy.setup_distributed()
+    plain = Actor.from_pretrained(str(gpu_model_dir), dtype=torch.bfloat16).cuda().eval()
+    with strategy.zero3_init(for_training=False, offload=offload):
+        frozen = Actor.from_pretrained(str(gpu_model_dir), dtype=torch.bfloat16)
+    engine = strategy.prepare_eval(frozen, offload=offload)
+    rows = _rows(plain.config.vocab_size)
+    seqs, attn = rows["sequences"][:MICRO].cuda(), rows["attention_mask"][:MICRO].cuda()
+    with torch.no_grad():
+        got, want = engine(seqs, attn).log_probs, plain(seqs, attn).log_probs
+    mask = attn[:, 1:].bool()
+    assert got.shape == want.shape and got.isfinite().all()
+    torch.testing.assert_close(got[mask].float(), want[mask].float(), atol=2e-2, rtol=0)
+    assert not any(p.requires_grad for p in engine.module.parameters())
