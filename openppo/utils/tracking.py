@@ -106,11 +106,18 @@ class _StdoutHandler(logging.StreamHandler):
         pass
 
 
+def _not_compiler_chatter(record: logging.LogRecord) -> bool:
+    """Drop distutils' INFO lines: the compiler command lines it logs (through the root logger) when DeepSpeed's op
+    builders probe the system by compiling a test program, two on every rank's start."""
+    return record.levelno >= logging.WARNING or "distutils" not in record.pathname
+
+
 def setup_logging(rank: int | None = None) -> None:
     rank = int(os.environ.get("RANK", "0")) if rank is None else rank
     level = logging.INFO if rank == 0 else logging.WARNING
     prefix = "" if int(os.environ.get("WORLD_SIZE", "1")) == 1 else f"[rank{rank}] "
     handler = _StdoutHandler()
+    handler.addFilter(_not_compiler_chatter)
     handler.setFormatter(
         logging.Formatter(f"%(asctime)s {prefix}%(levelname).1s %(name)s: %(message)s", datefmt="%H:%M:%S")
     )

@@ -99,3 +99,29 @@ def test_a_wandb_key_wandb_does_not_take_is_one_line_naming_the_flag(tmp_path, m
             run_name="r",
             config={},
         )
+
+
+def test_compiler_command_lines_stay_out_of_stdout():
+    """DeepSpeed's op builders probe the system by compiling a test program, and distutils logs each compiler command
+    to the root logger at INFO: two lines on every rank's start, before this filter. Run in a process of its own
+    (setup_logging reconfigures logging), with the real probe; openppo's named loggers, the root logger's own INFO
+    lines (a user's reward function may log so) and root warnings still show."""
+    import subprocess
+    import sys
+
+    code = """
+import logging
+from openppo.utils.tracking import setup_logging
+setup_logging(0)
+from deepspeed.ops.op_builder import AsyncIOBuilder
+AsyncIOBuilder().is_compatible()
+logging.info("a user's line")
+logging.getLogger("openppo.probe").info("a line of ours")
+logging.warning("a root warning")
+"""
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120).stdout
+    lines = out.splitlines()
+    assert any(line.endswith("I openppo.probe: a line of ours") for line in lines), out
+    assert any(line.endswith("W root: a root warning") for line in lines), out
+    assert any(line.endswith("I root: a user's line") for line in lines), out
+    assert not any("-laio" in line or "test.c" in line for line in lines), out
